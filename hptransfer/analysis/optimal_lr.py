@@ -1,0 +1,503 @@
+"""Optimal learning rate per shape: a quadratic in log2(lr) around the best grid point.
+
+Everything is computed for all shapes at once on padded (shape x LR) matrices, so the cost
+grows with the number of trials through a few numpy passes, not a Python loop per trial.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import NotEnoughData
+from .serialize import frame_records, json_safe
+from .stats import percentile_ci
+from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
+
+SHAPE_KEYS: tuple[str, ...] = ("arm", "width", "depth", "sigma_base")
+POINT_COLUMNS: tuple[str, ...] = ("flops", "tokens", "params_non_embedding", "params_embedding")
+# Resampled loss values held in memory at once during the bootstrap (bounds peak memory).
+_BOOT_CHUNK_VALUES = 4_000_000
+
+
+@dataclass
+class OptimalLRResult:
+    """η* per shape. `shapes` has one row per shape, `curves` one row per shape x LR."""
+
+    shapes: pd.DataFrame
+    curves: pd.DataFrame
+    keys: tuple[str, ...]
+    reason: NotEnoughData | None = None
+    warnings: list[str] = field(default_factory=list)
+    bootstrap: int = 0
+    ci_level: float = 0.95
+
+    @property
+    def reliable(self) -> bool:
+        return self.reason is None and bool(self.shapes["reliable"].all())
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.shapes.copy()
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "analysis": "optimal_lr",
+                "keys": list(self.keys),
+                "reliable": self.reliable,
+                "reason": self.reason,
+                "warnings": self.warnings,
+                "bootstrap": self.bootstrap,
+                "ci_level": self.ci_level,
+                "shapes": frame_records(self.shapes),
+            }
+        )
+
+    def best_points(self) -> pd.DataFrame:
+        """Per (arm, width, depth, extra keys): the shape row with the lowest observed loss.
+
+        This is "each shape at its best LR" (and best sigma_base) used by the compute fits.
+        """
+        point_keys = [k for k in self.keys if k != "sigma_base"]
+        rows = self.shapes[np.isfinite(self.shapes["best_loss"].to_numpy(dtype=float))]
+        rows = rows.sort_values("best_loss", kind="stable")
+        return rows.drop_duplicates(subset=point_keys).sort_values(point_keys).reset_index(
+            drop=True
+        )
+
+
+@dataclass
+class _ParabolaFits:
+    """Quadratic fits y = yb + c0 + c1*dx + c2*dx^2 with dx = x - x_best, one per row."""
+
+    best: np.ndarray
+    has_data: np.ndarray
+    fit_ok: np.ndarray
+    n_fit: np.ndarray
+    window: np.ndarray
+    x_best: np.ndarray
+    y_best: np.ndarray
+    coef: np.ndarray
+    log2_opt: np.ndarray
+    loss_opt: np.ndarray
+    concave: np.ndarray
+    clamped: np.ndarray
+    residuals: np.ndarray
+
+
+def _fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> _ParabolaFits:
+    """Fit every row of (x, y) at once; x is sorted per row, NaN y marks a missing point."""
+    valid = np.isfinite(y)
+    has_data = valid.any(axis=1)
+    best = np.argmin(np.where(valid, y, np.inf), axis=1)
+    rows = np.arange(len(y))
+    # Neighbours are counted among LRs that have a loss, so a diverged LR in between is skipped.
+    rank = np.cumsum(valid, axis=1) - 1
+    window = valid & (np.abs(rank - rank[rows, best][:, None]) <= neighbours)
+    n_fit = window.sum(axis=1)
+    x_best, y_best = x[rows, best], y[rows, best]
+    # Centring on the best point keeps the 3x3 normal equations well conditioned.
+    dx = np.where(window, x - x_best[:, None], 0.0)
+    dy = np.where(window, y - y_best[:, None], 0.0)
+    w = window.astype(float)
+    s = [np.sum(w * dx**k, axis=1) for k in range(5)]
+    t = [np.sum(w * dx**k * dy, axis=1) for k in range(3)]
+    normal = np.stack(
+        [np.stack([s[0], s[1], s[2]], -1), np.stack([s[1], s[2], s[3]], -1),
+         np.stack([s[2], s[3], s[4]], -1)],
+        axis=1,
+    )
+    rhs = np.stack(t, axis=-1)
+    fit_ok = has_data & (n_fit >= 3)
+    normal[~fit_ok] = np.eye(3)
+    rhs[~fit_ok] = 0.0
+    coef = np.linalg.solve(normal, rhs[..., None])[..., 0]
+    c0, c1, c2 = coef[:, 0], coef[:, 1], coef[:, 2]
+
+    concave = fit_ok & ~(c2 > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vertex = np.where(concave | ~fit_ok, 0.0, -c1 / (2.0 * c2))
+    lo = np.where(window, dx, np.inf).min(axis=1)
+    hi = np.where(window, dx, -np.inf).max(axis=1)
+    # A vertex outside the fitted points is an extrapolation: keep it inside and flag it.
+    clamped = fit_ok & ~concave & ((vertex < lo - 1e-12) | (vertex > hi + 1e-12))
+    vertex = np.where(clamped, np.clip(vertex, lo, hi), vertex)
+    log2_opt = np.where(fit_ok, x_best + vertex, np.nan)
+    loss_opt = np.where(fit_ok, y_best + c0 + c1 * vertex + c2 * vertex**2, np.nan)
+    fitted = c0[:, None] + c1[:, None] * dx + c2[:, None] * dx**2
+    residuals = np.where(window & fit_ok[:, None], dy - fitted, np.nan)
+    return _ParabolaFits(
+        best=best,
+        has_data=has_data,
+        fit_ok=fit_ok,
+        n_fit=n_fit,
+        window=window,
+        x_best=x_best,
+        y_best=y_best,
+        coef=coef,
+        log2_opt=log2_opt,
+        loss_opt=loss_opt,
+        concave=concave,
+        clamped=clamped,
+        residuals=residuals,
+    )
+
+
+def fit_lr_parabola(
+    lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, neighbours: int = 2
+) -> dict[str, Any]:
+    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients."""
+    x = np.log2(np.asarray(lrs, dtype=float))
+    y = np.asarray(losses, dtype=float)
+    order = np.argsort(x)
+    fits = _fit_parabolas(x[order][None, :], y[order][None, :], neighbours)
+    return {
+        "lr_opt": float(2.0 ** fits.log2_opt[0]),
+        "log2_lr_opt": float(fits.log2_opt[0]),
+        "loss_opt": float(fits.loss_opt[0]),
+        "best_lr": float(2.0 ** fits.x_best[0]) if fits.has_data[0] else float("nan"),
+        "fit_ok": bool(fits.fit_ok[0]),
+        "concave": bool(fits.concave[0]),
+        "clamped": bool(fits.clamped[0]),
+        "n_fit_points": int(fits.n_fit[0]),
+        "curvature": float(fits.coef[0, 2]),
+    }
+
+
+@dataclass
+class _Cells:
+    """Trials collapsed to (shape, LR) cells, sorted by shape then LR."""
+
+    key_frame: pd.DataFrame
+    cell_sid: np.ndarray
+    cell_col: np.ndarray
+    lr: np.ndarray
+    log2_lr: np.ndarray
+    n_ok: np.ndarray
+    n_div: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    point_means: dict[str, np.ndarray]
+    seed_losses: np.ndarray
+    ok_ids_by_cell: tuple[np.ndarray, np.ndarray, np.ndarray]
+    ok_ids_by_shape: list[np.ndarray]
+    n_shapes: int
+    n_cols: int
+
+
+def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:
+    grouped = frame.groupby(list(keys), sort=True, dropna=False)
+    sid = grouped.ngroup().to_numpy()
+    key_frame = grouped.size().index.to_frame(index=False)
+    n_shapes = len(key_frame)
+
+    # Round log2(lr) so float noise in stored LRs does not split one grid point into two.
+    log2_lr = np.round(np.log2(frame["lr"].to_numpy(dtype=float)), 6)
+    outcome = frame["outcome"].to_numpy()
+    order = np.lexsort((outcome, log2_lr, sid))  # OK rows first inside each cell
+    sid_s, x_s, out_s = sid[order], log2_lr[order], outcome[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (sid_s[1:] != sid_s[:-1]) | (x_s[1:] != x_s[:-1])
+    start = np.flatnonzero(new)
+    cell = np.cumsum(new) - 1
+    n_cells = len(start)
+
+    ok = out_s == OK
+    loss = np.where(ok, frame["final_val_loss"].to_numpy(dtype=float)[order], 0.0)
+    n_ok = np.bincount(cell, weights=ok, minlength=n_cells).astype(int)
+    n_div = np.bincount(cell, weights=out_s == DIVERGED, minlength=n_cells).astype(int)
+    sums = np.bincount(cell, weights=loss, minlength=n_cells)
+    sq = np.bincount(cell, weights=loss**2, minlength=n_cells)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.where(n_ok > 0, sums / n_ok, np.nan)
+        var = np.where(n_ok > 1, (sq - n_ok * mean**2) / (n_ok - 1), np.nan)
+    std = np.sqrt(np.clip(var, 0.0, None))
+
+    point_means: dict[str, np.ndarray] = {}
+    for col in POINT_COLUMNS:
+        v = frame[col].to_numpy(dtype=float)[order]
+        good = ok & np.isfinite(v)
+        cnt = np.bincount(cell, weights=good, minlength=n_cells)
+        tot = np.bincount(cell, weights=np.where(good, v, 0.0), minlength=n_cells)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            point_means[col] = np.where(cnt > 0, tot / cnt, np.nan)
+
+    # Per-cell seed losses, padded, for resampling seeds in the bootstrap.
+    pos = np.arange(len(order)) - start[cell]
+    width = max(int(n_ok.max()), 1)
+    seed_losses = np.zeros((n_cells, width))
+    seed_losses[cell[ok], pos[ok]] = loss[ok]
+
+    cell_sid = sid_s[start]
+    first = np.flatnonzero(np.r_[True, cell_sid[1:] != cell_sid[:-1]])
+    cell_col = np.arange(n_cells) - first[cell_sid]
+    ids = frame["trial_id"].to_numpy(dtype=object)[order]
+    # OK rows of one shape are contiguous after the sort: split them into per-shape id lists.
+    ok_ids = np.split(ids[ok], np.cumsum(np.bincount(sid_s[ok], minlength=n_shapes))[:-1])
+    return _Cells(
+        key_frame=key_frame,
+        cell_sid=cell_sid,
+        cell_col=cell_col,
+        lr=frame["lr"].to_numpy(dtype=float)[order][start],
+        log2_lr=x_s[start],
+        n_ok=n_ok,
+        n_div=n_div,
+        mean=mean,
+        std=std,
+        point_means=point_means,
+        seed_losses=seed_losses,
+        ok_ids_by_cell=(ids, start, n_ok),
+        ok_ids_by_shape=ok_ids,
+        n_shapes=n_shapes,
+        n_cols=int(cell_col.max()) + 1,
+    )
+
+
+def _matrix(cells: _Cells, values: np.ndarray, fill: float = np.nan) -> np.ndarray:
+    out = np.full((cells.n_shapes, cells.n_cols), fill, dtype=float)
+    out[cells.cell_sid, cells.cell_col] = values
+    return out
+
+
+def _bootstrap_log2_opt(
+    cells: _Cells, x: np.ndarray, n_resamples: int, rng: np.random.Generator, neighbours: int
+) -> np.ndarray:
+    """η* (log2) refitted on seed-resampled mean losses; shape (n_resamples, n_shapes)."""
+    n_cells, width = cells.seed_losses.shape
+    n_ok = cells.n_ok
+    chunk = max(1, _BOOT_CHUNK_VALUES // max(1, n_cells * width))
+    cell_idx = np.arange(n_cells)[None, :, None]
+    in_cell = np.arange(width)[None, :] < n_ok[:, None]
+    out = np.empty((n_resamples, cells.n_shapes))
+    for begin in range(0, n_resamples, chunk):
+        b = min(chunk, n_resamples - begin)
+        # Resample the seeds of each LR independently (same count, with replacement).
+        picks = (rng.random((b, n_cells, width)) * n_ok[None, :, None]).astype(np.intp)
+        draws = np.where(in_cell[None], cells.seed_losses[cell_idx, picks], 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            means = np.where(n_ok > 0, draws.sum(axis=2) / n_ok, np.nan)
+        y = np.full((b, cells.n_shapes, cells.n_cols), np.nan)
+        y[:, cells.cell_sid, cells.cell_col] = means
+        fits = _fit_parabolas(
+            np.tile(x, (b, 1)), y.reshape(b * cells.n_shapes, cells.n_cols), neighbours
+        )
+        out[begin : begin + b] = fits.log2_opt.reshape(b, cells.n_shapes)
+    return out
+
+
+def _label(row: dict[str, Any]) -> str:
+    parts = [f"{k}={row[k]}" for k in row]
+    return ", ".join(parts)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _empty_result(
+    keys: tuple[str, ...], reason: NotEnoughData, warnings: list[str], bootstrap: int, ci: float
+) -> OptimalLRResult:
+    shapes = pd.DataFrame(columns=[*keys, *_SHAPE_COLUMNS])
+    curves = pd.DataFrame(columns=[*keys, *_CURVE_COLUMNS])
+    shapes["reliable"] = shapes["reliable"].astype(bool)
+    shapes["best_loss"] = shapes["best_loss"].astype(float)
+    return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
+
+
+_SHAPE_COLUMNS = (
+    "n_lrs", "n_completed", "n_diverged", "n_seeds", "best_lr", "best_loss", "lr_opt",
+    "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "loss_at_opt",
+    "curvature", "n_fit_points", "edge", "clamped", "concave", "reliable", "reason", "warnings",
+    "fit_lrs", "residuals", *POINT_COLUMNS, "best_trial_ids", "trial_ids",
+)
+_CURVE_COLUMNS = (
+    "lr", "log2_lr", "mean_loss", "std_loss", "n_completed", "n_diverged", "in_fit", "residual",
+)
+
+
+def optimal_lr(
+    data: pd.DataFrame | Trials,
+    *,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    extra_keys: Sequence[str] = (),
+    neighbours: int = 2,
+) -> OptimalLRResult:
+    """η* for every shape (arm x width x depth x sigma_base, plus `extra_keys`).
+
+    Loss is averaged over seeds per LR (diverged runs excluded but counted), the best LR is
+    taken, and a quadratic in log2(lr) is fitted on it and up to `neighbours` LRs each side.
+    The CI resamples seeds within each LR `bootstrap` times and refits.
+    """
+    keys = (*SHAPE_KEYS, *extra_keys)
+    trials = data if isinstance(data, Trials) else prepare_trials(data, (*CORE_COLUMNS, *keys))
+    warnings = list(trials.warnings)
+    frame = trials.frame[trials.frame["outcome"].to_numpy() != IGNORED]
+    what = "the optimal LR"
+    if trials.frame.empty:
+        return _empty_result(keys, NotEnoughData(what, "there are no trials"), warnings,
+                             bootstrap, ci)
+    if frame.empty:
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(trials.status_counts.items()))
+        because = f"no trial has finished as completed or diverged ({counts})"
+        return _empty_result(keys, NotEnoughData(what, because), warnings, bootstrap, ci)
+    if not (frame["outcome"].to_numpy() == OK).any():
+        because = f"all {len(frame)} finished trials diverged"
+        return _empty_result(keys, NotEnoughData(what, because), warnings, bootstrap, ci)
+
+    cells = _build_cells(frame, keys)
+    x = _matrix(cells, cells.log2_lr)
+    fits = _fit_parabolas(x, _matrix(cells, cells.mean), neighbours)
+    n_ok_m = _matrix(cells, cells.n_ok, 0.0)
+    n_div_m = _matrix(cells, cells.n_div, 0.0)
+    rows = np.arange(cells.n_shapes)
+    n_lrs = np.isfinite(x).sum(axis=1)
+    n_seeds = n_ok_m.max(axis=1).astype(int)
+    n_with_loss = (n_ok_m > 0).sum(axis=1)
+
+    log2_ci = np.full((2, cells.n_shapes), np.nan)
+    boot_failed = np.zeros(cells.n_shapes)
+    if bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        samples = _bootstrap_log2_opt(cells, x, bootstrap, rng, neighbours)
+        log2_ci = percentile_ci(samples, ci, axis=0)
+        boot_failed = np.mean(~np.isfinite(samples), axis=0)
+        no_ci = ~fits.fit_ok | (n_seeds < 2)
+        log2_ci[:, no_ci] = np.nan
+
+    x_min = np.nanmin(x, axis=1)
+    x_max = np.nanmax(x, axis=1)
+    edge = np.where(
+        ~fits.has_data | (n_lrs < 2),
+        None,
+        np.where(fits.x_best <= x_min, "low", np.where(fits.x_best >= x_max, "high", None)),
+    )
+    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & (edge == None)  # noqa: E711
+    best_lr = _matrix(cells, cells.lr)[rows, fits.best]
+    best_cell = np.flatnonzero(cells.cell_col == 0)[rows] + fits.best
+    # Divergence right above the best LR means η* sits near the stability limit.
+    next_col = np.minimum(fits.best + 1, cells.n_cols - 1)
+    has_next = (fits.best + 1 < cells.n_cols) & np.isfinite(x[rows, next_col])
+    div_next = np.where(has_next, n_div_m[rows, next_col], 0)
+    tot_next = np.where(has_next, n_div_m[rows, next_col] + n_ok_m[rows, next_col], 0)
+
+    ids, start, n_ok = cells.ok_ids_by_cell
+    key_records = cells.key_frame.to_dict("records")
+    reasons: list[str | None] = []
+    shape_warnings: list[list[str]] = []
+    fit_lrs: list[list[float]] = []
+    residuals: list[list[float]] = []
+    best_ids: list[list[str]] = []
+    lr_m = _matrix(cells, cells.lr)
+    for s in range(cells.n_shapes):
+        label = _label(key_records[s])
+        notes: list[str] = []
+        reason = None
+        if not fits.has_data[s]:
+            reason = NotEnoughData(
+                f"the optimal LR of {label}",
+                f"all {int(n_div_m[s].sum())} trials of this shape diverged",
+            ).message
+        elif not fits.fit_ok[s]:
+            k = int(n_with_loss[s])
+            reason = NotEnoughData(
+                f"the optimal LR of {label}",
+                f"only {k} LR(s) have a completed run (the quadratic fit needs at least 3)",
+            ).message
+        if edge[s] == "low":
+            notes.append(
+                f"best LR is the lowest tested: extend the LR grid below {_fmt(best_lr[s])}"
+            )
+        elif edge[s] == "high":
+            notes.append(
+                f"best LR is the highest tested: extend the LR grid above {_fmt(best_lr[s])}"
+            )
+        if fits.concave[s]:
+            notes.append("loss is not convex around the best LR (the parabola opens downward); "
+                         "η* set to the best grid LR")
+        if fits.clamped[s]:
+            notes.append("the parabola's vertex lies outside the fitted LRs; η* clamped to "
+                         f"{_fmt(2.0 ** fits.log2_opt[s])}")
+        if n_div_m[s, fits.best[s]] > 0:
+            notes.append(f"the best LR diverged in {int(n_div_m[s, fits.best[s]])} of "
+                         f"{int(n_div_m[s, fits.best[s]] + n_ok_m[s, fits.best[s]])} runs; its "
+                         "mean loss covers the survivors only")
+        if div_next[s] > 0 and fits.has_data[s]:
+            notes.append(f"the next LR above the best diverged in {int(div_next[s])} of "
+                         f"{int(tot_next[s])} runs: η* is close to the stability limit")
+        if bootstrap > 0 and fits.fit_ok[s] and n_seeds[s] < 2:
+            notes.append("one seed per LR: no bootstrap CI")
+        elif bootstrap > 0 and boot_failed[s] > 0.1:
+            notes.append(f"{boot_failed[s]:.0%} of bootstrap refits failed; CI is optimistic")
+        reasons.append(reason)
+        shape_warnings.append(notes)
+        win = fits.window[s] & fits.fit_ok[s]
+        fit_lrs.append(lr_m[s, win].tolist())
+        residuals.append(fits.residuals[s, win].tolist())
+        c = best_cell[s]
+        best_ids.append(ids[start[c] : start[c] + n_ok[c]].tolist() if fits.has_data[s] else [])
+
+    shapes = cells.key_frame.copy()
+    for k in ("width", "depth"):
+        if k in shapes and np.all(np.mod(shapes[k].to_numpy(dtype=float), 1) == 0):
+            shapes[k] = shapes[k].astype(int)
+    has = fits.has_data
+    shapes["n_lrs"] = n_lrs
+    shapes["n_completed"] = n_ok_m.sum(axis=1).astype(int)
+    shapes["n_diverged"] = n_div_m.sum(axis=1).astype(int)
+    shapes["n_seeds"] = n_seeds
+    shapes["best_lr"] = np.where(has, best_lr, np.nan)
+    shapes["best_loss"] = np.where(has, fits.y_best, np.nan)
+    shapes["lr_opt"] = 2.0**fits.log2_opt
+    shapes["log2_lr_opt"] = fits.log2_opt
+    shapes["lr_ci_low"] = 2.0 ** log2_ci[0]
+    shapes["lr_ci_high"] = 2.0 ** log2_ci[1]
+    shapes["log2_ci_low"] = log2_ci[0]
+    shapes["log2_ci_high"] = log2_ci[1]
+    shapes["loss_at_opt"] = fits.loss_opt
+    shapes["curvature"] = np.where(fits.fit_ok, fits.coef[:, 2], np.nan)
+    shapes["n_fit_points"] = np.where(fits.fit_ok, fits.n_fit, 0)
+    shapes["edge"] = pd.Series(edge, dtype=object)
+    shapes["clamped"] = fits.clamped
+    shapes["concave"] = fits.concave
+    shapes["reliable"] = reliable
+    shapes["reason"] = pd.Series(reasons, dtype=object)
+    shapes["warnings"] = pd.Series(shape_warnings, dtype=object)
+    shapes["fit_lrs"] = pd.Series(fit_lrs, dtype=object)
+    shapes["residuals"] = pd.Series(residuals, dtype=object)
+    for col in POINT_COLUMNS:
+        shapes[col] = np.where(has, cells.point_means[col][best_cell], np.nan)
+    shapes["best_trial_ids"] = pd.Series(best_ids, dtype=object)
+    shapes["trial_ids"] = pd.Series([a.tolist() for a in cells.ok_ids_by_shape], dtype=object)
+
+    curves = cells.key_frame.iloc[cells.cell_sid].reset_index(drop=True)
+    curves["lr"] = cells.lr
+    curves["log2_lr"] = cells.log2_lr
+    curves["mean_loss"] = cells.mean
+    curves["std_loss"] = cells.std
+    curves["n_completed"] = cells.n_ok
+    curves["n_diverged"] = cells.n_div
+    curves["in_fit"] = (fits.window & fits.fit_ok[:, None])[cells.cell_sid, cells.cell_col]
+    curves["residual"] = fits.residuals[cells.cell_sid, cells.cell_col]
+
+    reason = None
+    if not fits.fit_ok.any():
+        reason = NotEnoughData(
+            what,
+            "no shape has at least 3 LRs with a completed run "
+            f"(most LRs with a completed run in one shape: {int(n_with_loss.max())})",
+        )
+    n_edge = int((edge != None).sum())  # noqa: E711
+    if n_edge:
+        warnings.append(f"{n_edge} of {cells.n_shapes} shapes have their best LR at the edge of "
+                        "the LR grid")
+    n_bad = int((fits.fit_ok & ~reliable).sum())
+    if n_bad:
+        warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped or concave)")
+    return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
+

@@ -1,0 +1,131 @@
+"""Pre-tokenized .bin shards: nanoGPT raw uint16 and modded-nanogpt (1 KiB int32 header).
+
+Shards are memory-mapped, never read whole. Their content hash covers, for each shard in order,
+its file name (not directory, so moving the data keeps the hash), size, detected format and the
+first and last HASH_EDGE_BYTES bytes, plus the vocab size: cheap for 100s of GiB, and it changes
+on any re-tokenization, truncation or header edit. A change confined to the middle of a shard
+larger than 2 MiB is not detected by it.
+"""
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+
+MODDED_MAGIC = 20240520
+MODDED_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+HASH_EDGE_BYTES = 1 << 20
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    format: str  # "nanogpt" | "modded"
+    offset: int  # byte offset of the first token
+    n_tokens: int
+
+    def tokens(self) -> np.memmap:
+        return np.memmap(
+            self.path, dtype=TOKEN_DTYPE, mode="r", offset=self.offset, shape=(self.n_tokens,)
+        )
+
+
+def _has_glob(source: str) -> bool:
+    return any(ch in source for ch in "*?[")
+
+
+def resolve_shard_paths(source: str) -> list[Path]:
+    """A .bin file, every .bin file in a directory, or every file a glob matches; sorted."""
+    expanded = os.path.expanduser(source)
+    if _has_glob(source) and not os.path.exists(expanded):
+        matches = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"glob {source!r} matched no files; check the pattern and directory")
+        return [Path(p) for p in matches]
+    path = Path(expanded)
+    if not path.exists():
+        raise DataError(
+            f"data source {source!r} does not exist; use 'stdlib' for the embedded corpus or a "
+            "path to a .bin file, a directory of .bin shards, or a glob"
+        )
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix == ".bin" and p.is_file())
+        if not files:
+            raise DataError(f"directory {path} contains no .bin shards")
+        return files
+    return [path]
+
+
+def inspect_shard(path: Path, shard_format: str) -> Shard:
+    """Validate one shard's layout (header, size) without reading its tokens."""
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"shard {path} is empty (0 bytes)")
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    first = int.from_bytes(head[:4], "little", signed=True) if len(head) >= 4 else None
+    has_magic = first == MODDED_MAGIC
+    fmt = shard_format if shard_format != "auto" else ("modded" if has_magic else "nanogpt")
+    if fmt == "modded":
+        return _modded_shard(path, size, head, first)
+    if size % 2:
+        raise DataError(
+            f"raw nanoGPT shard {path} has an odd byte count ({size}); uint16 tokens need an even "
+            "size, so it is truncated or not a token file"
+        )
+    return Shard(path=path, format="nanogpt", offset=0, n_tokens=size // 2)
+
+
+def _modded_shard(path: Path, size: int, head: bytes, first: int | None) -> Shard:
+    if first != MODDED_MAGIC:
+        raise DataError(
+            f"shard {path} has no modded-nanogpt header (first int32 is {first}, expected "
+            f"{MODDED_MAGIC}); use shard_format='nanogpt' or 'auto' for raw uint16 shards"
+        )
+    if len(head) < HEADER_BYTES:
+        raise DataError(
+            f"shard {path} has the modded-nanogpt magic but is only {size} bytes, shorter than "
+            f"the {HEADER_BYTES}-byte header; the file is truncated"
+        )
+    header = np.frombuffer(head, dtype="<i4")
+    version, n_tokens = int(header[1]), int(header[2])
+    if version != MODDED_VERSION:
+        raise DataError(
+            f"shard {path} has modded-nanogpt header version {version}; only version "
+            f"{MODDED_VERSION} is supported"
+        )
+    expected = HEADER_BYTES + 2 * n_tokens
+    if n_tokens < 0 or size != expected:
+        raise DataError(
+            f"shard {path}: header says {n_tokens} tokens ({expected} bytes with header) but the "
+            f"file has {size} bytes; the shard is truncated or corrupt"
+        )
+    if n_tokens == 0:
+        raise DataError(f"shard {path} is empty (header says 0 tokens)")
+    return Shard(path=path, format="modded", offset=HEADER_BYTES, n_tokens=n_tokens)
+
+
+def open_shards(source: str, shard_format: str) -> list[Shard]:
+    return [inspect_shard(p, shard_format) for p in resolve_shard_paths(source)]
+
+
+def shards_hash(shards: list[Shard], vocab_size: int) -> str:
+    """See the module docstring for what is (and is not) covered."""
+    h = hashlib.sha256(b"hptransfer-shards-v1\0")
+    for shard in shards:
+        size = shard.path.stat().st_size
+        h.update(f"{shard.path.name}\0{size}\0{shard.format}\0".encode())
+        with open(shard.path, "rb") as f:
+            h.update(f.read(HASH_EDGE_BYTES))
+            f.seek(max(0, size - HASH_EDGE_BYTES))
+            h.update(f.read(HASH_EDGE_BYTES))
+    h.update(f"vocab_size={vocab_size}".encode())
+    return h.hexdigest()

@@ -1,0 +1,86 @@
+"""Model configuration: the model fields of a trial spec, validated once here."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ARCHES = ("gpt", "ngpt")
+ACTIVATIONS = ("relu2", "gelu")
+POSITIONS = ("rope", "alibi")
+
+
+class ModelConfigError(ValueError):
+    """A model field has a value the model cannot be built with."""
+
+
+@dataclass(frozen=True)
+class ForwardMultipliers:
+    """Plain numbers the forward pass multiplies by; computed by the parameterization."""
+
+    residual: float = 1.0  # branch multiplier: x + residual * F(LN x)
+    logits: float = 1.0  # unembedding forward multiplier (1/m_N under muP)
+    attn_scale: float | None = None  # softmax scale; None means 1/sqrt(d_head)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "gpt"
+    width: int = 256
+    depth: int = 2
+    head_dim: int = 64
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    mlp_ratio: int = 4
+    activation: str = "relu2"
+    position: str = "rope"
+    bias: bool = False
+    # modded-nanogpt x0 mixing: k extra RMS-normed input embeddings mixed before every block
+    x0_mixing: bool = False
+    extra_embeddings: int = 0
+    # value embeddings: k tables, table j feeds the values of block j and block L-1-j
+    value_embeddings: int = 0
+    rope_base: float = 10000.0
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.arch not in ARCHES:
+            problems.append(f"arch must be one of {ARCHES}, got {self.arch!r}")
+        for name in ("width", "depth", "head_dim", "vocab_size", "max_seq_len", "mlp_ratio"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim > 0 and self.width % self.head_dim:
+            problems.append(
+                f"width {self.width} is not divisible by head_dim {self.head_dim}; "
+                f"use a multiple of {self.head_dim}"
+            )
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.position not in POSITIONS:
+            problems.append(f"position must be one of {POSITIONS}, got {self.position!r}")
+        if self.extra_embeddings < 0 or self.value_embeddings < 0:
+            problems.append("extra_embeddings and value_embeddings must be >= 0")
+        if self.extra_embeddings > 0 and not self.x0_mixing:
+            problems.append("extra_embeddings > 0 needs x0_mixing: true (they are mixed by it)")
+        if self.value_embeddings > self.depth:
+            problems.append(
+                f"value_embeddings ({self.value_embeddings}) cannot exceed depth ({self.depth})"
+            )
+        if self.arch == "ngpt":
+            if self.x0_mixing or self.extra_embeddings or self.value_embeddings:
+                problems.append("x0 mixing and value embeddings are gpt options, not ngpt ones")
+            if self.position != "rope":
+                problems.append("ngpt supports position 'rope' only")
+            if self.bias:
+                problems.append("ngpt has no biases (bias must be false)")
+        if problems:
+            raise ModelConfigError("; ".join(problems))
+
+    @property
+    def n_heads(self) -> int:
+        return self.width // self.head_dim
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d

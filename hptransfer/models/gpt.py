@@ -1,0 +1,130 @@
+"""Pre-LN decoder-only GPT with optional modded-nanogpt x0 mixing and value embeddings.
+
+Parameter names are part of the contract with `parameterization.py`, which claims every
+parameter by name; a new layer without a rule fails fast there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ForwardMultipliers, ModelConfig
+from .layers import Rotary, alibi_bias
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, mult: ForwardMultipliers, uses_value_embed: bool):
+        super().__init__()
+        n = cfg.width
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.q = nn.Linear(n, n, bias=cfg.bias)
+        self.k = nn.Linear(n, n, bias=cfg.bias)
+        self.v = nn.Linear(n, n, bias=cfg.bias)
+        self.proj = nn.Linear(n, n, bias=cfg.bias)
+        self.scale = mult.attn_scale if mult.attn_scale is not None else cfg.head_dim**-0.5
+        self.position = cfg.position
+        if uses_value_embed:
+            # v = lambda0 * v + lambda1 * ve; init (1, 0) so the block starts as plain GPT
+            self.ve_lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))
+        else:
+            self.ve_lambdas = None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, n = x.shape
+        v = self.v(x)
+        if self.ve_lambdas is not None and ve is not None:
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve
+        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(v)
+        if self.position == "rope":
+            q, k = rotary(q), rotary(k)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            bias = alibi_bias(self.n_heads, t, x.device, q.dtype)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(b, t, n))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.width
+        self.up = nn.Linear(cfg.width, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.width, bias=cfg.bias)
+        self.activation = cfg.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = F.relu(h).square() if self.activation == "relu2" else F.gelu(h)
+        return self.down(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mult: ForwardMultipliers, uses_value_embed: bool):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.width)
+        self.attn = Attention(cfg, mult, uses_value_embed)
+        self.ln_mlp = nn.LayerNorm(cfg.width)
+        self.mlp = MLP(cfg)
+        self.residual = mult.residual
+
+    def forward(self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None):
+        x = x + self.residual * self.attn(self.ln_attn(x), rotary, ve)
+        return x + self.residual * self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, mult: ForwardMultipliers | None = None):
+        super().__init__()
+        mult = mult or ForwardMultipliers()
+        self.cfg, self.mult = cfg, mult
+        n, v = cfg.width, cfg.vocab_size
+        self.embed = nn.Embedding(v, n)
+        self.extra_embeds = nn.ModuleList(nn.Embedding(v, n) for _ in range(cfg.extra_embeddings))
+        self.value_embeds = nn.ModuleList(nn.Embedding(v, n) for _ in range(cfg.value_embeddings))
+        self.ve_layer = self._value_embedding_layout(cfg)
+        self.blocks = nn.ModuleList(
+            Block(cfg, mult, uses_value_embed=i in self.ve_layer) for i in range(cfg.depth)
+        )
+        if cfg.x0_mixing:
+            # per block: [residual, x00, x01..x0k]; init [1, 0, ...] = plain GPT
+            lambdas = torch.zeros(cfg.depth, 2 + cfg.extra_embeddings)
+            lambdas[:, 0] = 1.0
+            self.x0_lambdas = nn.Parameter(lambdas)
+        else:
+            self.x0_lambdas = None
+        self.ln_final = nn.LayerNorm(n)
+        self.unembed = nn.Linear(n, v, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+
+    @staticmethod
+    def _value_embedding_layout(cfg: ModelConfig) -> dict[int, int]:
+        """Block index -> value-embedding table: table j feeds block j and block L-1-j."""
+        layout: dict[int, int] = {}
+        for j in range(cfg.value_embeddings):
+            layout[j] = j
+            layout[cfg.depth - 1 - j] = j
+        return layout
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab)."""
+        n = self.cfg.width
+        x = x00 = self.embed(idx)
+        extras = [F.rms_norm(e(idx), (n,)) for e in self.extra_embeds]
+        ves = [e(idx) for e in self.value_embeds]
+        for i, block in enumerate(self.blocks):
+            if self.x0_lambdas is not None:
+                lam = self.x0_lambdas[i]
+                x = lam[0] * x + lam[1] * x00
+                for j, extra in enumerate(extras):
+                    x = x + lam[2 + j] * extra
+            ve = ves[self.ve_layer[i]] if i in self.ve_layer else None
+            x = block(x, self.rotary, ve)
+        return self.unembed(self.ln_final(x)) * self.mult.logits

@@ -1,0 +1,134 @@
+"""nGPT: the normalized transformer (Loshchilov et al., 2024), as in shared/notes/variants.md.
+
+Hidden state on the unit sphere; every matrix unit-norm along its d_model axis (call
+`normalize_matrices()` before step 0 and after every optimizer step); learned scale vectors
+use the init/scale trick (stored value starts at `scale`, used as stored * init / scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import Rotary
+
+
+def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return F.normalize(x, dim=dim)
+
+
+class ScaleVector(nn.Module):
+    """A learned per-coordinate scale with the init/scale trick (effective value = init)."""
+
+    def __init__(self, size: int, init: float, scale: float):
+        super().__init__()
+        self.init, self.scale = init, scale
+        self.weight = nn.Parameter(torch.full((size,), scale))
+
+    def reset(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(self.scale)
+
+    def forward(self) -> torch.Tensor:
+        return self.weight * (self.init / self.scale)
+
+
+class NormalizedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, base_scale: float):
+        super().__init__()
+        n = cfg.width
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.q = nn.Linear(n, n, bias=False)
+        self.k = nn.Linear(n, n, bias=False)
+        self.v = nn.Linear(n, n, bias=False)
+        self.proj = nn.Linear(n, n, bias=False)
+        self.s_qk = ScaleVector(n, init=1.0, scale=base_scale)
+
+    def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        b, t, n = h.shape
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(h)), heads(self.k(h)), heads(self.v(h))
+        q, k = rotary(q), rotary(k)
+        s_qk = self.s_qk().view(1, self.n_heads, 1, self.head_dim)
+        q = s_qk * unit(q)
+        k = s_qk * unit(k)
+        # q, k are unit-norm per head, so the softmax scale is sqrt(d_head), not its inverse
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=math.sqrt(self.head_dim))
+        return self.proj(y.transpose(1, 2).reshape(b, t, n))
+
+
+class NormalizedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n, hidden = cfg.width, cfg.mlp_ratio * cfg.width
+        self.up_u = nn.Linear(n, hidden, bias=False)
+        self.up_v = nn.Linear(n, hidden, bias=False)
+        self.down = nn.Linear(hidden, n, bias=False)
+        self.s_u = ScaleVector(hidden, init=1.0, scale=1.0)
+        self.s_v = ScaleVector(hidden, init=1.0, scale=1.0)
+        self.sqrt_width = math.sqrt(n)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.s_u() * self.up_u(h)
+        # sqrt(d_model) keeps the SiLU input in its non-linear range for unit-norm h
+        v = self.s_v() * self.up_v(h) * self.sqrt_width
+        return self.down(u * F.silu(v))
+
+
+class NormalizedBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, base_scale: float):
+        super().__init__()
+        self.attn = NormalizedAttention(cfg, base_scale)
+        self.mlp = NormalizedMLP(cfg)
+        self.alpha_attn = ScaleVector(cfg.width, init=0.05, scale=base_scale)
+        self.alpha_mlp = ScaleVector(cfg.width, init=0.05, scale=base_scale)
+
+    def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        h_a = unit(self.attn(h, rotary))
+        h = unit(h + self.alpha_attn() * (h_a - h))
+        h_m = unit(self.mlp(h))
+        return unit(h + self.alpha_mlp() * (h_m - h))
+
+
+class NGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n, v = cfg.width, cfg.vocab_size
+        self.base_scale = 1.0 / math.sqrt(n)
+        self.embed = nn.Embedding(v, n)
+        self.blocks = nn.ModuleList(NormalizedBlock(cfg, self.base_scale) for _ in range(cfg.depth))
+        self.unembed = nn.Linear(n, v, bias=False)
+        self.s_z = ScaleVector(v, init=1.0, scale=self.base_scale)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)  # rows are unit-norm after normalize_matrices()
+        for block in self.blocks:
+            h = block(h, self.rotary)
+        return self.s_z() * self.unembed(h)  # no final norm: h is already on the sphere
+
+    def reset_scales(self) -> None:
+        for m in self.modules():
+            if isinstance(m, ScaleVector):
+                m.reset()
+
+    @torch.no_grad()
+    def normalize_matrices(self) -> None:
+        """Project every matrix back to unit norm along its d_model axis."""
+        # (vocab, d_model) tables and (out, d_model) input projections: normalise rows
+        self.embed.weight.copy_(unit(self.embed.weight, dim=1))
+        self.unembed.weight.copy_(unit(self.unembed.weight, dim=1))
+        for block in self.blocks:
+            for lin in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up_u, block.mlp.up_v):
+                lin.weight.copy_(unit(lin.weight, dim=1))
+            # (d_model, in) output projections: normalise columns
+            for lin in (block.attn.proj, block.mlp.down):
+                lin.weight.copy_(unit(lin.weight, dim=0))

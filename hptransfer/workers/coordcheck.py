@@ -1,0 +1,531 @@
+"""Coordinate check: is a parameterization's activation scale independent of width or depth?
+
+For every size on one axis (width with depth fixed, or depth with width fixed) a model is built
+with the same seed and trained ``steps`` AdamW steps on one fixed batch. At every step
+t = 1..steps (t = 1 is the forward pass at init, before any update) forward hooks record the mean
+|activation| of each module's output, averaged over blocks for per-block modules:
+
+- ``embedding``: output of the input embedding table;
+- ``attn_out``: each block's attention output (the branch, before the residual multiplier);
+- ``mlp_out``: each block's MLP output (the branch, before the residual multiplier);
+- ``final_residual``: the residual stream after the last block (input of ``ln_final`` for gpt,
+  the hidden state fed to the unembedding for ngpt);
+- ``logits``: the model output.
+
+Verdict. For every module and step the log2-log2 slope of mean|act| against size is fitted
+(``np.polyfit``). A slope is the growth exponent per doubling of the size: 0 is flat, 1 means
+the activation doubles whenever width (or depth) doubles. A module fails when, at some step
+>= ``min_step`` (2 by default: after at least one update), ``|slope - expected| > threshold``
+with ``DEFAULT_THRESHOLD = 0.25``, i.e. more than a factor 2^0.25 ~ 1.19 per doubling (about
+2.4x across the five doublings 2 -> 64 of the CompleteP paper's Fig. 7, where SP grows ~40x,
+a slope of ~1.06). Sizes below 4 points or a narrow size range make the fit noisy; 0.25 leaves
+headroom for the few-percent seed noise of small models while SP's slopes are well above it.
+
+Expected slopes and exemptions (not failures, listed in ``verdict.notes``):
+- width axis, step 1: the logits shrink with width under muP and the alpha modes (the 1/m_N
+  output multiplier acts before the unembedding has learned anything);
+- depth axis, alpha = 1 (CompleteP), step 1: the final residual stream falls with depth (the
+  L branches are each scaled by 1/m_L, so their sum shrinks towards the embedding ~1/sqrt(L));
+- arch ngpt, width axis: every representation lives on (or is projected to) the unit sphere in
+  R^N, so a coordinate is ~N^(-1/2) by construction; the expected slope is -0.5, not 0.
+
+Step-1 exemptions only matter when ``min_step`` is 1; with the default the step-1 slopes are
+reported but do not decide the verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hptransfer.models.build import BuiltModel, build_model
+from hptransfer.models.parameterization import optimizer_groups
+
+AXES = ("width", "depth")
+MODULES = ("embedding", "attn_out", "mlp_out", "final_residual", "logits")
+DEFAULT_SIZES = {"width": [64, 128, 256, 512], "depth": [2, 4, 8, 16, 32]}
+DEFAULT_FIXED = {"width": 2, "depth": 256}  # the depth on the width axis, the width on depth
+DEFAULT_THRESHOLD = 0.25  # |log2 growth per doubling| beyond which a module fails
+FALLBACK_VOCAB = 256
+
+
+class CoordCheckError(ValueError):
+    """Invalid coord-check settings (axis, sizes, head_dim)."""
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    reasons: list[str]
+    modules: dict[str, str]  # module -> stable | grows | shrinks | diverged
+    notes: list[str] = field(default_factory=list)
+    threshold: float = DEFAULT_THRESHOLD
+    min_step: int = 2
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "reasons": list(self.reasons),
+            "modules": dict(self.modules),
+            "notes": list(self.notes),
+            "threshold": self.threshold,
+            "min_step": self.min_step,
+        }
+
+
+@dataclass
+class CoordCheckResult:
+    axis: str
+    arch: str
+    parameterization: str
+    alpha: float | None
+    sizes: list[int]
+    fixed: int
+    steps: int
+    lr: float
+    batch_size: int
+    seq_len: int
+    seed: int
+    head_dim: int
+    data_source: str  # "corpus" (hptransfer.data) or "random" (deterministic random tokens)
+    rows: list[dict]  # {size, step, module, mean_abs}
+    slopes: list[dict]  # {module, step, slope}
+    verdict: Verdict
+    losses: list[dict] = field(default_factory=list)  # {size, step, loss}
+    seconds: float = 0.0
+
+    @property
+    def label(self) -> str:
+        fixed = f"depth={self.fixed}" if self.axis == "width" else f"width={self.fixed}"
+        return f"{self.arch} / {self.parameterization} / {self.axis} axis ({fixed})"
+
+    def value(self, size: int, step: int, module: str) -> float:
+        for r in self.rows:
+            if r["size"] == size and r["step"] == step and r["module"] == module:
+                return r["mean_abs"]
+        raise KeyError((size, step, module))
+
+    def slope(self, module: str, step: int) -> float:
+        for s in self.slopes:
+            if s["module"] == module and s["step"] == step:
+                return s["slope"]
+        raise KeyError((module, step))
+
+    def ratio(self, module: str, step: int) -> float:
+        """mean|act| at the largest size over that at the smallest."""
+        return self.value(self.sizes[-1], step, module) / self.value(self.sizes[0], step, module)
+
+    def modules(self) -> list[str]:
+        present = {r["module"] for r in self.rows}
+        return [m for m in MODULES if m in present]
+
+    def to_dict(self) -> dict:
+        return _json_safe(
+            {
+                "axis": self.axis,
+                "arch": self.arch,
+                "parameterization": self.parameterization,
+                "alpha": self.alpha,
+                "sizes": list(self.sizes),
+                "fixed": self.fixed,
+                "steps": self.steps,
+                "lr": self.lr,
+                "batch_size": self.batch_size,
+                "seq_len": self.seq_len,
+                "seed": self.seed,
+                "head_dim": self.head_dim,
+                "data_source": self.data_source,
+                "rows": self.rows,
+                "slopes": self.slopes,
+                "losses": self.losses,
+                "verdict": self.verdict.to_dict(),
+                "seconds": self.seconds,
+            }
+        )
+
+    def format_table(self) -> str:
+        last = self.steps
+        modules = self.modules()
+        lines = [f"coord check: {self.label}, lr={self.lr:g}, data={self.data_source}"]
+        lines.append(f"mean |activation| at step {last}")
+        lines.append(f"{'module':<16}" + "".join(f"{self.axis[0]}={s:<9}" for s in self.sizes))
+        for m in modules:
+            vals = "".join(f"{_fmt(self.value(s, last, m)):<11}" for s in self.sizes)
+            lines.append(f"{m:<16}{vals}")
+        lines.append("")
+        lines.append(f"log2-log2 slope per doubling of {self.axis} (fail: |slope - expected| > "
+                     f"{self.verdict.threshold:g} at steps >= {self.verdict.min_step})")
+        lines.append(f"{'module':<16}" + "".join(f"t={t:<6}" for t in range(1, last + 1))
+                     + "  verdict")
+        for m in modules:
+            vals = "".join(f"{self.slope(m, t):<+8.2f}" for t in range(1, last + 1))
+            lines.append(f"{m:<16}{vals}  {self.verdict.modules.get(m, '?')}")
+        lines.append("")
+        lines.append("PASSED" if self.verdict.passed else "FAILED")
+        lines.extend(f"  - {r}" for r in self.verdict.reasons)
+        lines.extend(f"  note: {n}" for n in self.verdict.notes)
+        return "\n".join(lines)
+
+    def save_plot(self, path: str | Path) -> Path:
+        """PNG: one panel per module, x = size (log2), y = mean|act| (log), a line per step."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+        from matplotlib import cm
+        from matplotlib.colors import Normalize
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        modules = self.modules()
+        fig, axes = plt.subplots(
+            1, len(modules), figsize=(3.2 * len(modules) + 1.0, 3.4), squeeze=False
+        )
+        norm = Normalize(vmin=1, vmax=max(self.steps, 2))
+        cmap = matplotlib.colormaps["viridis"]
+        for ax, m in zip(axes[0], modules, strict=True):
+            for t in range(1, self.steps + 1):
+                ys = [self.value(s, t, m) for s in self.sizes]
+                ax.plot(self.sizes, ys, marker="o", ms=3, lw=1.2, color=cmap(norm(t)))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(self.sizes)
+            ax.set_xticklabels([str(s) for s in self.sizes], fontsize=7)
+            ax.set_xlabel(self.axis)
+            ax.set_title(f"{m} [{self.verdict.modules.get(m, '?')}]", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].set_ylabel("mean |activation|")
+        mappable = cm.ScalarMappable(norm=norm, cmap=cmap)
+        fig.colorbar(mappable, ax=list(axes[0]), label="step", fraction=0.02, pad=0.01)
+        status = "passed" if self.verdict.passed else "failed"
+        fig.suptitle(f"coord check: {self.label}, lr={self.lr:g} ({status})", fontsize=10)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        return path
+
+
+def run_coordcheck(
+    axis: str,
+    arch: str = "gpt",
+    parameterization: str = "completep",
+    alpha: float | None = None,
+    sizes: list[int] | None = None,
+    fixed: int | None = None,
+    steps: int = 10,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    seq_len: int = 64,
+    seed: int = 0,
+    head_dim: int = 64,
+    device: str = "cpu",
+    arch_options: dict | None = None,
+    base_width: int = 256,
+    base_depth: int = 2,
+    *,
+    sigma: float = 0.02,
+    eps: float = 1e-12,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_step: int = 2,
+    data: str = "auto",
+    data_cache_dir: str | None = None,
+) -> CoordCheckResult:
+    """Train every size ``steps`` steps on one fixed batch and judge the activation scaling.
+
+    ``lr`` is eta_base; the parameterization scales it per parameter group. ``fixed`` is the
+    width on the depth axis (default 256) and the depth on the width axis (default 2).
+    ``data``: "auto" uses the embedded corpus when ``hptransfer.data`` loads and falls back to
+    deterministic random tokens otherwise; "corpus" requires the corpus; "random" never loads it.
+    """
+    started = time.perf_counter()
+    if axis not in AXES:
+        raise CoordCheckError(f"axis must be one of {AXES}, got {axis!r}")
+    if steps < 1:
+        raise CoordCheckError(f"steps must be >= 1, got {steps}")
+    if data not in ("auto", "corpus", "random"):
+        raise CoordCheckError(f"data must be 'auto', 'corpus' or 'random', got {data!r}")
+    sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES[axis])})
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise CoordCheckError(f"need at least two positive sizes, got {sizes}")
+    fixed = int(fixed if fixed is not None else DEFAULT_FIXED[axis])
+    widths = sizes if axis == "width" else [fixed]
+    bad = [w for w in widths if w % head_dim]
+    if bad:
+        raise CoordCheckError(
+            f"width(s) {bad} not divisible by head_dim {head_dim}; pass head_dim= a divisor "
+            f"of every width (e.g. {math.gcd(*widths, head_dim)}) or other sizes"
+        )
+
+    x, y, vocab_size, data_source = _fixed_batch(data, batch_size, seq_len, seed, data_cache_dir)
+    x, y = x.to(device), y.to(device)
+    rows: list[dict] = []
+    losses: list[dict] = []
+    label, alpha_used = parameterization, alpha
+    for size in sizes:
+        width, depth = (size, fixed) if axis == "width" else (fixed, size)
+        built = build_model(
+            arch, width, depth, parameterization, alpha,
+            head_dim=head_dim, vocab_size=vocab_size, max_seq_len=max(seq_len, 8),
+            base_width=base_width, base_depth=base_depth, lr=lr, sigma=sigma,
+            weight_decay=0.0, eps=eps, seed=seed, device=device, **(arch_options or {}),
+        )
+        label, alpha_used = built.table.parameterization, built.table.alpha
+        per_step, loss_curve = _train_and_record(built, x, y, steps)
+        for t, means in enumerate(per_step, start=1):
+            for module in MODULES:
+                if module in means:
+                    rows.append(
+                        {"size": size, "step": t, "module": module, "mean_abs": means[module]}
+                    )
+        losses.extend({"size": size, "step": t, "loss": v} for t, v in enumerate(loss_curve, 1))
+        del built
+
+    slopes = _fit_slopes(rows, sizes, steps)
+    kind = _kind(parameterization)
+    verdict = judge(slopes, rows, axis=axis, arch=arch, kind=kind, alpha=alpha_used,
+                    threshold=threshold, min_step=min_step)
+    return CoordCheckResult(
+        axis=axis, arch=arch, parameterization=label, alpha=alpha_used, sizes=sizes,
+        fixed=fixed, steps=steps, lr=lr, batch_size=batch_size, seq_len=seq_len, seed=seed,
+        head_dim=head_dim, data_source=data_source, rows=rows, slopes=slopes, verdict=verdict,
+        losses=losses, seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+_DATASET_CACHE: dict[Any, Any] = {}
+
+
+def _fixed_batch(
+    data: str, batch_size: int, seq_len: int, seed: int, cache_dir: str | None
+) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+    """(x, y, vocab_size, source): the batch reused at every step."""
+    if data != "random":
+        try:
+            from hptransfer.data import DataSpec, load_dataset
+
+            key = cache_dir
+            if key not in _DATASET_CACHE:
+                spec = DataSpec()
+                _DATASET_CACHE[key] = (
+                    load_dataset(spec, cache_dir) if cache_dir else load_dataset(spec)
+                )
+            ds = _DATASET_CACHE[key]
+            x, y = ds.train_batch(0, batch_size, seq_len, seed)
+            return x.long(), y.long(), int(ds.vocab_size), "corpus"
+        except Exception as exc:  # ImportError, DataError, OSError: fall back, say so
+            if data == "corpus":
+                raise CoordCheckError(f"corpus data requested but unavailable: {exc}") from exc
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, FALLBACK_VOCAB, (batch_size, seq_len + 1), generator=g)
+    return tokens[:, :-1].clone(), tokens[:, 1:].clone(), FALLBACK_VOCAB, "random"
+
+
+# ---------------------------------------------------------------------------------------------
+# training with hooks
+
+
+def _mean_abs(t: torch.Tensor) -> float:
+    return float(t.detach().float().abs().mean())
+
+
+class _Recorder:
+    """Forward hooks collecting mean|act| per module (per-block modules: one value per block)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.values: dict[str, list[float]] = {}
+        self.handles: list[Any] = []
+        self.enabled = True
+        self._hook(model.embed, "embedding")
+        for block in model.blocks:
+            self._hook(block.attn, "attn_out")
+            self._hook(block.mlp, "mlp_out")
+        final = model.ln_final if hasattr(model, "ln_final") else model.unembed
+        self.handles.append(final.register_forward_pre_hook(self._pre("final_residual")))
+        self._hook(model, "logits")
+
+    def _hook(self, module: nn.Module, name: str) -> None:
+        def hook(_mod: nn.Module, _inp: Any, out: torch.Tensor) -> None:
+            if self.enabled:
+                self.values.setdefault(name, []).append(_mean_abs(out))
+
+        self.handles.append(module.register_forward_hook(hook))
+
+    def _pre(self, name: str) -> Callable:
+        def hook(_mod: nn.Module, inp: tuple) -> None:
+            if self.enabled:
+                self.values.setdefault(name, []).append(_mean_abs(inp[0]))
+
+        return hook
+
+    def take(self) -> dict[str, float]:
+        out = {k: float(np.mean(v)) for k, v in self.values.items()}
+        self.values = {}
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _train_and_record(
+    built: BuiltModel, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> tuple[list[dict[str, float]], list[float]]:
+    model = built.model
+    model.train()
+    opt = torch.optim.AdamW(optimizer_groups(model, built.table), betas=(0.9, 0.95))
+    recorder = _Recorder(model)
+    per_step: list[dict[str, float]] = []
+    loss_curve: list[float] = []
+    try:
+        for t in range(1, steps + 1):
+            logits = model(x)
+            per_step.append(recorder.take())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss_curve.append(float(loss.detach()))
+            if t == steps:
+                break  # the last recorded forward needs no update after it
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            built.after_step()
+    finally:
+        recorder.remove()
+    return per_step, loss_curve
+
+
+# ---------------------------------------------------------------------------------------------
+# slopes and verdict
+
+
+def _fit_slopes(rows: list[dict], sizes: list[int], steps: int) -> list[dict]:
+    table = {(r["size"], r["step"], r["module"]): r["mean_abs"] for r in rows}
+    modules = [m for m in MODULES if any(r["module"] == m for r in rows)]
+    lx = np.log2(np.asarray(sizes, dtype=float))
+    slopes = []
+    for m in modules:
+        for t in range(1, steps + 1):
+            vals = np.asarray([table[(s, t, m)] for s in sizes], dtype=float)
+            if np.all(np.isfinite(vals)) and np.all(vals > 0):
+                slope = float(np.polyfit(lx, np.log2(vals), 1)[0])
+            else:
+                slope = float("nan")  # diverged (inf/nan) or exactly zero somewhere
+            slopes.append({"module": m, "step": t, "slope": slope})
+    return slopes
+
+
+def _kind(parameterization: str) -> str:
+    if parameterization in ("sp", "mup", "ngpt"):
+        return parameterization
+    return "alpha"
+
+
+def expected_slope(arch: str, axis: str, module: str) -> float:
+    """The slope a correct parameterization shows: 0, except nGPT's unit-sphere coordinates."""
+    if arch == "ngpt" and axis == "width":
+        return -0.5
+    return 0.0
+
+
+def exemption(
+    axis: str, kind: str, alpha: float | None, module: str, step: int
+) -> tuple[str, str] | None:
+    """(allowed direction, why) for a known, expected deviation at init; None otherwise."""
+    if step != 1:
+        return None
+    if axis == "width" and module == "logits" and kind in ("mup", "alpha"):
+        return "shrinks", "output logits shrink with width at init under the 1/m_N multiplier"
+    if axis == "depth" and module == "final_residual" and kind == "alpha" and alpha == 1.0:
+        return "shrinks", "CompleteP's final residual stream falls with depth at init (~1/L)"
+    return None
+
+
+def judge(
+    slopes: Iterable[dict],
+    rows: Iterable[dict] = (),
+    *,
+    axis: str,
+    arch: str,
+    kind: str,
+    alpha: float | None,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_step: int = 2,
+) -> Verdict:
+    slopes = list(slopes)
+    modules = [m for m in MODULES if any(s["module"] == m for s in slopes)]
+    reasons: list[str] = []
+    notes: list[str] = []
+    verdicts: dict[str, str] = {}
+    for m in modules:
+        exp = expected_slope(arch, axis, m)
+        if exp:
+            notes.append(f"{m}: expected slope {exp:+.2f} ({arch} on the {axis} axis)")
+        diverged = [s["step"] for s in slopes if s["module"] == m and not math.isfinite(s["slope"])]
+        bad: list[dict] = []
+        for s in slopes:
+            if s["module"] != m or not math.isfinite(s["slope"]):
+                continue
+            dev = s["slope"] - exp
+            if abs(dev) <= threshold:
+                continue
+            direction = "grows" if dev > 0 else "shrinks"
+            ex = exemption(axis, kind, alpha, m, s["step"])
+            if ex is not None and ex[0] == direction:
+                notes.append(f"{m} step {s['step']}: slope {s['slope']:+.2f} expected - {ex[1]}")
+                continue
+            if s["step"] < min_step:
+                notes.append(
+                    f"{m} step {s['step']} (init, not judged): slope {s['slope']:+.2f} {direction}"
+                )
+                continue
+            bad.append(s)
+        judged_diverged = [t for t in diverged if t >= min_step]
+        if judged_diverged:
+            verdicts[m] = "diverged"
+            reasons.append(f"{m}: non-finite or zero activations at steps {judged_diverged}")
+        elif not bad:
+            verdicts[m] = "stable"
+        else:
+            worst = max(bad, key=lambda s: abs(s["slope"] - exp))
+            verdicts[m] = "grows" if worst["slope"] > exp else "shrinks"
+            steps_bad = [s["step"] for s in bad]
+            reasons.append(
+                f"{m} {verdicts[m]} with {axis}: slope {worst['slope']:+.2f} per doubling at step "
+                f"{worst['step']} (expected {exp:+.2f} +/- {threshold:g}; out of range at steps "
+                f"{steps_bad})"
+            )
+    return Verdict(
+        passed=not reasons, reasons=reasons, modules=verdicts, notes=notes,
+        threshold=threshold, min_step=min_step,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3e}" if math.isfinite(v) else str(v)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _json_safe(obj.item())
+    return obj

@@ -1,0 +1,186 @@
+"""TrialSpec and TrialResult: what one trial is, and what it produced.
+
+A TrialSpec is a plain, validated, JSON-serialisable value; its content hash identifies the
+experiment (same hash + same data hash = same result), so completed trials can be reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hptransfer.models import ModelConfig, Parameterization
+
+
+class DataSource(BaseModel):
+    """Mirror of hptransfer.data.DataSpec (validated here so specs fail before dispatch)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = "stdlib"
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = Field(4096, ge=260, le=65535)
+    shard_format: Literal["auto", "nanogpt", "modded"] = "auto"
+    vocab_size: int | None = Field(None, gt=0, le=65536)
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    val_tokens: int = Field(16384, gt=0)
+    max_corpus_bytes: int | None = Field(8_000_000, gt=0)
+
+
+class ArchOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    activation: Literal["relu2", "gelu"] = "relu2"
+    position: Literal["rope", "alibi"] = "rope"
+    bias: bool = False
+    mlp_ratio: int = Field(4, gt=0)
+    x0_mixing: bool = False
+    extra_embeddings: int = Field(0, ge=0, le=16)
+    value_embeddings: int = Field(0, ge=0)
+
+
+class Schedule(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "linear"
+    wsd_decay_fraction: float = Field(0.2, gt=0, le=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+    def factor(self, step: int, total: int, warmup: bool = True) -> float:
+        """LR multiplier for optimizer step `step` (0-based) of `total`."""
+        warm = int(round(self.warmup_fraction * total)) if warmup else 0
+        if step < warm:
+            return (step + 1) / warm
+        if self.decay == "constant":
+            return 1.0
+        span = max(total - warm, 1)
+        progress = min((step - warm) / span, 1.0)
+        lo = self.min_lr_ratio
+        if self.decay == "cosine":
+            return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+        if self.decay == "linear":
+            return 1.0 - (1 - lo) * progress
+        # wsd: stable, then linear decay over the last wsd_decay_fraction of the run
+        decay_start = 1.0 - self.wsd_decay_fraction
+        if progress <= decay_start:
+            return 1.0
+        return 1.0 - (1 - lo) * (progress - decay_start) / self.wsd_decay_fraction
+
+
+class Budget(BaseModel):
+    """Exactly one of tokens, steps, tokens_per_param (non-embedding params, as the paper)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int | None = Field(None, gt=0)
+    steps: int | None = Field(None, gt=0)
+    tokens_per_param: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Budget:
+        given = [k for k in ("tokens", "steps", "tokens_per_param") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "budget needs exactly one of tokens, steps, tokens_per_param "
+                f"(got {given or 'none'})"
+            )
+        return self
+
+    def steps_for(self, tokens_per_step: int, non_embedding_params: int) -> int:
+        if self.steps:
+            return self.steps
+        tokens = self.tokens or self.tokens_per_param * non_embedding_params
+        return max(1, math.ceil(tokens / tokens_per_step))
+
+
+class TrialSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arch: Literal["gpt", "ngpt"] = "gpt"
+    arch_options: ArchOptions = ArchOptions()
+    parameterization: str = "completep"
+    alpha: float | None = None
+    width: int = Field(256, gt=0)
+    depth: int = Field(2, gt=0)
+    head_dim: int = Field(64, gt=0)
+    base_width: int = Field(256, gt=0)
+    base_depth: int = Field(2, gt=0)
+    lr: float = Field(2.0**-8, gt=0)  # eta_base
+    sigma_base: float = Field(0.02, gt=0)
+    weight_decay: float = Field(0.0, ge=0)  # lambda_base
+    eps: float = Field(1e-12, gt=0)  # epsilon_base
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    batch_size: int = Field(16, gt=0)
+    seq_len: int = Field(128, gt=1)
+    budget: Budget = Budget(steps=100)
+    schedule: Schedule = Schedule()
+    grad_clip: float | None = Field(1.0, gt=0)
+    seed: int = Field(0, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    data: DataSource = DataSource()
+    eval_every: int | None = Field(None, gt=0)  # default: ~10 evaluations per run
+    divergence_factor: float = Field(2.0, gt=1)  # train loss above this x initial = diverged
+    num_threads: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _buildable(self) -> TrialSpec:
+        # Build the config objects once so every model/parameterization error surfaces here.
+        self.model_config_obj()
+        self.parameterization_obj()
+        from hptransfer.models.parameterization import check_pairing
+
+        check_pairing(self.model_config_obj(), self.parameterization_obj())
+        return self
+
+    def model_config_obj(self, vocab_size: int = 256) -> ModelConfig:
+        return ModelConfig(
+            arch=self.arch, width=self.width, depth=self.depth, head_dim=self.head_dim,
+            vocab_size=vocab_size, max_seq_len=self.seq_len, **self.arch_options.model_dump(),
+        )
+
+    def parameterization_obj(self) -> Parameterization:
+        return Parameterization(
+            name=self.parameterization, alpha=self.alpha, base_width=self.base_width,
+            base_depth=self.base_depth, lr=self.lr, sigma=self.sigma_base,
+            weight_decay=self.weight_decay, eps=self.eps,
+        )
+
+    def content_hash(self) -> str:
+        """Hash of everything that changes the result (device/threads excluded)."""
+        d = self.model_dump(mode="json", exclude={"device", "num_threads"})
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+TrialStatus = Literal["completed", "diverged", "failed", "pruned"]
+
+
+class TrialResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: TrialStatus
+    final_val_loss: float | None = None
+    final_train_loss: float | None = None
+    curve: list[dict[str, Any]] = []  # {step, tokens, train_loss, lr, val_loss?}
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0  # analytic training FLOPs actually spent
+    flops_per_token: float = 0.0
+    params_embedding: int = 0
+    params_non_embedding: int = 0
+    wall_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float | None = None
+    device: str = "cpu"
+    param_table: dict[str, Any] = {}
+    data_hash: str | None = None
+    spec_hash: str | None = None
+    error: str | None = None
+    notes: list[str] = []

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv and installs hptransfer with its dependencies. Idempotent and quick when done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.hpt-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install -q --upgrade pip
+  # torch first and pinned to a CPU-capable release in the declared range, so pip does not pull
+  # a multi-GB CUDA build when only the range is given; GPU hosts can preinstall their own.
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/pip install -q "torch==2.13.0" || .venv/bin/pip install -q "torch>=2.4,<2.14"
+  fi
+  .venv/bin/pip install -q -e ".[dev]"
+  touch "$stamp"
+fi

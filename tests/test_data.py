@@ -1,0 +1,530 @@
+"""Tests for hptransfer.data: determinism, shard formats, caching and every DataError path."""
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hptransfer.data import (
+    BPETokenizer,
+    ByteTokenizer,
+    DataError,
+    DataSpec,
+    TokenDataset,
+    cache_dir_default,
+    decode_bytes,
+    encode_bytes,
+    load_dataset,
+)
+from hptransfer.data import bpe as bpe_module
+from hptransfer.data.cache import write_atomic
+from hptransfer.data.corpus import (
+    EXCLUDED_DIRS,
+    FILE_SEPARATOR,
+    load_stdlib_corpus,
+    stdlib_files,
+)
+from hptransfer.data.shards import MODDED_MAGIC
+
+SMALL_STDLIB = {"max_corpus_bytes": 200_000, "val_tokens": 2_000}
+
+
+def write_raw(path: Path, tokens: np.ndarray) -> Path:
+    np.asarray(tokens, dtype="<u2").tofile(path)
+    return path
+
+
+def write_modded(
+    path: Path, tokens: np.ndarray, *, version: int = 1, ntok: int | None = None
+) -> Path:
+    header = np.zeros(256, dtype="<i4")
+    header[0] = MODDED_MAGIC
+    header[1] = version
+    header[2] = len(tokens) if ntok is None else ntok
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+    return path
+
+
+def shard_spec(source: Path | str, **kw: object) -> DataSpec:
+    kw.setdefault("vocab_size", 50_000)
+    kw.setdefault("val_tokens", 1_000)
+    return DataSpec(source=str(source), **kw)
+
+
+@pytest.fixture
+def arange_shard(tmp_path: Path) -> Path:
+    # Token value == stream position, so every window shows exactly where it was read from.
+    return write_raw(tmp_path / "positions.bin", np.arange(50_000))
+
+
+# ---------------------------------------------------------------- spec and defaults
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tokenizer": "wordpiece"}, "unknown tokenizer 'wordpiece'"),
+        ({"shard_format": "hdf5"}, "unknown shard_format 'hdf5'"),
+        ({"val_fraction": 0.0}, "val_fraction"),
+        ({"val_fraction": 1.0}, "val_fraction"),
+        ({"val_tokens": 1}, "val_tokens=1"),
+        ({"vocab_size": 70_000}, "vocab_size=70000"),
+        ({"tokenizer": "bpe", "bpe_vocab_size": 100}, "bpe_vocab_size=100"),
+        ({"max_corpus_bytes": 0}, "max_corpus_bytes=0"),
+        ({"source": ""}, "source must be"),
+    ],
+)
+def test_spec_rejects_bad_values(kwargs: dict, match: str) -> None:
+    with pytest.raises(DataError, match=match):
+        DataSpec(**kwargs)
+
+
+def test_spec_accepts_path_objects_and_is_hashable(tmp_path: Path) -> None:
+    spec = DataSpec(source=tmp_path)  # type: ignore[arg-type]
+    assert spec.source == str(tmp_path)
+    assert hash(spec) == hash(DataSpec(source=str(tmp_path)))
+
+
+def test_data_error_is_value_error() -> None:
+    assert issubclass(DataError, ValueError)
+
+
+def test_cache_dir_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HPT_HOME", str(tmp_path / "home"))
+    assert cache_dir_default() == tmp_path / "home" / "cache"
+    monkeypatch.delenv("HPT_HOME")
+    monkeypatch.chdir(tmp_path)
+    assert cache_dir_default() == tmp_path / ".hpt" / "cache"
+
+
+def test_load_without_cache_dir_uses_hpt_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HPT_HOME", str(tmp_path))
+    load_dataset(DataSpec(**SMALL_STDLIB))
+    assert list((tmp_path / "cache").glob("tokens-byte-*.npy"))
+
+
+# ---------------------------------------------------------------- byte tokenizer and corpus
+
+
+def test_byte_round_trip() -> None:
+    text = "def f(x):\n    return 'héllo ✓ 🐍'\n"
+    ids = encode_bytes(text)
+    assert ids.dtype == np.uint16
+    assert ids.tolist() == list(text.encode("utf-8"))
+    assert decode_bytes(ids) == text
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 256
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(torch.tensor(tok.encode(text))) == text
+    with pytest.raises(DataError, match=r"must be in \[0, 256\)"):
+        decode_bytes([65, 300])
+
+
+def test_stdlib_file_selection() -> None:
+    files = stdlib_files()
+    assert files == sorted(files)
+    assert "os.py" in files
+    assert all(f.endswith(".py") for f in files)
+    assert not any(set(f.split("/")[:-1]) & EXCLUDED_DIRS for f in files)
+
+
+def test_corpus_takes_whole_files_in_order_and_excludes_dirs(tmp_path: Path) -> None:
+    root = tmp_path / "lib"
+    for rel, text in {
+        "b.py": "b" * 10,
+        "a.py": "a" * 10,
+        "pkg/c.py": "c" * 10,
+        "tests/t.py": "t",
+        "test/t.py": "t",
+        "idlelib/i.py": "i",
+        "lib2to3/l.py": "l",
+        "site-packages/s.py": "s",
+        "notes.txt": "n",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    full = load_stdlib_corpus(None, root=root)
+    assert full.files == ("a.py", "b.py", "pkg/c.py")
+    assert full.data == FILE_SEPARATOR.join([b"a" * 10, b"b" * 10, b"c" * 10])
+    # The third file would cross the cap, so only two whole files are taken.
+    capped = load_stdlib_corpus(2 * 10 + len(FILE_SEPARATOR) + 5, root=root)
+    assert capped.files == ("a.py", "b.py")
+    assert capped.sha256 != full.sha256
+    # A file too large for the remaining budget is skipped, later ones still fill the cap.
+    (root / "b.py").write_text("b" * 50)
+    assert load_stdlib_corpus(30, root=root).files == ("a.py", "pkg/c.py")
+    with pytest.raises(DataError, match="smaller than every stdlib file"):
+        load_stdlib_corpus(5, root=root)
+    (root / "b.py").write_text("b" * 10)
+    assert load_stdlib_corpus(None, root=root).sha256 == full.sha256
+    (root / "a.py").write_text("A" * 10)
+    assert load_stdlib_corpus(None, root=root).sha256 != full.sha256
+
+
+def test_stdlib_tokens_are_the_corpus_bytes(tmp_path: Path) -> None:
+    ds = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    corpus = load_stdlib_corpus(SMALL_STDLIB["max_corpus_bytes"])
+    assert ds.vocab_size == 256
+    # Whole files skipped only when they would overflow: the cap is nearly filled.
+    assert 0.9 * 200_000 < ds.n_tokens == len(corpus.data) <= 200_000
+    assert ds.read_tokens(0, ds.n_tokens).astype(np.uint8).tobytes() == corpus.data
+    assert ds.n_train_tokens == ds.n_tokens - int(ds.n_tokens * 0.05)
+    assert ds.n_val_tokens == SMALL_STDLIB["val_tokens"]
+
+
+# ---------------------------------------------------------------- train batches
+
+
+def test_train_batch_is_deterministic_and_shifted(tmp_path: Path) -> None:
+    ds = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    x, y = ds.train_batch(step=3, batch_size=4, seq_len=32, seed=7)
+    assert x.shape == y.shape == (4, 32)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    x2, y2 = ds.train_batch(step=3, batch_size=4, seq_len=32, seed=7)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, ds.train_batch(step=4, batch_size=4, seq_len=32, seed=7)[0])
+    assert not torch.equal(x, ds.train_batch(step=3, batch_size=4, seq_len=32, seed=8)[0])
+    # A fresh load (another trial) reproduces it too.
+    other = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    assert torch.equal(x, other.train_batch(step=3, batch_size=4, seq_len=32, seed=7)[0])
+
+
+def test_train_batch_independent_of_call_order(arange_shard: Path) -> None:
+    ds = load_dataset(shard_spec(arange_shard))
+    forward = [ds.train_batch(s, 8, 16, seed=1)[0] for s in range(5)]
+    backward = [ds.train_batch(s, 8, 16, seed=1)[0] for s in reversed(range(5))][::-1]
+    for a, b in zip(forward, backward, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_train_windows_are_contiguous_and_inside_train_split(arange_shard: Path) -> None:
+    ds = load_dataset(shard_spec(arange_shard))
+    seq_len = 64
+    for step in range(20):
+        x, y = ds.train_batch(step, batch_size=16, seq_len=seq_len, seed=0)
+        starts = x[:, :1]
+        assert torch.equal(x, starts + torch.arange(seq_len))
+        assert torch.equal(y, x + 1)
+        # The target of the last position must still be a training token.
+        assert int(y.max()) < ds.n_train_tokens
+
+
+def test_train_batch_errors(tmp_path: Path) -> None:
+    tiny = write_raw(tmp_path / "tiny.bin", np.arange(100))
+    ds = load_dataset(shard_spec(tiny, val_tokens=5, val_fraction=0.1))
+    assert ds.n_train_tokens == 90
+    x, y = ds.train_batch(0, 16, seq_len=89, seed=0)  # exactly one window fits: offset 0
+    assert torch.equal(x, torch.arange(89).expand(16, 89))
+    assert torch.equal(y, x + 1)
+    with pytest.raises(DataError, match=r"fewer than seq_len\+1=91"):
+        ds.train_batch(0, 2, seq_len=90, seed=0)
+    with pytest.raises(DataError, match="batch_size=0"):
+        ds.train_batch(0, 0, seq_len=8, seed=0)
+    with pytest.raises(DataError, match="must be non-negative"):
+        ds.train_batch(0, 2, seq_len=8, seed=-1)
+
+
+# ---------------------------------------------------------------- validation set
+
+
+def test_val_batches_cover_first_val_tokens_of_val_split(arange_shard: Path) -> None:
+    ds = load_dataset(shard_spec(arange_shard, val_tokens=1_000))
+    seq_len, batch_size = 64, 4
+    batches = list(ds.val_batches(batch_size, seq_len))
+    n_windows = (1_000 - 1) // seq_len
+    assert [len(x) for x, _ in batches] == [4, 4, 4, 3]
+    assert sum(len(x) for x, _ in batches) == n_windows
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    start = ds.n_train_tokens
+    assert start == 50_000 - int(50_000 * 0.05)
+    expected = torch.arange(start, start + n_windows * seq_len).reshape(n_windows, seq_len)
+    assert torch.equal(x, expected)
+    assert torch.equal(y, expected + 1)
+    assert int(y.max()) < start + 1_000
+
+
+def test_val_set_identical_across_calls_and_loads(tmp_path: Path) -> None:
+    spec = DataSpec(**SMALL_STDLIB)
+    first = list(load_dataset(spec, cache_dir=tmp_path).val_batches(8, 32))
+    again = load_dataset(spec, cache_dir=tmp_path)
+    for batches in (list(again.val_batches(8, 32)), list(again.val_batches(8, 32))):
+        assert len(batches) == len(first)
+        for (x1, y1), (x2, y2) in zip(first, batches, strict=True):
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_val_errors(tmp_path: Path, arange_shard: Path) -> None:
+    with pytest.raises(DataError, match="validation split has 2500 tokens"):
+        load_dataset(shard_spec(arange_shard, val_tokens=2_501))
+    ds = load_dataset(shard_spec(arange_shard, val_tokens=10))
+    with pytest.raises(DataError, match="val_tokens=10 is too small"):
+        ds.val_batches(2, seq_len=10)  # raised at call time, before iteration
+    with pytest.raises(DataError, match="validation split has"):
+        load_dataset(DataSpec(max_corpus_bytes=20_000, val_tokens=5_000), cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- content hash
+
+
+def test_stdlib_hash_stable_and_content_sensitive(tmp_path: Path) -> None:
+    a = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    b = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path / "other")
+    assert a.content_hash == b.content_hash
+    assert len(a.content_hash) == 64 and int(a.content_hash, 16) >= 0
+    smaller = load_dataset(DataSpec(max_corpus_bytes=100_000, val_tokens=1_000), cache_dir=tmp_path)
+    assert smaller.content_hash != a.content_hash
+    described = a.describe()
+    assert described == {
+        "source": "stdlib",
+        "tokenizer": "byte",
+        "shard_format": None,
+        "vocab_size": 256,
+        "content_hash": a.content_hash,
+        "n_train_tokens": a.n_train_tokens,
+        "n_val_tokens": 2_000,
+    }
+
+
+def test_shard_hash_stable_and_content_sensitive(tmp_path: Path) -> None:
+    tokens = np.arange(20_000) % 1000
+    d1 = tmp_path / "d1"
+    d1.mkdir()
+    write_raw(d1 / "s.bin", tokens)
+    h = load_dataset(shard_spec(d1)).content_hash
+    assert load_dataset(shard_spec(d1)).content_hash == h
+    # Same files elsewhere: same data, same hash (only file names enter it, not directories).
+    shutil.copytree(d1, tmp_path / "d2")
+    assert load_dataset(shard_spec(tmp_path / "d2")).content_hash == h
+    assert load_dataset(shard_spec(d1, vocab_size=1000)).content_hash != h
+    changed = tokens.copy()
+    changed[123] += 1
+    write_raw(d1 / "s.bin", changed)
+    assert load_dataset(shard_spec(d1)).content_hash != h
+
+
+# ---------------------------------------------------------------- shard formats
+
+
+@pytest.mark.parametrize("fmt", ["auto", "nanogpt"])
+def test_nanogpt_shard_read_exactly(tmp_path: Path, fmt: str) -> None:
+    tokens = np.random.default_rng(0).integers(0, 50_000, size=30_000)
+    path = write_raw(tmp_path / "raw.bin", tokens)
+    ds = load_dataset(shard_spec(path, shard_format=fmt))
+    assert ds.n_tokens == 30_000
+    assert np.array_equal(ds.read_tokens(0, 30_000), tokens)
+    assert ds.describe()["shard_format"] == "nanogpt"
+    assert ds.describe()["tokenizer"] is None
+
+
+@pytest.mark.parametrize("fmt", ["auto", "modded"])
+def test_modded_shard_read_exactly(tmp_path: Path, fmt: str) -> None:
+    tokens = np.random.default_rng(1).integers(0, 50_000, size=30_000)
+    path = write_modded(tmp_path / "m.bin", tokens)
+    ds = load_dataset(shard_spec(path, shard_format=fmt))
+    assert ds.n_tokens == 30_000  # the header is not read as tokens
+    assert np.array_equal(ds.read_tokens(0, 30_000), tokens)
+    assert ds.describe()["shard_format"] == "modded"
+
+
+def test_directory_and_glob_concatenate_in_sorted_order(tmp_path: Path) -> None:
+    positions = np.arange(45_000)
+    d = tmp_path / "shards"
+    d.mkdir()
+    # Written out of order and in mixed formats; names decide the order.
+    write_modded(d / "part_02.bin", positions[30_000:])
+    write_raw(d / "part_00.bin", positions[:12_345])
+    write_modded(d / "part_01.bin", positions[12_345:30_000])
+    (d / "README.txt").write_text("not a shard")
+    for source in (d, d / "part_*.bin"):
+        ds = load_dataset(shard_spec(source))
+        assert np.array_equal(ds.read_tokens(0, ds.n_tokens), positions)
+        assert ds.describe()["shard_format"] == "modded+nanogpt"
+        # Windows that straddle shard boundaries are still contiguous.
+        x, y = ds.train_batch(0, batch_size=64, seq_len=2_000, seed=3)
+        assert torch.equal(x, x[:, :1] + torch.arange(2_000))
+        assert torch.equal(y, x + 1)
+    assert np.array_equal(ds.read_tokens(12_340, 12_350), positions[12_340:12_350])
+
+
+# ---------------------------------------------------------------- shard errors
+
+
+def test_missing_sources(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset(shard_spec(tmp_path / "nope.bin"))
+    with pytest.raises(DataError, match="matched no files"):
+        load_dataset(shard_spec(tmp_path / "nothing_*.bin"))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(DataError, match="contains no .bin shards"):
+        load_dataset(shard_spec(tmp_path / "empty_dir"))
+
+
+def test_shard_layout_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty.bin is empty \(0 bytes\)"):
+        load_dataset(shard_spec(empty))
+    zero = write_modded(tmp_path / "zero.bin", np.zeros(0))
+    with pytest.raises(DataError, match="header says 0 tokens"):
+        load_dataset(shard_spec(zero))
+    v2 = write_modded(tmp_path / "v2.bin", np.arange(10), version=2)
+    with pytest.raises(DataError, match="header version 2; only version 1"):
+        load_dataset(shard_spec(v2))
+    lying = write_modded(tmp_path / "lying.bin", np.arange(10), ntok=11)
+    with pytest.raises(DataError, match="header says 11 tokens .* file has 1044 bytes"):
+        load_dataset(shard_spec(lying))
+    stub = tmp_path / "stub.bin"
+    stub.write_bytes(np.array([MODDED_MAGIC, 1], dtype="<i4").tobytes())
+    with pytest.raises(DataError, match="shorter than the 1024-byte header"):
+        load_dataset(shard_spec(stub))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(DataError, match=r"odd byte count \(3\)"):
+        load_dataset(shard_spec(odd))
+    raw = write_raw(tmp_path / "raw.bin", np.arange(10))
+    with pytest.raises(DataError, match="no modded-nanogpt header"):
+        load_dataset(shard_spec(raw, shard_format="modded"))
+
+
+def test_shard_spec_errors(arange_shard: Path) -> None:
+    with pytest.raises(DataError, match="vocab_size is required"):
+        load_dataset(DataSpec(source=str(arange_shard), val_tokens=100))
+    with pytest.raises(DataError, match="applies only to source='stdlib'"):
+        load_dataset(shard_spec(arange_shard, tokenizer="bpe"))
+
+
+def test_token_id_above_vocab_caught_by_sample(tmp_path: Path) -> None:
+    path = write_raw(tmp_path / "s.bin", np.arange(50_000) % 80)
+    with pytest.raises(DataError, match="token id 64 >= vocab_size=64 .*at token 64"):
+        load_dataset(shard_spec(path, vocab_size=64))
+    assert load_dataset(shard_spec(path, vocab_size=80)).vocab_size == 80
+
+
+def test_stray_token_id_caught_by_full_check_and_batches(tmp_path: Path) -> None:
+    # 400k tokens: the sample reads 10 windows of 16k; positions 30_000 (train split) and
+    # 381_000 (start of the val set) lie between sampled windows.
+    tokens = np.zeros(400_000, dtype=np.uint16)
+    tokens[30_000] = 999
+    tokens[381_000] = 998
+    path = write_raw(tmp_path / "s.bin", tokens)
+    spec = shard_spec(path, vocab_size=100, val_tokens=2_000)
+    ds = load_dataset(spec)  # the sampled check misses the stray ids
+    with pytest.raises(DataError, match="token id 999 >= vocab_size=100 .*at token 30000"):
+        ds.verify_tokens()
+    with pytest.raises(DataError, match="token id 999"):
+        load_dataset(spec, full_check=True)
+    with pytest.raises(DataError, match="validation set contains token id 998"):
+        list(ds.val_batches(4, 32))
+
+
+# ---------------------------------------------------------------- stdlib errors
+
+
+def test_stdlib_vocab_size_must_match(tmp_path: Path) -> None:
+    assert load_dataset(DataSpec(vocab_size=256, **SMALL_STDLIB), tmp_path).vocab_size == 256
+    with pytest.raises(DataError, match="vocab_size=300 disagrees"):
+        load_dataset(DataSpec(vocab_size=300, **SMALL_STDLIB), cache_dir=tmp_path)
+
+
+# ---------------------------------------------------------------- caching
+
+
+def test_token_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    (cache_file,) = tmp_path.glob("tokens-byte-*.npy")
+    assert first.content_hash in cache_file.name
+    mtime = cache_file.stat().st_mtime_ns
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("retokenized despite a cache hit")
+
+    monkeypatch.setattr(ByteTokenizer, "encode_corpus", fail)
+    second = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    assert cache_file.stat().st_mtime_ns == mtime
+    assert np.array_equal(second.read_tokens(0, 5_000), first.read_tokens(0, 5_000))
+    # Atomic writes leave no temp files behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file.name]
+
+
+def test_corrupt_token_cache_is_rebuilt(tmp_path: Path) -> None:
+    first = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    expected = first.read_tokens(0, first.n_tokens)  # a copy, not the memmap we corrupt next
+    del first
+    (cache_file,) = tmp_path.glob("tokens-byte-*.npy")
+    cache_file.write_bytes(b"garbage")
+    again = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    assert np.array_equal(again.read_tokens(0, again.n_tokens), expected)
+    assert np.array_equal(np.load(cache_file), expected)
+
+
+def test_write_atomic_first_wins(tmp_path: Path) -> None:
+    target = tmp_path / "entry.json"
+    write_atomic(target, lambda p: p.write_text("first"), first_wins=True)
+    write_atomic(target, lambda p: p.write_text("second"), first_wins=True)
+    assert target.read_text() == "first"
+    write_atomic(target, lambda p: p.write_text("third"))
+    assert target.read_text() == "third"
+
+    def boom(p: Path) -> None:
+        p.write_text("partial")
+        raise RuntimeError("writer crashed")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(target, boom)
+    assert target.read_text() == "third"
+    assert os.listdir(tmp_path) == ["entry.json"]
+
+
+# ---------------------------------------------------------------- BPE
+
+
+BPE_SPEC = DataSpec(tokenizer="bpe", bpe_vocab_size=512, max_corpus_bytes=300_000, val_tokens=1_000)
+
+
+def test_bpe_trains_and_round_trips(tmp_path: Path) -> None:
+    ds = load_dataset(BPE_SPEC, cache_dir=tmp_path)
+    assert isinstance(ds.tokenizer, BPETokenizer)
+    assert 256 < ds.vocab_size <= 512
+    assert ds.describe()["tokenizer"] == "bpe"
+    corpus = load_stdlib_corpus(300_000)
+    assert ds.n_tokens < len(corpus.data) / 2  # merges actually compress the text
+    tokens = ds.read_tokens(0, ds.n_tokens)
+    assert int(tokens.max()) < ds.vocab_size
+    assert ds.tokenizer.decode(tokens.tolist()) == corpus.data.decode("utf-8")
+    text = "import os\n\ndef main() -> None:\n    print('héllo ✓')\n"
+    assert ds.tokenizer.decode(ds.tokenizer.encode(text)) == text
+    byte_hash = load_dataset(
+        DataSpec(max_corpus_bytes=300_000, val_tokens=1_000), cache_dir=tmp_path
+    ).content_hash
+    assert ds.content_hash != byte_hash
+
+
+def test_bpe_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = load_dataset(BPE_SPEC, cache_dir=tmp_path)
+    (tok_file,) = tmp_path.glob("bpe-*-v512.json")
+    mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("retrained or retokenized despite a cache hit")
+
+    monkeypatch.setattr(bpe_module, "train_bpe", fail)
+    monkeypatch.setattr(BPETokenizer, "encode_corpus", fail)
+    second = load_dataset(BPE_SPEC, cache_dir=tmp_path)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == mtimes
+    assert second.content_hash == first.content_hash
+    assert second.vocab_size == first.vocab_size
+    assert torch.equal(second.train_batch(0, 2, 16, 0)[0], first.train_batch(0, 2, 16, 0)[0])
+    assert tok_file.exists()
+
+
+def test_dataset_type_exported() -> None:
+    assert TokenDataset.__name__ == "TokenDataset"

@@ -1,0 +1,134 @@
+"""Forward-pass behaviour of the architectures."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hptransfer.models import ModelConfigError, build_model
+
+VOCAB = 256
+
+
+def loss_of(model, x):
+    return F.cross_entropy(model(x).flatten(0, 1), x.flatten()).item()
+
+
+@pytest.mark.parametrize(
+    "arch, param, opts",
+    [
+        ("gpt", "sp", {}),
+        ("gpt", "completep", {"position": "alibi", "activation": "gelu", "bias": True}),
+        ("gpt", "mup", {"x0_mixing": True, "extra_embeddings": 2, "value_embeddings": 1}),
+        ("ngpt", "ngpt", {}),
+    ],
+)
+def test_step0_loss_near_uniform(arch, param, opts):
+    b = build_model(arch, 128, 3, param, head_dim=32, **opts)
+    x = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    assert abs(loss_of(b.model, x) - math.log(VOCAB)) < 0.15
+
+
+def test_x0_mixing_at_init_equals_plain_gpt():
+    plain = build_model("gpt", 128, 4, "completep", head_dim=32, seed=3)
+    mixed = build_model(
+        "gpt", 128, 4, "completep", head_dim=32, seed=3,
+        x0_mixing=True, extra_embeddings=3, value_embeddings=2,
+    )
+    # copy the shared weights; the extra tables stay random (their lambdas are 0)
+    missing, unexpected = mixed.model.load_state_dict(plain.model.state_dict(), strict=False)
+    assert not unexpected
+    assert all("extra_embeds" in k or "value_embeds" in k or "lambdas" in k for k in missing)
+    x = torch.randint(0, VOCAB, (2, 16))
+    torch.testing.assert_close(mixed.model(x), plain.model(x), rtol=0, atol=0)
+    # and moving a lambda changes the output, so the extra path is really wired in
+    with torch.no_grad():
+        mixed.model.x0_lambdas[1, 2] = 0.5
+        mixed.model.blocks[0].attn.ve_lambdas[1] = 0.5
+    assert not torch.allclose(mixed.model(x), plain.model(x))
+
+
+def test_causality():
+    for arch, param, opts in [("gpt", "sp", {}), ("gpt", "sp", {"position": "alibi"}),
+                              ("ngpt", "ngpt", {})]:
+        m = build_model(arch, 64, 2, param, head_dim=32, **opts).model
+        x = torch.randint(0, VOCAB, (1, 12))
+        y = x.clone()
+        y[0, 8:] = (y[0, 8:] + 1) % VOCAB
+        torch.testing.assert_close(m(x)[:, :8], m(y)[:, :8])
+
+
+def test_rotary_is_norm_preserving_and_relative():
+    from hptransfer.models.layers import Rotary
+
+    rot = Rotary(16, 64)
+    q = torch.randn(1, 1, 64, 16)
+    torch.testing.assert_close(rot(q).norm(dim=-1), q.norm(dim=-1))
+    # <R_m q, R_n k> depends only on m - n
+    a, b = torch.randn(16), torch.randn(16)
+    qs = rot(a.expand(1, 1, 64, 16).contiguous())
+    ks = rot(b.expand(1, 1, 64, 16).contiguous())
+    d1 = (qs[0, 0, 10] * ks[0, 0, 7]).sum()
+    d2 = (qs[0, 0, 40] * ks[0, 0, 37]).sum()
+    torch.testing.assert_close(d1, d2, rtol=1e-4, atol=1e-4)
+
+
+def test_ngpt_matrices_unit_norm_after_steps():
+    from hptransfer.models import optimizer_groups
+
+    b = build_model("ngpt", 64, 2, "ngpt", head_dim=32, lr=0.05)
+    opt = torch.optim.AdamW(optimizer_groups(b.model, b.table))
+    x = torch.randint(0, VOCAB, (2, 16))
+
+    def check():
+        m = b.model
+        rows = [m.embed.weight, m.unembed.weight]
+        for blk in m.blocks:
+            rows += [blk.attn.q.weight, blk.attn.k.weight, blk.attn.v.weight,
+                     blk.mlp.up_u.weight, blk.mlp.up_v.weight]
+        for w in rows:
+            torch.testing.assert_close(w.norm(dim=1), torch.ones(w.shape[0]))
+        for blk in m.blocks:
+            for w in (blk.attn.proj.weight, blk.mlp.down.weight):
+                torch.testing.assert_close(w.norm(dim=0), torch.ones(w.shape[1]))
+
+    check()  # renormalised before step 0
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(b.model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        b.after_step()
+        check()
+    # scale vectors are not renormalised and do move
+    assert not torch.allclose(b.model.blocks[0].alpha_attn.weight, torch.full((64,), 64**-0.5))
+
+
+def test_ngpt_hidden_state_on_sphere():
+    b = build_model("ngpt", 64, 2, "ngpt", head_dim=32)
+    seen = []
+    b.model.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o))
+    b.model(torch.randint(0, VOCAB, (2, 8)))
+    torch.testing.assert_close(seen[0].norm(dim=-1), torch.ones(2, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(width=100), "not divisible by head_dim"),
+        (dict(depth=0), "depth must be positive"),
+        (dict(extra_embeddings=1), "needs x0_mixing"),
+        (dict(activation="swish"), "activation must be one of"),
+    ],
+)
+def test_bad_model_config(kwargs, message):
+    args = dict(arch="gpt", width=128, depth=2, parameterization="sp")
+    args.update(kwargs)
+    with pytest.raises(ModelConfigError, match=message):
+        build_model(**args)
+
+
+def test_same_seed_same_weights():
+    a = build_model("gpt", 64, 2, "completep", head_dim=32, seed=7).model.state_dict()
+    b = build_model("gpt", 64, 2, "completep", head_dim=32, seed=7).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
