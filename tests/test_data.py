@@ -506,6 +506,8 @@ def test_bpe_trains_and_round_trips(tmp_path: Path) -> None:
         DataSpec(max_corpus_bytes=300_000, val_tokens=1_000), cache_dir=tmp_path
     ).content_hash
     assert ds.content_hash != byte_hash
+    # Training is deterministic: a fresh cache (another machine) yields the same tokenizer.
+    assert load_dataset(BPE_SPEC, cache_dir=tmp_path / "fresh").content_hash == ds.content_hash
 
 
 def test_bpe_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -193,6 +193,9 @@ def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:
     grouped = frame.groupby(list(keys), sort=True, dropna=False)
     sid = grouped.ngroup().to_numpy()
     key_frame = grouped.size().index.to_frame(index=False)
+    for k in ("width", "depth"):
+        if np.all(np.mod(key_frame[k].to_numpy(dtype=float), 1) == 0):
+            key_frame[k] = key_frame[k].astype(np.int64)
     n_shapes = len(key_frame)
 
     # Round log2(lr) so float noise in stored LRs does not split one grid point into two.
@@ -443,9 +446,6 @@ def optimal_lr(
         best_ids.append(ids[start[c] : start[c] + n_ok[c]].tolist() if fits.has_data[s] else [])
 
     shapes = cells.key_frame.copy()
-    for k in ("width", "depth"):
-        if k in shapes and np.all(np.mod(shapes[k].to_numpy(dtype=float), 1) == 0):
-            shapes[k] = shapes[k].astype(int)
     has = fits.has_data
     shapes["n_lrs"] = n_lrs
     shapes["n_completed"] = n_ok_m.sum(axis=1).astype(int)
@@ -501,3 +501,14 @@ def optimal_lr(
         warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped or concave)")
     return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
 
+
+
+def as_optimal(data: pd.DataFrame | Trials | OptimalLRResult, needs: Sequence[str] = ()) -> (
+    OptimalLRResult
+):
+    """Accept trials or an existing η* result; trials must also hold the columns in `needs`."""
+    if isinstance(data, OptimalLRResult):
+        return data
+    if not isinstance(data, Trials):
+        data = prepare_trials(data, (*CORE_COLUMNS, *needs))
+    return optimal_lr(data, bootstrap=0)

@@ -1,0 +1,209 @@
+"""Compute-optimal aspect ratio N:L (width over depth) at roughly fixed non-embedding params.
+
+Following the CompleteP paper: for models of about equal size, loss (at the best LR) against
+log(N/L) is fitted by a cubic; its minimum inside the tested range is the optimal N:L, and the
+range whose predicted loss is within 1 % of that minimum says how flat the optimum is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import NotEnoughData
+from .optimal_lr import OptimalLRResult, as_optimal
+from .serialize import frame_records, json_safe
+from .trials import Trials
+
+_BAND_GRID = 4001
+
+
+def group_by_size(params: np.ndarray, tolerance: float = 0.15) -> np.ndarray:
+    """Label sizes so every member of a group is within ±tolerance of the group's median.
+
+    Greedy over sorted sizes: a size joins the current group while that still holds.
+    """
+    params = np.asarray(params, dtype=float)
+    order = np.argsort(params, kind="stable")
+    labels = np.empty(len(params), dtype=int)
+    group, members = 0, []
+    for i in order:
+        trial = [*members, params[i]]
+        med = float(np.median(trial))
+        if members and not (min(trial) >= (1 - tolerance) * med
+                            and max(trial) <= (1 + tolerance) * med):
+            group += 1
+            trial = [params[i]]
+        members = trial
+        labels[i] = group
+    return labels
+
+
+@dataclass
+class CubicOptimum:
+    """Minimum of a cubic fit of loss against x = log(N/L) within the observed x range."""
+
+    coefficients: np.ndarray
+    x_center: float
+    x_opt: float
+    loss_opt: float
+    x_low: float
+    x_high: float
+    edge: str | None
+    band_clipped: bool
+    residuals: np.ndarray
+
+
+def fit_cubic_optimum(x: np.ndarray, loss: np.ndarray, within: float = 0.01) -> CubicOptimum:
+    """Fit a cubic, take its argmin inside [min x, max x] and the band within `within`."""
+    x = np.asarray(x, dtype=float)
+    loss = np.asarray(loss, dtype=float)
+    center = float(x.mean())
+    coef = np.polyfit(x - center, loss, 3)
+    lo, hi = float(x.min()), float(x.max())
+    # The minimum inside a closed range is at an end or at a real critical point inside it.
+    roots = np.roots(np.polyder(coef))
+    real = roots[np.abs(roots.imag) < 1e-12].real + center
+    candidates = np.r_[lo, hi, real[(real > lo) & (real < hi)]]
+    values = np.polyval(coef, candidates - center)
+    k = int(np.argmin(values))
+    x_opt, loss_opt = float(candidates[k]), float(values[k])
+    edge = "low" if k == 0 else "high" if k == 1 else None
+    grid = np.linspace(lo, hi, _BAND_GRID)
+    inside = np.polyval(coef, grid - center) <= loss_opt * (1.0 + within) + 1e-15
+    # Keep the connected stretch of the band that contains the optimum.
+    j = int(np.clip(np.searchsorted(grid, x_opt), 0, len(grid) - 1))
+    out_left = np.flatnonzero(~inside[:j])
+    out_right = np.flatnonzero(~inside[j:])
+    left = int(out_left[-1]) + 1 if out_left.size else 0
+    right = j + int(out_right[0]) - 1 if out_right.size else len(grid) - 1
+    right = max(right, left)
+    clipped = left == 0 or right == len(grid) - 1
+    resid = loss - np.polyval(coef, x - center)
+    return CubicOptimum(coef, center, x_opt, loss_opt, float(grid[left]), float(grid[right]),
+                        edge, clipped, resid)
+
+
+@dataclass
+class AspectRatioResult:
+    """One row per (arm, size group) in `groups`; `points` lists every shape used."""
+
+    groups: pd.DataFrame
+    points: pd.DataFrame
+    reason: NotEnoughData | None = None
+    warnings: list[str] = field(default_factory=list)
+    tolerance: float = 0.15
+    within: float = 0.01
+
+    @property
+    def reliable(self) -> bool:
+        return self.reason is None and bool(self.groups["reliable"].all())
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.groups.copy()
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "analysis": "aspect_ratio",
+                "reliable": self.reliable,
+                "reason": self.reason,
+                "warnings": self.warnings,
+                "size_tolerance": self.tolerance,
+                "within": self.within,
+                "groups": frame_records(self.groups),
+            }
+        )
+
+
+_GROUP_COLUMNS = [
+    "arm", "group", "params_median", "params_min", "params_max", "n_points", "nl_opt",
+    "log_nl_opt", "loss_opt", "nl_within_low", "nl_within_high", "edge", "reliable", "reason",
+    "warnings", "coefficients", "residuals", "inputs",
+]
+
+
+def _group_row(arm: str, gid: int, pts: pd.DataFrame, within: float) -> dict[str, Any]:
+    params = pts["params"].to_numpy(dtype=float)
+    row: dict[str, Any] = {
+        "arm": arm, "group": gid, "params_median": float(np.median(params)),
+        "params_min": float(params.min()), "params_max": float(params.max()),
+        "n_points": len(pts), "reliable": False, "reason": None, "warnings": [],
+        "inputs": pts[["width", "depth", "aspect", "params", "loss", "trial_ids"]].to_dict(
+            "records"),
+    }
+    n_ratios = int(np.unique(np.round(pts["log_aspect"].to_numpy(), 9)).size)
+    if n_ratios < 4:
+        row["reason"] = NotEnoughData(
+            f"the optimal N:L of arm {arm} at ~{row['params_median']:.3g} params",
+            f"only {n_ratios} aspect ratios were run at this size (the cubic needs 4)",
+        ).message
+        return row
+    fit = fit_cubic_optimum(pts["log_aspect"].to_numpy(), pts["loss"].to_numpy(), within)
+    notes = []
+    if fit.edge is not None:
+        side = "wider (larger N:L)" if fit.edge == "high" else "deeper (smaller N:L)"
+        notes.append(f"the optimum is at the edge of the tested aspect ratios "
+                     f"(N:L={np.exp(fit.x_opt):.3g}): run {side} shapes")
+    if fit.band_clipped:
+        notes.append(f"the within-{within:.0%} band reaches the tested range's edge, so the "
+                     "true band is wider")
+    if n_ratios < 5:
+        notes.append("4 aspect ratios for 4 cubic coefficients: the fit has no residual check")
+    row.update(
+        nl_opt=float(np.exp(fit.x_opt)), log_nl_opt=fit.x_opt, loss_opt=fit.loss_opt,
+        nl_within_low=float(np.exp(fit.x_low)), nl_within_high=float(np.exp(fit.x_high)),
+        edge=fit.edge, reliable=fit.edge is None and n_ratios >= 5, warnings=notes,
+        coefficients=fit.coefficients.tolist(), residuals=fit.residuals.tolist(),
+    )
+    return row
+
+
+def optimal_aspect_ratio(
+    data: pd.DataFrame | Trials | OptimalLRResult,
+    *,
+    tolerance: float = 0.15,
+    within: float = 0.01,
+) -> AspectRatioResult:
+    """Per arm and per size group (params within ±tolerance of the median): the optimal N:L."""
+    opt = as_optimal(data, needs=("params_non_embedding",))
+    warnings = list(opt.warnings)
+    best = opt.best_points()
+    params = best["params_non_embedding"].to_numpy(dtype=float)
+    best = best[np.isfinite(params) & (params > 0)]
+    # Extra shape keys (e.g. tokens) can repeat a (width, depth): keep its best loss.
+    best = best.sort_values("best_loss").drop_duplicates(["arm", "width", "depth"])
+    points = pd.DataFrame({
+        "arm": best["arm"].to_numpy(), "width": best["width"].to_numpy(),
+        "depth": best["depth"].to_numpy(), "params": best["params_non_embedding"].to_numpy(),
+        "loss": best["best_loss"].to_numpy(), "trial_ids": best["best_trial_ids"].to_numpy(),
+    })
+    points["aspect"] = points["width"].to_numpy(dtype=float) / points["depth"].to_numpy(float)
+    points["log_aspect"] = np.log(points["aspect"].to_numpy(dtype=float))
+    points["group"] = -1
+    rows = []
+    skipped = 0
+    for arm, pts in points.groupby("arm", sort=True):
+        labels = group_by_size(pts["params"].to_numpy(), tolerance)
+        points.loc[pts.index, "group"] = labels
+        for gid in np.unique(labels):
+            sub = pts[labels == gid].sort_values("aspect")
+            if len(sub) < 2:
+                skipped += 1
+                continue
+            rows.append(_group_row(str(arm), int(gid), sub, within))
+    if skipped:
+        warnings.append(f"{skipped} sizes had a single shape and were skipped")
+    groups = pd.DataFrame(rows, columns=_GROUP_COLUMNS)
+    groups["reliable"] = groups["reliable"].astype(bool)
+    reason = None
+    if groups.empty or groups["reason"].notna().all():
+        because = ("no arm has 4 or more aspect ratios at one size (within "
+                   f"±{tolerance:.0%} non-embedding params)")
+        if points.empty:
+            because = "no shape has a completed run with a recorded params_non_embedding"
+        reason = NotEnoughData("the compute-optimal N:L", because)
+    return AspectRatioResult(groups, points, reason, warnings, tolerance, within)

@@ -1,0 +1,137 @@
+"""Compute-efficient frontier of loss vs training FLOPs per arm, with a power-law fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import NotEnoughData
+from .optimal_lr import OptimalLRResult, as_optimal
+from .powerlaw import PowerLawFit, fit_power_law
+from .serialize import frame_records, json_safe
+from .trials import Trials
+
+
+def frontier_mask(compute: np.ndarray, loss: np.ndarray, groups: np.ndarray | None = None) -> (
+    np.ndarray
+):
+    """True for points with a lower loss than every cheaper point of the same group."""
+    compute = np.asarray(compute, dtype=float)
+    loss = np.asarray(loss, dtype=float)
+    g = np.zeros(len(compute), dtype=int) if groups is None else pd.factorize(groups)[0]
+    order = np.lexsort((loss, compute, g))
+    g_s, l_s = g[order], loss[order]
+    running = pd.Series(l_s).groupby(g_s).cummin().to_numpy()
+    first = np.r_[True, g_s[1:] != g_s[:-1]]
+    before = np.where(first, np.inf, np.r_[np.inf, running[:-1]])
+    mask = np.empty(len(order), dtype=bool)
+    mask[order] = l_s < before
+    return mask
+
+
+@dataclass
+class FrontierResult:
+    """Per-arm power-law fits on the frontier; `points` holds every shape's best point."""
+
+    points: pd.DataFrame
+    fits: dict[str, PowerLawFit]
+    reasons: dict[str, NotEnoughData] = field(default_factory=dict)
+    reason: NotEnoughData | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def reliable(self) -> bool:
+        return self.reason is None and all(f.reliable for f in self.fits.values())
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for arm in sorted(set(self.fits) | set(self.reasons)):
+            fit = self.fits.get(arm)
+            pts = self.points[self.points["arm"] == arm]
+            row: dict[str, Any] = {
+                "arm": arm,
+                "n_points": len(pts),
+                "n_frontier": int(pts["on_frontier"].sum()),
+            }
+            if fit is not None and fit.ok:
+                lo, hi = fit.loss_range
+                clo, chi = fit.compute_range
+                row.update(E=fit.E, A=fit.A, b=fit.b)
+                for name in ("E", "A", "b"):
+                    ci = fit.ci.get(name, (np.nan, np.nan))
+                    row[f"{name}_ci_low"], row[f"{name}_ci_high"] = ci
+                row.update(loss_min=lo, loss_max=hi, compute_min=clo, compute_max=chi,
+                           reliable=fit.reliable, reason=None, warnings=list(fit.warnings))
+            else:
+                reason = self.reasons.get(arm) or (fit.reason if fit is not None else None)
+                row.update(reliable=False, reason=str(reason) if reason else None,
+                           warnings=list(fit.warnings) if fit is not None else [])
+            rows.append(row)
+        columns = ["arm", "n_points", "n_frontier", "E", "A", "b", "E_ci_low", "E_ci_high",
+                   "A_ci_low", "A_ci_high", "b_ci_low", "b_ci_high", "loss_min", "loss_max",
+                   "compute_min", "compute_max", "reliable", "reason", "warnings"]
+        return pd.DataFrame(rows, columns=columns)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "analysis": "frontier",
+                "reliable": self.reliable,
+                "reason": self.reason,
+                "warnings": self.warnings,
+                "fits": {arm: fit.to_dict() for arm, fit in self.fits.items()},
+                "reasons": self.reasons,
+                "points": frame_records(self.points),
+            }
+        )
+
+
+def loss_compute_frontier(
+    data: pd.DataFrame | Trials | OptimalLRResult,
+    *,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    f_scale: float = 0.01,
+) -> FrontierResult:
+    """Per arm: each shape at its best LR gives (flops, loss); fit L(C) on the frontier."""
+    opt = as_optimal(data, needs=("flops",))
+    warnings = list(opt.warnings)
+    best = opt.best_points()
+    point_keys = [k for k in opt.keys if k != "sigma_base"]
+    points = best[[*point_keys, "sigma_base", "best_lr", "flops", "best_loss", "best_trial_ids"]]
+    points = points.rename(columns={"best_loss": "loss", "best_trial_ids": "trial_ids"})
+    flops = points["flops"].to_numpy(dtype=float)
+    has_flops = np.isfinite(flops) & (flops > 0)
+    fits: dict[str, PowerLawFit] = {}
+    reasons: dict[str, NotEnoughData] = {}
+    for arm in sorted(set(opt.shapes["arm"])):
+        if not has_flops[points["arm"].to_numpy() == arm].any():
+            reasons[arm] = NotEnoughData(f"the loss-vs-compute fit of arm {arm}",
+                                         "no shape has a completed run with a recorded flops value")
+    points = points[has_flops].reset_index(drop=True)
+    points["on_frontier"] = frontier_mask(points["flops"].to_numpy(), points["loss"].to_numpy(),
+                                          points["arm"].to_numpy())
+    points["residual_log"] = np.nan
+    for i, (arm, pts) in enumerate(points.groupby("arm", sort=True)):
+        front = pts[pts["on_frontier"]]
+        fit = fit_power_law(
+            front["flops"].to_numpy(), front["loss"].to_numpy(), bootstrap=bootstrap,
+            seed=None if seed is None else seed + i, ci=ci, f_scale=f_scale,
+            trial_ids=front["trial_ids"].tolist(), what=f"the loss-vs-compute fit of arm {arm}",
+        )
+        fits[str(arm)] = fit
+        if fit.ok:
+            points.loc[front.index, "residual_log"] = fit.residuals
+        else:
+            reasons[str(arm)] = fit.reason  # type: ignore[assignment]
+    reason = None
+    if opt.reason is not None and points.empty:
+        reason = NotEnoughData("the loss-vs-compute frontier", opt.reason.because)
+    elif not any(f.ok for f in fits.values()):
+        because = "; ".join(r.message for r in reasons.values()) or "no shape has a best point"
+        reason = NotEnoughData("the loss-vs-compute frontier", because)
+    return FrontierResult(points, fits, reasons, reason, warnings)

@@ -1,0 +1,225 @@
+"""Robust fit of loss against compute, L(C) = E + A * C^(-b), and its inverse C(L)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from .errors import NotEnoughData
+from .serialize import json_safe
+from .stats import bootstrap_indices, percentile_ci
+
+# Parameters are p = (log E, log A', log b) with A' = A * C0^(-b): logs keep E, A, b positive
+# and C0 (the geometric mean of the compute) keeps A' of order one for the optimiser.
+_N_E_PROFILE = 48
+_LOG_B_BOUNDS = (np.log(1e-4), np.log(5.0))
+
+
+@dataclass
+class PowerLawFit:
+    """L(C) = E + A * C^(-b) fitted on (compute, loss) points; None-like NaNs if no fit."""
+
+    E: float
+    A: float
+    b: float
+    c_scale: float
+    compute: np.ndarray
+    loss: np.ndarray
+    residuals: np.ndarray
+    trial_ids: list[list[str]] = field(default_factory=list)
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ci_level: float = 0.95
+    reliable: bool = False
+    warnings: list[str] = field(default_factory=list)
+    reason: NotEnoughData | None = None
+    boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 3)))
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    @property
+    def loss_range(self) -> tuple[float, float]:
+        if self.loss.size == 0:
+            return (float("nan"), float("nan"))
+        return (float(self.loss.min()), float(self.loss.max()))
+
+    @property
+    def compute_range(self) -> tuple[float, float]:
+        if self.compute.size == 0:
+            return (float("nan"), float("nan"))
+        return (float(self.compute.min()), float(self.compute.max()))
+
+    def predict(self, compute: float | Sequence[float] | np.ndarray) -> np.ndarray:
+        c = np.asarray(compute, dtype=float)
+        return self.E + self.A * c ** (-self.b)
+
+    def compute_for_loss(self, loss: float | Sequence[float] | np.ndarray) -> np.ndarray:
+        """Inverse of the fit; NaN where the loss is at or below the asymptote E."""
+        return _invert(np.asarray(loss, dtype=float), self.E, self.A * self.c_scale ** -self.b,
+                       self.b, self.c_scale)
+
+    def boot_compute_for_loss(self, loss: np.ndarray) -> np.ndarray:
+        """Inverse under each bootstrap refit; shape (n_boot, len(loss))."""
+        p = self.boot_params
+        if p.size == 0:
+            return np.empty((0, np.size(loss)))
+        return _invert(np.asarray(loss, dtype=float)[None, :], p[:, :1], p[:, 1:2], p[:, 2:3],
+                       self.c_scale)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "E": self.E,
+                "A": self.A,
+                "b": self.b,
+                "ci": {k: list(v) for k, v in self.ci.items()},
+                "ci_level": self.ci_level,
+                "n_points": int(self.compute.size),
+                "loss_range": list(self.loss_range),
+                "compute_range": list(self.compute_range),
+                "inputs": [
+                    {"compute": c, "loss": v, "residual_log": r, "trial_ids": ids}
+                    for c, v, r, ids in zip(
+                        self.compute, self.loss, self.residuals,
+                        self.trial_ids or [[] for _ in self.compute], strict=True,
+                    )
+                ],
+                "n_bootstrap": int(len(self.boot_params)),
+                "reliable": self.reliable,
+                "warnings": self.warnings,
+                "reason": self.reason,
+            }
+        )
+
+
+def _invert(loss: np.ndarray, e: Any, a_scaled: Any, b: Any, c_scale: float) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        excess = loss - e
+        c = c_scale * (excess / a_scaled) ** (-1.0 / b)
+    return np.where(excess > 0, c, np.nan)
+
+
+def _model(p: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(p[0], p[1] - np.exp(p[2]) * x)
+
+
+def _solve(x: np.ndarray, y: np.ndarray, p0: np.ndarray, bounds: tuple, f_scale: float) -> Any:
+    def residual(p: np.ndarray) -> np.ndarray:
+        return _model(p, x) - y
+
+    def jac(p: np.ndarray) -> np.ndarray:
+        f = _model(p, x)
+        b = np.exp(p[2])
+        w_e = np.exp(p[0] - f)
+        w_a = np.exp(p[1] - b * x - f)
+        return np.column_stack([w_e, w_a, -w_a * x * b])
+
+    p0 = np.clip(p0, bounds[0] + 1e-9, bounds[1] - 1e-9)
+    return least_squares(residual, p0, jac=jac, bounds=bounds, loss="soft_l1",
+                         f_scale=f_scale, x_scale="jac", max_nfev=2000)
+
+
+def _starts(x: np.ndarray, logy: np.ndarray, f_scale: float, keep: int = 2) -> list[np.ndarray]:
+    """Best starting points from a profile over E: for fixed E the model is linear in log space.
+
+    log(L - E) = log A' - b*x is solved by OLS for many E at once, and the E values with the
+    lowest robust cost seed the nonlinear fit.
+    """
+    y_min = float(np.exp(logy.min()))
+    e = y_min * (1.0 - np.geomspace(1e-3, 0.999, _N_E_PROFILE))
+    z = np.log(np.exp(logy)[None, :] - e[:, None])
+    xc = x - x.mean()
+    b = np.clip(-((z - z.mean(axis=1, keepdims=True)) @ xc) / (xc @ xc), 1e-4, 5.0)
+    a = z.mean(axis=1) + b * x.mean()
+    r = np.logaddexp(np.log(e)[:, None], a[:, None] - b[:, None] * x[None, :]) - logy[None, :]
+    cost = np.sum(np.sqrt(1.0 + (r / f_scale) ** 2) - 1.0, axis=1)
+    return [np.array([np.log(e[i]), a[i], np.log(b[i])]) for i in np.argsort(cost)[:keep]]
+
+
+def _nan_fit(compute: np.ndarray, loss: np.ndarray, ids: list[list[str]], reason: NotEnoughData,
+             warnings: list[str]) -> PowerLawFit:
+    nan = float("nan")
+    return PowerLawFit(nan, nan, nan, nan, compute, loss, np.full(loss.shape, np.nan), ids,
+                       reliable=False, warnings=warnings, reason=reason)
+
+
+def fit_power_law(
+    compute: Sequence[float] | np.ndarray,
+    loss: Sequence[float] | np.ndarray,
+    *,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    f_scale: float = 0.01,
+    trial_ids: Sequence[Sequence[str]] | None = None,
+    what: str = "the loss-vs-compute fit",
+) -> PowerLawFit:
+    """Fit L = E + A*C^(-b) with a soft-L1 loss on log residuals from a grid of starts.
+
+    `f_scale` is the log-residual size (about a relative error) beyond which points count
+    linearly, so a few bad runs do not drag the fit. The CI resamples points `bootstrap` times.
+    """
+    c = np.asarray(compute, dtype=float)
+    y = np.asarray(loss, dtype=float)
+    ids = [list(t) for t in trial_ids] if trial_ids is not None else [[] for _ in c]
+    good = np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0)
+    warnings: list[str] = []
+    if not good.all():
+        warnings.append(f"ignored {int((~good).sum())} points with missing/non-positive values")
+    c, y = c[good], y[good]
+    ids = [t for t, g in zip(ids, good, strict=True) if g]
+    if np.unique(c).size < 3:
+        because = f"it needs 3 distinct compute values and has {np.unique(c).size}"
+        return _nan_fit(c, y, ids, NotEnoughData(what, because), warnings)
+
+    c_scale = float(np.exp(np.mean(np.log(c))))
+    x = np.log(c / c_scale)
+    logy = np.log(y)
+    e_hi = np.log(y.min())
+    bounds = (np.array([e_hi - 20.0, -50.0, _LOG_B_BOUNDS[0]]),
+              np.array([e_hi, 50.0, _LOG_B_BOUNDS[1]]))
+    best = min((_solve(x, logy, p0, bounds, f_scale) for p0 in _starts(x, logy, f_scale)),
+               key=lambda r: r.cost)
+    p = best.x
+    E, a_scaled, b = float(np.exp(p[0])), float(np.exp(p[1])), float(np.exp(p[2]))
+    A = a_scaled * c_scale**b
+    residuals = logy - _model(p, x)
+
+    boot = np.empty((0, 3))
+    ci_map: dict[str, tuple[float, float]] = {}
+    if bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        fits = []
+        for idx in bootstrap_indices(rng, len(c), bootstrap, min_unique=3):
+            r = _solve(x[idx], logy[idx], p, bounds, f_scale)
+            fits.append(np.exp(r.x) if r.success else np.full(3, np.nan))
+        boot = np.array(fits).reshape(-1, 3)
+        if len(boot):
+            a_orig = boot[:, 1] * c_scale ** boot[:, 2]
+            for name, s in (("E", boot[:, 0]), ("A", a_orig), ("b", boot[:, 2])):
+                lo, hi = percentile_ci(s, ci)
+                ci_map[name] = (float(lo), float(hi))
+
+    problems: list[str] = []
+    n = len(c)
+    if n < 5:
+        problems.append(f"only {n} points for 3 parameters: the fit is barely determined")
+    span = np.log10(c.max() / c.min())
+    if span < 1.0:
+        problems.append(f"compute spans only {span:.2f} decades; E and b trade off")
+    if p[0] <= bounds[0][0] + 1e-3:
+        problems.append("E is driven to 0: the irreducible loss is not identified by this data")
+    if p[0] >= bounds[1][0] - 1e-3:
+        problems.append("E reached the lowest observed loss: the curve has not bent yet")
+    if p[2] <= bounds[0][2] + 1e-3 or p[2] >= bounds[1][2] - 1e-3:
+        problems.append(f"the exponent b={b:.3g} sits at its bound")
+    if "b" in ci_map and ci_map["b"][0] > 0 and ci_map["b"][1] / ci_map["b"][0] > 3:
+        problems.append("the exponent's CI spans more than a factor 3")
+    return PowerLawFit(E, A, b, c_scale, c, y, residuals, ids, ci_map, ci,
+                       reliable=not problems, warnings=warnings + problems,
+                       boot_params=boot)

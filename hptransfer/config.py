@@ -1,0 +1,86 @@
+"""Service settings, read from the environment.
+
+Everything defaults to one data directory (`HPT_HOME`, else `./.hpt`) holding three separate
+SQLite databases: the app's, Optuna's and MLflow's. They must stay separate databases because
+all three use an `alembic_version` table and MLflow and Optuna both have `trials`-like tables.
+Any URL can point at a server (PostgreSQL, an `mlflow server`) instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value that cannot be used."""
+
+
+def _env(name: str) -> str | None:
+    # An empty variable counts as unset, so `HPT_X= hpt ...` falls back to the default.
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _env_int(name: str, default: int, minimum: int = 1, maximum: int | None = None) -> int:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise SettingsError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SettingsError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    optuna_url: str
+    mlflow_uri: str
+    mlflow_artifacts: Path
+    ray_address: str | None
+    api_token: str | None
+    host: str
+    port: int
+    max_trials: int
+    cache_dir: Path
+
+    def ensure_dirs(self) -> Settings:
+        """Create the data directory and its sub-folders (call before using the defaults)."""
+        for path in (self.home, self.cache_dir, self.mlflow_artifacts):
+            path.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings as plain values, safe to print or log (the API token is masked)."""
+        out = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        if self.api_token:
+            out["api_token"] = "***"
+        return out
+
+
+def get_settings() -> Settings:
+    """Read the settings from the environment now (no caching, so tests can monkeypatch it)."""
+    # Absolute so the sqlite:/// URLs below do not depend on a later working directory.
+    home = Path(_env("HPT_HOME") or ".hpt").expanduser().resolve()
+    return Settings(
+        home=home,
+        database_url=_env("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
+        optuna_url=_env("HPT_OPTUNA_URL") or f"sqlite:///{home / 'optuna.db'}",
+        mlflow_uri=_env("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
+        mlflow_artifacts=home / "mlartifacts",
+        ray_address=_env("RAY_ADDRESS"),
+        api_token=_env("HPT_API_TOKEN"),
+        host=_env("HPT_HOST") or "127.0.0.1",
+        port=_env_int("HPT_PORT", 8600, maximum=65535),
+        max_trials=_env_int("HPT_MAX_TRIALS", 5000),
+        cache_dir=home / "cache",
+    )

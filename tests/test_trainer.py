@@ -1,0 +1,109 @@
+"""run_trial on the embedded corpus: learning, divergence, determinism, reporting, bad specs."""
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from hptransfer.workers.trainer import run_trial
+from hptransfer.workers.trial import Schedule, TrialSpec
+
+SMALL = dict(width=64, depth=2, head_dim=32, batch_size=8, seq_len=32,
+             data={"val_tokens": 2048}, budget={"steps": 30})
+
+
+def spec(**kw):
+    return TrialSpec(**{**SMALL, **kw})
+
+
+@pytest.mark.parametrize(
+    "arch, param, lr, opts",
+    [
+        ("gpt", "completep", 2**-5, {}),
+        ("gpt", "sp", 2**-7, {}),
+        ("gpt", "mup", 2**-5, {"x0_mixing": True, "extra_embeddings": 1, "value_embeddings": 1}),
+        ("ngpt", "ngpt", 2**-5, {}),
+    ],
+)
+def test_loss_decreases_on_embedded_corpus(arch, param, lr, opts, tmp_path):
+    r = run_trial(spec(arch=arch, parameterization=param, lr=lr, arch_options=opts),
+                  cache_dir=str(tmp_path))
+    assert r.status == "completed", r.error
+    first = r.curve[0]["train_loss"]
+    assert abs(first - math.log(256)) < 0.5  # starts near uniform over bytes
+    assert r.final_val_loss < math.log(256) - 1.0
+    assert r.tokens == 30 * 8 * 32 and r.steps == 30
+    assert r.flops == pytest.approx(r.flops_per_token * r.tokens)
+    assert r.param_table["groups"] and r.data_hash and r.spec_hash
+
+
+def test_huge_lr_diverges_early(tmp_path):
+    r = run_trial(spec(lr=100.0, budget={"steps": 200}), cache_dir=str(tmp_path))
+    assert r.status == "diverged"
+    assert r.steps < 200 and r.final_val_loss is None and r.error is None
+
+
+def test_same_spec_same_loss(tmp_path):
+    a = run_trial(spec(lr=2**-6, seed=3), cache_dir=str(tmp_path))
+    b = run_trial(spec(lr=2**-6, seed=3), cache_dir=str(tmp_path))
+    c = run_trial(spec(lr=2**-6, seed=4), cache_dir=str(tmp_path))
+    assert a.final_val_loss == b.final_val_loss
+    assert a.final_val_loss != c.final_val_loss
+
+
+def test_reporter_sees_val_loss_and_can_prune(tmp_path):
+    seen = []
+
+    def reporter(m):
+        seen.append(m)
+        return "val_loss" in m and m["step"] >= 10  # stop at the first evaluation past step 10
+
+    r = run_trial(spec(eval_every=5), reporter=reporter, cache_dir=str(tmp_path))
+    assert r.status == "pruned"
+    assert r.steps == 10
+    assert [m["step"] for m in seen if "val_loss" in m] == [5, 10]
+
+
+def test_tokens_per_param_budget(tmp_path):
+    s = spec(budget={"tokens_per_param": 0.5})
+    r = run_trial(s, cache_dir=str(tmp_path))
+    assert r.tokens == math.ceil(0.5 * r.params_non_embedding / 256) * 256
+
+
+def test_failed_trial_reports_error(tmp_path):
+    r = run_trial(spec(data={"source": str(tmp_path / "missing.bin"), "vocab_size": 256}))
+    assert r.status == "failed"
+    assert "does not exist" in r.error or "not found" in r.error.lower()
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(width=100), "divisible"),
+        (dict(parameterization="ngpt"), "only for arch 'ngpt'"),
+        (dict(lr=0), "lr"),
+        (dict(budget={"steps": 10, "tokens": 5}), "exactly one"),
+        (dict(unknown_field=1), "unknown_field"),
+        (dict(parameterization="depth_alpha", alpha=2.0), "alpha"),
+    ],
+)
+def test_bad_specs_rejected(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        spec(**bad)
+
+
+def test_schedules():
+    s = Schedule(warmup_fraction=0.1, decay="linear")
+    assert s.factor(0, 100) == pytest.approx(0.1)
+    assert s.factor(9, 100) == pytest.approx(1.0)
+    assert s.factor(55, 100) == pytest.approx(0.5)
+    cos = Schedule(warmup_fraction=0.0, decay="cosine")
+    assert cos.factor(50, 100) == pytest.approx(0.5)
+    wsd = Schedule(warmup_fraction=0.0, decay="wsd", wsd_decay_fraction=0.2)
+    assert wsd.factor(70, 100) == 1.0 and wsd.factor(90, 100) == pytest.approx(0.5)
+    assert Schedule(warmup_fraction=0.5).factor(0, 10, warmup=False) == 1.0
+
+
+def test_content_hash_ignores_device_only():
+    assert spec(device="cpu").content_hash() == spec(device="auto").content_hash()
+    assert spec(lr=0.1).content_hash() != spec(lr=0.2).content_hash()
