@@ -132,6 +132,98 @@ def cmd_train(a: argparse.Namespace) -> int:
     return 0 if result.status != "failed" else 1
 
 
+def _client(a: argparse.Namespace):
+    from hptransfer.client import Client
+
+    return Client(a.url, token=a.token)
+
+
+def _print_summary(s: dict) -> None:
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(s["counts"].items()) if v)
+    eta = f"  eta {s['eta_s']:.0f}s" if s.get("eta_s") else ""
+    print(f"{s['id']}  {s['name']:<24} {s['status']:<10} {s['done']}/{s['total']}  "
+          f"[{counts}]{eta}")
+
+
+@command("serve")
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hptransfer.api import create_app
+    from hptransfer.config import get_settings
+
+    settings = get_settings()
+    host, port = a.host or settings.host, a.port or settings.port
+    if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_token:
+        print("warning: serving on a non-loopback address without HPT_API_TOKEN", file=sys.stderr)
+    print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=a.log_level)
+    return 0
+
+
+@command("submit")
+def cmd_submit(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        s = c.submit(a.spec)
+        print(f"submitted sweep {s['id']} ({s['total']} trials)")
+        if a.wait:
+            s = c.wait(s["id"])
+        _print_summary(s)
+    return 0
+
+
+@command("status")
+def cmd_status(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        sweeps = [c.get(a.id)] if a.id else c.list()
+        if a.json:
+            print(json.dumps(sweeps, indent=2, default=str))
+        for s in [] if a.json else sweeps:
+            _print_summary(s)
+    return 0
+
+
+@command("trials")
+def cmd_trials(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        df = c.trials(a.id, status=a.status)
+    cols = [k for k in ("id", "arm", "width", "depth", "lr", "seed", "status", "final_val_loss",
+                        "attempts", "wall_time_s") if k in df.columns]
+    if a.csv:
+        df.drop(columns=[k for k in ("spec", "result") if k in df.columns]).to_csv(
+            sys.stdout, index=False)
+    else:
+        print(df[cols].to_string(index=False) if len(df) else "no trials")
+    return 0
+
+
+@command("cancel")
+def cmd_cancel(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        _print_summary(c.cancel(a.id))
+    return 0
+
+
+@command("mlflow-ui")
+def cmd_mlflow_ui(a: argparse.Namespace) -> int:
+    import subprocess
+
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.tracking import ui_command
+
+    settings = get_settings()
+    cmd = ui_command(settings.mlflow_uri, a.host, a.port)
+    print(f"MLflow UI on http://{a.host}:{a.port} for {settings.mlflow_uri}")
+    return subprocess.call(cmd)
+
+
+@command("demo")
+def cmd_demo(a: argparse.Namespace) -> int:
+    from hptransfer.demo import run_demo
+
+    return run_demo(spec_path=a.spec, out_dir=a.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +256,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run one trial from a TrialSpec YAML/JSON file")
     p.add_argument("spec")
     p.add_argument("--json", action="store_true")
+
+    def client_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", default=None, help="API URL (default $HPT_URL or "
+                       "http://127.0.0.1:8600)")
+        p.add_argument("--token", default=None, help="bearer token (default $HPT_API_TOKEN)")
+
+    p = sub.add_parser("serve", help="API + dispatcher + Ray + MLflow tracking")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--log-level", default="info")
+
+    p = sub.add_parser("submit", help="submit a sweep spec (YAML or JSON file)")
+    p.add_argument("spec")
+    p.add_argument("--wait", action="store_true", help="wait with a progress bar")
+    client_args(p)
+
+    p = sub.add_parser("status", help="one sweep, or all")
+    p.add_argument("id", nargs="?")
+    p.add_argument("--json", action="store_true")
+    client_args(p)
+
+    p = sub.add_parser("trials", help="the trials of a sweep")
+    p.add_argument("id")
+    p.add_argument("--status", default=None)
+    p.add_argument("--csv", action="store_true")
+    client_args(p)
+
+    p = sub.add_parser("cancel", help="cancel a sweep")
+    p.add_argument("id")
+    client_args(p)
+
+    p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+
+    p = sub.add_parser("demo", help="a small real sweep on the CPU, end to end")
+    p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_small.yaml)")
+    p.add_argument("--out", default=None, help="where dashboards go (default $HPT_HOME/demo)")
     return parser
 
 
@@ -173,6 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
         print(f"hpt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # ApiError and unreachable servers
+        from hptransfer.client import ApiError
+
+        if not isinstance(exc, ApiError):
+            raise
+        print(f"hpt {args.command}: {exc.message}", file=sys.stderr)
+        for e in exc.errors:
+            print(f"  {e['field']}: {e['message']}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/pip install -q "torch==2.13.0" || .venv/bin/pip install -q "torch>=2.4,<2.14"
   fi
-  .venv/bin/pip install -q -e ".[dev]"
+  .venv/bin/pip install -q -e ".[dev]" 2> >(grep -v "is ignored" >&2)
   touch "$stamp"
 fi

@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
-from scipy.special import huber, logsumexp
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .serialize import frame_records, json_safe
-from .stats import bootstrap_indices, percentile_ci
+from .stats import bootstrap_indices, percentile_ci, single_threaded_blas
 from .trials import Trials
 
 _GRID_A = np.arange(0.0, 26.0, 5.0)
@@ -136,25 +135,32 @@ class _Objective:
         self.log_loss = np.log(loss)
         self.delta = delta
 
-    def terms(self, theta: np.ndarray) -> np.ndarray:
-        """(..., 3, n) log terms for θ' of shape (..., 5)."""
+    def _lse_and_weights(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """log(E + A/N^α + B/D^β) per point, and each term's share, for θ' of shape (..., 5)."""
         a, b, e, al, be = (theta[..., i, None] for i in range(5))
-        return np.stack([a - al * self.u, b - be * self.v, np.broadcast_to(e, a.shape[:-1] +
-                                                                          self.u.shape)], axis=-2)
+        terms = np.stack(np.broadcast_arrays(a - al * self.u, b - be * self.v, e), axis=-2)
+        # Hand-written log-sum-exp: scipy's is several times slower on these small arrays.
+        top = terms.max(axis=-2, keepdims=True)
+        ex = np.exp(terms - top)
+        total = ex.sum(axis=-2, keepdims=True)
+        return (top + np.log(total))[..., 0, :], ex / total
+
+    def _huber(self, r: np.ndarray) -> np.ndarray:
+        d = self.delta
+        ar = np.abs(r)
+        return np.where(ar <= d, 0.5 * r * r, d * (ar - 0.5 * d)).sum(axis=-1) / d**2
 
     def value(self, theta: np.ndarray) -> np.ndarray:
-        r = logsumexp(self.terms(theta), axis=-2) - self.log_loss
-        return huber(self.delta, r).sum(axis=-1) / self.delta**2
+        lse, _ = self._lse_and_weights(theta)
+        return self._huber(lse - self.log_loss)
 
     def value_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
-        t = self.terms(theta)
-        lse = logsumexp(t, axis=0)
-        w = np.exp(t - lse)
+        lse, w = self._lse_and_weights(theta)
         r = lse - self.log_loss
         psi = np.clip(r, -self.delta, self.delta) / self.delta**2
         grad = np.array([psi @ w[0], psi @ w[1], psi @ w[2], -psi @ (w[0] * self.u),
                          -psi @ (w[1] * self.v)])
-        return float(huber(self.delta, r).sum() / self.delta**2), grad
+        return float(self._huber(r)), grad
 
     def to_centred(self, a: Any, b: Any, e: Any, alpha: Any, beta: Any) -> np.ndarray:
         return np.stack(np.broadcast_arrays(a - alpha * self.mean_n, b - beta * self.mean_d, e,
@@ -167,15 +173,15 @@ class _Objective:
                          al, be], axis=-1)
 
 
-def _bounds(obj: _Objective) -> list[tuple[float, float]]:
-    return [(-60.0, 60.0), (-60.0, 60.0), (-10.0, 10.0), _EXP_BOUNDS, _EXP_BOUNDS]
+# Bounds on θ' = (a', b', e, α, β); exponents stay positive so the terms stay decreasing.
+_BOUNDS = [(-60.0, 60.0), (-60.0, 60.0), (-10.0, 10.0), _EXP_BOUNDS, _EXP_BOUNDS]
+_LO = np.array([b[0] for b in _BOUNDS])
+_HI = np.array([b[1] for b in _BOUNDS])
 
 
 def _refine(obj: _Objective, theta0: np.ndarray) -> Any:
-    lo = np.array([b[0] for b in _bounds(obj)])
-    hi = np.array([b[1] for b in _bounds(obj)])
-    return minimize(obj.value_and_grad, np.clip(theta0, lo, hi), jac=True, method="L-BFGS-B",
-                    bounds=_bounds(obj),
+    return minimize(obj.value_and_grad, np.clip(theta0, _LO, _HI), jac=True, method="L-BFGS-B",
+                    bounds=_BOUNDS,
                     options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-10})
 
 
@@ -204,6 +210,26 @@ def fit_chinchilla(
     `top_k` grid starts with the lowest objective are refined by L-BFGS-B and the best kept.
     The CI resamples points `bootstrap` times, refining from the full-data optimum.
     """
+    with single_threaded_blas():
+        return _fit_chinchilla(
+            n, d, loss, delta=delta, bootstrap=bootstrap, seed=seed, ci=ci, top_k=top_k,
+            trial_ids=trial_ids, what=what,
+        )
+
+
+def _fit_chinchilla(
+    n: Sequence[float] | np.ndarray,
+    d: Sequence[float] | np.ndarray,
+    loss: Sequence[float] | np.ndarray,
+    *,
+    delta: float = 1e-3,
+    bootstrap: int = 0,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    top_k: int = 5,
+    trial_ids: Sequence[Sequence[str]] | None = None,
+    what: str = "the Chinchilla fit",
+) -> ChinchillaFit:
     n_arr = np.asarray(n, dtype=float)
     d_arr = np.asarray(d, dtype=float)
     y = np.asarray(loss, dtype=float)
@@ -244,10 +270,11 @@ def fit_chinchilla(
         rows = []
         for idx in bootstrap_indices(rng, len(y), bootstrap, min_unique=6):
             sub = _Objective(n_arr[idx], d_arr[idx], y[idx], delta)
-            # Same centring constants as the full fit is not needed: convert via raw params.
+            # Each resample has its own centring, so start from the full fit's raw parameters.
             start = sub.to_centred(np.log(A), np.log(B), np.log(E), alpha, beta)
             r = _refine(sub, start)
-            rows.append(sub.from_centred(r.x) if r.success else np.full(5, np.nan))
+            # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
+            rows.append(sub.from_centred(r.x) if np.isfinite(r.fun) else np.full(5, np.nan))
         boot = np.array(rows).reshape(-1, 5)
         if len(boot):
             for k, name in enumerate(PARAM_NAMES):
@@ -264,8 +291,9 @@ def fit_chinchilla(
     for name, value in (("alpha", alpha), ("beta", beta)):
         if value <= _EXP_BOUNDS[0] * 1.01 or value >= _EXP_BOUNDS[1] * 0.99:
             problems.append(f"{name}={value:.3g} sits at its bound")
-    if not best.success:
-        problems.append(f"L-BFGS-B did not converge: {best.message}")
+    agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
+    if agree < 2 and len(runs) > 1:
+        warnings.append("only one start reached the best objective; the optimum may be local")
     return ChinchillaFit(E, A, B, alpha, beta, n_arr, d_arr, y, residuals, float(best.fun), ids,
                          ci_map, ci, reliable=not problems, warnings=warnings + problems,
                          boot_params=boot)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
+
+try:  # optional: present in most scientific stacks, not a hard dependency of this package
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover - depends on the environment
+    threadpool_limits = None
 
 
 def percentile_ci(samples: np.ndarray, level: float = 0.95, axis: int = 0) -> np.ndarray:
@@ -21,3 +27,15 @@ def bootstrap_indices(
     """Resamples of range(n) with replacement, skipping ones with too few distinct points."""
     draws = rng.integers(0, n, size=(n_resamples, n))
     return [idx for idx in draws if np.unique(idx).size >= min_unique]
+
+
+def single_threaded_blas() -> AbstractContextManager[object]:
+    """Run BLAS single-threaded inside the block, when threadpoolctl is available.
+
+    SciPy >= 1.15 L-BFGS-B calls LAPACK on tiny matrices; with a multi-threaded OpenBLAS on a
+    busy machine each call can cost milliseconds (scipy issue #22438). One thread is fastest
+    for these small fits.
+    """
+    if threadpool_limits is None:
+        return nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")

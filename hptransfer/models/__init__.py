@@ -2,15 +2,21 @@
 
 from .build import BuiltModel, build_from_config, build_model, table_for
 from .config import ForwardMultipliers, ModelConfig, ModelConfigError
+from .flops import FlopBreakdown, ParamCounts, flops_per_token, param_counts, training_flops
 from .parameterization import (
-    ParamGroup,
     Parameterization,
     ParameterizationError,
+    ParamGroup,
     ParamTable,
     optimizer_groups,
 )
 
 __all__ = [
+    "FlopBreakdown",
+    "ParamCounts",
+    "flops_per_token",
+    "param_counts",
+    "training_flops",
     "BuiltModel",
     "ForwardMultipliers",
     "ModelConfig",

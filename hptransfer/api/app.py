@@ -1,0 +1,79 @@
+"""create_app: the FastAPI application with its coordinator and error handlers."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hptransfer.config import Settings
+from hptransfer.sweeper.service import Coordinator, NotFound
+from hptransfer.sweeper.spec import SpecError
+
+from .routes import router
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.coordinator = Coordinator(settings, dispatch=dispatch)
+        app.state.coordinator.start()
+        try:
+            yield
+        finally:
+            app.state.coordinator.stop()
+
+    app = FastAPI(
+        title="hptransfer",
+        version="0.1.0",
+        description="Hyper-parameter transfer sweeps: submit, watch, cancel; fits and dashboards.",
+        lifespan=lifespan,
+    )
+    app.include_router(router)
+    _install_error_handlers(app)
+    return app
+
+
+def _error(status: int, message: str, errors: list[dict] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message, "errors": errors or []})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SpecError)
+    async def spec_error(_: Request, exc: SpecError) -> JSONResponse:
+        return _error(422, "invalid sweep spec: " + "; ".join(
+            f"{e['field']}: {e['message']}" for e in exc.errors), exc.errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = _error(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(NotFound)
+    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]}
+                  for e in exc.errors()]
+        return _error(422, "invalid request: " + "; ".join(
+            f"{e['field']}: {e['message']}" for e in errors), errors)
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
+        log.error("database error: %s", exc)
+        return _error(503, "the database is unavailable; retry shortly")
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log")

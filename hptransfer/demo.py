@@ -1,0 +1,61 @@
+"""`hpt demo`: a small real sweep on the CPU through the whole path
+(spec -> REST API -> database -> Ray -> trainer -> MLflow), then the fits and dashboards."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from hptransfer.api.server import serve_in_thread
+from hptransfer.client import Client
+from hptransfer.config import get_settings
+
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_small.yaml"
+
+
+def best_lr_table(df) -> str:
+    """Per arm and shape: the best LR on the grid and its loss (seeds averaged)."""
+    done = df[df["status"] == "completed"]
+    if done.empty:
+        return "no completed trials"
+    mean = done.groupby(["arm", "depth", "width", "lr"], as_index=False)["final_val_loss"].mean()
+    best = mean.loc[mean.groupby(["arm", "depth", "width"])["final_val_loss"].idxmin()]
+    diverged = (df[df["status"] == "diverged"].groupby(["arm", "depth", "width"]).size()
+                .rename("n_diverged"))
+    best = best.join(diverged, on=["arm", "depth", "width"]).fillna({"n_diverged": 0})
+    best["log2_lr"] = best["lr"].map(lambda v: f"{math.log2(v):+.1f}")
+    return best[["arm", "depth", "width", "lr", "log2_lr", "final_val_loss", "n_diverged"]] \
+        .to_string(index=False)
+
+
+def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
+    settings = get_settings()
+    spec_path = spec_path or str(DEFAULT_SPEC)
+    out = Path(out_dir) if out_dir else settings.home / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"hptransfer demo: data dir {settings.home}, spec {spec_path}")
+    t0 = time.time()
+    with serve_in_thread(settings) as url, Client(url, token=settings.api_token) as client:
+        sweep = client.submit(spec_path)
+        print(f"sweep {sweep['id']}: {sweep['total']} trials, running on Ray ...")
+        sweep = client.wait(sweep["id"])
+        df = client.trials(sweep["id"])
+        print(f"\nsweep {sweep['status']} in {time.time() - t0:.0f} s: "
+              + ", ".join(f"{k} {v}" for k, v in sweep["counts"].items() if v))
+        print("\nbest LR per shape (grid argmin, seeds averaged)\n" + best_lr_table(df))
+        _print_fits(client, sweep["id"], out, url)
+    print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`)")
+    return 0 if sweep["status"] == "completed" else 1
+
+
+def _print_fits(client: Client, sweep_id: str, out: Path, url: str) -> None:
+    """Fits and dashboards, where the analysis layer is available."""
+    fits = getattr(client, "fits_text", None)
+    if fits is None:
+        return
+    print("\n" + fits(sweep_id))
+    saver = getattr(client, "save_dashboard", None)
+    if saver is not None:
+        path = saver(sweep_id, out)
+        print(f"\ndashboard written to {path}")

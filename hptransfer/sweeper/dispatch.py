@@ -1,0 +1,302 @@
+"""The dispatch loop: lease pending trials, run them as Ray tasks, write results back.
+
+One coordinator per app database. Retry policy lives here, not in Ray (tasks run with
+max_retries=0) so every attempt is visible in the trial row: worker death, node death and
+OOM kills go back to pending until the sweep's retry limit; a Python exception inside
+training comes back as a `failed` TrialResult and is final. A freed slot is refilled in the
+same tick, so a pruned or finished trial starts the next one immediately.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import (
+    NodeDiedError,
+    ObjectLostError,
+    OutOfMemoryError,
+    RayActorError,
+    TaskCancelledError,
+    WorkerCrashedError,
+)
+
+from hptransfer.config import Settings
+from hptransfer.workers.remote import execute_trial
+
+from .optuna_search import OptunaSearch
+from .plan import ShapeKey, plan_shapes, trial_for
+from .progress import ProgressBoard
+from .spec import SweepSpec
+from .store import Store
+from .tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
+ACTIVE = ("pending", "running")
+
+
+@dataclass
+class InFlight:
+    trial: dict[str, Any]
+    ref: ray.ObjectRef
+    run_id: str | None
+    submitted: float = field(default_factory=time.time)
+
+
+def init_ray(settings: Settings) -> None:
+    """Join RAY_ADDRESS when set, else start an in-process local cluster."""
+    if ray.is_initialized():
+        return
+    if settings.ray_address:
+        ray.init(address=settings.ray_address, ignore_reinit_error=True, log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
+                 num_gpus=None)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        tracker: Tracker | None = None,
+        owner: str | None = None,
+        poll_interval: float = 0.2,
+        on_sweep_finished: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store, self.settings, self.tracker = store, settings, tracker
+        self.owner = owner or f"coord-{uuid.uuid4().hex[:10]}"
+        self.poll_interval = poll_interval
+        self.on_sweep_finished = on_sweep_finished
+        self.in_flight: dict[str, InFlight] = {}
+        self.optuna = OptunaSearch(settings.optuna_url)
+        self._specs: dict[str, SweepSpec] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._board = None
+        self._remote = None
+        self.last_error: str | None = None
+
+    # lifecycle -----------------------------------------------------------------------
+    def start(self, background: bool = True) -> None:
+        init_ray(self.settings)
+        self._board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        self._remote = ray.remote(execute_trial)
+        n = self.store.requeue_orphans(self.owner)
+        if n:
+            log.warning("re-queued %d trials left running by a previous coordinator", n)
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="hpt-dispatch", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.run_once()
+                self.last_error = None
+            except Exception as exc:  # keep dispatching; surface the problem in /health
+                log.exception("dispatch tick failed")
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                busy = False
+            if not busy:
+                self._stop.wait(self.poll_interval)
+
+    def run_until_idle(self, sweep_id: str, timeout: float = 3600) -> None:
+        """Drive the loop in this thread until the sweep has no active trials (tests, demo)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self.run_once():
+                time.sleep(self.poll_interval)
+            sweep = self.store.get_sweep(sweep_id)
+            if sweep["status"] not in ACTIVE and not self._in_flight_for(sweep_id):
+                return
+        raise TimeoutError(f"sweep {sweep_id} still running after {timeout} s")
+
+    # one tick ------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        self._cancel_cancelled()
+        self._relay_progress()
+        collected = self._collect()
+        started = self._fill()
+        return bool(collected or started)
+
+    def _in_flight_for(self, sweep_id: str) -> list[InFlight]:
+        return [f for f in self.in_flight.values() if f.trial["sweep_id"] == sweep_id]
+
+    def _spec(self, sweep: dict[str, Any]) -> SweepSpec:
+        if sweep["id"] not in self._specs:
+            self._specs[sweep["id"]] = SweepSpec.model_validate(sweep["spec"])
+        return self._specs[sweep["id"]]
+
+    def _cancel_cancelled(self) -> None:
+        for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
+            if self.store.get_sweep(sweep_id)["status"] == "cancelled":
+                for f in self._in_flight_for(sweep_id):
+                    ray.cancel(f.ref, force=True)
+
+    def _relay_progress(self) -> None:
+        updates = ray.get(self._board.drain.remote())
+        for trial_id, points in updates.items():
+            f = self.in_flight.get(trial_id)
+            if f is None:
+                continue
+            if self.tracker and f.run_id:
+                self.tracker.log_metrics(f.run_id, points)
+            if f.trial.get("optuna_trial_number") is not None:
+                for p in points:
+                    val = p.get("val_loss")
+                    if val is not None and self.optuna.should_prune(trial_id, p["step"], val):
+                        self._board.request_stop.remote(trial_id)
+                        break
+
+    def _collect(self) -> int:
+        if not self.in_flight:
+            return 0
+        refs = [f.ref for f in self.in_flight.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        by_ref = {f.ref: tid for tid, f in self.in_flight.items()}
+        for ref in ready:
+            self._finish(by_ref[ref], ref)
+        return len(ready)
+
+    def _finish(self, trial_id: str, ref: ray.ObjectRef) -> None:
+        f = self.in_flight.pop(trial_id)
+        sweep_id = f.trial["sweep_id"]
+        status, result, error = None, None, None
+        try:
+            result = ray.get(ref)
+            status, error = result["status"], result.get("error")
+            self.store.finish_trial(trial_id, status, result, error, result.get("worker_node"))
+        except TaskCancelledError:
+            status = "cancelled"
+            self.store.mark_cancelled(trial_id)
+        except RETRYABLE as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            status = self.store.requeue(trial_id, error)  # "pending" or "failed"
+            log.warning("trial %s lost its worker (%s); now %s", trial_id, error[:200], status)
+        except Exception as exc:  # anything else escaping the task is final
+            status, error = "failed", f"{type(exc).__name__}: {exc}"
+            self.store.finish_trial(trial_id, "failed", None, error)
+        self._board.forget.remote(trial_id)
+        if self.tracker and f.run_id:
+            self.tracker.finish_trial(f.run_id, result or {"error": error}, status
+                                      if status != "pending" else "failed")
+        if f.trial.get("optuna_trial_number") is not None and status != "pending":
+            self._tell_optuna(f.trial, status, result)
+        self.optuna.forget(trial_id)
+        self._refresh(sweep_id)
+
+    def _refresh(self, sweep_id: str) -> None:
+        before = self.store.get_sweep(sweep_id)["status"]
+        after = self.store.refresh_sweep_status(sweep_id)
+        if before in ACTIVE and after not in ACTIVE:
+            sweep = self.store.get_sweep(sweep_id)
+            if self.on_sweep_finished:
+                try:
+                    self.on_sweep_finished(sweep_id)
+                except Exception:
+                    log.exception("sweep-finished hook failed for %s", sweep_id)
+            if self.tracker and sweep.get("mlflow_run_id"):
+                self.tracker.finish_sweep(sweep["mlflow_run_id"], after)
+
+    # filling slots -------------------------------------------------------------------
+    def _capacity(self, spec: SweepSpec) -> int:
+        cpus = ray.cluster_resources().get("CPU", 1.0)
+        by_cpu = max(1, int(cpus // spec.resources.cpus)) if spec.resources.cpus else 1
+        if spec.resources.gpus:
+            gpus = ray.cluster_resources().get("GPU", 0.0)
+            by_cpu = min(by_cpu, max(1, int(gpus // spec.resources.gpus)))
+        return min(spec.max_concurrent, by_cpu)
+
+    def _fill(self) -> int:
+        started = 0
+        for sweep in self.store.list_sweeps(limit=10_000):
+            if sweep["status"] not in ACTIVE:
+                continue
+            spec = self._spec(sweep)
+            free = self._capacity(spec) - len(self._in_flight_for(sweep["id"]))
+            if free <= 0:
+                continue
+            if spec.search.method == "optuna":
+                self._ask_optuna(sweep, spec, free)
+            for trial in self.store.lease_pending(self.owner, free, sweep_id=sweep["id"]):
+                self._submit(sweep, spec, trial)
+                started += 1
+        return started
+
+    def _submit(self, sweep: dict[str, Any], spec: SweepSpec, trial: dict[str, Any]) -> None:
+        if self.tracker and not sweep.get("mlflow_run_id"):
+            ids = self.tracker.start_sweep(sweep["id"], sweep["name"], sweep["spec"], spec.tags)
+            if ids:
+                self.store.set_sweep_mlflow(sweep["id"], *ids)
+                sweep.update(mlflow_experiment_id=ids[0], mlflow_run_id=ids[1])
+        run_id = None
+        if self.tracker and sweep.get("mlflow_run_id"):
+            run_id = self.tracker.start_trial(
+                sweep["mlflow_experiment_id"], sweep["mlflow_run_id"], trial["id"],
+                trial["arm"], trial["spec"],
+            )
+            if run_id:
+                self.store.set_trial_mlflow(trial["id"], run_id)
+        trial_spec = dict(trial["spec"])
+        trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
+        options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
+        if spec.resources.gpus:
+            options["num_gpus"] = spec.resources.gpus
+        ref = self._remote.options(**options).remote(
+            trial_spec, trial["id"], self._board, str(self.settings.cache_dir)
+        )
+        self.in_flight[trial["id"]] = InFlight(trial, ref, run_id)
+
+    # optuna --------------------------------------------------------------------------
+    def _study_name(self, sweep_id: str, shape: ShapeKey) -> str:
+        return (f"hpt-{sweep_id}-{shape.arm}-N{shape.width}-L{shape.depth}"
+                f"-s{shape.sigma_base:g}-seed{shape.seed}")
+
+    def _ask_optuna(self, sweep: dict[str, Any], spec: SweepSpec, free: int) -> None:
+        if self.store.count_trials(sweep["id"], status="pending"):
+            return
+        lrs = spec.grid.lr_values()
+        asked = 0
+        for shape in plan_shapes(spec):
+            if asked >= free:
+                return
+            have = self.store.count_trials(sweep["id"], arm=shape.arm, width=shape.width,
+                                           depth=shape.depth, sigma_base=shape.sigma_base,
+                                           seed=shape.seed)
+            if have >= spec.search.n_trials:
+                continue
+            study = self.optuna.study(self._study_name(sweep["id"], shape), spec.search.sampler,
+                                      spec.search.pruner, seed=shape.seed)
+            number, lr = self.optuna.ask(study, min(lrs), max(lrs))
+            trial_id = self.store.add_trial(sweep["id"], trial_for(spec, shape, lr),
+                                            optuna_trial_number=number)
+            self.optuna.bind(trial_id, study, number)
+            asked += 1
+
+    def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
+        sweep = self.store.get_sweep(trial["sweep_id"])
+        spec = self._spec(sweep)
+        shape = ShapeKey(trial["arm"], trial["width"], trial["depth"], trial["sigma_base"],
+                         trial["seed"])
+        study = self.optuna.study(self._study_name(sweep["id"], shape), spec.search.sampler,
+                                  spec.search.pruner, seed=shape.seed)
+        value = (result or {}).get("final_val_loss")
+        vocab = 256
+        if result and result.get("param_table"):
+            vocab = trial["spec"].get("data", {}).get("vocab_size") or 256
+        self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)

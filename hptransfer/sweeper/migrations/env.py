@@ -1,0 +1,68 @@
+"""Alembic environment for the hptransfer app database.
+
+At runtime `Store.migrate()` passes its own connection in `config.attributes["connection"]`
+(no alembic.ini). For development (`alembic revision --autogenerate`), point
+`-x url=...` or HPT_DATABASE_URL at a database; see the README of this folder.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import pool
+from sqlalchemy.engine import Connection
+
+from hptransfer.config import get_settings
+from hptransfer.sweeper.store import Base, make_engine, normalize_url
+
+config = context.config
+target_metadata = Base.metadata
+
+# Any constant shared by every hptransfer process: serialises concurrent migrations on PG.
+_PG_MIGRATION_LOCK = 0x68707400
+
+
+def _url() -> str:
+    url = context.get_x_argument(as_dictionary=True).get("url")
+    url = url or config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    return normalize_url(url).render_as_string(hide_password=False)
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        compare_type=True,
+        # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Held to the end of the transaction: a second process waits, then finds head.
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+        context.run_migrations()
+
+
+def run_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = make_engine(_url())
+    engine.pool = pool.NullPool(engine.pool._creator)  # one-shot command: no pooling
+    try:
+        with engine.connect() as conn:
+            _run(conn)
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()

@@ -1,0 +1,114 @@
+"""The coordinator: store + tracker + dispatcher, and the operations the API, the CLI and
+the demo share (submit, summarise, cancel). The API layer only translates HTTP to these."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hptransfer.config import Settings, get_settings
+from hptransfer.data import DataError, DataSpec, load_dataset
+
+from .dispatch import Dispatcher
+from .plan import plan_sweep, spec_hash
+from .spec import SpecError, SweepSpec, load_spec
+from .store import Store
+from .tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("completed", "diverged", "failed", "cancelled", "pruned")
+
+
+class NotFound(LookupError):
+    pass
+
+
+class Coordinator:
+    def __init__(self, settings: Settings | None = None, dispatch: bool = True) -> None:
+        self.settings = settings or get_settings()
+        self.store = Store(self.settings.database_url)
+        self.store.migrate()
+        self.tracker = Tracker(self.settings.mlflow_uri, str(self.settings.mlflow_artifacts),
+                               outbox_dir=str(self.settings.home / "mlflow-outbox"))
+        self.dispatcher = (
+            Dispatcher(self.store, self.settings, self.tracker,
+                       on_sweep_finished=self._sweep_finished)
+            if dispatch else None
+        )
+        self.finished_hooks: list = []
+        self.started_at = time.time()
+
+    def start(self, background: bool = True) -> None:
+        if self.dispatcher:
+            self.dispatcher.start(background=background)
+
+    def stop(self) -> None:
+        if self.dispatcher:
+            self.dispatcher.stop()
+
+    # operations ----------------------------------------------------------------------
+    def submit(self, source: SweepSpec | dict | str) -> dict[str, Any]:
+        """Validate, plan and store a sweep (all trials in one transaction)."""
+        spec = load_spec(source, max_trials=self.settings.max_trials)
+        data_hash = self._data_hash(spec)
+        planned = [] if spec.search.method == "optuna" else plan_sweep(spec)
+        sweep_id = self.store.create_sweep(
+            name=spec.name, spec=spec.model_dump(mode="json"), spec_hash=spec_hash(spec),
+            search=spec.search.method, planned=planned, data_hash=data_hash,
+            reuse=spec.reuse, max_attempts=spec.retries + 1,
+        )
+        return self.summary(sweep_id)
+
+    def _data_hash(self, spec: SweepSpec) -> str:
+        try:
+            ds = load_dataset(DataSpec(**spec.data.model_dump()), cache_dir=self.settings.cache_dir)
+        except DataError as exc:
+            raise SpecError([{"field": "data", "message": str(exc)}]) from exc
+        return ds.content_hash
+
+    def summary(self, sweep_id: str) -> dict[str, Any]:
+        sweep = self.store.get_sweep(sweep_id)
+        if sweep is None:
+            raise NotFound(f"no sweep with id {sweep_id!r}")
+        counts = self.store.status_counts(sweep_id)
+        total = sum(counts.values())
+        done = sum(counts.get(s, 0) for s in TERMINAL)
+        spec = SweepSpec.model_validate(sweep["spec"])
+        if spec.search.method == "optuna":
+            total = max(total, self._optuna_total(spec))
+        return {
+            **{k: v for k, v in sweep.items() if k != "spec"},
+            "counts": counts,
+            "total": total,
+            "done": done,
+            "progress": done / total if total else 0.0,
+            "eta_s": self._eta(sweep_id, total - done, spec.max_concurrent),
+        }
+
+    @staticmethod
+    def _optuna_total(spec: SweepSpec) -> int:
+        from .plan import plan_shapes
+
+        return len(plan_shapes(spec)) * spec.search.n_trials
+
+    def _eta(self, sweep_id: str, remaining: int, concurrency: int) -> float | None:
+        if remaining <= 0:
+            return 0.0
+        times = [t["wall_time_s"] for t in self.store.trials(sweep_id, status="completed",
+                                                              limit=200)
+                 if t.get("wall_time_s") and not t.get("reused_from")]
+        if not times:
+            return None
+        return sum(times) / len(times) * remaining / max(1, concurrency)
+
+    def cancel(self, sweep_id: str) -> dict[str, Any]:
+        if self.store.get_sweep(sweep_id) is None:
+            raise NotFound(f"no sweep with id {sweep_id!r}")
+        self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
+        return self.summary(sweep_id)
+
+    def _sweep_finished(self, sweep_id: str) -> None:
+        for hook in self.finished_hooks:
+            hook(self, sweep_id)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets everything up (venv, PostgreSQL for the store tests) and runs the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# A real PostgreSQL for the store tests; skipped (and said so) only where none can be started.
+if url=$(bash scripts/postgres_up.sh 2>/tmp/hpt-postgres.log | tail -n 1) && [ -n "$url" ]; then
+  export HPT_TEST_POSTGRES_URL="$url"
+else
+  echo "warning: PostgreSQL could not be started (see /tmp/hpt-postgres.log); PG tests skip" >&2
+fi
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
