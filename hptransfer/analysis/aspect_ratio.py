@@ -15,7 +15,7 @@ import pandas as pd
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
-from .serialize import frame_records, json_safe
+from .serialize import frame_records, json_safe, with_none
 from .trials import Trials
 
 _BAND_GRID = 4001
@@ -33,8 +33,9 @@ def group_by_size(params: np.ndarray, tolerance: float = 0.15) -> np.ndarray:
     for i in order:
         trial = [*members, params[i]]
         med = float(np.median(trial))
-        if members and not (min(trial) >= (1 - tolerance) * med
-                            and max(trial) <= (1 + tolerance) * med):
+        if members and not (
+            min(trial) >= (1 - tolerance) * med and max(trial) <= (1 + tolerance) * med
+        ):
             group += 1
             trial = [params[i]]
         members = trial
@@ -83,8 +84,9 @@ def fit_cubic_optimum(x: np.ndarray, loss: np.ndarray, within: float = 0.01) -> 
     right = max(right, left)
     clipped = left == 0 or right == len(grid) - 1
     resid = loss - np.polyval(coef, x - center)
-    return CubicOptimum(coef, center, x_opt, loss_opt, float(grid[left]), float(grid[right]),
-                        edge, clipped, resid)
+    return CubicOptimum(
+        coef, center, x_opt, loss_opt, float(grid[left]), float(grid[right]), edge, clipped, resid
+    )
 
 
 @dataclass
@@ -120,44 +122,80 @@ class AspectRatioResult:
 
 
 _GROUP_COLUMNS = [
-    "arm", "group", "params_median", "params_min", "params_max", "n_points", "nl_opt",
-    "log_nl_opt", "loss_opt", "nl_within_low", "nl_within_high", "edge", "reliable", "reason",
-    "warnings", "coefficients", "residuals", "inputs",
+    "arm",
+    "group",
+    "params_median",
+    "params_min",
+    "params_max",
+    "n_points",
+    "nl_opt",
+    "log_nl_opt",
+    "loss_opt",
+    "nl_within_low",
+    "nl_within_high",
+    "edge",
+    "reliable",
+    "reason",
+    "warnings",
+    "coefficients",
+    "residuals",
+    "inputs",
 ]
 
 
-def _group_row(arm: str, gid: int, pts: pd.DataFrame, within: float) -> dict[str, Any]:
-    params = pts["params"].to_numpy(dtype=float)
+_INPUT_FIELDS = ("width", "depth", "aspect", "params", "loss", "trial_ids")
+
+
+def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) -> dict[str, Any]:
+    params = pts["params"].astype(float)
     row: dict[str, Any] = {
-        "arm": arm, "group": gid, "params_median": float(np.median(params)),
-        "params_min": float(params.min()), "params_max": float(params.max()),
-        "n_points": len(pts), "reliable": False, "reason": None, "warnings": [],
-        "inputs": pts[["width", "depth", "aspect", "params", "loss", "trial_ids"]].to_dict(
-            "records"),
+        "arm": arm,
+        "group": gid,
+        "params_median": float(np.median(params)),
+        "params_min": float(params.min()),
+        "params_max": float(params.max()),
+        "n_points": len(params),
+        "reliable": False,
+        "reason": None,
+        "warnings": [],
+        "inputs": [
+            dict(zip(_INPUT_FIELDS, values, strict=True))
+            for values in zip(*(pts[f].tolist() for f in _INPUT_FIELDS), strict=True)
+        ],
     }
-    n_ratios = int(np.unique(np.round(pts["log_aspect"].to_numpy(), 9)).size)
+    n_ratios = int(np.unique(np.round(pts["log_aspect"], 9)).size)
     if n_ratios < 4:
         row["reason"] = NotEnoughData(
             f"the optimal N:L of arm {arm} at ~{row['params_median']:.3g} params",
             f"only {n_ratios} aspect ratios were run at this size (the cubic needs 4)",
         ).message
         return row
-    fit = fit_cubic_optimum(pts["log_aspect"].to_numpy(), pts["loss"].to_numpy(), within)
+    fit = fit_cubic_optimum(pts["log_aspect"], pts["loss"].astype(float), within)
     notes = []
     if fit.edge is not None:
         side = "wider (larger N:L)" if fit.edge == "high" else "deeper (smaller N:L)"
-        notes.append(f"the optimum is at the edge of the tested aspect ratios "
-                     f"(N:L={np.exp(fit.x_opt):.3g}): run {side} shapes")
+        notes.append(
+            f"the optimum is at the edge of the tested aspect ratios "
+            f"(N:L={np.exp(fit.x_opt):.3g}): run {side} shapes"
+        )
     if fit.band_clipped:
-        notes.append(f"the within-{within:.0%} band reaches the tested range's edge, so the "
-                     "true band is wider")
+        notes.append(
+            f"the within-{within:.0%} band reaches the tested range's edge, so the "
+            "true band is wider"
+        )
     if n_ratios < 5:
         notes.append("4 aspect ratios for 4 cubic coefficients: the fit has no residual check")
     row.update(
-        nl_opt=float(np.exp(fit.x_opt)), log_nl_opt=fit.x_opt, loss_opt=fit.loss_opt,
-        nl_within_low=float(np.exp(fit.x_low)), nl_within_high=float(np.exp(fit.x_high)),
-        edge=fit.edge, reliable=fit.edge is None and n_ratios >= 5, warnings=notes,
-        coefficients=fit.coefficients.tolist(), residuals=fit.residuals.tolist(),
+        nl_opt=float(np.exp(fit.x_opt)),
+        log_nl_opt=fit.x_opt,
+        loss_opt=fit.loss_opt,
+        nl_within_low=float(np.exp(fit.x_low)),
+        nl_within_high=float(np.exp(fit.x_high)),
+        edge=fit.edge,
+        reliable=fit.edge is None and n_ratios >= 5,
+        warnings=notes,
+        coefficients=fit.coefficients.tolist(),
+        residuals=fit.residuals.tolist(),
     )
     return row
 
@@ -176,33 +214,51 @@ def optimal_aspect_ratio(
     best = best[np.isfinite(params) & (params > 0)]
     # Extra shape keys (e.g. tokens) can repeat a (width, depth): keep its best loss.
     best = best.sort_values("best_loss").drop_duplicates(["arm", "width", "depth"])
-    points = pd.DataFrame({
-        "arm": best["arm"].to_numpy(), "width": best["width"].to_numpy(),
-        "depth": best["depth"].to_numpy(), "params": best["params_non_embedding"].to_numpy(),
-        "loss": best["best_loss"].to_numpy(), "trial_ids": best["best_trial_ids"].to_numpy(),
-    })
+    points = pd.DataFrame(
+        {
+            "arm": best["arm"].to_numpy(),
+            "width": best["width"].to_numpy(),
+            "depth": best["depth"].to_numpy(),
+            "params": best["params_non_embedding"].to_numpy(),
+            "loss": best["best_loss"].to_numpy(),
+            "trial_ids": best["best_trial_ids"].to_numpy(),
+        }
+    )
     points["aspect"] = points["width"].to_numpy(dtype=float) / points["depth"].to_numpy(float)
     points["log_aspect"] = np.log(points["aspect"].to_numpy(dtype=float))
-    points["group"] = -1
+    # Label size groups per arm, then walk the (arm, group)-sorted points slice by slice.
+    group = np.zeros(len(points), dtype=int)
+    arm_codes, arm_names = pd.factorize(points["arm"].to_numpy(), sort=True)
+    for k in range(len(arm_names)):
+        idx = np.flatnonzero(arm_codes == k)
+        group[idx] = group_by_size(points["params"].to_numpy()[idx], tolerance)
+    points["group"] = group
+    order = np.lexsort((points["aspect"].to_numpy(), group, arm_codes))
+    points = points.iloc[order].reset_index(drop=True)
+    arrays = {c: points[c].to_numpy() for c in points.columns}
+    key = np.stack([arm_codes[order], group[order]], axis=1)
+    bounds = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]).any(axis=1), True])
+    if points.empty:
+        bounds = bounds[:1]
     rows = []
     skipped = 0
-    for arm, pts in points.groupby("arm", sort=True):
-        labels = group_by_size(pts["params"].to_numpy(), tolerance)
-        points.loc[pts.index, "group"] = labels
-        for gid in np.unique(labels):
-            sub = pts[labels == gid].sort_values("aspect")
-            if len(sub) < 2:
-                skipped += 1
-                continue
-            rows.append(_group_row(str(arm), int(gid), sub, within))
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if hi - lo < 2:
+            skipped += 1
+            continue
+        sub = {c: v[lo:hi] for c, v in arrays.items()}
+        rows.append(_group_row(str(sub["arm"][0]), int(sub["group"][0]), sub, within))
     if skipped:
         warnings.append(f"{skipped} sizes had a single shape and were skipped")
     groups = pd.DataFrame(rows, columns=_GROUP_COLUMNS)
     groups["reliable"] = groups["reliable"].astype(bool)
+    groups = with_none(groups, ["reason", "edge"])
     reason = None
     if groups.empty or groups["reason"].notna().all():
-        because = ("no arm has 4 or more aspect ratios at one size (within "
-                   f"±{tolerance:.0%} non-embedding params)")
+        because = (
+            "no arm has 4 or more aspect ratios at one size (within "
+            f"±{tolerance:.0%} non-embedding params)"
+        )
         if points.empty:
             because = "no shape has a completed run with a recorded params_non_embedding"
         reason = NotEnoughData("the compute-optimal N:L", because)

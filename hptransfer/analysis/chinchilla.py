@@ -19,7 +19,7 @@ from scipy.optimize import minimize
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
-from .serialize import frame_records, json_safe
+from .serialize import frame_records, json_safe, with_none
 from .stats import bootstrap_indices, percentile_ci, single_threaded_blas
 from .trials import Trials
 
@@ -31,7 +31,11 @@ PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
 
 
 def compute_optimal_allocation(
-    compute: float | Sequence[float] | np.ndarray, *, A: float, B: float, alpha: float,
+    compute: float | Sequence[float] | np.ndarray,
+    *,
+    A: float,
+    B: float,
+    alpha: float,
     beta: float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """N_opt, D_opt minimising E + A/N^α + B/D^β subject to C = 6·N·D.
@@ -93,8 +97,9 @@ class ChinchillaFit:
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
 
     def compute_optimal(self, compute: Any) -> tuple[np.ndarray, np.ndarray]:
-        return compute_optimal_allocation(compute, A=self.A, B=self.B, alpha=self.alpha,
-                                          beta=self.beta)
+        return compute_optimal_allocation(
+            compute, A=self.A, B=self.B, alpha=self.alpha, beta=self.beta
+        )
 
     def to_dict(self) -> dict[str, Any]:
         ids = self.trial_ids or [[] for _ in self.n]
@@ -110,8 +115,9 @@ class ChinchillaFit:
                 "n_points": int(self.n.size),
                 "inputs": [
                     {"params": a, "tokens": b, "loss": c, "residual_log": r, "trial_ids": t}
-                    for a, b, c, r, t in zip(self.n, self.d, self.loss, self.residuals, ids,
-                                             strict=True)
+                    for a, b, c, r, t in zip(
+                        self.n, self.d, self.loss, self.residuals, ids, strict=True
+                    )
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
                 "reliable": self.reliable,
@@ -155,22 +161,33 @@ class _Objective:
         return self._huber(lse - self.log_loss)
 
     def value_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
-        lse, w = self._lse_and_weights(theta)
-        r = lse - self.log_loss
-        psi = np.clip(r, -self.delta, self.delta) / self.delta**2
-        grad = np.array([psi @ w[0], psi @ w[1], psi @ w[2], -psi @ (w[0] * self.u),
-                         -psi @ (w[1] * self.v)])
+        """Objective and gradient for one θ'; written out flat because L-BFGS-B calls it a lot."""
+        a, b, e, al, be = theta
+        t1 = a - al * self.u
+        t2 = b - be * self.v
+        top = np.maximum(np.maximum(t1, t2), e)
+        e1, e2, e3 = np.exp(t1 - top), np.exp(t2 - top), np.exp(e - top)
+        total = e1 + e2 + e3
+        r = top + np.log(total) - self.log_loss
+        psi = np.clip(r, -self.delta, self.delta) / (self.delta**2 * total)
+        g1, g2 = psi * e1, psi * e2
+        grad = np.array(
+            [g1.sum(), g2.sum(), (psi * e3).sum(), -(g1 * self.u).sum(), -(g2 * self.v).sum()]
+        )
         return float(self._huber(r)), grad
 
     def to_centred(self, a: Any, b: Any, e: Any, alpha: Any, beta: Any) -> np.ndarray:
-        return np.stack(np.broadcast_arrays(a - alpha * self.mean_n, b - beta * self.mean_d, e,
-                                            alpha, beta), axis=-1).astype(float)
+        return np.stack(
+            np.broadcast_arrays(a - alpha * self.mean_n, b - beta * self.mean_d, e, alpha, beta),
+            axis=-1,
+        ).astype(float)
 
     def from_centred(self, theta: np.ndarray) -> np.ndarray:
         """θ' -> (E, A, B, α, β)."""
         a, b, e, al, be = (theta[..., i] for i in range(5))
-        return np.stack([np.exp(e), np.exp(a + al * self.mean_n), np.exp(b + be * self.mean_d),
-                         al, be], axis=-1)
+        return np.stack(
+            [np.exp(e), np.exp(a + al * self.mean_n), np.exp(b + be * self.mean_d), al, be], axis=-1
+        )
 
 
 # Bounds on θ' = (a', b', e, α, β); exponents stay positive so the terms stay decreasing.
@@ -180,16 +197,39 @@ _HI = np.array([b[1] for b in _BOUNDS])
 
 
 def _refine(obj: _Objective, theta0: np.ndarray) -> Any:
-    return minimize(obj.value_and_grad, np.clip(theta0, _LO, _HI), jac=True, method="L-BFGS-B",
-                    bounds=_BOUNDS,
-                    options={"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-10})
+    return minimize(
+        obj.value_and_grad,
+        np.clip(theta0, _LO, _HI),
+        jac=True,
+        method="L-BFGS-B",
+        bounds=_BOUNDS,
+        options={"maxiter": 5000, "ftol": 1e-12, "gtol": 1e-10},
+    )
 
 
-def _nan_fit(n: np.ndarray, d: np.ndarray, loss: np.ndarray, ids: list[list[str]],
-             reason: NotEnoughData, warnings: list[str]) -> ChinchillaFit:
+def _nan_fit(
+    n: np.ndarray,
+    d: np.ndarray,
+    loss: np.ndarray,
+    ids: list[list[str]],
+    reason: NotEnoughData,
+    warnings: list[str],
+) -> ChinchillaFit:
     nan = float("nan")
-    return ChinchillaFit(nan, nan, nan, nan, nan, n, d, loss, np.full(loss.shape, np.nan),
-                         trial_ids=ids, warnings=warnings, reason=reason)
+    return ChinchillaFit(
+        nan,
+        nan,
+        nan,
+        nan,
+        nan,
+        n,
+        d,
+        loss,
+        np.full(loss.shape, np.nan),
+        trial_ids=ids,
+        warnings=warnings,
+        reason=reason,
+    )
 
 
 def fit_chinchilla(
@@ -201,7 +241,7 @@ def fit_chinchilla(
     bootstrap: int = 0,
     seed: int | None = 0,
     ci: float = 0.95,
-    top_k: int = 5,
+    top_k: int = 3,
     trial_ids: Sequence[Sequence[str]] | None = None,
     what: str = "the Chinchilla fit",
 ) -> ChinchillaFit:
@@ -212,8 +252,16 @@ def fit_chinchilla(
     """
     with single_threaded_blas():
         return _fit_chinchilla(
-            n, d, loss, delta=delta, bootstrap=bootstrap, seed=seed, ci=ci, top_k=top_k,
-            trial_ids=trial_ids, what=what,
+            n,
+            d,
+            loss,
+            delta=delta,
+            bootstrap=bootstrap,
+            seed=seed,
+            ci=ci,
+            top_k=top_k,
+            trial_ids=trial_ids,
+            what=what,
         )
 
 
@@ -226,7 +274,7 @@ def _fit_chinchilla(
     bootstrap: int = 0,
     seed: int | None = 0,
     ci: float = 0.95,
-    top_k: int = 5,
+    top_k: int = 3,
     trial_ids: Sequence[Sequence[str]] | None = None,
     what: str = "the Chinchilla fit",
 ) -> ChinchillaFit:
@@ -248,8 +296,10 @@ def _fit_chinchilla(
         because = "it needs at least two model sizes and two token counts"
         return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
     if np.std(np.log(d_arr / n_arr)) < 0.05:
-        because = ("tokens per parameter is the same for every run (D ∝ N), so A/N^α and "
-                   "B/D^β cannot be told apart; run some sizes at other token budgets")
+        because = (
+            "tokens per parameter is the same for every run (D ∝ N), so A/N^α and "
+            "B/D^β cannot be told apart; run some sizes at other token budgets"
+        )
         return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
 
     obj = _Objective(n_arr, d_arr, y, delta)
@@ -294,9 +344,24 @@ def _fit_chinchilla(
     agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
     if agree < 2 and len(runs) > 1:
         warnings.append("only one start reached the best objective; the optimum may be local")
-    return ChinchillaFit(E, A, B, alpha, beta, n_arr, d_arr, y, residuals, float(best.fun), ids,
-                         ci_map, ci, reliable=not problems, warnings=warnings + problems,
-                         boot_params=boot)
+    return ChinchillaFit(
+        E,
+        A,
+        B,
+        alpha,
+        beta,
+        n_arr,
+        d_arr,
+        y,
+        residuals,
+        float(best.fun),
+        ids,
+        ci_map,
+        ci,
+        reliable=not problems,
+        warnings=warnings + problems,
+        boot_params=boot,
+    )
 
 
 @dataclass
@@ -321,17 +386,36 @@ class ChinchillaResult:
                     row[f"{k}_ci_low"], row[f"{k}_ci_high"] = fit.ci.get(k, (np.nan, np.nan))
                 c_max = float(np.max(6.0 * fit.n * fit.d))
                 n_opt, d_opt = fit.compute_optimal(c_max)
-                row.update(G=fit.G, n_exponent=fit.n_exponent, d_exponent=fit.d_exponent,
-                           compute_max=c_max, n_opt_at_max=float(n_opt),
-                           d_opt_at_max=float(d_opt))
-            row.update(reliable=fit.reliable, reason=str(fit.reason) if fit.reason else None,
-                       warnings=list(fit.warnings))
+                row.update(
+                    G=fit.G,
+                    n_exponent=fit.n_exponent,
+                    d_exponent=fit.d_exponent,
+                    compute_max=c_max,
+                    n_opt_at_max=float(n_opt),
+                    d_opt_at_max=float(d_opt),
+                )
+            row.update(
+                reliable=fit.reliable,
+                reason=str(fit.reason) if fit.reason else None,
+                warnings=list(fit.warnings),
+            )
             rows.append(row)
-        columns = ["arm", "n_points", *PARAM_NAMES,
-                   *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")),
-                   "G", "n_exponent", "d_exponent", "compute_max", "n_opt_at_max",
-                   "d_opt_at_max", "reliable", "reason", "warnings"]
-        return pd.DataFrame(rows, columns=columns)
+        columns = [
+            "arm",
+            "n_points",
+            *PARAM_NAMES,
+            *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")),
+            "G",
+            "n_exponent",
+            "d_exponent",
+            "compute_max",
+            "n_opt_at_max",
+            "d_opt_at_max",
+            "reliable",
+            "reason",
+            "warnings",
+        ]
+        return with_none(pd.DataFrame(rows, columns=columns), ["reason"])
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(
@@ -359,13 +443,18 @@ def chinchilla_fit(
     warnings = list(opt.warnings)
     best = opt.best_points()
     fits: dict[str, ChinchillaFit] = {}
-    for i, arm in enumerate(sorted(set(opt.shapes["arm"]))):
+    for i, arm in enumerate(sorted(opt.shapes["arm"].unique().tolist())):
         pts = best[best["arm"] == arm]
         fits[str(arm)] = fit_chinchilla(
-            pts["params_non_embedding"].to_numpy(), pts["tokens"].to_numpy(),
-            pts["best_loss"].to_numpy(), delta=delta, bootstrap=bootstrap,
-            seed=None if seed is None else seed + i, ci=ci,
-            trial_ids=pts["best_trial_ids"].tolist(), what=f"the Chinchilla fit of arm {arm}",
+            pts["params_non_embedding"].to_numpy(),
+            pts["tokens"].to_numpy(),
+            pts["best_loss"].to_numpy(),
+            delta=delta,
+            bootstrap=bootstrap,
+            seed=None if seed is None else seed + i,
+            ci=ci,
+            trial_ids=pts["best_trial_ids"].tolist(),
+            what=f"the Chinchilla fit of arm {arm}",
         )
     reason = None
     if not any(f.ok for f in fits.values()):

@@ -11,13 +11,13 @@ import pandas as pd
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .powerlaw import PowerLawFit, fit_power_law
-from .serialize import frame_records, json_safe
+from .serialize import frame_records, json_safe, with_none
 from .trials import Trials
 
 
-def frontier_mask(compute: np.ndarray, loss: np.ndarray, groups: np.ndarray | None = None) -> (
-    np.ndarray
-):
+def frontier_mask(
+    compute: np.ndarray, loss: np.ndarray, groups: np.ndarray | None = None
+) -> np.ndarray:
     """True for points with a lower loss than every cheaper point of the same group."""
     compute = np.asarray(compute, dtype=float)
     loss = np.asarray(loss, dtype=float)
@@ -63,17 +63,45 @@ class FrontierResult:
                 for name in ("E", "A", "b"):
                     ci = fit.ci.get(name, (np.nan, np.nan))
                     row[f"{name}_ci_low"], row[f"{name}_ci_high"] = ci
-                row.update(loss_min=lo, loss_max=hi, compute_min=clo, compute_max=chi,
-                           reliable=fit.reliable, reason=None, warnings=list(fit.warnings))
+                row.update(
+                    loss_min=lo,
+                    loss_max=hi,
+                    compute_min=clo,
+                    compute_max=chi,
+                    reliable=fit.reliable,
+                    reason=None,
+                    warnings=list(fit.warnings),
+                )
             else:
                 reason = self.reasons.get(arm) or (fit.reason if fit is not None else None)
-                row.update(reliable=False, reason=str(reason) if reason else None,
-                           warnings=list(fit.warnings) if fit is not None else [])
+                row.update(
+                    reliable=False,
+                    reason=str(reason) if reason else None,
+                    warnings=list(fit.warnings) if fit is not None else [],
+                )
             rows.append(row)
-        columns = ["arm", "n_points", "n_frontier", "E", "A", "b", "E_ci_low", "E_ci_high",
-                   "A_ci_low", "A_ci_high", "b_ci_low", "b_ci_high", "loss_min", "loss_max",
-                   "compute_min", "compute_max", "reliable", "reason", "warnings"]
-        return pd.DataFrame(rows, columns=columns)
+        columns = [
+            "arm",
+            "n_points",
+            "n_frontier",
+            "E",
+            "A",
+            "b",
+            "E_ci_low",
+            "E_ci_high",
+            "A_ci_low",
+            "A_ci_high",
+            "b_ci_low",
+            "b_ci_high",
+            "loss_min",
+            "loss_max",
+            "compute_min",
+            "compute_max",
+            "reliable",
+            "reason",
+            "warnings",
+        ]
+        return with_none(pd.DataFrame(rows, columns=columns), ["reason"])
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(
@@ -108,20 +136,28 @@ def loss_compute_frontier(
     has_flops = np.isfinite(flops) & (flops > 0)
     fits: dict[str, PowerLawFit] = {}
     reasons: dict[str, NotEnoughData] = {}
-    for arm in sorted(set(opt.shapes["arm"])):
+    for arm in sorted(opt.shapes["arm"].unique().tolist()):
         if not has_flops[points["arm"].to_numpy() == arm].any():
-            reasons[arm] = NotEnoughData(f"the loss-vs-compute fit of arm {arm}",
-                                         "no shape has a completed run with a recorded flops value")
+            reasons[arm] = NotEnoughData(
+                f"the loss-vs-compute fit of arm {arm}",
+                "no shape has a completed run with a recorded flops value",
+            )
     points = points[has_flops].reset_index(drop=True)
-    points["on_frontier"] = frontier_mask(points["flops"].to_numpy(), points["loss"].to_numpy(),
-                                          points["arm"].to_numpy())
+    points["on_frontier"] = frontier_mask(
+        points["flops"].to_numpy(), points["loss"].to_numpy(), points["arm"].to_numpy()
+    )
     points["residual_log"] = np.nan
     for i, (arm, pts) in enumerate(points.groupby("arm", sort=True)):
         front = pts[pts["on_frontier"]]
         fit = fit_power_law(
-            front["flops"].to_numpy(), front["loss"].to_numpy(), bootstrap=bootstrap,
-            seed=None if seed is None else seed + i, ci=ci, f_scale=f_scale,
-            trial_ids=front["trial_ids"].tolist(), what=f"the loss-vs-compute fit of arm {arm}",
+            front["flops"].to_numpy(),
+            front["loss"].to_numpy(),
+            bootstrap=bootstrap,
+            seed=None if seed is None else seed + i,
+            ci=ci,
+            f_scale=f_scale,
+            trial_ids=front["trial_ids"].tolist(),
+            what=f"the loss-vs-compute fit of arm {arm}",
         )
         fits[str(arm)] = fit
         if fit.ok:

@@ -65,8 +65,8 @@ class OptimalLRResult:
         point_keys = [k for k in self.keys if k != "sigma_base"]
         rows = self.shapes[np.isfinite(self.shapes["best_loss"].to_numpy(dtype=float))]
         rows = rows.sort_values("best_loss", kind="stable")
-        return rows.drop_duplicates(subset=point_keys).sort_values(point_keys).reset_index(
-            drop=True
+        return (
+            rows.drop_duplicates(subset=point_keys).sort_values(point_keys).reset_index(drop=True)
         )
 
 
@@ -107,8 +107,11 @@ def _fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> _ParabolaFi
     s = [np.sum(w * dx**k, axis=1) for k in range(5)]
     t = [np.sum(w * dx**k * dy, axis=1) for k in range(3)]
     normal = np.stack(
-        [np.stack([s[0], s[1], s[2]], -1), np.stack([s[1], s[2], s[3]], -1),
-         np.stack([s[2], s[3], s[4]], -1)],
+        [
+            np.stack([s[0], s[1], s[2]], -1),
+            np.stack([s[1], s[2], s[3]], -1),
+            np.stack([s[2], s[3], s[4]], -1),
+        ],
         axis=1,
     )
     rhs = np.stack(t, axis=-1)
@@ -301,6 +304,52 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _shape_notes(
+    *,
+    edge: str | None,
+    best_lr: float,
+    concave: bool,
+    clamped: bool,
+    lr_opt: float,
+    div_best: int,
+    runs_best: int,
+    div_next: int,
+    runs_next: int,
+    no_ci: bool,
+    boot_failed: float,
+) -> list[str]:
+    """Human-readable warnings for one shape's η*."""
+    notes: list[str] = []
+    if edge == "low":
+        notes.append(f"best LR is the lowest tested: extend the LR grid below {_fmt(best_lr)}")
+    elif edge == "high":
+        notes.append(f"best LR is the highest tested: extend the LR grid above {_fmt(best_lr)}")
+    if concave:
+        notes.append(
+            "loss is not convex around the best LR (the parabola opens downward); "
+            "η* set to the best grid LR"
+        )
+    if clamped:
+        notes.append(
+            f"the parabola's vertex lies outside the fitted LRs; η* clamped to {_fmt(lr_opt)}"
+        )
+    if div_best > 0:
+        notes.append(
+            f"the best LR diverged in {div_best} of {runs_best} runs; its mean loss covers the "
+            "survivors only"
+        )
+    if div_next > 0:
+        notes.append(
+            f"the next LR above the best diverged in {div_next} of {runs_next} runs: η* is "
+            "close to the stability limit"
+        )
+    if no_ci:
+        notes.append("one seed per LR: no bootstrap CI")
+    elif boot_failed > 0.1:
+        notes.append(f"{boot_failed:.0%} of bootstrap refits failed; CI is optimistic")
+    return notes
+
+
 def _empty_result(
     keys: tuple[str, ...], reason: NotEnoughData, warnings: list[str], bootstrap: int, ci: float
 ) -> OptimalLRResult:
@@ -312,13 +361,42 @@ def _empty_result(
 
 
 _SHAPE_COLUMNS = (
-    "n_lrs", "n_completed", "n_diverged", "n_seeds", "best_lr", "best_loss", "lr_opt",
-    "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "loss_at_opt",
-    "curvature", "n_fit_points", "edge", "clamped", "concave", "reliable", "reason", "warnings",
-    "fit_lrs", "residuals", *POINT_COLUMNS, "best_trial_ids", "trial_ids",
+    "n_lrs",
+    "n_completed",
+    "n_diverged",
+    "n_seeds",
+    "best_lr",
+    "best_loss",
+    "lr_opt",
+    "log2_lr_opt",
+    "lr_ci_low",
+    "lr_ci_high",
+    "log2_ci_low",
+    "log2_ci_high",
+    "loss_at_opt",
+    "curvature",
+    "n_fit_points",
+    "edge",
+    "clamped",
+    "concave",
+    "reliable",
+    "reason",
+    "warnings",
+    "fit_lrs",
+    "residuals",
+    *POINT_COLUMNS,
+    "best_trial_ids",
+    "trial_ids",
 )
 _CURVE_COLUMNS = (
-    "lr", "log2_lr", "mean_loss", "std_loss", "n_completed", "n_diverged", "in_fit", "residual",
+    "lr",
+    "log2_lr",
+    "mean_loss",
+    "std_loss",
+    "n_completed",
+    "n_diverged",
+    "in_fit",
+    "residual",
 )
 
 
@@ -343,8 +421,9 @@ def optimal_lr(
     frame = trials.frame[trials.frame["outcome"].to_numpy() != IGNORED]
     what = "the optimal LR"
     if trials.frame.empty:
-        return _empty_result(keys, NotEnoughData(what, "there are no trials"), warnings,
-                             bootstrap, ci)
+        return _empty_result(
+            keys, NotEnoughData(what, "there are no trials"), warnings, bootstrap, ci
+        )
     if frame.empty:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(trials.status_counts.items()))
         because = f"no trial has finished as completed or diverged ({counts})"
@@ -380,7 +459,8 @@ def optimal_lr(
         None,
         np.where(fits.x_best <= x_min, "low", np.where(fits.x_best >= x_max, "high", None)),
     )
-    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & (edge == None)  # noqa: E711
+    on_edge = np.array([e is not None for e in edge], dtype=bool)
+    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge
     best_lr = _matrix(cells, cells.lr)[rows, fits.best]
     best_cell = np.flatnonzero(cells.cell_col == 0)[rows] + fits.best
     # Divergence right above the best LR means η* sits near the stability limit.
@@ -399,7 +479,6 @@ def optimal_lr(
     lr_m = _matrix(cells, cells.lr)
     for s in range(cells.n_shapes):
         label = _label(key_records[s])
-        notes: list[str] = []
         reason = None
         if not fits.has_data[s]:
             reason = NotEnoughData(
@@ -412,31 +491,19 @@ def optimal_lr(
                 f"the optimal LR of {label}",
                 f"only {k} LR(s) have a completed run (the quadratic fit needs at least 3)",
             ).message
-        if edge[s] == "low":
-            notes.append(
-                f"best LR is the lowest tested: extend the LR grid below {_fmt(best_lr[s])}"
-            )
-        elif edge[s] == "high":
-            notes.append(
-                f"best LR is the highest tested: extend the LR grid above {_fmt(best_lr[s])}"
-            )
-        if fits.concave[s]:
-            notes.append("loss is not convex around the best LR (the parabola opens downward); "
-                         "η* set to the best grid LR")
-        if fits.clamped[s]:
-            notes.append("the parabola's vertex lies outside the fitted LRs; η* clamped to "
-                         f"{_fmt(2.0 ** fits.log2_opt[s])}")
-        if n_div_m[s, fits.best[s]] > 0:
-            notes.append(f"the best LR diverged in {int(n_div_m[s, fits.best[s]])} of "
-                         f"{int(n_div_m[s, fits.best[s]] + n_ok_m[s, fits.best[s]])} runs; its "
-                         "mean loss covers the survivors only")
-        if div_next[s] > 0 and fits.has_data[s]:
-            notes.append(f"the next LR above the best diverged in {int(div_next[s])} of "
-                         f"{int(tot_next[s])} runs: η* is close to the stability limit")
-        if bootstrap > 0 and fits.fit_ok[s] and n_seeds[s] < 2:
-            notes.append("one seed per LR: no bootstrap CI")
-        elif bootstrap > 0 and boot_failed[s] > 0.1:
-            notes.append(f"{boot_failed[s]:.0%} of bootstrap refits failed; CI is optimistic")
+        notes = _shape_notes(
+            edge=edge[s],
+            best_lr=float(best_lr[s]),
+            concave=bool(fits.concave[s]),
+            clamped=bool(fits.clamped[s]),
+            lr_opt=float(2.0 ** fits.log2_opt[s]),
+            div_best=int(n_div_m[s, fits.best[s]]),
+            runs_best=int(n_div_m[s, fits.best[s]] + n_ok_m[s, fits.best[s]]),
+            div_next=int(div_next[s]) if fits.has_data[s] else 0,
+            runs_next=int(tot_next[s]),
+            no_ci=bootstrap > 0 and bool(fits.fit_ok[s]) and n_seeds[s] < 2,
+            boot_failed=float(boot_failed[s]) if bootstrap > 0 else 0.0,
+        )
         reasons.append(reason)
         shape_warnings.append(notes)
         win = fits.window[s] & fits.fit_ok[s]
@@ -492,20 +559,20 @@ def optimal_lr(
             "no shape has at least 3 LRs with a completed run "
             f"(most LRs with a completed run in one shape: {int(n_with_loss.max())})",
         )
-    n_edge = int((edge != None).sum())  # noqa: E711
+    n_edge = int(on_edge.sum())
     if n_edge:
-        warnings.append(f"{n_edge} of {cells.n_shapes} shapes have their best LR at the edge of "
-                        "the LR grid")
+        warnings.append(
+            f"{n_edge} of {cells.n_shapes} shapes have their best LR at the edge of the LR grid"
+        )
     n_bad = int((fits.fit_ok & ~reliable).sum())
     if n_bad:
         warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped or concave)")
     return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
 
 
-
-def as_optimal(data: pd.DataFrame | Trials | OptimalLRResult, needs: Sequence[str] = ()) -> (
-    OptimalLRResult
-):
+def as_optimal(
+    data: pd.DataFrame | Trials | OptimalLRResult, needs: Sequence[str] = ()
+) -> OptimalLRResult:
     """Accept trials or an existing η* result; trials must also hold the columns in `needs`."""
     if isinstance(data, OptimalLRResult):
         return data

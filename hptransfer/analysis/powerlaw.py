@@ -60,16 +60,22 @@ class PowerLawFit:
 
     def compute_for_loss(self, loss: float | Sequence[float] | np.ndarray) -> np.ndarray:
         """Inverse of the fit; NaN where the loss is at or below the asymptote E."""
-        return _invert(np.asarray(loss, dtype=float), self.E, self.A * self.c_scale ** -self.b,
-                       self.b, self.c_scale)
+        return _invert(
+            np.asarray(loss, dtype=float),
+            self.E,
+            self.A * self.c_scale**-self.b,
+            self.b,
+            self.c_scale,
+        )
 
     def boot_compute_for_loss(self, loss: np.ndarray) -> np.ndarray:
         """Inverse under each bootstrap refit; shape (n_boot, len(loss))."""
         p = self.boot_params
         if p.size == 0:
             return np.empty((0, np.size(loss)))
-        return _invert(np.asarray(loss, dtype=float)[None, :], p[:, :1], p[:, 1:2], p[:, 2:3],
-                       self.c_scale)
+        return _invert(
+            np.asarray(loss, dtype=float)[None, :], p[:, :1], p[:, 1:2], p[:, 2:3], self.c_scale
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(
@@ -85,8 +91,11 @@ class PowerLawFit:
                 "inputs": [
                     {"compute": c, "loss": v, "residual_log": r, "trial_ids": ids}
                     for c, v, r, ids in zip(
-                        self.compute, self.loss, self.residuals,
-                        self.trial_ids or [[] for _ in self.compute], strict=True,
+                        self.compute,
+                        self.loss,
+                        self.residuals,
+                        self.trial_ids or [[] for _ in self.compute],
+                        strict=True,
                     )
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
@@ -120,8 +129,16 @@ def _solve(x: np.ndarray, y: np.ndarray, p0: np.ndarray, bounds: tuple, f_scale:
         return np.column_stack([w_e, w_a, -w_a * x * b])
 
     p0 = np.clip(p0, bounds[0] + 1e-9, bounds[1] - 1e-9)
-    return least_squares(residual, p0, jac=jac, bounds=bounds, loss="soft_l1",
-                         f_scale=f_scale, x_scale="jac", max_nfev=2000)
+    return least_squares(
+        residual,
+        p0,
+        jac=jac,
+        bounds=bounds,
+        loss="soft_l1",
+        f_scale=f_scale,
+        x_scale="jac",
+        max_nfev=2000,
+    )
 
 
 def _starts(x: np.ndarray, logy: np.ndarray, f_scale: float, keep: int = 2) -> list[np.ndarray]:
@@ -141,11 +158,27 @@ def _starts(x: np.ndarray, logy: np.ndarray, f_scale: float, keep: int = 2) -> l
     return [np.array([np.log(e[i]), a[i], np.log(b[i])]) for i in np.argsort(cost)[:keep]]
 
 
-def _nan_fit(compute: np.ndarray, loss: np.ndarray, ids: list[list[str]], reason: NotEnoughData,
-             warnings: list[str]) -> PowerLawFit:
+def _nan_fit(
+    compute: np.ndarray,
+    loss: np.ndarray,
+    ids: list[list[str]],
+    reason: NotEnoughData,
+    warnings: list[str],
+) -> PowerLawFit:
     nan = float("nan")
-    return PowerLawFit(nan, nan, nan, nan, compute, loss, np.full(loss.shape, np.nan), ids,
-                       reliable=False, warnings=warnings, reason=reason)
+    return PowerLawFit(
+        nan,
+        nan,
+        nan,
+        nan,
+        compute,
+        loss,
+        np.full(loss.shape, np.nan),
+        ids,
+        reliable=False,
+        warnings=warnings,
+        reason=reason,
+    )
 
 
 def fit_power_law(
@@ -166,8 +199,14 @@ def fit_power_law(
     """
     with single_threaded_blas():
         return _fit_power_law(
-            compute, loss, bootstrap=bootstrap, seed=seed, ci=ci, f_scale=f_scale,
-            trial_ids=trial_ids, what=what,
+            compute,
+            loss,
+            bootstrap=bootstrap,
+            seed=seed,
+            ci=ci,
+            f_scale=f_scale,
+            trial_ids=trial_ids,
+            what=what,
         )
 
 
@@ -199,10 +238,14 @@ def _fit_power_law(
     x = np.log(c / c_scale)
     logy = np.log(y)
     e_hi = np.log(y.min())
-    bounds = (np.array([e_hi - 20.0, -50.0, _LOG_B_BOUNDS[0]]),
-              np.array([e_hi, 50.0, _LOG_B_BOUNDS[1]]))
-    best = min((_solve(x, logy, p0, bounds, f_scale) for p0 in _starts(x, logy, f_scale)),
-               key=lambda r: r.cost)
+    bounds = (
+        np.array([e_hi - 20.0, -50.0, _LOG_B_BOUNDS[0]]),
+        np.array([e_hi, 50.0, _LOG_B_BOUNDS[1]]),
+    )
+    best = min(
+        (_solve(x, logy, p0, bounds, f_scale) for p0 in _starts(x, logy, f_scale)),
+        key=lambda r: r.cost,
+    )
     p = best.x
     E, a_scaled, b = float(np.exp(p[0])), float(np.exp(p[1])), float(np.exp(p[2]))
     A = a_scaled * c_scale**b
@@ -238,6 +281,18 @@ def _fit_power_law(
         problems.append(f"the exponent b={b:.3g} sits at its bound")
     if "b" in ci_map and ci_map["b"][0] > 0 and ci_map["b"][1] / ci_map["b"][0] > 3:
         problems.append("the exponent's CI spans more than a factor 3")
-    return PowerLawFit(E, A, b, c_scale, c, y, residuals, ids, ci_map, ci,
-                       reliable=not problems, warnings=warnings + problems,
-                       boot_params=boot)
+    return PowerLawFit(
+        E,
+        A,
+        b,
+        c_scale,
+        c,
+        y,
+        residuals,
+        ids,
+        ci_map,
+        ci,
+        reliable=not problems,
+        warnings=warnings + problems,
+        boot_params=boot,
+    )

@@ -13,7 +13,7 @@ from .errors import NotEnoughData
 from .frontier import FrontierResult, loss_compute_frontier
 from .optimal_lr import OptimalLRResult
 from .powerlaw import PowerLawFit
-from .serialize import frame_records, json_safe
+from .serialize import frame_records, json_safe, with_none
 from .stats import percentile_ci
 from .trials import Trials
 
@@ -73,8 +73,9 @@ def compare_fits(
     for name, fit in ((arm, arm_fit), (reference, ref_fit)):
         if not fit.ok:
             because = f"arm {name} has no loss-vs-compute fit ({fit.reason})"
-            return SavingsComparison(arm, reference, empty, nan_range,
-                                     reason=NotEnoughData(what, because))
+            return SavingsComparison(
+                arm, reference, empty, nan_range, reason=NotEnoughData(what, because)
+            )
     a_lo, a_hi = arm_fit.loss_range
     r_lo, r_hi = ref_fit.loss_range
     floor = max(arm_fit.E, ref_fit.E)
@@ -82,16 +83,22 @@ def compare_fits(
     if lo <= floor:
         lo = float(np.nextafter(floor, np.inf))
     if not lo < hi:
-        because = (f"the observed loss ranges do not overlap above both asymptotes ({arm}: "
-                   f"[{a_lo:.4g}, {a_hi:.4g}], {reference}: [{r_lo:.4g}, {r_hi:.4g}], "
-                   f"E = {arm_fit.E:.4g} / {ref_fit.E:.4g}); refusing to extrapolate")
-        return SavingsComparison(arm, reference, empty, (lo, hi),
-                                 reason=NotEnoughData(what, because))
+        because = (
+            f"the observed loss ranges do not overlap above both asymptotes ({arm}: "
+            f"[{a_lo:.4g}, {a_hi:.4g}], {reference}: [{r_lo:.4g}, {r_hi:.4g}], "
+            f"E = {arm_fit.E:.4g} / {ref_fit.E:.4g}); refusing to extrapolate"
+        )
+        return SavingsComparison(
+            arm, reference, empty, (lo, hi), reason=NotEnoughData(what, because)
+        )
 
     grid = np.linspace(lo, hi, n_grid) if losses is None else np.asarray(losses, dtype=float)
     inside = (grid >= lo) & (grid <= hi)
-    note = np.where(inside, None, f"outside the loss range both fits cover [{lo:.4g}, "
-                                  f"{hi:.4g}]; refusing to extrapolate")
+    note = np.where(
+        inside,
+        None,
+        f"outside the loss range both fits cover [{lo:.4g}, {hi:.4g}]; refusing to extrapolate",
+    )
     c_arm = np.where(inside, arm_fit.compute_for_loss(grid), np.nan)
     c_ref = np.where(inside, ref_fit.compute_for_loss(grid), np.nan)
     savings = 1.0 - c_arm / c_ref
@@ -107,21 +114,35 @@ def compare_fits(
             samples = 1.0 - boot_arm[:m] / boot_ref[:m]
         lost = float(np.mean(~np.isfinite(samples[:, inside]))) if inside.any() else 0.0
         if lost > 0.05:
-            warnings.append(f"{lost:.0%} of bootstrap refits put the asymptote above the "
-                            "compared losses; the CI ignores them")
+            warnings.append(
+                f"{lost:.0%} of bootstrap refits put the asymptote above the "
+                "compared losses; the CI ignores them"
+            )
         ci_lo, ci_hi = percentile_ci(samples, ci)
         ci_lo = np.where(inside, ci_lo, np.nan)
         ci_hi = np.where(inside, ci_hi, np.nan)
     else:
         warnings.append("no bootstrap refits: savings have no confidence interval")
-    table = pd.DataFrame({"loss": grid, "compute_arm": c_arm, "compute_ref": c_ref,
-                          "savings": savings, "ci_low": ci_lo, "ci_high": ci_hi, "note": note})
+    table = pd.DataFrame(
+        {
+            "loss": grid,
+            "compute_arm": c_arm,
+            "compute_ref": c_ref,
+            "savings": savings,
+            "ci_low": ci_lo,
+            "ci_high": ci_hi,
+            "note": note,
+        }
+    )
+    table = with_none(table, ["note"])
     reason = None
     if not inside.any():
-        because = (f"every requested loss is outside the range both fits cover [{lo:.4g}, "
-                   f"{hi:.4g}]; refusing to extrapolate")
+        because = (
+            f"every requested loss is outside the range both fits cover [{lo:.4g}, "
+            f"{hi:.4g}]; refusing to extrapolate"
+        )
         reason = NotEnoughData(what, because)
-    reliable = reason is None and arm_fit.reliable and ref_fit.reliable and m > 0
+    reliable = reason is None and arm_fit.reliable and ref_fit.reliable
     if not (arm_fit.reliable and ref_fit.reliable):
         warnings.append("at least one of the two power-law fits is unreliable")
     return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason)
@@ -152,7 +173,7 @@ class SavingsResult:
         columns = ["arm", "reference", *_TABLE_COLUMNS, "reliable", "reason"]
         if not frames:
             return pd.DataFrame(columns=columns)
-        return pd.concat(frames, ignore_index=True)[columns]
+        return with_none(pd.concat(frames, ignore_index=True)[columns], ["note", "reason"])
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(
@@ -204,8 +225,9 @@ def flop_savings(
     for arm in others:
         arm_fit = frontier.fits.get(arm) or _missing(nan_fit, frontier, arm)
         ref_fit = frontier.fits.get(reference_arm) or _missing(nan_fit, frontier, reference_arm)
-        comparisons[arm] = compare_fits(arm_fit, ref_fit, arm=arm, reference=reference_arm,
-                                        losses=losses, n_grid=n_grid, ci=ci)
+        comparisons[arm] = compare_fits(
+            arm_fit, ref_fit, arm=arm, reference=reference_arm, losses=losses, n_grid=n_grid, ci=ci
+        )
     reason = None
     if all(c.reason is not None for c in comparisons.values()):
         reason = NotEnoughData(what, "; ".join(str(c.reason) for c in comparisons.values()))

@@ -47,3 +47,12 @@ def frame_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
         {c: json_safe(v) for c, v in zip(columns, row, strict=True)}
         for row in frame.itertuples(index=False, name=None)
     ]
+
+
+def with_none(frame: pd.DataFrame, columns: tuple[str, ...] | list[str]) -> pd.DataFrame:
+    """Make optional text columns object dtype holding None, not pandas' NaN-for-missing str."""
+    for col in columns:
+        if col in frame.columns:
+            values = frame[col].astype(object)
+            frame[col] = values.where(values.notna(), None)
+    return frame

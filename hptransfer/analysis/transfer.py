@@ -15,7 +15,7 @@ from scipy import stats
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, optimal_lr
-from .serialize import frame_records, json_safe
+from .serialize import frame_records, json_safe, with_none
 
 AXES: tuple[str, ...] = ("width", "depth")
 
@@ -34,6 +34,13 @@ class SlopeFit:
     residuals: np.ndarray
 
 
+def _within(codes: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
+    """Values minus their group mean."""
+    counts = np.bincount(codes, minlength=n_groups)
+    means = np.bincount(codes, weights=values, minlength=n_groups) / np.maximum(counts, 1)
+    return values - means[codes]
+
+
 def fit_slope(
     x: np.ndarray, y: np.ndarray, groups: np.ndarray | None = None, ci: float = 0.95
 ) -> SlopeFit:
@@ -43,24 +50,23 @@ def fit_slope(
     """
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
-    g = np.zeros(len(x), dtype=int) if groups is None else pd.factorize(groups)[0]
-    frame = pd.DataFrame({"x": x, "y": y, "g": g})
-    spread = frame.groupby("g")["x"].transform("nunique").to_numpy()
-    frame = frame[spread >= 2]
-    n = len(frame)
-    n_levels = int(frame["g"].nunique())
+    codes = np.zeros(len(x), dtype=int) if groups is None else pd.factorize(groups)[0]
+    n_groups = int(codes.max()) + 1 if len(codes) else 0
+    xt = _within(codes, x, n_groups)
+    spread = np.bincount(codes, weights=xt**2, minlength=n_groups) > 1e-12
+    keep = spread[codes]
+    codes, xt, yt = codes[keep], xt[keep], _within(codes, y, n_groups)[keep]
+    n, n_levels = len(xt), int(spread.sum())
     nan = float("nan")
     if n == 0:
         return SlopeFit(nan, nan, nan, nan, 0, 0, 0, np.array([]))
-    xt = (frame["x"] - frame.groupby("g")["x"].transform("mean")).to_numpy()
-    yt = (frame["y"] - frame.groupby("g")["y"].transform("mean")).to_numpy()
-    sxx = float(xt @ xt)
-    slope = float(xt @ yt) / sxx
+    sxx = float(np.sum(xt * xt))
+    slope = float(np.sum(xt * yt)) / sxx
     resid = yt - slope * xt
     dof = n - n_levels - 1
     if dof <= 0:
         return SlopeFit(slope, nan, nan, nan, max(dof, 0), n, n_levels, resid)
-    stderr = float(np.sqrt((resid @ resid) / dof / sxx))
+    stderr = float(np.sqrt(np.sum(resid * resid) / dof / sxx))
     half = float(stats.t.ppf(0.5 + ci / 2.0, dof)) * stderr
     return SlopeFit(slope, stderr, slope - half, slope + half, dof, n, n_levels, resid)
 
@@ -73,7 +79,7 @@ class TransferResult:
     by_level: pd.DataFrame
     reason: NotEnoughData | None = None
     warnings: list[str] = field(default_factory=list)
-    tolerance: float = 0.2
+    tolerance: float = 0.1
     ci_level: float = 0.95
 
     @property
@@ -109,9 +115,25 @@ def _verdict(fit: SlopeFit, tolerance: float) -> str:
 
 
 _SLOPE_COLUMNS = [
-    "arm", "sigma_base", "axis", "slope", "stderr", "ci_low", "ci_high", "dof", "n_shapes",
-    "n_levels", "max_shift_log2", "total_shift_log2", "verdict", "reliable", "reason",
-    "warnings", "inputs", "residuals", "trial_ids",
+    "arm",
+    "sigma_base",
+    "axis",
+    "slope",
+    "stderr",
+    "ci_low",
+    "ci_high",
+    "dof",
+    "n_shapes",
+    "n_levels",
+    "max_shift_log2",
+    "total_shift_log2",
+    "verdict",
+    "reliable",
+    "reason",
+    "warnings",
+    "inputs",
+    "residuals",
+    "trial_ids",
 ]
 _LEVEL_COLUMNS = ["arm", "sigma_base", "axis", "at", "level", "n_shapes", "slope", "shift_log2"]
 
@@ -137,34 +159,72 @@ def _axis_row(
         row.update(reliable=False, verdict="inconclusive", inputs=[], residuals=[], trial_ids=[])
         return row, levels
 
-    x = np.log2(pts[axis].to_numpy(dtype=float))
-    y = pts["log2_lr_opt"].to_numpy(dtype=float)
-    fit = fit_slope(x, y, pts[other].to_numpy(), ci)
-    informative = pts[pts[other].isin(fixed.index[fixed >= 2])]
-    shifts = informative.groupby(other)["log2_lr_opt"].agg(lambda s: s.max() - s.min())
-    for level, sub in informative.groupby(other):
-        xs = np.log2(sub[axis].to_numpy(dtype=float))
-        level_slope = np.polyfit(xs, sub["log2_lr_opt"].to_numpy(), 1)[0]
-        levels.append({**label, "axis": axis, "at": other, "level": level,
-                       "n_shapes": len(sub), "slope": float(level_slope),
-                       "shift_log2": float(shifts[level])})
+    x_all = np.log2(pts[axis].to_numpy(dtype=float))
+    y_all = pts["log2_lr_opt"].to_numpy(dtype=float)
+    level_all = pts[other].to_numpy()
+    fit = fit_slope(x_all, y_all, level_all, ci)
+    informative = pts[pts[other].isin(fixed.index[fixed >= 2]).to_numpy()]
+    x = np.log2(informative[axis].to_numpy(dtype=float))
+    y = informative["log2_lr_opt"].to_numpy(dtype=float)
+    codes, uniques = pd.factorize(informative[other].to_numpy(), sort=True)
+    k = len(uniques)
+    xt, yt = _within(codes, x, k), _within(codes, y, k)
+    level_slopes = np.bincount(codes, xt * yt, k) / np.bincount(codes, xt * xt, k)
+    hi = np.full(k, -np.inf)
+    lo = np.full(k, np.inf)
+    np.maximum.at(hi, codes, y)
+    np.minimum.at(lo, codes, y)
+    counts = np.bincount(codes, minlength=k)
+    for j, level in enumerate(uniques):
+        levels.append(
+            {
+                **label,
+                "axis": axis,
+                "at": other,
+                "level": level,
+                "n_shapes": int(counts[j]),
+                "slope": float(level_slopes[j]),
+                "shift_log2": float(hi[j] - lo[j]),
+            }
+        )
 
     notes: list[str] = []
     unreliable = int((~informative["reliable"].to_numpy(dtype=bool)).sum())
     if unreliable:
-        notes.append(f"{unreliable} of {len(informative)} η* values are unreliable (grid edge, "
-                     "clamped or concave): the slope may be biased toward 0")
+        notes.append(
+            f"{unreliable} of {len(informative)} η* values are unreliable (grid edge, "
+            "clamped or concave): the slope may be biased toward 0"
+        )
     if fit.dof <= 0:
         notes.append("no residual degrees of freedom: add shapes to get a confidence interval")
-    inputs = informative[[axis, other, "log2_lr_opt", "reliable"]].copy()
-    inputs["residual"] = fit.residuals
+    inputs = [
+        {axis: a, other: o, "log2_lr_opt": v, "reliable": bool(r), "residual": e}
+        for a, o, v, r, e in zip(
+            informative[axis].tolist(),
+            informative[other].tolist(),
+            y.tolist(),
+            informative["reliable"].tolist(),
+            fit.residuals.tolist(),
+            strict=True,
+        )
+    ]
     ids = [i for lst in informative["trial_ids"] for i in lst]
     row.update(
-        slope=fit.slope, stderr=fit.stderr, ci_low=fit.ci_low, ci_high=fit.ci_high, dof=fit.dof,
-        n_shapes=fit.n_points, n_levels=fit.n_levels, max_shift_log2=float(shifts.max()),
-        total_shift_log2=float(y.max() - y.min()), verdict=_verdict(fit, tolerance),
-        reliable=bool(fit.dof > 0 and not unreliable), warnings=notes,
-        inputs=inputs.to_dict("records"), residuals=fit.residuals.tolist(), trial_ids=ids,
+        slope=fit.slope,
+        stderr=fit.stderr,
+        ci_low=fit.ci_low,
+        ci_high=fit.ci_high,
+        dof=fit.dof,
+        n_shapes=fit.n_points,
+        n_levels=fit.n_levels,
+        max_shift_log2=float((hi - lo).max()),
+        total_shift_log2=float(y_all.max() - y_all.min()),
+        verdict=_verdict(fit, tolerance),
+        reliable=bool(fit.dof > 0 and not unreliable),
+        warnings=notes,
+        inputs=inputs,
+        residuals=fit.residuals.tolist(),
+        trial_ids=ids,
     )
     return row, levels
 
@@ -173,7 +233,7 @@ def transfer_drift(
     data: pd.DataFrame | OptimalLRResult,
     *,
     ci: float = 0.95,
-    tolerance: float = 0.2,
+    tolerance: float = 0.1,
     reliable_only: bool = False,
 ) -> TransferResult:
     """Slopes of log2 η* vs log2 width (depth as fixed effects) and vs log2 depth, per arm.
@@ -207,4 +267,6 @@ def transfer_drift(
         reason = NotEnoughData("transfer drift", "; ".join(slopes["reason"].astype(str)))
     by_level = pd.DataFrame(levels, columns=[*group_keys, *_LEVEL_COLUMNS[2:]])
     slopes["reliable"] = slopes["reliable"].astype(bool)
+    slopes = with_none(slopes, ["reason", "verdict"])
+    by_level = with_none(by_level, ["level"])
     return TransferResult(slopes, by_level, reason, warnings, tolerance, ci)

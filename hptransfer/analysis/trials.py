@@ -81,9 +81,7 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
     frame = require_columns(df, required)
     extra = [c for c in required if c not in ALL_COLUMNS]
     keep = [c for c in (*ALL_COLUMNS, *extra) if c in frame.columns]
-    out = pd.DataFrame(index=pd.RangeIndex(len(frame)))
-    for col in keep:
-        out[col] = frame[col].to_numpy()
+    out = frame[keep].reset_index(drop=True)
     warnings: list[str] = []
 
     for col in NUMERIC_COLUMNS:
@@ -93,11 +91,12 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
             out[col] = np.nan  # optional column absent: the fits needing it say so
     for col in TEXT_COLUMNS:
         if col in out.columns:
-            values = out[col].astype(object)
-            out[col] = values.where(values.notna(), "").astype(str).to_numpy(dtype=object)
+            # Vectorised string ops: on pandas' Arrow-backed strings a Python loop is the cost.
+            values = out[col]
+            out[col] = values.where(values.notna(), "").astype(str)
         else:
             out[col] = ""
-    out["status"] = out["status"].str.strip().str.lower().to_numpy(dtype=object)
+    out["status"] = out["status"].str.strip().str.lower()
     if "seed" not in out.columns:
         out["seed"] = 0
 
@@ -110,7 +109,7 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
     # Shapes and LRs are taken in log space, so they must be finite and positive.
     axes = out[["width", "depth", "lr"]].to_numpy()
     bad_axes = ~(np.isfinite(axes) & (axes > 0)).all(axis=1)
-    bad_arm = out["arm"].to_numpy(dtype=object) == ""
+    bad_arm = (out["arm"] == "").to_numpy(dtype=bool)
     drop = bad_axes | bad_arm
     if drop.any():
         warnings.append(
@@ -119,10 +118,10 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
         )
         out = out.loc[~drop].reset_index(drop=True)
 
-    status = out["status"].to_numpy(dtype=object)
     loss = out["final_val_loss"].to_numpy()
     finite = np.isfinite(loss)
-    completed = status == "completed"
+    completed = (out["status"] == "completed").to_numpy(dtype=bool)
+    diverged = (out["status"] == "diverged").to_numpy(dtype=bool)
     # A completed run whose loss is NaN/inf blew up without being flagged: count it as diverged.
     silent = completed & ~finite
     if silent.any():
@@ -132,7 +131,7 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
         )
     outcome = np.full(len(out), IGNORED, dtype=np.int8)
     outcome[completed & finite] = OK
-    outcome[(status == "diverged") | silent] = DIVERGED
+    outcome[diverged | silent] = DIVERGED
     out["outcome"] = outcome
     out.loc[outcome != OK, "final_val_loss"] = np.nan
     return Trials(frame=out, warnings=warnings, status_counts=status_counts, n_input=len(frame))

@@ -91,6 +91,8 @@ class Dispatcher:
         init_ray(self.settings)
         self._board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         self._remote = ray.remote(execute_trial)
+        if self.tracker:
+            self.tracker.flush_outbox()  # replay what an MLflow outage left behind
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
@@ -154,8 +156,8 @@ class Dispatcher:
             f = self.in_flight.get(trial_id)
             if f is None:
                 continue
-            if self.tracker and f.run_id:
-                self.tracker.log_metrics(f.run_id, points)
+            if self.tracker:
+                self.tracker.log_metrics(f.run_id, points, trial_id=trial_id)
             if f.trial.get("optuna_trial_number") is not None:
                 for p in points:
                     val = p.get("val_loss")
@@ -192,16 +194,23 @@ class Dispatcher:
             status, error = "failed", f"{type(exc).__name__}: {exc}"
             self.store.finish_trial(trial_id, "failed", None, error)
         self._board.forget.remote(trial_id)
-        if self.tracker and f.run_id:
-            self.tracker.finish_trial(f.run_id, result or {"error": error}, status
-                                      if status != "pending" else "failed")
+        if self.tracker:
+            # a retried attempt gets a fresh run; this one ends as failed with the worker error
+            self.tracker.finish_trial(f.run_id, result or {"error": error},
+                                      "failed" if status == "pending" else status,
+                                      trial_id=trial_id)
         if f.trial.get("optuna_trial_number") is not None and status != "pending":
             self._tell_optuna(f.trial, status, result)
         self.optuna.forget(trial_id)
         self._refresh(sweep_id)
 
     def _refresh(self, sweep_id: str) -> None:
-        before = self.store.get_sweep(sweep_id)["status"]
+        sweep = self.store.get_sweep(sweep_id)
+        before = sweep["status"]
+        spec = self._spec(sweep)
+        if before in ACTIVE and spec.search.method == "optuna" and self._optuna_left(sweep_id,
+                                                                                     spec):
+            return  # the studies still have trials to ask: not finished yet
         after = self.store.refresh_sweep_status(sweep_id)
         if before in ACTIVE and after not in ACTIVE:
             sweep = self.store.get_sweep(sweep_id)
@@ -210,8 +219,8 @@ class Dispatcher:
                     self.on_sweep_finished(sweep_id)
                 except Exception:
                     log.exception("sweep-finished hook failed for %s", sweep_id)
-            if self.tracker and sweep.get("mlflow_run_id"):
-                self.tracker.finish_sweep(sweep["mlflow_run_id"], after)
+            if self.tracker:
+                self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, sweep_id=sweep_id)
 
     # filling slots -------------------------------------------------------------------
     def _capacity(self, spec: SweepSpec) -> int:
@@ -239,19 +248,21 @@ class Dispatcher:
         return started
 
     def _submit(self, sweep: dict[str, Any], spec: SweepSpec, trial: dict[str, Any]) -> None:
-        if self.tracker and not sweep.get("mlflow_run_id"):
-            ids = self.tracker.start_sweep(sweep["id"], sweep["name"], sweep["spec"], spec.tags)
-            if ids:
-                self.store.set_sweep_mlflow(sweep["id"], *ids)
-                sweep.update(mlflow_experiment_id=ids[0], mlflow_run_id=ids[1])
         run_id = None
-        if self.tracker and sweep.get("mlflow_run_id"):
+        if self.tracker:
+            if not sweep.get("mlflow_run_id"):
+                ids = self.tracker.start_sweep(sweep["id"], sweep["name"], sweep["spec"],
+                                               spec.tags)
+                if ids:
+                    self.store.set_sweep_mlflow(sweep["id"], *ids)
+                    sweep.update(mlflow_experiment_id=ids[0], mlflow_run_id=ids[1])
+            # with MLflow down this queues in the tracker's outbox (run_id None)
             run_id = self.tracker.start_trial(
-                sweep["mlflow_experiment_id"], sweep["mlflow_run_id"], trial["id"],
-                trial["arm"], trial["spec"],
+                sweep.get("mlflow_experiment_id"), sweep.get("mlflow_run_id"), trial["id"],
+                trial["arm"], trial["spec"], sweep_id=sweep["id"],
             )
             if run_id:
-                self.store.set_trial_mlflow(trial["id"], run_id)
+                self.store.set_trial_mlflow_run_id(trial["id"], run_id)
         trial_spec = dict(trial["spec"])
         trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
@@ -287,6 +298,10 @@ class Dispatcher:
                                             optuna_trial_number=number)
             self.optuna.bind(trial_id, study, number)
             asked += 1
+
+    def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
+        asked = self.store.count_trials(sweep_id)
+        return len(plan_shapes(spec)) * spec.search.n_trials - asked
 
     def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
         sweep = self.store.get_sweep(trial["sweep_id"])

@@ -27,7 +27,7 @@ class NotFound(LookupError):
 
 class Coordinator:
     def __init__(self, settings: Settings | None = None, dispatch: bool = True) -> None:
-        self.settings = settings or get_settings()
+        self.settings = (settings or get_settings()).ensure_dirs()
         self.store = Store(self.settings.database_url)
         self.store.migrate()
         self.tracker = Tracker(self.settings.mlflow_uri, str(self.settings.mlflow_artifacts),
@@ -59,6 +59,9 @@ class Coordinator:
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
         )
+        if spec.search.method == "optuna":
+            # trials are asked one by one later; the sweep is open until every study is done
+            self.store.set_sweep_status(sweep_id, "pending")
         return self.summary(sweep_id)
 
     def _data_hash(self, spec: SweepSpec) -> str:

@@ -8,7 +8,8 @@ Validation happens in two passes. Pydantic checks types and ranges of every fiel
 `SweepSpec`'s own check looks across fields (pairings, divisibility, the trial cap) and builds
 one `TrialSpec` per (arm, width, depth), so that expanding a spec that passed can never fail.
 `load_spec` turns both kinds of failure into one `SpecError` whose entries name a field path
-such as ``grid.widths[2]``.
+such as ``grid.widths[2]``, and also applies the trial cap (a submission policy, so
+re-reading a stored spec with `SweepSpec.model_validate` does not re-apply it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import difflib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -325,10 +327,12 @@ class SweepSpec(_Model):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> SweepSpec:
+        # The trial cap is a submission policy, applied by load_spec (via the context); a
+        # stored spec re-read with SweepSpec.model_validate must not fail if the cap changed.
         context = info.context if isinstance(info.context, dict) else {}
-        cap = context.get("max_trials") or default_max_trials()
+        cap = context.get("max_trials")
         problems = self._cross_field_problems()
-        if not problems:
+        if not problems and cap is not None:
             problems = self._size_problems(cap)
         if not problems:
             problems = self._build_problems()
@@ -621,6 +625,14 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads `1e-3` and `2e9` as strings; read them as numbers, as YAML 1.2 does.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _parse_yaml(text: str, where: str) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -93,6 +94,8 @@ _RESULT_INTS = ("tokens", "params_non_embedding", "params_embedding")
 RESULT_COLUMNS: tuple[str, ...] = (*_RESULT_FLOATS, *_RESULT_INTS)
 
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
+# Alembic keeps the running migration's context in module globals: one command per process.
+_MIGRATE_LOCK = threading.Lock()
 
 
 class StoreError(Exception):
@@ -372,6 +375,8 @@ class _Filters:
     arm: str | None = None
     width: int | None = None
     depth: int | None = None
+    sigma_base: float | None = None
+    seed: int | None = None
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
         if isinstance(self.status, str):
@@ -384,6 +389,11 @@ class _Filters:
             stmt = stmt.where(Trial.width == int(self.width))
         if self.depth is not None:
             stmt = stmt.where(Trial.depth == int(self.depth))
+        if self.sigma_base is not None:
+            # exact: the value is the planner's float, stored as a double and read back as is
+            stmt = stmt.where(Trial.sigma_base == float(self.sigma_base))
+        if self.seed is not None:
+            stmt = stmt.where(Trial.seed == int(self.seed))
         return stmt
 
 
@@ -402,7 +412,7 @@ class Store:
         self._writer = sessionmaker(self._write_engine, expire_on_commit=False)
 
     def __repr__(self) -> str:
-        return f"Store({self.url.render_as_string(hide_password=True)!r})"
+        return f"Store({self.url_safe!r})"
 
     def __enter__(self) -> Store:
         return self
@@ -412,6 +422,11 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    @property
+    def url_safe(self) -> str:
+        """The database URL with the password masked (for logs and /health)."""
+        return self.url.render_as_string(hide_password=True)
 
     @property
     def dialect(self) -> str:
@@ -436,7 +451,7 @@ class Store:
         cfg = alembic_config()
         # One transaction (IMMEDIATE on SQLite; env.py takes an advisory lock on PostgreSQL),
         # so two processes migrating at once run the revisions exactly once.
-        with self._write_engine.begin() as conn:
+        with _MIGRATE_LOCK, self._write_engine.begin() as conn:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")
 
@@ -603,9 +618,11 @@ class Store:
         depth: int | None = None,
         limit: int | None = 100,
         offset: int = 0,
+        sigma_base: float | None = None,
+        seed: int | None = None,
     ) -> list[dict[str, Any]]:
         """A page of a sweep's trials in plan order (idx), optionally filtered."""
-        stmt = _Filters(status, arm, width, depth).apply(
+        stmt = _Filters(status, arm, width, depth, sigma_base, seed).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
         )
         stmt = stmt.order_by(Trial.idx).offset(offset)
@@ -621,8 +638,10 @@ class Store:
         arm: str | None = None,
         width: int | None = None,
         depth: int | None = None,
+        sigma_base: float | None = None,
+        seed: int | None = None,
     ) -> int:
-        stmt = _Filters(status, arm, width, depth).apply(
+        stmt = _Filters(status, arm, width, depth, sigma_base, seed).apply(
             select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id)
         )
         with self._read() as s:
@@ -679,12 +698,18 @@ class Store:
                 )
                 .execution_options(synchronize_session=False)
             )
+            to_start = select(Sweep.id).where(
+                Sweep.id.in_(select(Trial.sweep_id).where(Trial.id.in_(ids))),
+                Sweep.status == "pending",
+            )
+            if self.dialect == "postgresql":
+                # Never wait on a sweep row (cancel/add_trial lock it first, then trials): a
+                # lease that never waits cannot be part of a deadlock. A skipped sweep is
+                # marked running by the next lease or refresh.
+                to_start = to_start.with_for_update(skip_locked=True)
             s.execute(
                 update(Sweep)
-                .where(
-                    Sweep.id.in_(select(Trial.sweep_id).where(Trial.id.in_(ids))),
-                    Sweep.status == "pending",
-                )
+                .where(Sweep.id.in_(to_start))
                 .values(status="running", started_at=now)
                 .execution_options(synchronize_session=False)
             )
@@ -811,21 +836,19 @@ class Store:
         trials, which the dispatcher must cancel (then `mark_cancelled`)."""
         now = _now()
         with self._write() as s:
-            # Trials before the sweep row: the same lock order as lease_pending (no deadlock).
+            # Sweep row first: a concurrent add_trial either committed before (its trial is
+            # cancelled below) or sees the cancelled sweep and refuses.
+            sweep = s.get(Sweep, sweep_id, with_for_update={"key_share": True})
+            if sweep is None:
+                raise NotFoundError(f"no sweep {sweep_id!r}")
             s.execute(
                 update(Trial)
                 .where(Trial.sweep_id == sweep_id, Trial.status == "pending")
                 .values(status="cancelled", finished_at=now)
                 .execution_options(synchronize_session=False)
             )
-            stopped = s.execute(
-                update(Sweep)
-                .where(Sweep.id == sweep_id, Sweep.status.in_(LEASABLE_SWEEP_STATUSES))
-                .values(status="cancelled", finished_at=now)
-                .execution_options(synchronize_session=False)
-            )
-            if _rowcount(stopped) == 0 and s.get(Sweep, sweep_id) is None:
-                raise NotFoundError(f"no sweep {sweep_id!r}")
+            if sweep.status in LEASABLE_SWEEP_STATUSES:
+                sweep.status, sweep.finished_at = "cancelled", now
             running = select(Trial.id).where(
                 Trial.sweep_id == sweep_id, Trial.status == "running"
             )
@@ -864,7 +887,8 @@ class Store:
         failed sweep keeps its status). Returns the status."""
         now = _now()
         with self._write() as s:
-            sweep = s.get(Sweep, sweep_id)
+            # Locked before counting, so a trial added concurrently is counted.
+            sweep = s.get(Sweep, sweep_id, with_for_update={"key_share": True})
             if sweep is None:
                 raise NotFoundError(f"no sweep {sweep_id!r}")
             if sweep.status in ("cancelled", "failed"):
@@ -882,7 +906,7 @@ class Store:
                 sweep.started_at = sweep.started_at or now
             return sweep.status
 
-    def set_mlflow_ids(
+    def set_sweep_mlflow(
         self, sweep_id: str, experiment_id: str | None = None, run_id: str | None = None
     ) -> None:
         """The sweep's MLflow experiment and parent run (None leaves a value unchanged)."""
@@ -898,7 +922,10 @@ class Store:
             if _rowcount(s.execute(stmt.execution_options(synchronize_session=False))) == 0:
                 raise NotFoundError(f"no sweep {sweep_id!r}")
 
-    def set_trial_mlflow_run_id(self, trial_id: str, run_id: str) -> None:
+    set_mlflow_ids = set_sweep_mlflow  # the name in the design brief
+
+    def set_trial_mlflow(self, trial_id: str, run_id: str) -> None:
+        """The trial's MLflow run (a child of the sweep's parent run)."""
         with self._write() as s:
             stmt = update(Trial).where(Trial.id == trial_id).values(mlflow_run_id=run_id)
             if _rowcount(s.execute(stmt.execution_options(synchronize_session=False))) == 0:

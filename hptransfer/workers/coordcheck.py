@@ -13,24 +13,38 @@ t = 1..steps (t = 1 is the forward pass at init, before any update) forward hook
 - ``logits``: the model output.
 
 Verdict. For every module and step the log2-log2 slope of mean|act| against size is fitted
-(``np.polyfit``). A slope is the growth exponent per doubling of the size: 0 is flat, 1 means
-the activation doubles whenever width (or depth) doubles. A module fails when, at some step
->= ``min_step`` (2 by default: after at least one update), ``|slope - expected| > threshold``
-with ``DEFAULT_THRESHOLD = 0.25``, i.e. more than a factor 2^0.25 ~ 1.19 per doubling (about
-2.4x across the five doublings 2 -> 64 of the CompleteP paper's Fig. 7, where SP grows ~40x,
-a slope of ~1.06). Sizes below 4 points or a narrow size range make the fit noisy; 0.25 leaves
-headroom for the few-percent seed noise of small models while SP's slopes are well above it.
+(``np.polyfit``): the growth exponent per doubling of the size, 0 is flat, 1 means the
+activation doubles whenever width (or depth) doubles. A module fails when the MEDIAN over the
+judged steps (>= ``min_step``, 2 by default: after at least one update) of
+``slope - expected`` lies outside ``+/- threshold``; ``DEFAULT_THRESHOLD = 0.4`` per doubling.
 
-Expected slopes and exemptions (not failures, listed in ``verdict.notes``):
+Why the median and why 0.4 (numbers from gpt, width 128, head_dim 32, L = 2..16, lr 1e-3):
+- Real failures are power laws with exponent >= 1/2 (sums of L independent branches grow like
+  sqrt(L), coherent updates like L or N): SP on the depth axis shows +0.65..+1.1 at every step
+  >= 2 (the paper's ~40x from L=2 to 64 is ~+1.06), SP on the width axis +1.2..+2.2.
+- Correct parameterizations show finite-size drift: alpha=0.5 stays within +/-0.1, but
+  CompleteP's final residual stream drifts by -0.15..-0.35 over L = 2..16 (the one-update
+  change |h_L(2) - h_L(1)| is 0.25, 0.21, 0.16, 0.135, 0.123, 0.122 for L = 2..64: a
+  finite-depth correction that saturates, not a power law). 0.4 sits between the two.
+- Training on one fixed batch gives occasional single-step loss spikes in the deeper models
+  (e.g. CompleteP L=16 at step 9) whose slope can reach -0.7 for one step; the median ignores
+  such spikes, and the steps beyond the threshold are still listed in ``verdict.notes``.
+
+Expected slopes and exemptions (not failures; listed in ``verdict.notes``):
 - width axis, step 1: the logits shrink with width under muP and the alpha modes (the 1/m_N
   output multiplier acts before the unembedding has learned anything);
 - depth axis, alpha = 1 (CompleteP), step 1: the final residual stream falls with depth (the
-  L branches are each scaled by 1/m_L, so their sum shrinks towards the embedding ~1/sqrt(L));
-- arch ngpt, width axis: every representation lives on (or is projected to) the unit sphere in
-  R^N, so a coordinate is ~N^(-1/2) by construction; the expected slope is -0.5, not 0.
+  L branches are each scaled by 1/m_L, so their sum shrinks towards the embedding);
+- depth axis, alpha < 1: the branch outputs ``attn_out`` / ``mlp_out`` may shrink: each layer's
+  weights move like m_L^(alpha-1) (the "lazy" layers the CompleteP paper removes) while the
+  residual stream stays flat; shrinking steps count as deviation 0;
+- arch ngpt, width axis: representations live on the unit sphere in R^N, so a coordinate is
+  ~N^(-1/2) by construction: the expected slope is -0.5 (embedding, final residual, logits at
+  init); the branch outputs are normalized right after the branch, so their scale never reaches
+  the residual stream: reported, not judged.
 
 Step-1 exemptions only matter when ``min_step`` is 1; with the default the step-1 slopes are
-reported but do not decide the verdict.
+reported (notes) but do not decide the verdict.
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ AXES = ("width", "depth")
 MODULES = ("embedding", "attn_out", "mlp_out", "final_residual", "logits")
 DEFAULT_SIZES = {"width": [64, 128, 256, 512], "depth": [2, 4, 8, 16, 32]}
 DEFAULT_FIXED = {"width": 2, "depth": 256}  # the depth on the width axis, the width on depth
-DEFAULT_THRESHOLD = 0.25  # |log2 growth per doubling| beyond which a module fails
+DEFAULT_THRESHOLD = 0.4  # |median log2 growth per doubling| beyond which a module fails
 FALLBACK_VOCAB = 256
 
 
@@ -70,6 +84,7 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     threshold: float = DEFAULT_THRESHOLD
     min_step: int = 2
+    median_slopes: dict[str, float | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -79,6 +94,7 @@ class Verdict:
             "notes": list(self.notes),
             "threshold": self.threshold,
             "min_step": self.min_step,
+            "median_slopes": dict(self.median_slopes),
         }
 
 
@@ -162,13 +178,17 @@ class CoordCheckResult:
             vals = "".join(f"{_fmt(self.value(s, last, m)):<11}" for s in self.sizes)
             lines.append(f"{m:<16}{vals}")
         lines.append("")
-        lines.append(f"log2-log2 slope per doubling of {self.axis} (fail: |slope - expected| > "
-                     f"{self.verdict.threshold:g} at steps >= {self.verdict.min_step})")
-        lines.append(f"{'module':<16}" + "".join(f"t={t:<6}" for t in range(1, last + 1))
-                     + "  verdict")
+        lines.append(
+            f"log2-log2 slope per doubling of {self.axis}; fail: |median over steps >= "
+            f"{self.verdict.min_step} - expected| > {self.verdict.threshold:g}"
+        )
+        head = "".join(f"t={t:<6}" for t in range(1, last + 1))
+        lines.append(f"{'module':<16}{head}{'median':<9}verdict")
         for m in modules:
             vals = "".join(f"{self.slope(m, t):<+8.2f}" for t in range(1, last + 1))
-            lines.append(f"{m:<16}{vals}  {self.verdict.modules.get(m, '?')}")
+            med = self.verdict.median_slopes.get(m)
+            med_s = f"{med:+.2f}" if med is not None and math.isfinite(med) else "-"
+            lines.append(f"{m:<16}{vals}{med_s:<9}{self.verdict.modules.get(m, '?')}")
         lines.append("")
         lines.append("PASSED" if self.verdict.passed else "FAILED")
         lines.extend(f"  - {r}" for r in self.verdict.reasons)
@@ -290,7 +310,7 @@ def run_coordcheck(
 
     slopes = _fit_slopes(rows, sizes, steps)
     kind = _kind(parameterization)
-    verdict = judge(slopes, rows, axis=axis, arch=arch, kind=kind, alpha=alpha_used,
+    verdict = judge(slopes, axis=axis, arch=arch, kind=kind, alpha=alpha_used,
                     threshold=threshold, min_step=min_step)
     return CoordCheckResult(
         axis=axis, arch=arch, parameterization=label, alpha=alpha_used, sizes=sizes,
@@ -438,22 +458,31 @@ def expected_slope(arch: str, axis: str, module: str) -> float:
     return 0.0
 
 
+def judged(arch: str, axis: str, module: str) -> bool:
+    """nGPT normalizes each branch output right after the branch (h_a = norm(attn(h))), so the
+    branch's scale never reaches the residual stream: reported, not judged."""
+    return not (arch == "ngpt" and module in ("attn_out", "mlp_out"))
+
+
 def exemption(
     axis: str, kind: str, alpha: float | None, module: str, step: int
 ) -> tuple[str, str] | None:
-    """(allowed direction, why) for a known, expected deviation at init; None otherwise."""
-    if step != 1:
-        return None
-    if axis == "width" and module == "logits" and kind in ("mup", "alpha"):
-        return "shrinks", "output logits shrink with width at init under the 1/m_N multiplier"
-    if axis == "depth" and module == "final_residual" and kind == "alpha" and alpha == 1.0:
-        return "shrinks", "CompleteP's final residual stream falls with depth at init (~1/L)"
+    """(allowed direction, why) for a known, expected deviation; None otherwise."""
+    if axis == "width" and module == "logits" and kind in ("mup", "alpha") and step == 1:
+        return "shrinks", "output logits shrink with width at init (1/m_N output multiplier)"
+    if axis == "depth" and kind == "alpha" and alpha is not None:
+        if module == "final_residual" and alpha == 1.0 and step == 1:
+            return "shrinks", "CompleteP's final residual stream falls with depth at init"
+        if module in ("attn_out", "mlp_out") and alpha < 1.0:
+            return "shrinks", (
+                f"alpha={alpha:g} < 1: per-layer feature updates shrink like m_L^(alpha-1) "
+                "(the lazy layers CompleteP removes), while the residual stream stays flat"
+            )
     return None
 
 
 def judge(
     slopes: Iterable[dict],
-    rows: Iterable[dict] = (),
     *,
     axis: str,
     arch: str,
@@ -462,52 +491,80 @@ def judge(
     threshold: float = DEFAULT_THRESHOLD,
     min_step: int = 2,
 ) -> Verdict:
+    """Per module: the median over judged steps of (slope - expected), an allowed direction
+    counting as 0, must lie within +/- threshold. See the module docstring."""
     slopes = list(slopes)
     modules = [m for m in MODULES if any(s["module"] == m for s in slopes)]
     reasons: list[str] = []
     notes: list[str] = []
     verdicts: dict[str, str] = {}
+    medians: dict[str, float | None] = {}
     for m in modules:
         exp = expected_slope(arch, axis, m)
-        if exp:
-            notes.append(f"{m}: expected slope {exp:+.2f} ({arch} on the {axis} axis)")
-        diverged = [s["step"] for s in slopes if s["module"] == m and not math.isfinite(s["slope"])]
-        bad: list[dict] = []
-        for s in slopes:
-            if s["module"] != m or not math.isfinite(s["slope"]):
+        mine = sorted((s for s in slopes if s["module"] == m), key=lambda s: s["step"])
+        if not judged(arch, axis, m):
+            verdicts[m] = "not judged"
+            medians[m] = None
+            notes.append(f"{m}: not judged ({arch} normalizes it before it is used)")
+            continue
+        exempted: set[str] = set()
+        devs: list[tuple[int, float]] = []  # (step, deviation) over judged steps
+        raw: list[float] = []
+        diverged: list[int] = []
+        for s in mine:
+            t, slope = s["step"], s["slope"]
+            if not math.isfinite(slope):
+                if t >= min_step:
+                    diverged.append(t)
                 continue
-            dev = s["slope"] - exp
-            if abs(dev) <= threshold:
+            dev = slope - exp
+            if t < min_step:
+                if abs(dev) > threshold:
+                    ex = exemption(axis, kind, alpha, m, t)
+                    why = f"expected - {ex[1]}" if ex else "init, not judged"
+                    notes.append(f"{m} step {t}: slope {slope:+.2f} ({why})")
                 continue
-            direction = "grows" if dev > 0 else "shrinks"
-            ex = exemption(axis, kind, alpha, m, s["step"])
-            if ex is not None and ex[0] == direction:
-                notes.append(f"{m} step {s['step']}: slope {s['slope']:+.2f} expected - {ex[1]}")
-                continue
-            if s["step"] < min_step:
-                notes.append(
-                    f"{m} step {s['step']} (init, not judged): slope {s['slope']:+.2f} {direction}"
-                )
-                continue
-            bad.append(s)
-        judged_diverged = [t for t in diverged if t >= min_step]
-        if judged_diverged:
+            ex = exemption(axis, kind, alpha, m, t)
+            if ex is not None and (ex[0] == "shrinks") == (dev < 0) and abs(dev) > threshold:
+                exempted.add(ex[1])
+                dev = 0.0
+            devs.append((t, dev))
+            raw.append(slope)
+        for why in sorted(exempted):
+            notes.append(f"{m}: shrinking allowed - {why}")
+        if diverged:
             verdicts[m] = "diverged"
-            reasons.append(f"{m}: non-finite or zero activations at steps {judged_diverged}")
-        elif not bad:
+            medians[m] = None
+            reasons.append(f"{m}: non-finite or zero activations at steps {diverged}")
+            continue
+        if not devs:
             verdicts[m] = "stable"
-        else:
-            worst = max(bad, key=lambda s: abs(s["slope"] - exp))
-            verdicts[m] = "grows" if worst["slope"] > exp else "shrinks"
-            steps_bad = [s["step"] for s in bad]
-            reasons.append(
-                f"{m} {verdicts[m]} with {axis}: slope {worst['slope']:+.2f} per doubling at step "
-                f"{worst['step']} (expected {exp:+.2f} +/- {threshold:g}; out of range at steps "
-                f"{steps_bad})"
-            )
+            medians[m] = None
+            continue
+        med = float(np.median([d for _, d in devs]))
+        medians[m] = float(np.median(raw))
+        outliers = [(t, d) for t, d in devs if abs(d) > threshold]
+        if abs(med) <= threshold:
+            verdicts[m] = "stable"
+            if outliers:
+                worst = max(outliers, key=lambda td: abs(td[1]))
+                notes.append(
+                    f"{m}: median slope {medians[m]:+.2f} is within range, but steps "
+                    f"{[t for t, _ in outliers]} are not (worst {worst[1] + exp:+.2f} at step "
+                    f"{worst[0]})"
+                )
+            continue
+        verdicts[m] = "grows" if med > 0 else "shrinks"
+        worst = max(devs, key=lambda td: abs(td[1]))
+        reasons.append(
+            f"{m} {verdicts[m]} with {axis}: median slope {medians[m]:+.2f} per doubling over "
+            f"steps {devs[0][0]}-{devs[-1][0]} (expected {exp:+.2f} +/- {threshold:g}; worst "
+            f"{worst[1] + exp:+.2f} at step {worst[0]}; out of range at "
+            f"{len(outliers)} of {len(devs)} steps)"
+        )
     return Verdict(
         passed=not reasons, reasons=reasons, modules=verdicts, notes=notes,
-        threshold=threshold, min_step=min_step,
+        threshold=threshold, min_step=min_step, median_slopes=medians,
     )
 
 

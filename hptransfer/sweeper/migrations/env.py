@@ -1,14 +1,19 @@
 """Alembic environment for the hptransfer app database.
 
 At runtime `Store.migrate()` passes its own connection in `config.attributes["connection"]`
-(no alembic.ini). For development (`alembic revision --autogenerate`), point
-`-x url=...` or HPT_DATABASE_URL at a database; see the README of this folder.
+(no alembic.ini). To write a new revision, autogenerate it against a database at head:
+
+    from alembic import command
+    from hptransfer.sweeper.store import alembic_config
+    cfg = alembic_config()
+    cfg.set_main_option("sqlalchemy.url", "sqlite:///scratch.db")  # else HPT_DATABASE_URL
+    command.upgrade(cfg, "head")
+    command.revision(cfg, message="add x", autogenerate=True)
 """
 
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import pool
 from sqlalchemy.engine import Connection
 
 from hptransfer.config import get_settings
@@ -22,8 +27,7 @@ _PG_MIGRATION_LOCK = 0x68707400
 
 
 def _url() -> str:
-    url = context.get_x_argument(as_dictionary=True).get("url")
-    url = url or config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
     return normalize_url(url).render_as_string(hide_password=False)
 
 
@@ -54,7 +58,6 @@ def run_online() -> None:
         _run(connection)
         return
     engine = make_engine(_url())
-    engine.pool = pool.NullPool(engine.pool._creator)  # one-shot command: no pooling
     try:
         with engine.connect() as conn:
             _run(conn)

@@ -1,0 +1,346 @@
+"""`fit_report`: every analysis on one trial frame, as tables, JSON-safe dict or CLI text."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pandas as pd
+
+from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
+from .chinchilla import ChinchillaResult, chinchilla_fit
+from .errors import AnalysisError
+from .frontier import FrontierResult, loss_compute_frontier
+from .optimal_lr import OptimalLRResult, optimal_lr
+from .savings import SavingsResult, flop_savings
+from .serialize import json_safe
+from .stats import single_threaded_blas
+from .transfer import TransferResult, transfer_drift
+from .trials import CORE_COLUMNS, Trials, prepare_trials
+
+TABLE_NAMES: tuple[str, ...] = (
+    "optimal_lr",
+    "transfer",
+    "frontier",
+    "savings",
+    "aspect_ratio",
+    "chinchilla",
+)
+# Parameterization labels taken as µP when picking a default reference arm (the paper's).
+_MUP_LABELS = frozenset({"mup", "µp", "μp", "mu_p", "mu-p"})
+
+T = TypeVar("T")
+
+
+@dataclass
+class FitReport:
+    """All analyses of one sweep. Analyses that could not run are None (see `failures`)."""
+
+    n_trials: int = 0
+    status_counts: dict[str, int] = field(default_factory=dict)
+    reference_arm: str | None = None
+    bootstrap: int = 0
+    seed: int | None = 0
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
+    optimal_lr: OptimalLRResult | None = None
+    transfer: TransferResult | None = None
+    frontier: FrontierResult | None = None
+    savings: SavingsResult | None = None
+    aspect_ratio: AspectRatioResult | None = None
+    chinchilla: ChinchillaResult | None = None
+
+    def results(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in TABLE_NAMES}
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """One DataFrame per analysis, keyed by TABLE_NAMES; empty when it did not run."""
+        return {
+            name: result.to_frame() if result is not None else pd.DataFrame()
+            for name, result in self.results().items()
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (NaN/inf become None): `json.dumps(..., allow_nan=False)` works."""
+        return json_safe(
+            {
+                "n_trials": self.n_trials,
+                "status_counts": self.status_counts,
+                "reference_arm": self.reference_arm,
+                "bootstrap": self.bootstrap,
+                "seed": self.seed,
+                "error": self.error,
+                "warnings": self.warnings,
+                "failures": self.failures,
+                "analyses": {
+                    name: result.to_dict() if result is not None else None
+                    for name, result in self.results().items()
+                },
+            }
+        )
+
+    def format_text(self, max_notes: int = 12) -> str:
+        """Readable tables for a terminal; unreliable numbers are shown rounded, with '~'."""
+        return _format_report(self, max_notes)
+
+
+def _choose_reference(trials: Trials) -> tuple[str | None, str | None]:
+    frame = trials.frame
+    arms = sorted(frame["arm"].unique().tolist())
+    if not arms:
+        return None, None
+    pairs = frame[["arm", "parameterization"]].drop_duplicates()
+    is_mup = pairs["parameterization"].str.lower().isin(_MUP_LABELS).to_numpy(dtype=bool)
+    mup = sorted(set(pairs["arm"].to_numpy()[is_mup].tolist()))
+    if len(mup) == 1:
+        return mup[0], f"no reference arm given; using the µP arm {mup[0]}"
+    return arms[0], f"no reference arm given; using {arms[0]} (first by name)"
+
+
+def fit_report(
+    df: pd.DataFrame,
+    reference_arm: str | None = None,
+    *,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    extra_keys: Sequence[str] = (),
+    transfer_tolerance: float = 0.1,
+    size_tolerance: float = 0.15,
+    within: float = 0.01,
+    n_grid: int = 20,
+) -> FitReport:
+    """Run every analysis. Never raises on bad data: problems become reasons and warnings.
+
+    `bootstrap` resamples (0 turns all bootstraps off) and `seed` make the CIs reproducible.
+    `reference_arm` defaults to the arm whose parameterization is µP, else the first arm.
+    """
+    report = FitReport(bootstrap=bootstrap, seed=seed)
+    try:
+        trials = prepare_trials(df, (*CORE_COLUMNS, *extra_keys))
+    except AnalysisError as exc:
+        report.error = str(exc)
+        report.n_trials = len(df) if isinstance(df, pd.DataFrame) else 0
+        return report
+    report.n_trials = trials.n_input
+    report.status_counts = trials.status_counts
+    missing = [c for c in ("flops", "tokens", "params_non_embedding") if c not in df.columns]
+    if missing:
+        report.warnings.append(f"columns missing, dependent fits skipped: {', '.join(missing)}")
+
+    def run(name: str, fn: Callable[[], T]) -> T | None:
+        # A bug in one analysis must not take the whole report (and the CLI) down with it.
+        try:
+            return fn()
+        except Exception as exc:
+            report.failures[name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    with single_threaded_blas():
+        opt = run(
+            "optimal_lr",
+            lambda: optimal_lr(
+                trials, bootstrap=bootstrap, seed=seed, ci=ci, extra_keys=extra_keys
+            ),
+        )
+        report.optimal_lr = opt
+        if opt is None:
+            return report
+        report.warnings.extend(opt.warnings)
+        report.transfer = run(
+            "transfer", lambda: transfer_drift(opt, ci=ci, tolerance=transfer_tolerance)
+        )
+        frontier = run(
+            "frontier", lambda: loss_compute_frontier(opt, bootstrap=bootstrap, seed=seed, ci=ci)
+        )
+        report.frontier = frontier
+        if reference_arm is None:
+            reference_arm, note = _choose_reference(trials)
+            if note and trials.frame["arm"].nunique() > 1:
+                report.warnings.append(note)
+        report.reference_arm = reference_arm
+        if frontier is not None:
+            report.savings = run(
+                "savings", lambda: flop_savings(frontier, reference_arm, n_grid=n_grid, ci=ci)
+            )
+        report.aspect_ratio = run(
+            "aspect_ratio",
+            lambda: optimal_aspect_ratio(opt, tolerance=size_tolerance, within=within),
+        )
+        report.chinchilla = run(
+            "chinchilla", lambda: chinchilla_fit(opt, bootstrap=bootstrap, seed=seed, ci=ci)
+        )
+    return report
+
+
+# ---------------------------------------------------------------- text rendering
+
+_TEXT_COLUMNS: dict[str, list[str]] = {
+    "optimal_lr": [
+        "arm",
+        "width",
+        "depth",
+        "sigma_base",
+        "n_completed",
+        "n_diverged",
+        "best_lr",
+        "lr_opt",
+        "lr_ci_low",
+        "lr_ci_high",
+        "edge",
+        "reliable",
+    ],
+    "transfer": [
+        "arm",
+        "sigma_base",
+        "axis",
+        "slope",
+        "ci_low",
+        "ci_high",
+        "max_shift_log2",
+        "verdict",
+        "reliable",
+    ],
+    "frontier": [
+        "arm",
+        "n_points",
+        "n_frontier",
+        "E",
+        "A",
+        "b",
+        "b_ci_low",
+        "b_ci_high",
+        "loss_min",
+        "loss_max",
+        "reliable",
+    ],
+    "savings": ["arm", "reference", "loss", "savings", "ci_low", "ci_high", "reliable"],
+    "aspect_ratio": [
+        "arm",
+        "params_median",
+        "n_points",
+        "nl_opt",
+        "nl_within_low",
+        "nl_within_high",
+        "loss_opt",
+        "edge",
+        "reliable",
+    ],
+    "chinchilla": [
+        "arm",
+        "n_points",
+        "E",
+        "A",
+        "B",
+        "alpha",
+        "beta",
+        "alpha_ci_low",
+        "alpha_ci_high",
+        "beta_ci_low",
+        "beta_ci_high",
+        "n_exponent",
+        "reliable",
+    ],
+}
+_TITLES = {
+    "optimal_lr": "Optimal LR per shape (η* from a quadratic in log2 lr)",
+    "transfer": "Transfer drift (slope of log2 η* per doubling; ≈0 means the LR transfers)",
+    "frontier": "Loss vs compute on the frontier: L(C) = E + A·C^-b",
+    "savings": "FLOP savings at matched loss: 1 - C_arm/C_ref",
+    "aspect_ratio": "Compute-optimal N:L at fixed non-embedding params",
+    "chinchilla": "Chinchilla fit: L(N, D) = E + A/N^α + B/D^β",
+}
+
+
+def _cell(value: Any, reliable: bool) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.4g}" if reliable else f"~{value:.2g}"
+    return str(value)
+
+
+def _render_table(frame: pd.DataFrame, columns: list[str]) -> str:
+    columns = [c for c in columns if c in frame.columns]
+    if frame.empty or not columns:
+        return "  (no rows)"
+    flags = frame["reliable"].tolist() if "reliable" in frame else [True] * len(frame)
+    cells = [
+        [_cell(row[c], bool(ok)) for c in columns]
+        for (_, row), ok in zip(frame.iterrows(), flags, strict=True)
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  " + "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _notes(frame: pd.DataFrame, keys: list[str], max_notes: int) -> list[str]:
+    out: list[str] = []
+    if frame.empty:
+        return out
+    keys = [k for k in keys if k in frame.columns]
+    for _, row in frame.iterrows():
+        label = " ".join(f"{k}={row[k]}" for k in keys)
+        reason = row.get("reason")
+        if isinstance(reason, str) and reason:
+            out.append(f"{label}: {reason}")
+        for note in row.get("warnings", None) or []:
+            out.append(f"{label}: {note}")
+    if len(out) > max_notes:
+        out = out[:max_notes] + [f"... and {len(out) - max_notes} more"]
+    return out
+
+
+def _format_report(report: FitReport, max_notes: int) -> str:
+    counts = ", ".join(f"{k}: {v}" for k, v in sorted(report.status_counts.items()))
+    lines = [f"hptransfer fit report: {report.n_trials} trials ({counts or 'none'})"]
+    if report.error:
+        lines.append(f"ERROR: {report.error}")
+        return "\n".join(lines)
+    lines.append(f"reference arm: {report.reference_arm}; bootstrap resamples: {report.bootstrap}")
+    lines += [f"warning: {w}" for w in dict.fromkeys(report.warnings)]
+    lines += [f"FAILED {name}: {msg}" for name, msg in report.failures.items()]
+    tables = report.tables()
+    for name in TABLE_NAMES:
+        result = getattr(report, name)
+        lines += ["", f"== {_TITLES[name]} =="]
+        if result is None:
+            lines.append("  (not run)")
+            continue
+        frame = tables[name]
+        if name == "savings" and not frame.empty:
+            # A few evenly spaced losses per arm are enough to read; the dict has the grid.
+            pos = frame.groupby("arm").cumcount().to_numpy()
+            step = (frame.groupby("arm")["arm"].transform("size").to_numpy() // 5).clip(1)
+            frame = frame[pos % step == 0]
+        if name == "aspect_ratio" and not frame.empty:
+            # Sizes run at fewer than 4 aspect ratios are expected in most sweeps: count them.
+            unfitted = frame["reason"].notna().to_numpy()
+            if unfitted.any():
+                lines.append(
+                    f"  {int(unfitted.sum())} size groups have fewer than 4 aspect "
+                    "ratios and were not fitted"
+                )
+            frame = frame[~unfitted]
+        if getattr(result, "reason", None) is not None:
+            lines.append(f"  {result.reason}")
+        lines.append(_render_table(frame, _TEXT_COLUMNS[name]))
+        keys = ["arm", "width", "depth", "axis", "params_median"]
+        if name == "savings":
+            notes = [
+                f"arm={a}: {c.reason or w}"
+                for a, c in result.comparisons.items()
+                for w in (c.warnings if c.reason is None else [None])
+            ]
+        else:
+            notes = _notes(frame, keys, max_notes)
+        lines += [f"  * {n}" for n in notes]
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Shared fixtures: a real local Ray cluster and an isolated HPT_HOME per test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Ray workers inherit the environment: keep torch at one thread per trial on 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    yield ray
+
+
+@pytest.fixture
+def hpt_home(tmp_path, monkeypatch):
+    home = tmp_path / "hpt"
+    monkeypatch.setenv("HPT_HOME", str(home))
+    for var in ("HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "HPT_API_TOKEN",
+                "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+TINY_SPEC = {
+    "name": "tiny",
+    "arms": [{"arch": "gpt", "parameterization": "completep"}],
+    "grid": {"widths": [32], "depths": [1], "lrs": [2**-8, 2**-6, 2**-4], "seeds": [0]},
+    "fixed": {"head_dim": 32, "seq_len": 32, "base_width": 32, "base_depth": 1,
+              "device": "cpu", "eval_every": 5},
+    "budget": {"steps": 10, "batch_size": 4},
+    "data": {"source": "stdlib", "val_tokens": 1024, "max_corpus_bytes": 400000},
+    "max_concurrent": 2,
+    "retries": 1,
+}
+
+
+@pytest.fixture
+def tiny_spec():
+    import copy
+
+    return copy.deepcopy(TINY_SPEC)

@@ -1,0 +1,635 @@
+"""Behaviour of hptransfer.analysis against independent references (closed forms, brute force)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy.optimize import brentq, minimize_scalar
+
+from hptransfer.analysis import (
+    AnalysisError,
+    compare_fits,
+    compute_optimal_allocation,
+    fit_chinchilla,
+    fit_cubic_optimum,
+    fit_lr_parabola,
+    fit_power_law,
+    fit_report,
+    fit_slope,
+    flop_savings,
+    frontier_mask,
+    group_by_size,
+    loss_compute_frontier,
+    optimal_aspect_ratio,
+    optimal_lr,
+    transfer_drift,
+)
+
+LOG2_GRID = np.arange(-12.0, -3.5, 1.0)  # lr = 2^-12 ... 2^-4
+
+
+def trial_frame(rows: list[dict]) -> pd.DataFrame:
+    """Complete trial rows with defaults for the columns a test does not care about."""
+    defaults = {
+        "arch": "gpt",
+        "parameterization": "mup",
+        "sigma_base": 0.02,
+        "seed": 0,
+        "status": "completed",
+        "flops": np.nan,
+        "tokens": np.nan,
+        "params_non_embedding": np.nan,
+        "params_embedding": 0,
+    }
+    frame = pd.DataFrame([{**defaults, **r} for r in rows])
+    frame["trial_id"] = [f"t{i}" for i in range(len(frame))]
+    return frame
+
+
+def lr_sweep(
+    vertex_log2: dict[tuple[str, int, int], float],
+    *,
+    seeds: int = 3,
+    noise: float = 0.0,
+    curvature: float = 0.05,
+    grid: np.ndarray = LOG2_GRID,
+    rng: np.random.Generator | None = None,
+) -> pd.DataFrame:
+    """Loss = 3 + curvature*(log2 lr - vertex)^2 (+ noise) for each (arm, width, depth)."""
+    rng = rng or np.random.default_rng(0)
+    rows = []
+    for (arm, width, depth), v in vertex_log2.items():
+        for x in grid:
+            for s in range(seeds):
+                loss = 3.0 + curvature * (x - v) ** 2 + rng.normal(0.0, noise)
+                rows.append(
+                    {
+                        "arm": arm,
+                        "width": width,
+                        "depth": depth,
+                        "lr": 2.0**x,
+                        "seed": s,
+                        "final_val_loss": loss,
+                    }
+                )
+    return trial_frame(rows)
+
+
+def assert_json_safe(obj: dict) -> None:
+    json.dumps(obj, allow_nan=False)
+
+
+# ------------------------------------------------------------------------ optimal LR
+
+
+def test_exact_parabola_vertex_recovered_off_grid() -> None:
+    truth = -7.37
+    res = optimal_lr(lr_sweep({("a", 256, 4): truth}), bootstrap=0)
+    row = res.shapes.iloc[0]
+    assert abs(row["log2_lr_opt"] - truth) < 1e-6
+    assert abs(row["lr_opt"] - 2.0**truth) / 2.0**truth < 1e-6
+    assert abs(row["loss_at_opt"] - 3.0) < 1e-9
+    assert row["best_lr"] == 2.0**-7
+    assert row["edge"] is None and row["reliable"]
+    assert row["n_fit_points"] == 5 and len(row["residuals"]) == 5
+    assert max(abs(r) for r in row["residuals"]) < 1e-9
+    single = fit_lr_parabola(2.0**LOG2_GRID, 3.0 + 0.05 * (LOG2_GRID - truth) ** 2)
+    assert abs(single["log2_lr_opt"] - truth) < 1e-6 and single["fit_ok"]
+    assert len(row["trial_ids"]) == 3 * len(LOG2_GRID)
+    assert res.reason is None
+    assert_json_safe(res.to_dict())
+
+
+def test_bootstrap_ci_contains_truth_and_is_reproducible() -> None:
+    truth = -8.6
+    df = lr_sweep({("a", 256, 4): truth}, seeds=8, noise=0.004, rng=np.random.default_rng(3))
+    first = optimal_lr(df, bootstrap=200, seed=11).shapes.iloc[0]
+    again = optimal_lr(df, bootstrap=200, seed=11).shapes.iloc[0]
+    assert first["log2_ci_low"] < truth < first["log2_ci_high"]
+    assert first["log2_ci_low"] < first["log2_lr_opt"] < first["log2_ci_high"]
+    assert first["log2_ci_high"] - first["log2_ci_low"] < 1.0
+    assert first["log2_ci_low"] == again["log2_ci_low"]
+    assert first["lr_ci_low"] == pytest.approx(2.0 ** first["log2_ci_low"])
+
+
+@pytest.mark.parametrize(
+    ("truth", "edge", "words"),
+    [
+        (-2.5, "high", "extend the LR grid above 0.0625"),
+        (-13.5, "low", "extend the LR grid below 0.000244"),
+    ],
+)
+def test_edge_flag_when_vertex_is_outside_the_grid(truth: float, edge: str, words: str) -> None:
+    df = lr_sweep({("a", 256, 4): truth})
+    row = optimal_lr(df, bootstrap=0).shapes.iloc[0]
+    assert row["edge"] == edge
+    assert not row["reliable"]
+    assert any(words in w for w in row["warnings"])
+    # η* is kept inside the tested LRs rather than extrapolated.
+    assert LOG2_GRID.min() <= row["log2_lr_opt"] <= LOG2_GRID.max()
+    # The CLI shows an unreliable η* rounded and marked, not as a precise-looking number.
+    text = fit_report(df, bootstrap=0).format_text()
+    assert f"~{row['lr_opt']:.2g}" in text and words in text
+
+
+def test_diverged_runs_are_excluded_but_counted() -> None:
+    truth = -8.3
+    clean = lr_sweep({("a", 256, 4): truth})
+    blown = trial_frame(
+        [
+            {
+                "arm": "a",
+                "width": 256,
+                "depth": 4,
+                "lr": 2.0**x,
+                "seed": s,
+                "status": "diverged",
+                "final_val_loss": 0.01,
+            }  # a bogus loss on a diverged run must not be used
+            for x in (-3.0, -2.0)
+            for s in range(3)
+        ]
+        + [
+            {
+                "arm": "a",
+                "width": 256,
+                "depth": 4,
+                "lr": 2.0**-8,
+                "seed": 9,
+                "final_val_loss": float("nan"),
+            },  # completed but NaN: a silent divergence
+            {
+                "arm": "a",
+                "width": 256,
+                "depth": 4,
+                "lr": 2.0**-8,
+                "seed": 8,
+                "status": "failed",
+                "final_val_loss": 0.5,
+            },  # failed runs are ignored entirely
+        ]
+    )
+    res = optimal_lr(pd.concat([clean, blown], ignore_index=True), bootstrap=0)
+    row = res.shapes.iloc[0]
+    assert abs(row["log2_lr_opt"] - truth) < 1e-6
+    assert row["n_diverged"] == 7
+    assert row["n_completed"] == 3 * len(LOG2_GRID)
+    assert row["n_lrs"] == len(LOG2_GRID) + 2
+    assert row["edge"] is None  # the best LR is interior to the tested grid
+    assert any("NaN/inf final_val_loss" in w for w in res.warnings)
+    curve = res.curves.set_index("log2_lr")
+    assert curve.loc[-3.0, "n_diverged"] == 3 and math.isnan(curve.loc[-3.0, "mean_loss"])
+
+
+def test_partial_divergence_above_best_is_reported() -> None:
+    df = lr_sweep({("a", 256, 4): -7.8})
+    df.loc[np.isclose(np.log2(df["lr"]), -7.0) & (df["seed"] == 0), "status"] = "diverged"
+    row = optimal_lr(df, bootstrap=0).shapes.iloc[0]
+    assert any("next LR above the best diverged in 1 of 3" in w for w in row["warnings"])
+
+
+def test_concave_curve_is_flagged_not_trusted() -> None:
+    # Best at the top LR with a bump left of it: the fitted parabola opens downward.
+    rows = [
+        {"arm": "a", "width": 256, "depth": 4, "lr": 2.0**x, "final_val_loss": loss}
+        for x, loss in zip((-10, -9, -8, -7), (3.30, 3.05, 3.10, 3.00), strict=True)
+    ]
+    row = optimal_lr(trial_frame(rows), bootstrap=0).shapes.iloc[0]
+    assert row["concave"] and not row["reliable"]
+    assert row["lr_opt"] == 2.0**-7
+    assert any("opens downward" in w for w in row["warnings"])
+
+
+# ------------------------------------------------------------------------ transfer
+
+
+def drift_sweep(rng: np.random.Generator) -> pd.DataFrame:
+    vertices = {}
+    for w in (128, 256, 512, 1024):
+        for d in (2, 4, 8):
+            vertices[("sp", w, d)] = -8.0 - math.log2(w / 256)  # η* ∝ 1/width
+            vertices[("completep", w, d)] = -8.0  # η* constant
+    return lr_sweep(vertices, seeds=4, noise=0.002, rng=rng, grid=np.arange(-13.0, -3.5, 0.5))
+
+
+def test_transfer_slopes_recover_known_drift() -> None:
+    opt = optimal_lr(drift_sweep(np.random.default_rng(5)), bootstrap=0)
+    res = transfer_drift(opt)
+    table = res.to_frame().set_index(["arm", "axis"])
+    sp, cp = table.loc[("sp", "width")], table.loc[("completep", "width")]
+    assert sp["ci_low"] <= -1.0 <= sp["ci_high"] and abs(sp["slope"] + 1) < 0.05
+    assert cp["ci_low"] <= 0.0 <= cp["ci_high"] and abs(cp["slope"]) < 0.05
+    assert sp["verdict"] == "drifts" and cp["verdict"] == "transfers"
+    assert abs(sp["max_shift_log2"] - 3.0) < 0.1  # 128 -> 1024 is 3 doublings
+    for arm in ("sp", "completep"):
+        depth = table.loc[(arm, "depth")]
+        assert depth["ci_low"] <= 0.0 <= depth["ci_high"]
+    assert sp["dof"] == 12 - 3 - 1  # 12 shapes, one intercept per depth, one slope
+    assert len(sp["residuals"]) == 12 and len(sp["trial_ids"]) > 0
+    assert_json_safe(res.to_dict())
+
+
+def test_slope_and_ci_match_dummy_variable_regression() -> None:
+    rng = np.random.default_rng(2)
+    x = np.tile(np.arange(5.0), 3)
+    groups = np.repeat([0, 1, 2], 5)
+    y = -0.7 * x + np.array([0.3, -1.0, 2.0])[groups] + rng.normal(0, 0.05, len(x))
+    fit = fit_slope(x, y, groups)
+    design = np.column_stack([x, *(groups == g for g in range(3))]).astype(float)
+    coef, rss, *_ = np.linalg.lstsq(design, y, rcond=None)
+    dof = len(x) - 4
+    cov = rss[0] / dof * np.linalg.inv(design.T @ design)
+    assert fit.slope == pytest.approx(coef[0], abs=1e-12)
+    assert fit.stderr == pytest.approx(math.sqrt(cov[0, 0]), rel=1e-9)
+    assert fit.dof == dof
+
+
+def test_single_width_gives_a_reason_for_the_width_axis() -> None:
+    df = lr_sweep({("a", 256, d): -8.0 for d in (2, 4, 8)})
+    res = transfer_drift(df)
+    rows = res.to_frame().set_index("axis")
+    assert rows.loc["width", "reason"] == (
+        "not enough data for width transfer of arm=a, sigma_base=0.02 because only one width "
+        "(256) has a fitted η*"
+    )
+    assert rows.loc["depth", "reason"] is None
+    assert not res.reliable
+    report = fit_report(df, bootstrap=5)
+    assert report.failures == {}
+    assert_json_safe(report.to_dict())
+    assert "only one width (256)" in report.format_text()
+
+
+# ------------------------------------------------------------------------ loss vs compute
+
+
+def test_power_law_parameters_recovered() -> None:
+    rng = np.random.default_rng(1)
+    E, A, b = 1.8, 300.0, 0.12
+    c = np.logspace(15, 21, 15)
+    loss = (E + A * c**-b) * np.exp(rng.normal(0, 0.001, c.size))
+    fit = fit_power_law(c, loss, bootstrap=100, seed=0)
+    assert fit.reliable
+    assert fit.E == pytest.approx(E, abs=0.03)
+    assert fit.b == pytest.approx(b, rel=0.03)
+    assert fit.ci["E"][0] <= E <= fit.ci["E"][1]
+    assert fit.ci["b"][0] <= b <= fit.ci["b"][1]
+    assert np.max(np.abs(fit.residuals)) < 0.01
+    assert_json_safe(fit.to_dict())
+
+
+def test_frontier_mask_matches_brute_force() -> None:
+    rng = np.random.default_rng(4)
+    c = rng.uniform(1, 100, 60).round()
+    loss = rng.uniform(2, 4, 60)
+    groups = rng.integers(0, 3, 60)
+    expected = np.array(
+        [
+            not np.any(
+                (groups == groups[i])
+                & ((c < c[i]) | ((c == c[i]) & (np.arange(60) != i) & (loss < loss[i])))
+                & (loss <= loss[i])
+            )
+            for i in range(60)
+        ]
+    )
+    assert np.array_equal(frontier_mask(c, loss, groups), expected)
+
+
+def power_law_frame(arms: dict[str, tuple[float, float, float]]) -> pd.DataFrame:
+    """Shapes at a single LR whose loss follows each arm's exact L(C) = E + A*C^-b."""
+    rows = []
+    for arm, (E, A, b) in arms.items():
+        for i, c in enumerate(np.logspace(17, 21, 9)):
+            rows.append(
+                {
+                    "arm": arm,
+                    "width": 128 * (i + 1),
+                    "depth": 4,
+                    "lr": 1e-3,
+                    "flops": c,
+                    "final_val_loss": E + A * c**-b,
+                }
+            )
+        # A dominated point (more compute, worse loss) must not enter the fit.
+        rows.append(
+            {
+                "arm": arm,
+                "width": 64,
+                "depth": 64,
+                "lr": 1e-3,
+                "flops": 1e21,
+                "final_val_loss": 10.0,
+            }
+        )
+    return trial_frame(rows)
+
+
+def test_savings_match_closed_form_inverse() -> None:
+    laws = {"completep": (1.7, 250.0, 0.11), "mup": (1.75, 260.0, 0.105)}
+    frontier = loss_compute_frontier(power_law_frame(laws), bootstrap=30, seed=0)
+    assert frontier.fits["mup"].compute.size == 9  # the dominated shape is off the frontier
+    res = flop_savings(frontier, "mup", n_grid=7)
+    table = res.comparisons["completep"].table
+
+    def compute_for(law: tuple[float, float, float], loss: np.ndarray) -> np.ndarray:
+        E, A, b = law
+        return (A / (loss - E)) ** (1.0 / b)
+
+    expected = 1 - compute_for(laws["completep"], table["loss"]) / compute_for(
+        laws["mup"], table["loss"]
+    )
+    np.testing.assert_allclose(table["savings"], expected, atol=2e-3)
+    lo = max(frontier.fits[a].loss_range[0] for a in laws)
+    hi = min(frontier.fits[a].loss_range[1] for a in laws)
+    assert table["loss"].min() == pytest.approx(lo) and table["loss"].max() == pytest.approx(hi)
+    assert (table["ci_low"] <= table["savings"] + 1e-9).all()
+    assert (table["savings"] <= table["ci_high"] + 1e-9).all()
+    assert_json_safe(res.to_dict())
+
+
+def test_savings_refuse_to_extrapolate() -> None:
+    c = np.logspace(17, 21, 9)
+    low = fit_power_law(c, 1.7 + 250.0 * c**-0.11, bootstrap=0)
+    other = fit_power_law(c, 1.75 + 260.0 * c**-0.105, bootstrap=0)
+    lo, hi = (
+        max(low.loss_range[0], other.loss_range[0]),
+        min(low.loss_range[1], other.loss_range[1]),
+    )
+    comp = compare_fits(low, other, arm="x", reference="y", losses=[lo - 0.05, (lo + hi) / 2])
+    assert math.isnan(comp.table["savings"].iloc[0])
+    assert "refusing to extrapolate" in comp.table["note"].iloc[0]
+    assert np.isfinite(comp.table["savings"].iloc[1]) and comp.table["note"].iloc[1] is None
+    outside = compare_fits(low, other, arm="x", reference="y", losses=[hi + 1.0])
+    assert outside.reason is not None
+    assert str(outside.reason).startswith(
+        "not enough data for FLOP savings of x vs y because "
+        "every requested loss is outside the range"
+    )
+    # Disjoint loss ranges: nothing to compare at all.
+    far = fit_power_law(c, 5.0 + 250.0 * c**-0.11, bootstrap=0)
+    disjoint = compare_fits(far, other, arm="far", reference="y")
+    assert "do not overlap" in str(disjoint.reason)
+    assert "refusing to extrapolate" in str(disjoint.reason)
+
+
+# ------------------------------------------------------------------------ aspect ratio
+
+
+def test_cubic_argmin_and_band_recovered() -> None:
+    x0 = math.log(11.8)
+    rows = []
+    for depth in (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        width = round(math.sqrt(1e7 / depth))  # ~ fixed params 12*N^2*L = 1.2e8
+        u = math.log(width / depth) - x0
+        rows.append(
+            {
+                "arm": "completep",
+                "width": width,
+                "depth": depth,
+                "lr": 1e-3,
+                "params_non_embedding": 12 * width**2 * depth,
+                "final_val_loss": 3.0 + 0.02 * u**2 + 0.002 * u**3,
+            }
+        )
+    res = optimal_aspect_ratio(trial_frame(rows))
+    assert res.reason is None
+    row = res.to_frame().iloc[0]
+    assert row["n_points"] == 11 and row["reliable"]
+    assert row["nl_opt"] == pytest.approx(11.8, rel=1e-6)
+
+    # Band edges from the analytic cubic: 0.02u^2 + 0.002u^3 = 0.01 * 3.
+    def excess(u: float) -> float:
+        return 0.02 * u**2 + 0.002 * u**3 - 0.03
+
+    u_lo, u_hi = brentq(excess, -5, 0), brentq(excess, 0, 5)
+    assert row["nl_within_low"] == pytest.approx(math.exp(x0 + u_lo), rel=1e-3)
+    assert row["nl_within_high"] == pytest.approx(math.exp(x0 + u_hi), rel=1e-3)
+    assert_json_safe(res.to_dict())
+
+
+def test_cubic_optimum_at_range_edge_is_flagged() -> None:
+    x = np.linspace(0, 3, 7)
+    fit = fit_cubic_optimum(x, 3 - 0.1 * x + 0.001 * x**3)
+    assert fit.edge == "high" and fit.x_opt == pytest.approx(3.0)
+
+
+def test_size_groups_within_tolerance_of_median() -> None:
+    labels = group_by_size(np.array([100, 110, 95, 200, 212, 400, 90]), tolerance=0.15)
+    assert labels.tolist() == [0, 0, 0, 1, 1, 2, 0]
+
+
+# ------------------------------------------------------------------------ chinchilla
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+
+
+def test_chinchilla_constants_recovered() -> None:
+    rng = np.random.default_rng(0)
+    n, d = (g.ravel() for g in np.meshgrid(np.logspace(7, 10, 8), np.logspace(9, 12, 8)))
+    p = CHINCHILLA
+    loss = (p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p["beta"]) * np.exp(
+        rng.normal(0, 1e-4, n.size)
+    )
+    fit = fit_chinchilla(n, d, loss)
+    assert fit.reliable, fit.warnings
+    assert fit.alpha == pytest.approx(p["alpha"], abs=0.02)
+    assert fit.beta == pytest.approx(p["beta"], abs=0.02)
+    assert fit.E == pytest.approx(p["E"], abs=0.02)
+    assert fit.A == pytest.approx(p["A"], rel=0.1) and fit.B == pytest.approx(p["B"], rel=0.1)
+    assert np.max(np.abs(fit.residuals)) < 1e-3
+    assert_json_safe(fit.to_dict())
+
+
+@pytest.mark.parametrize("compute", [1e19, 1e21, 1e23, 5.76e23])
+def test_compute_optimal_frontier_matches_brute_force(compute: float) -> None:
+    p = CHINCHILLA
+
+    def loss_at(log_n: float) -> float:
+        n = math.exp(log_n)
+        return p["E"] + p["A"] / n ** p["alpha"] + p["B"] / (compute / (6 * n)) ** p["beta"]
+
+    brute = minimize_scalar(
+        loss_at,
+        bounds=(math.log(1e3), math.log(compute / 6) - 1),
+        method="bounded",
+        options={"xatol": 1e-10},
+    )
+    n_opt, d_opt = compute_optimal_allocation(
+        compute, A=p["A"], B=p["B"], alpha=p["alpha"], beta=p["beta"]
+    )
+    assert float(n_opt) == pytest.approx(math.exp(brute.x), rel=1e-5)
+    assert float(n_opt * d_opt) * 6 == pytest.approx(compute, rel=1e-12)
+
+
+def test_chinchilla_refuses_constant_tokens_per_parameter() -> None:
+    n = np.logspace(7, 10, 10)
+    fit = fit_chinchilla(n, 20 * n, 1.7 + 400 / n**0.34 + 400 / (20 * n) ** 0.28)
+    assert not fit.ok
+    assert str(fit.reason).startswith(
+        "not enough data for the Chinchilla fit because tokens per parameter is the same"
+    )
+
+
+# ------------------------------------------------------------------------ bad data
+
+
+def test_missing_columns_raise_a_clear_error() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0}).drop(columns=["lr", "seed"])
+    with pytest.raises(AnalysisError, match=r"^missing required columns: lr, seed \(the frame"):
+        optimal_lr(df)
+    with pytest.raises(AnalysisError, match="expected a pandas DataFrame"):
+        optimal_lr([1, 2, 3])  # type: ignore[arg-type]
+    report = fit_report(df)
+    assert report.error.startswith("missing required columns: lr, seed")
+    assert "missing required columns" in report.format_text()
+    assert_json_safe(report.to_dict())
+    assert all(t.empty for t in report.tables().values())
+
+
+def test_missing_flops_column_is_an_error_for_the_frontier_only() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0}).drop(columns=["flops"])
+    with pytest.raises(AnalysisError, match="missing required columns: flops"):
+        loss_compute_frontier(df)
+    report = fit_report(df, bootstrap=0)
+    assert report.optimal_lr is not None and report.optimal_lr.reason is None
+    assert "no shape has a completed run with a recorded flops value" in str(report.frontier.reason)
+
+
+def test_empty_frame() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0}).iloc[:0]
+    res = optimal_lr(df)
+    assert str(res.reason) == "not enough data for the optimal LR because there are no trials"
+    assert res.to_frame().empty
+    assert str(transfer_drift(res).reason).startswith("not enough data for transfer drift")
+    report = fit_report(df)
+    assert report.failures == {}
+    assert_json_safe(report.to_dict())
+    assert set(report.tables()) == {
+        "optimal_lr",
+        "transfer",
+        "frontier",
+        "savings",
+        "aspect_ratio",
+        "chinchilla",
+    }
+    report.format_text()
+
+
+def test_all_diverged() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0})
+    df["status"] = "diverged"
+    res = optimal_lr(df)
+    assert str(res.reason) == (
+        f"not enough data for the optimal LR because all {len(df)} finished trials diverged"
+    )
+    report = fit_report(df, bootstrap=10)
+    assert report.failures == {}
+    assert_json_safe(report.to_dict())
+
+
+def test_one_shape_all_diverged_among_good_ones() -> None:
+    good = lr_sweep({("a", 256, 4): -8.0})
+    bad = lr_sweep({("a", 512, 4): -8.0}, seeds=1)
+    bad["status"] = "diverged"
+    res = optimal_lr(pd.concat([good, bad], ignore_index=True), bootstrap=0)
+    row = res.shapes.set_index("width").loc[512]
+    assert row["reason"] == (
+        "not enough data for the optimal LR of arm=a, width=512, depth=4, sigma_base=0.02 "
+        f"because all {len(LOG2_GRID)} trials of this shape diverged"
+    )
+    assert math.isnan(row["lr_opt"]) and not row["reliable"]
+    assert res.reason is None
+
+
+def test_too_few_lrs_gives_a_reason() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0}, grid=np.array([-9.0, -8.0]))
+    res = optimal_lr(df, bootstrap=0)
+    assert (
+        "only 2 LR(s) have a completed run (the quadratic fit needs at least 3)"
+        in (res.shapes.iloc[0]["reason"])
+    )
+    assert str(res.reason).startswith("not enough data for the optimal LR because no shape")
+
+
+def test_nan_axes_and_losses_are_dropped_with_warnings() -> None:
+    df = lr_sweep({("a", 256, 4): -8.0})
+    df.loc[0, "width"] = np.nan
+    df.loc[1, "lr"] = -1.0
+    df.loc[2, "final_val_loss"] = np.nan
+    res = optimal_lr(df, bootstrap=0)
+    assert any("dropped 2 trials" in w for w in res.warnings)
+    assert any("1 completed trials have a NaN/inf final_val_loss" in w for w in res.warnings)
+    assert res.shapes.iloc[0]["n_diverged"] == 1
+    report = fit_report(df, bootstrap=0)
+    assert report.failures == {}
+    assert_json_safe(report.to_dict())
+
+
+# ------------------------------------------------------------------------ full report
+
+
+def test_fit_report_end_to_end() -> None:
+    rng = np.random.default_rng(9)
+    rows = []
+    arms = {"gpt/mup": ("mup", -0.5), "gpt/completep": ("completep", 0.0)}
+    for arm, (param, depth_drift) in arms.items():
+        for w in (128, 256, 512):
+            for d in (2, 4, 8, 16):
+                n = 12.0 * w * w * d
+                for tpp in (10.0, 40.0):
+                    v = -8.0 + depth_drift * math.log2(d / 2)
+                    base = 1.69 + 406.4 / n**0.34 + 410.7 / (tpp * n) ** 0.28
+                    for x in np.arange(-12.0, -4.5, 1.0):
+                        for s in range(2):
+                            rows.append(
+                                {
+                                    "arm": arm,
+                                    "parameterization": param,
+                                    "width": w,
+                                    "depth": d,
+                                    "lr": 2.0**x,
+                                    "seed": s,
+                                    "tokens": tpp * n,
+                                    "tpp": tpp,
+                                    "flops": 6 * n * tpp * n,
+                                    "params_non_embedding": n,
+                                    "final_val_loss": base
+                                    + 0.03 * (x - v) ** 2
+                                    + rng.normal(0, 0.002),
+                                    "extra_column": "ignored",
+                                }
+                            )
+    df = trial_frame(rows)
+    # Training horizon (tokens per parameter) is a sweep axis: η* is fitted per horizon.
+    report = fit_report(df, bootstrap=20, seed=1, extra_keys=["tpp"])
+    assert report.failures == {}
+    assert report.reference_arm == "gpt/mup"  # picked because its parameterization is µP
+    tables = report.tables()
+    assert list(tables) == [
+        "optimal_lr",
+        "transfer",
+        "frontier",
+        "savings",
+        "aspect_ratio",
+        "chinchilla",
+    ]
+    transfer = tables["transfer"].set_index(["arm", "axis", "tpp"])
+    assert len(transfer) == 2 * 2 * 2
+    transfer = transfer.xs(40.0, level="tpp")
+    assert transfer.loc[("gpt/completep", "depth"), "verdict"] == "transfers"
+    assert transfer.loc[("gpt/mup", "depth"), "verdict"] == "drifts"
+    assert transfer.loc[("gpt/mup", "depth"), "slope"] == pytest.approx(-0.5, abs=0.05)
+    chin = tables["chinchilla"].set_index("arm")
+    assert chin.loc["gpt/completep", "alpha"] == pytest.approx(0.34, abs=0.05)
+    assert not tables["savings"].empty
+    payload = report.to_dict()
+    assert_json_safe(payload)
+    assert payload["analyses"]["optimal_lr"]["shapes"][0]["trial_ids"]
+    text = report.format_text()
+    for title in ("Optimal LR per shape", "Transfer drift", "FLOP savings", "Chinchilla fit"):
+        assert title in text

@@ -1,0 +1,115 @@
+"""The service through HTTP: real local Ray, real MLflow sqlite store, real SQLite app DB."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from mlflow.tracking import MlflowClient
+
+from hptransfer.api.server import serve_in_thread
+from hptransfer.client import ApiError, Client
+from hptransfer.config import get_settings
+
+
+@pytest.fixture
+def server(hpt_home, ray_cluster):
+    settings = get_settings()
+    with serve_in_thread(settings) as url:
+        yield url, settings
+
+
+def test_submit_run_and_track_a_sweep(server, tiny_spec):
+    url, settings = server
+    with Client(url) as c:
+        s = c.submit(tiny_spec)
+        assert s["total"] == 3 and s["status"] in ("pending", "running")
+        done = c.wait(s["id"], poll=0.3, timeout=300, progress=False)
+        assert done["status"] == "completed"
+        assert done["counts"].get("completed", 0) + done["counts"].get("diverged", 0) == 3
+        df = c.trials(s["id"])
+    assert len(df) == 3 and set(df["lr"]) == {2**-8, 2**-6, 2**-4}
+    finished = df[df["status"] == "completed"]
+    assert (finished["final_val_loss"] < 5.6).all()
+    # one nested MLflow run per trial under the sweep's parent run, curves logged
+    ml = MlflowClient(settings.mlflow_uri)
+    runs = ml.search_runs([done["mlflow_experiment_id"]])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == done["mlflow_run_id"]]
+    assert len(children) == 3
+    child = next(r for r in children if r.data.tags.get("hpt.status") == "completed")
+    history = ml.get_metric_history(child.info.run_id, "val_loss")
+    assert [h.step for h in history] == [5, 10]
+    assert any(k.startswith("group.hidden_weight") for k in child.data.params)
+
+
+def test_bad_spec_is_422_naming_the_field(server, tiny_spec):
+    url, _ = server
+    tiny_spec["grid"]["widths"] = [48]
+    r = httpx.post(f"{url}/sweeps", json=tiny_spec)
+    assert r.status_code == 422
+    body = r.json()
+    assert any(e["field"].startswith("grid.widths") for e in body["errors"])
+    assert "divisible" in body["error"]
+    for bad in ({"name": "x"}, {**tiny_spec, "bogus": 1}, [1, 2]):
+        r = httpx.post(f"{url}/sweeps", json=bad)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]
+    r = httpx.post(f"{url}/sweeps", content=b"{not json", headers={"content-type":
+                                                                   "application/json"})
+    assert r.status_code == 422
+    # nothing half-written
+    assert httpx.get(f"{url}/sweeps").json() == []
+
+
+def test_unknown_ids_and_bad_queries(server):
+    url, _ = server
+    r = httpx.get(f"{url}/sweeps/nope")
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+    assert httpx.post(f"{url}/sweeps/nope/cancel").status_code == 404
+    r = httpx.get(f"{url}/sweeps/nope/trials", params={"status": "weird"})
+    assert r.status_code == 422 and "status" in r.json()["error"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_bad_data_path_rejected_at_submit(server, tiny_spec):
+    url, _ = server
+    tiny_spec["data"] = {"source": "/definitely/missing/shards", "vocab_size": 256}
+    r = httpx.post(f"{url}/sweeps", json=tiny_spec)
+    assert r.status_code == 422
+    assert r.json()["errors"][0]["field"].startswith("data")
+
+
+def test_auth_token(hpt_home, ray_cluster, monkeypatch, tiny_spec):
+    monkeypatch.setenv("HPT_API_TOKEN", "s3cret")
+    with serve_in_thread(get_settings()) as url:
+        r = httpx.post(f"{url}/sweeps", json=tiny_spec)
+        assert r.status_code == 401 and "Bearer" in r.json()["error"]
+        r = httpx.post(f"{url}/sweeps", json=tiny_spec, headers={"Authorization": "Bearer no"})
+        assert r.status_code == 401
+        assert httpx.get(f"{url}/sweeps").status_code == 200  # reads stay open
+        with Client(url, token="s3cret") as c:
+            s = c.submit(tiny_spec)
+            c.cancel(s["id"])
+        with Client(url, token="") as anon, pytest.raises(ApiError) as err:
+            anon.cancel(s["id"])
+        assert err.value.status == 401
+
+
+def test_cancel_stops_pending_and_running(server, tiny_spec):
+    url, _ = server
+    tiny_spec["budget"] = {"steps": 400, "batch_size": 4}
+    tiny_spec["max_concurrent"] = 1
+    with Client(url) as c:
+        s = c.submit(tiny_spec)
+        deadline = time.time() + 60
+        while c.get(s["id"])["counts"].get("running", 0) == 0:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        c.cancel(s["id"])
+        deadline = time.time() + 60
+        while (summary := c.get(s["id"]))["counts"].get("running", 0):
+            assert time.time() < deadline, summary
+            time.sleep(0.2)
+    assert summary["status"] == "cancelled"
+    assert {k: v for k, v in summary["counts"].items() if v} == {"cancelled": 3}

@@ -1,0 +1,568 @@
+"""Store tests: every test runs on SQLite, and again on PostgreSQL when
+HPT_TEST_POSTGRES_URL is set (`.ci/run` starts a server; locally: scripts/postgres_up.sh)."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, func, inspect, select
+from sqlalchemy.exc import IntegrityError
+
+from hptransfer.config import SettingsError, get_settings
+from hptransfer.sweeper.store import (
+    RESULT_FRAME_COLUMNS,
+    Base,
+    NotFoundError,
+    Store,
+    StoreError,
+    Trial,
+    normalize_url,
+)
+from hptransfer.workers.trial import TrialResult, TrialSpec
+
+PG_ENV = "HPT_TEST_POSTGRES_URL"
+PRESET = {"sp": "sp", "mup": "mup", "completep": "completep"}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """Stand-in for the planner's output: the attributes create_sweep reads."""
+
+    arm: str
+    trial: Any
+    width: int
+    depth: int
+    lr: float
+    sigma_base: float
+    seed: int
+    content_hash: Any
+
+
+def plan(
+    arms: tuple[str, ...] = ("sp", "completep"),
+    widths: tuple[int, ...] = (64, 128),
+    depths: tuple[int, ...] = (1, 2),
+    lrs: tuple[float, ...] = (0.01,),
+    seeds: tuple[int, ...] = (0,),
+) -> list[Planned]:
+    out = []
+    for arm in arms:
+        for width in widths:
+            for depth in depths:
+                for lr in lrs:
+                    for seed in seeds:
+                        spec = TrialSpec(
+                            parameterization=PRESET[arm], width=width, depth=depth, lr=lr,
+                            seed=seed, head_dim=32,
+                        )
+                        out.append(
+                            Planned(arm, spec, width, depth, lr, spec.sigma_base, seed,
+                                    spec.content_hash())
+                        )
+    return out
+
+
+def result(loss: float, data_hash: str = "data-1", status: str = "completed") -> dict[str, Any]:
+    return TrialResult(
+        status=status, final_val_loss=loss, final_train_loss=loss + 0.1, steps=10,
+        tokens=20480, flops=1.5e12, params_embedding=16384, params_non_embedding=98304,
+        wall_time_s=3.5, data_hash=data_hash,
+        curve=[{"step": 0, "train_loss": 5.5}, {"step": 10, "train_loss": loss}],
+    ).model_dump(mode="json")
+
+
+def new_sweep(store: Store, items: list[Planned], **kw: Any) -> str:
+    args: dict[str, Any] = {
+        "name": "s", "spec": {"name": "s"}, "spec_hash": "h", "search": "grid",
+        "planned": items, "data_hash": "data-1", "reuse": True, "max_attempts": 3,
+    }
+    args.update(kw)
+    return store.create_sweep(**args)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)],
+)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL to an empty database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'nested' / 'hpt.db'}"  # parent missing: Store makes it
+        return
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"{PG_ENV} not set (.ci/run sets it; locally run scripts/postgres_up.sh)")
+    schema = f"hpt_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(normalize_url(base))
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    # search_path per connection: the store, and Alembic's version table, live in the schema
+    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture
+def open_store(db_url: str) -> Iterator[Callable[[], Store]]:
+    """Open extra Store instances on the same database (closed before it is dropped)."""
+    stores: list[Store] = []
+
+    def _open() -> Store:
+        stores.append(Store(db_url))
+        return stores[-1]
+
+    yield _open
+    for st in stores:
+        st.close()
+
+
+@pytest.fixture
+def store(open_store: Callable[[], Store]) -> Store:
+    st = open_store()
+    st.migrate()
+    return st
+
+
+def trial_ids(store: Store, sweep_id: str, **filters: Any) -> list[str]:
+    return [t["id"] for t in store.trials(sweep_id, limit=None, **filters)]
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_migrate_twice_is_a_noop_and_matches_models(store: Store) -> None:
+    assert store.schema_revision() == Store.head_revision() is not None
+    sid = new_sweep(store, plan()[:2])
+    store.migrate()
+    assert store.schema_revision() == Store.head_revision()
+    assert store.get_sweep(sid) is not None and store.count_trials(sid) == 2
+    with store.engine.connect() as conn:
+        assert {"sweeps", "trials", "alembic_version"} <= set(inspect(conn).get_table_names())
+        # the hand-written revision and the ORM models describe the same schema
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+
+
+def test_sqlite_engine_settings(tmp_path: Path) -> None:
+    st = Store(f"sqlite:///{tmp_path / 'a' / 'b' / 'hpt.db'}")
+    try:
+        assert st.url_safe.endswith("hpt.db") and st.dialect == "sqlite"
+        assert (tmp_path / "a" / "b").is_dir()
+        with st.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    finally:
+        st.close()
+
+
+def test_postgres_urls_get_the_psycopg_driver() -> None:
+    for raw in ("postgresql://u:p@h:5432/d", "postgres://u:p@h/d"):
+        assert normalize_url(raw).drivername == "postgresql+psycopg"
+    assert normalize_url("postgresql+psycopg://u@h/d").drivername == "postgresql+psycopg"
+    assert normalize_url("sqlite:///x.db").drivername == "sqlite"
+    st = Store("postgresql://hpt:secret@127.0.0.1:1/nowhere")  # no connection until used
+    assert st.url_safe == "postgresql+psycopg://hpt:***@127.0.0.1:1/nowhere"
+    assert "secret" not in repr(st)
+    st.close()
+
+
+# --------------------------------------------------------------------------- create
+
+
+def test_create_sweep_writes_sweep_and_trials(store: Store) -> None:
+    items = plan()
+    sid = new_sweep(store, items, name="grid-1", spec={"name": "grid-1", "k": [1, 2]})
+    sweep = store.get_sweep(sid)
+    assert sweep is not None
+    assert sweep["name"] == "grid-1" and sweep["spec"] == {"name": "grid-1", "k": [1, 2]}
+    assert sweep["status"] == "pending" and sweep["n_trials"] == len(items)
+    assert sweep["search"] == "grid" and sweep["created_at"].tzinfo is not None
+    assert sweep["counts"]["pending"] == len(items) and sweep["counts"]["completed"] == 0
+    rows = store.trials(sid)
+    assert [t["idx"] for t in rows] == list(range(len(items)))
+    for row, item in zip(rows, items, strict=True):
+        assert (row["arm"], row["width"], row["depth"]) == (item.arm, item.width, item.depth)
+        assert row["content_hash"] == item.content_hash and row["data_hash"] == "data-1"
+        assert (row["attempts"], row["max_attempts"], row["reused"]) == (0, 3, False)
+        # the stored spec round-trips to the same experiment
+        assert TrialSpec.model_validate(row["spec"]).content_hash() == item.content_hash
+    assert store.get_trial(rows[0]["id"]) == rows[0]
+    assert store.get_sweep("nope") is None and store.get_trial("nope") is None
+
+
+def test_create_sweep_is_atomic(store: Store) -> None:
+    items = plan()
+    bad = replace(items[2], content_hash=None)  # NOT NULL violation in the database
+    with pytest.raises(IntegrityError):
+        new_sweep(store, [*items[:2], bad, *items[3:]])
+    with pytest.raises(AttributeError):  # a malformed item half-way through the plan
+        new_sweep(store, [items[0], object(), items[1]])  # type: ignore[list-item]
+    assert store.list_sweeps() == []
+    with store.engine.connect() as conn:
+        assert conn.scalar(select(func.count()).select_from(Trial)) == 0
+    new_sweep(store, items)  # the database is still usable
+    assert len(store.list_sweeps()) == 1
+
+
+def test_reuse_copies_completed_results(store: Store) -> None:
+    items = plan()[:3]
+    first = new_sweep(store, items)
+    leased = store.lease_pending("c", 10)
+    t0, t1, _ = (t["id"] for t in leased)
+    assert store.finish_trial(t0, "completed", result(3.25), worker_node="n1")
+    assert store.finish_trial(t1, "diverged", result(float("nan"), status="diverged"))
+
+    second = new_sweep(store, items)
+    rows = store.trials(second)
+    assert rows[0]["status"] == "completed" and rows[0]["reused_from"] == t0
+    assert rows[0]["reused"] and rows[0]["final_val_loss"] == 3.25
+    assert rows[0]["result"] == store.get_trial(t0)["result"]  # type: ignore[index]
+    assert rows[0]["tokens"] == 20480 and rows[0]["worker_node"] == "n1"
+    assert [r["status"] for r in rows[1:]] == ["pending", "pending"]  # only completed reuse
+    assert store.get_sweep(second)["status"] == "pending"  # type: ignore[index]
+
+    # a copy of a copy points at the trial that actually ran
+    third = new_sweep(store, items[:1])
+    (row,) = store.trials(third)
+    assert row["reused_from"] == t0
+    assert store.get_sweep(third)["status"] == "completed"  # type: ignore[index]
+
+    # other data, or reuse off: nothing is reused
+    for kw in ({"data_hash": "data-2"}, {"reuse": False}, {"data_hash": None}):
+        sid = new_sweep(store, items[:1], **kw)
+        assert store.trials(sid)[0]["status"] == "pending"
+    frame = store.results_frame(second)
+    assert frame["reused"].tolist() == [True, False, False]
+    assert first != second
+
+
+# --------------------------------------------------------------------------- leasing
+
+
+def test_lease_order_and_sweep_filter(store: Store) -> None:
+    a = new_sweep(store, plan()[:3])
+    b = new_sweep(store, plan()[:3], data_hash="other")
+    assert store.lease_pending("c", 0) == []
+    got = store.lease_pending("c", 4)
+    assert [(t["sweep_id"], t["idx"]) for t in got] == [(a, 0), (a, 1), (a, 2), (b, 0)]
+    for t in got:
+        assert t["status"] == "running" and t["attempts"] == 1 and t["lease_owner"] == "c"
+        assert t["started_at"].tzinfo == timezone.utc and t["lease_expires_at"] > t["started_at"]
+    assert store.get_sweep(a)["status"] == "running"  # type: ignore[index]
+    assert store.get_sweep(a)["started_at"] is not None  # type: ignore[index]
+    c = new_sweep(store, plan()[:2], data_hash="third")
+    assert [t["idx"] for t in store.lease_pending("c", 5, sweep_id=c)] == [0, 1]
+    assert [(t["sweep_id"], t["idx"]) for t in store.lease_pending("c", 9)] == [(b, 1), (b, 2)]
+    assert store.lease_pending("c", 9) == []
+
+
+def test_lease_is_exclusive_under_concurrency(
+    store: Store, open_store: Callable[[], Store]
+) -> None:
+    items = plan(lrs=(0.01, 0.02, 0.04, 0.08, 0.16), seeds=(0, 1, 2))  # 120 trials
+    sid = new_sweep(store, items)
+    coordinators = [open_store(), open_store()]  # two processes' worth of engines
+    n_threads = 4
+    barrier = threading.Barrier(n_threads)
+    leased: list[list[str]] = [[] for _ in range(n_threads)]
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        st, owner = coordinators[k % 2], f"coordinator-{k % 2}"
+        try:
+            barrier.wait()
+            while batch := st.lease_pending(owner, 3):
+                leased[k].extend(t["id"] for t in batch)
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    everything = [i for ids in leased for i in ids]
+    assert len(everything) == len(set(everything)) == len(items)
+    assert store.count_trials(sid, status="running") == len(items)
+    assert {t["attempts"] for t in store.trials(sid, limit=None)} == {1}
+    owners = {t["lease_owner"] for t in store.trials(sid, limit=None)}
+    assert owners <= {"coordinator-0", "coordinator-1"}
+
+
+def test_finish_trial_never_overwrites(store: Store) -> None:
+    sid = new_sweep(store, plan()[:3])
+    t0, t1, t2 = trial_ids(store, sid)
+    assert not store.finish_trial(t0, "completed", result(3.0))  # still pending
+    store.lease_pending("c", 3)
+    assert not store.finish_trial(t0, "completed", result(3.0), owner="someone-else")
+    assert store.finish_trial(t0, "completed", TrialResult(**result(3.0)), worker_node="n")
+    assert not store.finish_trial(t0, "failed", None, "late error")
+    assert store.mark_cancelled(t0) is False
+    row = store.get_trial(t0)
+    assert row is not None and row["status"] == "completed" and row["error"] is None
+    assert row["final_val_loss"] == 3.0 and row["result"]["steps"] == 10
+    assert row["finished_at"] >= row["started_at"] and row["lease_expires_at"] is None
+    assert (row["flops"], row["params_non_embedding"]) == (1.5e12, 98304)
+
+    # NaN / inf anywhere in a result are stored as null (PostgreSQL json rejects them)
+    bad = result(float("nan"), status="diverged")
+    bad["curve"].append({"step": 11, "train_loss": float("inf")})
+    assert store.finish_trial(t1, "diverged", bad, owner="c")
+    row = store.get_trial(t1)
+    assert row is not None and row["final_val_loss"] is None
+    assert row["result"]["final_val_loss"] is None
+    assert row["result"]["curve"][-1]["train_loss"] is None
+
+    assert store.finish_trial(t2, "failed", None, "Traceback: boom")
+    assert store.get_trial(t2)["error"] == "Traceback: boom"  # type: ignore[index]
+    with pytest.raises(ValueError):
+        store.finish_trial(t2, "running", None, None)
+
+
+def test_requeue_until_max_attempts(store: Store) -> None:
+    sid = new_sweep(store, plan()[:1], max_attempts=2)
+    (tid,) = trial_ids(store, sid)
+    assert store.requeue(tid, "not running") == "pending"  # a no-op on a pending trial
+    store.lease_pending("c", 1)
+    assert store.requeue(tid, "worker died") == "pending"
+    row = store.get_trial(tid)
+    assert row is not None and row["attempts"] == 1 and row["error"] == "worker died"
+    assert row["lease_owner"] is None and row["started_at"] is None
+    (again,) = store.lease_pending("c", 1)
+    assert again["attempts"] == 2
+    assert store.requeue(tid, "worker died again") == "failed"
+    row = store.get_trial(tid)
+    assert row is not None and row["status"] == "failed" and row["finished_at"] is not None
+    assert row["error"] == "worker died again"
+    assert store.lease_pending("c", 1) == []
+    assert store.requeue(tid, "ignored") == "failed"
+    with pytest.raises(NotFoundError):
+        store.requeue("missing", "x")
+
+
+def test_requeue_orphans(store: Store) -> None:
+    sid = new_sweep(store, plan()[:4])
+    dead = [t["id"] for t in store.lease_pending("dead", 2)]
+    (mine,) = [t["id"] for t in store.lease_pending("live", 1)]
+    assert store.requeue_orphans("live") == 2
+    for tid in dead:
+        row = store.get_trial(tid)
+        assert row is not None and row["status"] == "pending" and row["attempts"] == 0
+        assert row["lease_owner"] is None and row["lease_expires_at"] is None
+    assert store.get_trial(mine)["status"] == "running"  # type: ignore[index]
+    assert store.requeue_orphans("live") == 0
+
+    # several live coordinators: only expired leases are taken over
+    store.lease_pending("other", 1, lease_seconds=-1)  # already expired
+    store.lease_pending("other", 1, lease_seconds=3600)
+    assert store.requeue_orphans("live", expired_only=True) == 1
+    assert store.count_trials(sid, status="running") == 2
+
+    # orphans of a cancelled sweep are cancelled, not requeued
+    store.cancel_sweep(sid)
+    assert store.requeue_orphans("live") == 0
+    assert store.count_trials(sid, status="cancelled") == 3
+    assert store.get_trial(mine)["status"] == "running"  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- cancel, status
+
+
+def test_cancel_sweep(store: Store) -> None:
+    sid = new_sweep(store, plan()[:5])
+    running = [t["id"] for t in store.lease_pending("c", 2)]
+    assert store.cancel_sweep(sid) == running
+    sweep = store.get_sweep(sid)
+    assert sweep is not None and sweep["status"] == "cancelled"
+    assert sweep["finished_at"] is not None
+    assert sweep["counts"]["cancelled"] == 3 and sweep["counts"]["running"] == 2
+    assert store.lease_pending("c", 10) == []
+    assert store.mark_cancelled(running[0])
+    assert not store.mark_cancelled(running[0])
+    assert not store.finish_trial(running[0], "completed", result(3.0))
+    assert store.get_trial(running[0])["status"] == "cancelled"  # type: ignore[index]
+    assert store.refresh_sweep_status(sid) == "cancelled"
+    with pytest.raises(StoreError):
+        store.add_trial(sid, plan()[0])
+    with pytest.raises(NotFoundError):
+        store.cancel_sweep("missing")
+
+
+def test_sweep_status_transitions_and_mlflow_ids(store: Store) -> None:
+    sid = new_sweep(store, plan()[:2])
+    assert store.refresh_sweep_status(sid) == "running"
+    for t in store.lease_pending("c", 2):
+        store.finish_trial(t["id"], "completed", result(3.0))
+    assert store.refresh_sweep_status(sid) == "completed"
+    sweep = store.get_sweep(sid)
+    assert sweep is not None and sweep["finished_at"] is not None
+    store.set_sweep_status(sid, "failed", error="MLflow unreachable")
+    sweep = store.get_sweep(sid)
+    assert sweep is not None and sweep["status"] == "failed"
+    assert sweep["error"] == "MLflow unreachable"
+    assert store.refresh_sweep_status(sid) == "failed"
+    with pytest.raises(ValueError):
+        store.set_sweep_status(sid, "bogus")
+    with pytest.raises(NotFoundError):
+        store.set_sweep_status("missing", "running")
+
+    store.set_sweep_mlflow(sid, "7", "parent-run")
+    store.set_mlflow_ids(sid, run_id="parent-run-2")  # None leaves the experiment alone
+    sweep = store.get_sweep(sid)
+    assert sweep is not None
+    assert (sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]) == ("7", "parent-run-2")
+    tid = trial_ids(store, sid)[0]
+    store.set_trial_mlflow(tid, "child-run")
+    assert store.get_trial(tid)["mlflow_run_id"] == "child-run"  # type: ignore[index]
+
+
+def test_add_trial_for_optuna(store: Store) -> None:
+    sid = new_sweep(store, [], search="optuna")
+    sweep = store.get_sweep(sid)
+    assert sweep is not None and sweep["n_trials"] == 0 and sweep["status"] == "pending"
+    items = plan()[:3]
+    ids = [store.add_trial(sid, item, optuna_trial_number=n) for n, item in enumerate(items)]
+    rows = store.trials(sid)
+    assert [r["id"] for r in rows] == ids and [r["idx"] for r in rows] == [0, 1, 2]
+    assert [r["optuna_trial_number"] for r in rows] == [0, 1, 2]
+    assert store.get_sweep(sid)["n_trials"] == 3  # type: ignore[index]
+    for t in store.lease_pending("c", 3):
+        store.finish_trial(t["id"], "completed", result(3.0))
+    assert store.refresh_sweep_status(sid) == "completed"
+    # the same point asked again is answered from the store; a new one reopens the sweep
+    reused = store.get_trial(store.add_trial(sid, items[0], optuna_trial_number=3))
+    assert reused is not None and reused["status"] == "completed" and reused["reused"]
+    assert store.get_sweep(sid)["status"] == "completed"  # type: ignore[index]
+    store.add_trial(sid, plan(widths=(256,))[0], optuna_trial_number=4)
+    assert store.get_sweep(sid)["status"] == "running"  # type: ignore[index]
+    with pytest.raises(NotFoundError):
+        store.add_trial("missing", items[0])
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def test_filters_and_pagination(store: Store) -> None:
+    items = plan(lrs=(0.01, 0.02, 0.04))  # 2 arms x 2 widths x 2 depths x 3 lrs = 24
+    sid = new_sweep(store, items)
+    store.lease_pending("c", 5)
+    assert store.count_trials(sid) == 24
+    cases: list[dict[str, Any]] = [
+        {"arm": "sp"}, {"width": 64}, {"depth": 2}, {"arm": "sp", "depth": 2, "width": 128},
+        {"status": "running"}, {"status": ["pending", "running"]}, {"status": "completed"},
+        {"seed": 0, "sigma_base": items[0].sigma_base, "arm": "sp"}, {"seed": 1},
+    ]
+    expected = [12, 12, 12, 3, 5, 24, 0, 12, 0]
+    for filters, n in zip(cases, expected, strict=True):
+        rows = store.trials(sid, limit=None, **filters)
+        assert len(rows) == n == store.count_trials(sid, **filters), filters
+        for key in ("arm", "width", "depth", "seed", "sigma_base"):
+            if key in filters and rows:
+                assert {r[key] for r in rows} == {filters[key]}
+    pages = [store.trials(sid, arm="completep", limit=5, offset=o) for o in range(0, 15, 5)]
+    assert [len(p) for p in pages] == [5, 5, 2]
+    flat = [r["idx"] for p in pages for r in p]
+    assert flat == sorted(flat) and len(set(flat)) == 12
+    assert flat == [r["idx"] for r in store.trials(sid, arm="completep")]
+    assert store.trials("missing") == [] and store.count_trials("missing") == 0
+
+    others = [new_sweep(store, items[:1], data_hash=f"d{k}") for k in range(3)]
+    listed = store.list_sweeps(limit=2) + store.list_sweeps(limit=2, offset=2)
+    assert {s["id"] for s in listed} == {sid, *others} and len(listed) == 4
+    created = [s["created_at"] for s in listed]
+    assert created == sorted(created, reverse=True)  # newest first
+    assert listed[-1]["id"] == sid and listed[-1]["counts"]["running"] == 5
+    assert [s["id"] for s in store.list_sweeps(status="running")] == [sid]
+    counts = store.status_counts(sid)
+    assert counts["running"] == 5 and counts["pending"] == 19 and sum(counts.values()) == 24
+
+
+def test_results_frame(store: Store) -> None:
+    items = plan(arms=("sp", "mup"), widths=(64,), depths=(1, 2))
+    sid = new_sweep(store, items)
+    a, b, c, _ = store.lease_pending("c", 4)
+    store.finish_trial(a["id"], "completed", result(3.5))
+    store.finish_trial(b["id"], "diverged", result(float("inf"), status="diverged"))
+    store.requeue(c["id"], "retry")
+    reused_sid = new_sweep(store, items[:1])
+
+    frame = store.results_frame(sid)
+    assert list(frame.columns) == [
+        "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
+        "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
+        "params_embedding", "wall_time_s", "reused",
+    ] == list(RESULT_FRAME_COLUMNS)
+    assert len(frame) == 4 and frame["trial_id"].tolist() == trial_ids(store, sid)
+    for col in ("trial_id", "arm", "arch", "parameterization", "status"):
+        assert pd.api.types.is_string_dtype(frame[col]) or frame[col].dtype == object, col
+    for col in ("width", "depth", "seed"):
+        assert frame[col].dtype == np.int64, col
+    for col in ("lr", "sigma_base", "final_val_loss", "flops", "tokens",
+                "params_non_embedding", "params_embedding", "wall_time_s"):
+        assert frame[col].dtype == np.float64, col
+    assert frame["reused"].dtype == bool
+    assert frame["status"].tolist() == ["completed", "diverged", "pending", "running"]
+    assert frame["arm"].tolist() == ["sp", "sp", "mup", "mup"]
+    assert frame["parameterization"].tolist() == ["sp", "sp", "mup", "mup"]
+    assert set(frame["arch"]) == {"gpt"}
+    assert frame.loc[0, "final_val_loss"] == 3.5 and frame.loc[0, "tokens"] == 20480
+    assert math.isnan(frame.loc[1, "final_val_loss"]) and math.isnan(frame.loc[2, "flops"])
+    assert not frame["reused"].any()
+    assert store.results_frame(reused_sid)["reused"].tolist() == [True]
+
+    empty = store.results_frame("missing")
+    assert list(empty.columns) == list(RESULT_FRAME_COLUMNS) and len(empty) == 0
+    assert empty["width"].dtype == np.int64 and empty["reused"].dtype == bool
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_settings_defaults_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS",
+                 "HPT_API_TOKEN", "HPT_HOST", "HPT_PORT", "HPT_MAX_TRIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HPT_HOME", str(tmp_path / "home"))
+    s = get_settings()
+    home = (tmp_path / "home").resolve()
+    assert s.home == home and not home.exists()  # created on demand only
+    assert s.database_url == f"sqlite:///{home}/hpt.db"
+    assert s.optuna_url == f"sqlite:///{home}/optuna.db"
+    assert s.mlflow_uri == f"sqlite:///{home}/mlflow.db"
+    assert len({s.database_url, s.optuna_url, s.mlflow_uri}) == 3  # never one database
+    assert (s.ray_address, s.api_token, s.host, s.port, s.max_trials) == (
+        None, None, "127.0.0.1", 8600, 5000,
+    )
+    s.ensure_dirs()
+    assert s.cache_dir.is_dir() and s.mlflow_artifacts.is_dir()
+
+    monkeypatch.setenv("HPT_DATABASE_URL", "postgresql://u:p@db/hpt")
+    monkeypatch.setenv("HPT_API_TOKEN", "secret")
+    monkeypatch.setenv("HPT_PORT", "9000")
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    s = get_settings()  # re-read: no caching
+    assert s.database_url == "postgresql://u:p@db/hpt" and s.port == 9000
+    assert s.ray_address == "ray://head:10001" and s.redacted()["api_token"] == "***"
+    monkeypatch.setenv("HPT_PORT", "eighty")
+    with pytest.raises(SettingsError, match="HPT_PORT"):
+        get_settings()
