@@ -48,12 +48,17 @@ def _add_param_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps", type=float, default=1e-12, help="AdamW epsilon_base")
 
 
+def _arch_options(a: argparse.Namespace) -> dict:
+    return dict(
+        activation=a.activation, position=a.position, bias=a.bias, x0_mixing=a.x0_mixing,
+        extra_embeddings=a.extra_embeddings, value_embeddings=a.value_embeddings,
+    )
+
+
 def _model_config(a: argparse.Namespace, seq_len: int = 1024) -> ModelConfig:
     return ModelConfig(
         arch=a.arch, width=a.width, depth=a.depth, head_dim=a.head_dim, vocab_size=a.vocab,
-        max_seq_len=seq_len, activation=a.activation, position=a.position, bias=a.bias,
-        x0_mixing=a.x0_mixing, extra_embeddings=a.extra_embeddings,
-        value_embeddings=a.value_embeddings,
+        max_seq_len=seq_len, **_arch_options(a),
     )
 
 
@@ -93,6 +98,7 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
         axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=sizes,
         fixed=a.fixed, steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len,
         seed=a.seed, head_dim=a.head_dim, base_width=a.base_width, base_depth=a.base_depth,
+        sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a),
     )
     if a.plot:
         result.save_plot(a.plot)

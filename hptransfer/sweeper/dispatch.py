@@ -262,7 +262,7 @@ class Dispatcher:
                 trial["arm"], trial["spec"], sweep_id=sweep["id"],
             )
             if run_id:
-                self.store.set_trial_mlflow_run_id(trial["id"], run_id)
+                self.store.set_trial_mlflow(trial["id"], run_id)
         trial_spec = dict(trial["spec"])
         trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}

@@ -80,11 +80,18 @@ class CoordCheckError(ValueError):
 class Verdict:
     passed: bool
     reasons: list[str]
-    modules: dict[str, str]  # module -> stable | grows | shrinks | diverged
+    modules: dict[str, str]  # module -> stable | grows | shrinks | diverged | not judged
     notes: list[str] = field(default_factory=list)
     threshold: float = DEFAULT_THRESHOLD
     min_step: int = 2
     median_slopes: dict[str, float | None] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        """Mapping-style access too: ``verdict["passed"]`` is ``verdict.passed``."""
+        return self.to_dict()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
 
     def to_dict(self) -> dict:
         return {
@@ -203,25 +210,39 @@ class CoordCheckResult:
         import matplotlib.pyplot as plt
         from matplotlib import cm
         from matplotlib.colors import Normalize
+        from matplotlib.ticker import NullFormatter
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         modules = self.modules()
         fig, axes = plt.subplots(
-            1, len(modules), figsize=(3.2 * len(modules) + 1.0, 3.4), squeeze=False
+            1, len(modules), figsize=(3.0 * len(modules) + 1.2, 3.4), squeeze=False,
+            layout="constrained",
         )
         norm = Normalize(vmin=1, vmax=max(self.steps, 2))
         cmap = matplotlib.colormaps["viridis"]
         for ax, m in zip(axes[0], modules, strict=True):
+            finite = []
             for t in range(1, self.steps + 1):
                 ys = [self.value(s, t, m) for s in self.sizes]
+                finite += [v for v in ys if math.isfinite(v) and v > 0]
                 ax.plot(self.sizes, ys, marker="o", ms=3, lw=1.2, color=cmap(norm(t)))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            if finite:  # at least one decade, so a flat curve looks flat
+                lo, hi = min(finite), max(finite)
+                if hi / lo < 10.0:
+                    mid = math.sqrt(lo * hi)
+                    lo, hi = mid / math.sqrt(10.0), mid * math.sqrt(10.0)
+                ax.set_ylim(lo / 1.15, hi * 1.15)
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xticks(self.sizes)
             ax.set_xticklabels([str(s) for s in self.sizes], fontsize=7)
             ax.set_xlabel(self.axis)
-            ax.set_title(f"{m} [{self.verdict.modules.get(m, '?')}]", fontsize=9)
+            med = self.verdict.median_slopes.get(m)
+            med_s = f", slope {med:+.2f}" if med is not None and math.isfinite(med) else ""
+            ax.set_title(f"{m} [{self.verdict.modules.get(m, '?')}{med_s}]", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
         axes[0][0].set_ylabel("mean |activation|")
         mappable = cm.ScalarMappable(norm=norm, cmap=cmap)
@@ -246,7 +267,7 @@ def run_coordcheck(
     seq_len: int = 64,
     seed: int = 0,
     head_dim: int = 64,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     arch_options: dict | None = None,
     base_width: int = 256,
     base_depth: int = 2,
