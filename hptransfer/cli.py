@@ -203,6 +203,14 @@ def cmd_trials(a: argparse.Namespace) -> int:
     return 0
 
 
+@command("fits")
+def cmd_fits(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        raw = c.fits_raw(a.id, bootstrap=a.bootstrap, reference_arm=a.reference_arm)
+    print(json.dumps(raw, indent=2) if a.json else raw["text"])
+    return 0
+
+
 @command("cancel")
 def cmd_cancel(a: argparse.Namespace) -> int:
     with _client(a) as c:
@@ -287,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--status", default=None)
     p.add_argument("--csv", action="store_true")
+    client_args(p)
+
+    p = sub.add_parser("fits", help="the fit report of a sweep")
+    p.add_argument("id")
+    p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for CIs")
+    p.add_argument("--reference-arm", default=None, help="arm the FLOP savings compare to")
+    p.add_argument("--json", action="store_true")
     client_args(p)
 
     p = sub.add_parser("cancel", help="cancel a sweep")

@@ -83,6 +83,23 @@ class Client:
                 break
         return pd.DataFrame(rows)
 
+    def fits(self, sweep_id: str, bootstrap: int = 100,
+             reference_arm: str | None = None) -> dict[str, pd.DataFrame]:
+        """The sweep's fit tables as DataFrames (optimal_lr, transfer, frontier, savings,
+        aspect_ratio, chinchilla); `fits_raw` has the whole report."""
+        raw = self.fits_raw(sweep_id, bootstrap, reference_arm)
+        return {name: pd.DataFrame(rows) for name, rows in raw["tables"].items()}
+
+    def fits_raw(self, sweep_id: str, bootstrap: int = 100,
+                 reference_arm: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"bootstrap": bootstrap}
+        if reference_arm:
+            params["reference_arm"] = reference_arm
+        return self._call("GET", f"/sweeps/{sweep_id}/fits", params=params)
+
+    def fits_text(self, sweep_id: str, bootstrap: int = 100) -> str:
+        return self.fits_raw(sweep_id, bootstrap)["text"]
+
     def wait(self, sweep_id: str, poll: float = 1.0, timeout: float | None = None,
              progress: bool = True) -> dict[str, Any]:
         """Block until the sweep ends; a progress bar on stderr when `progress`."""

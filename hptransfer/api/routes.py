@@ -89,3 +89,15 @@ def list_trials(
 def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
     """Pending trials never start; running ones are cancelled."""
     return coordinator(request).cancel(sweep_id)
+
+
+@router.get("/sweeps/{sweep_id}/fits", responses=ERRORS, tags=["fits"])
+def get_fits(
+    request: Request,
+    sweep_id: str,
+    bootstrap: Annotated[int, Query(ge=0, le=2000)] = 100,
+    reference_arm: str | None = None,
+) -> dict[str, Any]:
+    """The fit report: optimal LR per shape, transfer drift, frontier, FLOP savings, N:L,
+    Chinchilla; each with its inputs, residuals and a reason when there is not enough data."""
+    return coordinator(request).fits(sweep_id, bootstrap=bootstrap, reference_arm=reference_arm)

@@ -71,7 +71,7 @@ class Dispatcher:
         tracker: Tracker | None = None,
         owner: str | None = None,
         poll_interval: float = 0.2,
-        on_sweep_finished: Callable[[str], None] | None = None,
+        on_sweep_finished: Callable[[str], dict[str, str | bytes]] | None = None,
     ) -> None:
         self.store, self.settings, self.tracker = store, settings, tracker
         self.owner = owner or f"coord-{uuid.uuid4().hex[:10]}"
@@ -214,13 +214,15 @@ class Dispatcher:
         after = self.store.refresh_sweep_status(sweep_id)
         if before in ACTIVE and after not in ACTIVE:
             sweep = self.store.get_sweep(sweep_id)
+            artifacts: dict[str, str | bytes] = {}
             if self.on_sweep_finished:
-                try:
-                    self.on_sweep_finished(sweep_id)
+                try:  # fits and plots for the parent run; never blocks the status change
+                    artifacts = self.on_sweep_finished(sweep_id) or {}
                 except Exception:
                     log.exception("sweep-finished hook failed for %s", sweep_id)
             if self.tracker:
-                self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, sweep_id=sweep_id)
+                self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, artifacts,
+                                          sweep_id=sweep_id)
 
     # filling slots -------------------------------------------------------------------
     def _capacity(self, spec: SweepSpec) -> int:

@@ -11,6 +11,7 @@ from hptransfer.config import Settings, get_settings
 from hptransfer.data import DataError, DataSpec, load_dataset
 
 from .dispatch import Dispatcher
+from .fits import fits_artifacts, fits_payload, sweep_report
 from .plan import plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec
 from .store import Store
@@ -37,7 +38,8 @@ class Coordinator:
                        on_sweep_finished=self._sweep_finished)
             if dispatch else None
         )
-        self.finished_hooks: list = []
+        # each hook(coordinator, sweep_id) returns artifacts for the sweep's MLflow run
+        self.finished_hooks: list = [_fit_artifacts]
         self.started_at = time.time()
 
     def start(self, background: bool = True) -> None:
@@ -112,6 +114,18 @@ class Coordinator:
         self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
         return self.summary(sweep_id)
 
-    def _sweep_finished(self, sweep_id: str) -> None:
+    def fits(self, sweep_id: str, bootstrap: int = 100,
+             reference_arm: str | None = None) -> dict[str, Any]:
+        if self.store.get_sweep(sweep_id) is None:
+            raise NotFound(f"no sweep with id {sweep_id!r}")
+        return fits_payload(sweep_report(self.store, sweep_id, bootstrap, reference_arm))
+
+    def _sweep_finished(self, sweep_id: str) -> dict[str, str | bytes]:
+        artifacts: dict[str, str | bytes] = {}
         for hook in self.finished_hooks:
-            hook(self, sweep_id)
+            artifacts.update(hook(self, sweep_id) or {})
+        return artifacts
+
+
+def _fit_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str]:
+    return fits_artifacts(sweep_report(coordinator.store, sweep_id))

@@ -1,0 +1,54 @@
+"""Fit reports of a sweep: the analysis package applied to the store's results frame.
+
+Cached per (sweep, finished-trial counts, options) so dashboards polling a live sweep do
+not refit until a trial finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from hptransfer.analysis import FitReport, fit_report
+from hptransfer.analysis.serialize import json_safe
+
+from .store import Store
+
+_CACHE: dict[tuple, FitReport] = {}
+_LOCK = threading.Lock()
+_CACHE_SIZE = 64
+
+
+def sweep_report(
+    store: Store, sweep_id: str, bootstrap: int = 100, reference_arm: str | None = None
+) -> FitReport:
+    counts = tuple(sorted(store.status_counts(sweep_id).items()))
+    key = (sweep_id, counts, bootstrap, reference_arm)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    report = fit_report(store.results_frame(sweep_id), reference_arm=reference_arm,
+                        bootstrap=bootstrap)
+    with _LOCK:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = report
+    return report
+
+
+def fits_payload(report: FitReport) -> dict[str, Any]:
+    """JSON for the API: the report, its tables as records, and the text rendering."""
+    out = report.to_dict()
+    out["tables"] = {name: json_safe(frame.to_dict(orient="records"))
+                     for name, frame in report.tables().items()}
+    out["text"] = report.format_text()
+    return out
+
+
+def fits_artifacts(report: FitReport) -> dict[str, str]:
+    """What is logged to the sweep's MLflow parent run when it finishes."""
+    return {
+        "fits/fits.json": json.dumps(fits_payload(report), indent=2, allow_nan=False),
+        "fits/fits.txt": report.format_text(),
+    }
