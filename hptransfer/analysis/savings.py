@@ -173,7 +173,8 @@ class SavingsResult:
         columns = ["arm", "reference", *_TABLE_COLUMNS, "reliable", "reason"]
         if not frames:
             return pd.DataFrame(columns=columns)
-        return with_none(pd.concat(frames, ignore_index=True)[columns], ["note", "reason"])
+        merged = pd.concat(frames, ignore_index=True).reindex(columns=columns)
+        return with_none(merged, ["note", "reason"])
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(

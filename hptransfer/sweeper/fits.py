@@ -7,6 +7,7 @@ not refit until a trial finishes.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -15,6 +16,7 @@ from hptransfer.analysis.serialize import json_safe
 
 from .store import Store
 
+log = logging.getLogger(__name__)
 _CACHE: dict[tuple, FitReport] = {}
 _LOCK = threading.Lock()
 _CACHE_SIZE = 64
@@ -40,9 +42,15 @@ def sweep_report(
 def fits_payload(report: FitReport) -> dict[str, Any]:
     """JSON for the API: the report, its tables as records, and the text rendering."""
     out = report.to_dict()
-    out["tables"] = {name: json_safe(frame.to_dict(orient="records"))
-                     for name, frame in report.tables().items()}
-    out["text"] = report.format_text()
+    try:
+        out["tables"] = {name: json_safe(frame.to_dict(orient="records"))
+                         for name, frame in report.tables().items()}
+        out["text"] = report.format_text()
+    except Exception as exc:  # a rendering bug must not hide the report itself
+        log.exception("fit tables failed")
+        out.setdefault("failures", []).append(f"tables: {type(exc).__name__}: {exc}")
+        out.setdefault("tables", {})
+        out.setdefault("text", f"fit tables unavailable ({type(exc).__name__}: {exc})")
     return out
 
 
