@@ -10,6 +10,11 @@ PORT=${HPT_PG_PORT:-5432}
 VERSION=${HPT_PG_VERSION:-15}
 CLUSTER=${HPT_PG_CLUSTER:-main}
 
+if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+  # a fresh machine without the server: Debian's package (root only)
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >&2
+fi
+
 as_postgres() {
   if [ "$(id -un)" = postgres ]; then "$@"; else su postgres -c "$(printf '%q ' "$@")"; fi
 }

@@ -1,0 +1,364 @@
+"""Failure handling with real processes, no mocks: a coordinator killed and restarted, a Ray
+worker killed mid-trial, and a Python exception inside training.
+
+Processes are only ever killed by id and only if this test started them: the `hpt serve`
+subprocess with everything below it, or a Ray worker below this pytest process. Other Ray
+clusters on the machine (other sessions' tests, demos) are never looked at.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import ray  # noqa: F401  (puts Ray's vendored psutil on sys.path)
+from mlflow.tracking import MlflowClient
+
+from hptransfer.api.server import free_port, serve_in_thread
+from hptransfer.client import Client
+from hptransfer.config import get_settings
+from hptransfer.sweeper.store import Store
+
+# Ray vendors psutil (ray/thirdparty_files); importable only once ray is imported.
+psutil = importlib.import_module("psutil")
+
+# Environment a subprocess server must not inherit: it gets its own HPT_HOME and Ray cluster.
+FOREIGN_ENV = ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI",
+               "HPT_API_TOKEN", "HPT_PORT", "HPT_HOST")
+WORKER_TITLE = "ray::execute_trial"  # Ray's process title while a worker runs the task
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    """Poll `check` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def trial_workers(root_pid: int) -> list[Any]:
+    """Ray workers below `root_pid` that are executing a trial right now."""
+    found = []
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if title.startswith(WORKER_TITLE):
+            found.append(proc)
+    return found
+
+
+def kill_tree(procs: list[Any]) -> None:
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+
+
+class ServerProcess:
+    """`hpt serve` in its own session (process group) with its own in-process Ray cluster."""
+
+    def __init__(self, home: Path, port: int | None = None) -> None:
+        self.home = home
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = home.parent / f"serve-{self.port}-{time.time_ns()}.log"
+        env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
+        env.update(HPT_HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "hptransfer.cli", "serve", "--port", str(self.port),
+               "--log-level", "warning"]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"hpt serve exited ({self.proc.returncode}):\n"
+                                     f"{self.log_tail()}")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout, f"hpt serve on port {self.port}", poll=0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree: the process group, and every descendant (Ray's workers run
+        in sessions of their own); then wait until the port is free again."""
+        if self.proc.poll() is None:
+            root = psutil.Process(self.proc.pid)
+            tree = [root, *root.children(recursive=True)]
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
+            except ProcessLookupError:
+                pass
+            kill_tree(tree)
+        self.proc.wait(30)
+        wait_for(lambda: port_free(self.port), 30, f"port {self.port} to be free", poll=0.1)
+
+
+@pytest.fixture
+def servers() -> Iterator[Callable[..., ServerProcess]]:
+    """Start `hpt serve` subprocesses; whatever is still alive is killed at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(home: Path, port: int | None = None) -> ServerProcess:
+        server = ServerProcess(home, port)
+        started.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def trial_runs(mlflow_uri: str, experiment_id: str) -> dict[str, list[Any]]:
+    """MLflow child runs of a sweep, by trial id, oldest first."""
+    out: dict[str, list[Any]] = {}
+    runs = MlflowClient(mlflow_uri).search_runs([experiment_id], order_by=["start_time ASC"])
+    for run in runs:
+        tid = run.data.tags.get("hpt.trial_id")
+        if tid:
+            out.setdefault(tid, []).append(run)
+    return out
+
+
+# ------------------------------------------------------------------ coordinator killed
+
+
+def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, servers, tiny_spec):
+    tiny_spec.update(name="coordinator-restart", max_concurrent=1, retries=1, reuse=False)
+    tiny_spec["grid"]["lrs"] = [2.0**-k for k in range(7, 13)]  # 6 trials, all well-behaved
+    tiny_spec["budget"] = {"steps": 600, "batch_size": 4}  # ~2 s each on one core
+    tiny_spec["fixed"]["eval_every"] = 200
+    first = servers(hpt_home)
+    with Client(first.url) as c:
+        sweep_id = c.submit(tiny_spec)["id"]
+    store = Store(f"sqlite:///{hpt_home}/hpt.db")
+
+    def mid_sweep() -> bool:
+        status = [t["status"] for t in store.trials(sweep_id, limit=None)]
+        return status.count("completed") >= 1 and status.count("running") == 1
+
+    wait_for(mid_sweep, 180, f"a completed and a running trial:\n{first.log_tail()}")
+    first.kill()
+    killed_at = datetime.now(timezone.utc)
+
+    before = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
+    done = {tid: t for tid, t in before.items() if t["status"] == "completed"}
+    running = [t for t in before.values() if t["status"] == "running"]
+    assert len(running) == 1, {t["id"]: t["status"] for t in before.values()}
+    orphan = running[0]
+    assert orphan["attempts"] == 1 and orphan["lease_owner"]
+    assert {t["status"] for t in before.values()} <= {"completed", "running", "pending"}
+
+    second = servers(hpt_home, port=first.port)  # same home, same port
+    with Client(second.url) as c:
+        final = c.wait(sweep_id, poll=0.3, timeout=240, progress=False)
+    after = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
+    store.close()
+
+    assert final["status"] == "completed", second.log_tail()
+    assert final["counts"]["completed"] == 6 == final["total"]
+    # no trial duplicated: the same six rows, one per planned grid point
+    assert set(after) == set(before)
+    assert sorted(t["idx"] for t in after.values()) == list(range(6))
+    assert len({t["content_hash"] for t in after.values()}) == 6
+    assert all(t["status"] == "completed" and t["error"] is None for t in after.values())
+
+    # trials completed before the kill were never re-run: same row, same result
+    for tid, old in done.items():
+        new = after[tid]
+        for key in ("finished_at", "started_at", "final_val_loss", "wall_time_s", "result",
+                    "worker_node", "lease_owner", "attempts"):
+            assert new[key] == old[key], (tid, key)
+        assert new["attempts"] == 1
+
+    # the orphan went back to pending with its interrupted attempt not counted
+    # (requeue_orphans), then ran once under the new coordinator: attempts is 1, not 2
+    new = after[orphan["id"]]
+    assert new["attempts"] == 1 and new["max_attempts"] == 2
+    assert new["started_at"] > killed_at and new["finished_at"] > killed_at
+    assert new["lease_owner"] != orphan["lease_owner"]
+    assert new["final_val_loss"] is not None and new["result"]["status"] == "completed"
+    # trials that were still pending ran once, under the new coordinator
+    for tid, old in before.items():
+        if old["status"] == "pending":
+            assert after[tid]["attempts"] == 1 and after[tid]["started_at"] > killed_at
+
+    # MLflow: exactly one completed run per trial; the pre-kill trials have no second run
+    runs = trial_runs(f"sqlite:///{hpt_home}/mlflow.db", final["mlflow_experiment_id"])
+    assert set(runs) == set(after)
+    for tid, trial_runs_ in runs.items():
+        completed = [r for r in trial_runs_ if r.data.tags.get("hpt.status") == "completed"]
+        assert len(completed) == 1, (tid, [r.data.tags.get("hpt.status") for r in trial_runs_])
+        assert completed[0].info.status == "FINISHED"
+        assert completed[0].info.run_id == after[tid]["mlflow_run_id"]
+        if tid in done:
+            assert len(trial_runs_) == 1
+
+
+# ------------------------------------------------------------------ worker killed
+
+
+@pytest.fixture
+def server(hpt_home, ray_cluster) -> Iterator[tuple[str, Any]]:
+    settings = get_settings()
+    with serve_in_thread(settings) as url:
+        yield url, settings
+
+
+def one_trial_spec(spec: dict[str, Any], name: str, steps: int, retries: int) -> dict[str, Any]:
+    spec.update(name=name, max_concurrent=1, retries=retries, reuse=False)
+    spec["grid"]["lrs"] = [2.0**-8]
+    spec["budget"] = {"steps": steps, "batch_size": 4}
+    spec["fixed"]["eval_every"] = max(1, steps // 4)
+    return spec
+
+
+def kill_worker_of_running_trial(store: Store, sweep_id: str) -> tuple[dict[str, Any], int]:
+    """Wait until the sweep's only trial runs in a Ray worker below this process; SIGKILL the
+    worker. Returns the trial row as it was just before and the worker's pid."""
+    trial = wait_for(lambda: store.trials(sweep_id, status="running"), 120,
+                     "the trial to be leased")[0]
+    workers = wait_for(lambda: trial_workers(os.getpid()), 120, f"a {WORKER_TITLE} worker",
+                       poll=0.02)
+    assert len(workers) == 1, [w.pid for w in workers]  # max_concurrent 1, our cluster only
+    row = store.get_trial(trial["id"])
+    assert row["status"] == "running", row["status"]  # still running: the kill is mid-trial
+    kill_tree(workers)
+    return row, workers[0].pid
+
+
+def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
+    url, settings = server
+    store = Store(settings.database_url)
+    with Client(url) as c:
+        sweep = c.submit(one_trial_spec(tiny_spec, "worker-killed", steps=1500, retries=1))
+        row, pid = kill_worker_of_running_trial(store, sweep["id"])
+        assert row["attempts"] == 1 and row["max_attempts"] == 2
+
+        # Back to pending (WorkerCrashedError is retryable), then leased again. The first
+        # attempt's error stays on the row while the second attempt runs...
+        retry = wait_for(lambda: (t := store.get_trial(row["id"]))["attempts"] == 2 and t,
+                         60, "the second attempt")
+        assert retry["status"] in ("running", "completed"), retry
+        if retry["status"] == "running":
+            assert retry["error"].startswith("WorkerCrashedError"), retry["error"]
+        final = c.wait(sweep["id"], poll=0.3, timeout=120, progress=False)
+        trials = c.trials(sweep["id"])
+    done = store.get_trial(row["id"])
+    store.close()
+
+    assert final["status"] == "completed" and final["counts"]["completed"] == 1
+    assert done["status"] == "completed" and done["attempts"] == 2
+    assert done["final_val_loss"] is not None
+    assert not done["worker_node"].endswith(f":{pid}")  # ran in a fresh worker
+    # ...and is cleared by the successful one: a completed trial carries no error
+    assert done["error"] is None
+    assert trials.loc[0, "attempts"] == 2 and trials.loc[0, "status"] == "completed"
+
+    # The killed attempt is its own MLflow run: FAILED, with the worker error as a tag
+    runs = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[row["id"]]
+    assert len(runs) == 2
+    failed, ok = runs
+    assert failed.info.status == "FAILED" and failed.data.tags["hpt.status"] == "failed"
+    assert failed.data.tags["hpt.error"].startswith("WorkerCrashedError")
+    assert failed.info.run_id == row["mlflow_run_id"]
+    assert ok.info.status == "FINISHED" and ok.data.tags["hpt.status"] == "completed"
+    assert ok.info.run_id == done["mlflow_run_id"]
+
+
+def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
+    url, settings = server
+    store = Store(settings.database_url)
+    with Client(url) as c:
+        sweep = c.submit(one_trial_spec(tiny_spec, "worker-killed-no-retry", steps=1500,
+                                        retries=0))
+        row, _ = kill_worker_of_running_trial(store, sweep["id"])
+        final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
+    done = store.get_trial(row["id"])
+    store.close()
+
+    assert done["status"] == "failed" and done["attempts"] == 1 == done["max_attempts"]
+    assert done["error"].startswith("WorkerCrashedError"), done["error"]
+    assert done["result"] is None and done["finished_at"] is not None
+    # a sweep ends `completed` once nothing is pending or running, whatever its trials did
+    assert final["status"] == "completed" and final["counts"]["failed"] == 1
+    run = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[row["id"]]
+    assert len(run) == 1 and run[0].info.status == "FAILED"
+    assert run[0].data.tags["hpt.error"].startswith("WorkerCrashedError")
+
+
+# ------------------------------------------------------------------ exception in training
+
+
+def corrupt_shard(path: Path, n_tokens: int = 400_000, bad_at: int = 380_500) -> Path:
+    """A raw uint16 (nanoGPT) shard of byte-range tokens with one id >= 256 inside the fixed
+    validation set. The submit-time check samples the first/last 16384 tokens and 8 windows in
+    between (none covers `bad_at`), so the shard loads; the first evaluation reads the whole
+    validation set and raises DataError inside run_trial."""
+    tokens = np.random.default_rng(0).integers(0, 256, n_tokens).astype("<u2")
+    tokens[bad_at] = 300
+    tokens.tofile(path)
+    return path
+
+
+def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, tmp_path):
+    url, settings = server
+    # 5% of 400k tokens is the validation split, starting at 380000; its first 1024 tokens
+    # are the validation set, so token 380500 is in it
+    shard = corrupt_shard(tmp_path / "corrupt_000.bin")
+    spec = one_trial_spec(tiny_spec, "corrupt-shard", steps=20, retries=2)
+    spec["data"] = {"source": str(shard), "vocab_size": 256, "val_tokens": 1024,
+                    "val_fraction": 0.05}
+    store = Store(settings.database_url)
+    with Client(url) as c:
+        sweep = c.submit(spec)  # accepted: the sampled token check passes
+        final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
+    (done,) = store.trials(sweep["id"], limit=None)
+    store.close()
+
+    # a Python exception is a final result, not a worker loss: no retry despite retries=2
+    assert done["status"] == "failed" and done["attempts"] == 1 and done["max_attempts"] == 3
+    error = done["error"]
+    assert error.startswith("DataError: validation set contains token id 300 >= vocab_size=256")
+    assert "Traceback (most recent call last)" in error and "in evaluate" in error
+    assert done["result"]["status"] == "failed" and done["result"]["error"] == error
+    assert final["status"] == "completed" and final["counts"]["failed"] == 1
+    (run,) = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[done["id"]]
+    assert run.info.status == "FAILED" and "DataError" in run.data.tags["hpt.error"]
