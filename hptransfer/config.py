@@ -84,3 +84,14 @@ def get_settings() -> Settings:
         max_trials=_env_int("HPT_MAX_TRIALS", 5000),
         cache_dir=home / "cache",
     )
+
+
+def prepare_ray_environment() -> None:
+    """Clusters started with `ray start` (Ray >= 2.5x) use token auth, but a connecting
+    driver defaults to none, and Ray reads RAY_AUTH_MODE once, at import. So before Ray is
+    imported: when joining a cluster (RAY_ADDRESS) and a token is available, turn it on."""
+    if not _env("RAY_ADDRESS") or _env("RAY_AUTH_MODE"):
+        return
+    token_file = Path(_env("RAY_AUTH_TOKEN_PATH") or "~/.ray/auth_token").expanduser()
+    if _env("RAY_AUTH_TOKEN") or token_file.exists():
+        os.environ["RAY_AUTH_MODE"] = "token"

@@ -29,6 +29,7 @@ def health(request: Request) -> dict[str, Any]:
         "status": "ok",
         "database": c.store.url_safe,
         "ray": ray.is_initialized(),
+        "ray_address": ray.get_runtime_context().gcs_address if ray.is_initialized() else None,
         "dispatcher_error": c.dispatcher.last_error if c.dispatcher else None,
         "mlflow_uri": c.settings.mlflow_uri,
     }

@@ -65,5 +65,6 @@ class Health(BaseModel):
     status: str
     database: str
     ray: bool
+    ray_address: str | None = None
     dispatcher_error: str | None = None
     mlflow_uri: str

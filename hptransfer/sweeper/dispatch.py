@@ -300,6 +300,12 @@ class Dispatcher:
                                             optuna_trial_number=number)
             self.optuna.bind(trial_id, study, number)
             asked += 1
+            added = self.store.get_trial(trial_id)
+            if added is not None and added["status"] != "pending":
+                # reused from an identical earlier trial: it never runs, so tell it now
+                self._tell_optuna(added, added["status"], added["result"])
+                self.optuna.forget(trial_id)
+                self._refresh(sweep["id"])
 
     def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
         asked = self.store.count_trials(sweep_id)

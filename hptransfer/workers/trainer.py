@@ -80,7 +80,8 @@ def _train(
     counts = param_counts(cfg)
     tokens_per_step = spec.batch_size * spec.seq_len
     total_steps = spec.budget.steps_for(tokens_per_step, counts.non_embedding)
-    fpt = flops_per_token(cfg, spec.seq_len).training
+    flop_breakdown = flops_per_token(cfg, spec.seq_len)
+    fpt = flop_breakdown.training
     notes: list[str] = []
     warmup = spec.arch != "ngpt"
     if not warmup and spec.schedule.warmup_fraction > 0:
@@ -151,6 +152,7 @@ def _train(
         tokens=tokens,
         flops=fpt * tokens,
         flops_per_token=fpt,
+        flops_convention=flop_breakdown.convention,
         params_embedding=counts.embedding,
         params_non_embedding=counts.non_embedding,
         wall_time_s=time.perf_counter() - started,

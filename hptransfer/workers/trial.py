@@ -173,6 +173,7 @@ class TrialResult(BaseModel):
     tokens: int = 0
     flops: float = 0.0  # analytic training FLOPs actually spent
     flops_per_token: float = 0.0
+    flops_convention: str = ""  # how `flops` was counted (hptransfer.models.flops)
     params_embedding: int = 0
     params_non_embedding: int = 0
     wall_time_s: float = 0.0
