@@ -44,18 +44,19 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
         print(f"\nsweep {sweep['status']} in {time.time() - t0:.0f} s: "
               + ", ".join(f"{k} {v}" for k, v in sweep["counts"].items() if v))
         print("\nbest LR per shape (grid argmin, seeds averaged)\n" + best_lr_table(df))
-        _print_fits(client, sweep["id"], out, url)
+        _print_fits(client, sweep["id"], out)
     print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`)")
     return 0 if sweep["status"] == "completed" else 1
 
 
-def _print_fits(client: Client, sweep_id: str, out: Path, url: str) -> None:
-    """Fits and dashboards, where the analysis layer is available."""
-    fits = getattr(client, "fits_text", None)
-    if fits is None:
-        return
-    print("\n" + fits(sweep_id))
-    saver = getattr(client, "save_dashboard", None)
-    if saver is not None:
-        path = saver(sweep_id, out)
-        print(f"\ndashboard written to {path}")
+def _print_fits(client: Client, sweep_id: str, out: Path) -> None:
+    from hptransfer.dashboards import write_sweep_dashboard
+    from hptransfer.sweeper.store import Store
+
+    print("\n" + client.fits_text(sweep_id))
+    store = Store(get_settings().database_url)
+    try:
+        path = write_sweep_dashboard(store, sweep_id, out)
+    finally:
+        store.close()
+    print(f"\ndashboard written to {path}; live pages: `hpt serve`, then /dashboards")

@@ -40,14 +40,17 @@ FOREIGN_ENV = ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRAC
 WORKER_TITLE = "ray::execute_trial"  # Ray's process title while a worker runs the task
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
-    """Poll `check` until it returns something truthy; return that."""
+def wait_for(check: Callable[[], Any], timeout: float, what: str | Callable[[], str],
+             poll: float = 0.05) -> Any:
+    """Poll `check` until it returns something truthy; return that. `what` may be a callable
+    (evaluated only on timeout, e.g. to attach a server log)."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
+            what = what() if callable(what) else what
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
 
@@ -99,6 +102,7 @@ class ServerProcess:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        self.killed = False
 
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
@@ -115,19 +119,25 @@ class ServerProcess:
 
         wait_for(up, timeout, f"hpt serve on port {self.port}", poll=0.2)
 
-    def kill(self) -> None:
+    def kill(self, wait_for_port: bool = True) -> None:
         """SIGKILL the whole tree: the process group, and every descendant (Ray's workers run
-        in sessions of their own); then wait until the port is free again."""
+        in sessions of their own); then wait until the port is free again. Idempotent."""
+        if self.killed:
+            return
+        self.killed = True
+        tree = []
         if self.proc.poll() is None:
             root = psutil.Process(self.proc.pid)
             tree = [root, *root.children(recursive=True)]
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # pgid == pid: start_new_session
-            except ProcessLookupError:
-                pass
-            kill_tree(tree)
+        try:
+            # pgid == pid (start_new_session): Ray's gcs, raylet and agents are in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill_tree(tree)
         self.proc.wait(30)
-        wait_for(lambda: port_free(self.port), 30, f"port {self.port} to be free", poll=0.1)
+        if wait_for_port:
+            wait_for(lambda: port_free(self.port), 30, f"port {self.port} to be free", poll=0.1)
 
 
 @pytest.fixture
@@ -143,7 +153,7 @@ def servers() -> Iterator[Callable[..., ServerProcess]]:
 
     yield start
     for server in started:
-        server.kill()
+        server.kill(wait_for_port=False)
 
 
 def trial_runs(mlflow_uri: str, experiment_id: str) -> dict[str, list[Any]]:
@@ -163,8 +173,8 @@ def trial_runs(mlflow_uri: str, experiment_id: str) -> dict[str, list[Any]]:
 def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, servers, tiny_spec):
     tiny_spec.update(name="coordinator-restart", max_concurrent=1, retries=1, reuse=False)
     tiny_spec["grid"]["lrs"] = [2.0**-k for k in range(7, 13)]  # 6 trials, all well-behaved
-    tiny_spec["budget"] = {"steps": 600, "batch_size": 4}  # ~2 s each on one core
-    tiny_spec["fixed"]["eval_every"] = 200
+    tiny_spec["budget"] = {"steps": 300, "batch_size": 4}  # 1-2 s each on one core
+    tiny_spec["fixed"]["eval_every"] = 100
     first = servers(hpt_home)
     with Client(first.url) as c:
         sweep_id = c.submit(tiny_spec)["id"]
@@ -174,7 +184,7 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
         status = [t["status"] for t in store.trials(sweep_id, limit=None)]
         return status.count("completed") >= 1 and status.count("running") == 1
 
-    wait_for(mid_sweep, 180, f"a completed and a running trial:\n{first.log_tail()}")
+    wait_for(mid_sweep, 180, lambda: f"a completed and a running trial:\n{first.log_tail()}")
     first.kill()
     killed_at = datetime.now(timezone.utc)
 
@@ -250,14 +260,23 @@ def one_trial_spec(spec: dict[str, Any], name: str, steps: int, retries: int) ->
     return spec
 
 
-def kill_worker_of_running_trial(store: Store, sweep_id: str) -> tuple[dict[str, Any], int]:
-    """Wait until the sweep's only trial runs in a Ray worker below this process; SIGKILL the
+def busy_workers() -> set[int]:
+    return {w.pid for w in trial_workers(os.getpid())}
+
+
+def kill_worker_of_running_trial(store: Store, sweep_id: str,
+                                 busy_before: set[int]) -> tuple[dict[str, Any], int]:
+    """Wait until the sweep's only trial runs in a Ray worker below this process (one not
+    already busy before the submit: a task left by an earlier test is not ours); SIGKILL that
     worker. Returns the trial row as it was just before and the worker's pid."""
     trial = wait_for(lambda: store.trials(sweep_id, status="running"), 120,
                      "the trial to be leased")[0]
-    workers = wait_for(lambda: trial_workers(os.getpid()), 120, f"a {WORKER_TITLE} worker",
-                       poll=0.02)
-    assert len(workers) == 1, [w.pid for w in workers]  # max_concurrent 1, our cluster only
+
+    def ours() -> list[Any]:
+        return [w for w in trial_workers(os.getpid()) if w.pid not in busy_before]
+
+    workers = wait_for(ours, 120, f"a {WORKER_TITLE} worker", poll=0.02)
+    assert len(workers) == 1, [w.pid for w in workers]  # max_concurrent 1
     row = store.get_trial(trial["id"])
     assert row["status"] == "running", row["status"]  # still running: the kill is mid-trial
     kill_tree(workers)
@@ -267,18 +286,18 @@ def kill_worker_of_running_trial(store: Store, sweep_id: str) -> tuple[dict[str,
 def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
     url, settings = server
     store = Store(settings.database_url)
+    busy = busy_workers()
     with Client(url) as c:
         sweep = c.submit(one_trial_spec(tiny_spec, "worker-killed", steps=1500, retries=1))
-        row, pid = kill_worker_of_running_trial(store, sweep["id"])
+        row, pid = kill_worker_of_running_trial(store, sweep["id"], busy)
         assert row["attempts"] == 1 and row["max_attempts"] == 2
 
         # Back to pending (WorkerCrashedError is retryable), then leased again. The first
         # attempt's error stays on the row while the second attempt runs...
         retry = wait_for(lambda: (t := store.get_trial(row["id"]))["attempts"] == 2 and t,
                          60, "the second attempt")
-        assert retry["status"] in ("running", "completed"), retry
-        if retry["status"] == "running":
-            assert retry["error"].startswith("WorkerCrashedError"), retry["error"]
+        assert retry["status"] == "running", retry["status"]
+        assert retry["error"].startswith("WorkerCrashedError"), retry["error"]
         final = c.wait(sweep["id"], poll=0.3, timeout=120, progress=False)
         trials = c.trials(sweep["id"])
     done = store.get_trial(row["id"])
@@ -306,10 +325,11 @@ def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
 def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
     url, settings = server
     store = Store(settings.database_url)
+    busy = busy_workers()
     with Client(url) as c:
         sweep = c.submit(one_trial_spec(tiny_spec, "worker-killed-no-retry", steps=1500,
                                         retries=0))
-        row, _ = kill_worker_of_running_trial(store, sweep["id"])
+        row, _ = kill_worker_of_running_trial(store, sweep["id"], busy)
         final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
     done = store.get_trial(row["id"])
     store.close()

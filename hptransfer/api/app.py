@@ -15,6 +15,7 @@ from hptransfer.config import Settings
 from hptransfer.sweeper.service import Coordinator, NotFound
 from hptransfer.sweeper.spec import SpecError
 
+from .dashboards import router as dashboards_router
 from .routes import router
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
         lifespan=lifespan,
     )
     app.include_router(router)
+    app.include_router(dashboards_router)
     _install_error_handlers(app)
     return app
 

@@ -44,6 +44,9 @@ class OptunaSearch:
         self._studies: dict[str, optuna.Study] = {}
         self._live: dict[str, optuna.trial.Trial] = {}  # our trial id -> asked Optuna trial
         self._asked: dict[tuple[int, str], optuna.trial.Trial] = {}
+        # trials the pruner stopped: the worker sees the stop late, and its later reports
+        # must not reach the pruner (they would fill higher rungs with later-step values)
+        self._pruned: set[str] = set()
 
     def study(self, name: str, sampler: str, pruner: str, seed: int) -> optuna.Study:
         if name not in self._studies:
@@ -69,8 +72,13 @@ class OptunaSearch:
         trial = self._live.get(trial_id)
         if trial is None or not math.isfinite(val_loss):
             return False  # after a coordinator restart the re-run is not pruned, only told
+        if trial_id in self._pruned:
+            return True
         trial.report(val_loss, step)
-        return trial.should_prune()
+        if trial.should_prune():
+            self._pruned.add(trial_id)
+            return True
+        return False
 
     def tell(
         self, study: optuna.Study, number: int, status: str, value: float | None, vocab: int
@@ -90,3 +98,4 @@ class OptunaSearch:
 
     def forget(self, trial_id: str) -> None:
         self._live.pop(trial_id, None)
+        self._pruned.discard(trial_id)

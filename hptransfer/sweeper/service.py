@@ -39,7 +39,7 @@ class Coordinator:
             if dispatch else None
         )
         # each hook(coordinator, sweep_id) returns artifacts for the sweep's MLflow run
-        self.finished_hooks: list = [_fit_artifacts]
+        self.finished_hooks: list = [_fit_artifacts, _dashboard_artifacts]
         self.started_at = time.time()
 
     def start(self, background: bool = True) -> None:
@@ -129,3 +129,9 @@ class Coordinator:
 
 def _fit_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str]:
     return fits_artifacts(sweep_report(coordinator.store, sweep_id))
+
+
+def _dashboard_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str | bytes]:
+    from hptransfer.dashboards import dashboard_artifacts  # rendering layer, loaded on use
+
+    return dashboard_artifacts(coordinator, sweep_id)

@@ -1,0 +1,188 @@
+"""Training throughput of `run_trial` on this machine, against a plain fp32 matmul.
+
+For each shape, `run_trial` trains for a fixed number of steps with evaluation pushed to the
+end (eval_every larger than the run). Its reporter is called once per optimizer step, so the
+time between the reporter calls after the warm-up steps and before the final step (which
+evaluates) is pure training: data batch, forward, backward, clipping, optimizer step.
+Achieved FLOP/s = analytic training FLOPs per token
+(`flops_per_token(cfg, seq_len).training`) x tokens/s.
+
+The reference is the FLOP/s of one fp32 matmul of the MLP's first projection,
+(batch*seq) x width @ width x 4*width, timed in the same process with the same thread count
+right after each shape: "vs matmul" is the share of that practical limit the trainer reaches
+(attention, norms, the optimizer and Python overhead are why it is below 1).
+
+Both are medians (of the timed steps, of the matmul repetitions), so that other processes
+briefly taking a core move the figures less; the load average is printed as a hint of how
+busy the machine was.
+
+    .venv/bin/python benchmarks/trainer_throughput.py [--steps 16] [--warmup 3] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hptransfer.models.flops import flops_per_token, param_counts
+from hptransfer.workers.trainer import load_trial_data, run_trial
+from hptransfer.workers.trial import ArchOptions, Budget, DataSource, TrialSpec
+
+SEQ_LEN, BATCH = 128, 8
+# (label, arch, parameterization, width, depth, arch options)
+SHAPES: list[tuple[str, str, str, int, int, dict[str, Any]]] = [
+    ("gpt", "gpt", "completep", 128, 2, {}),
+    ("gpt", "gpt", "completep", 256, 2, {}),
+    ("gpt", "gpt", "completep", 256, 4, {}),
+    ("gpt", "gpt", "completep", 512, 2, {}),
+    ("gpt", "gpt", "completep", 512, 4, {}),
+    ("ngpt", "ngpt", "ngpt", 256, 4, {}),
+    ("gpt+x0", "gpt", "completep", 256, 4, {"x0_mixing": True, "extra_embeddings": 1}),
+]
+
+
+@dataclass
+class Row:
+    label: str
+    width: int
+    depth: int
+    params: int
+    flops_per_token: float
+    step_ms: float  # median
+    best_ms: float
+    tokens_per_s: float
+    achieved: float  # FLOP/s
+    matmul: float  # FLOP/s
+    trial_tokens_per_s: float  # run_trial's own figure: warm-up and final eval included
+
+    @property
+    def ratio(self) -> float:
+        return self.achieved / self.matmul
+
+
+def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str, Any],
+               steps: int, threads: int) -> TrialSpec:
+    return TrialSpec(
+        arch=arch, parameterization=param, arch_options=ArchOptions(**options),
+        width=width, depth=depth, head_dim=64, base_width=128, base_depth=2,
+        lr=2.0**-7, batch_size=BATCH, seq_len=SEQ_LEN, budget=Budget(steps=steps),
+        eval_every=10**9,  # only the final step evaluates; it is left out of the timing
+        data=DataSource(source="stdlib", val_tokens=2048, max_corpus_bytes=2_000_000),
+        device="cpu", precision="fp32", num_threads=threads,
+        divergence_factor=1e9,  # a timing run must not stop early
+    )
+
+
+def time_training(spec: TrialSpec, warmup: int, cache_dir: str) -> tuple[list[float], float]:
+    """(seconds of each training step after the warm-up, run_trial's tokens/s)."""
+    stamps: dict[int, float] = {}
+
+    def reporter(point: dict[str, Any]) -> bool:
+        stamps[point["step"]] = time.perf_counter()
+        return False
+
+    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
+    if result.status != "completed":
+        raise RuntimeError(f"timing run {result.status}: {result.error}")
+    steps = spec.budget.steps or 0
+    first, last = warmup, steps - 1  # step numbers are 1-based; `steps` itself evaluates
+    missing = [s for s in (first, last) if s not in stamps]
+    if missing:
+        raise RuntimeError(f"no reporter call at steps {missing} (is steps <= 50?)")
+    times = [stamps[s + 1] - stamps[s] for s in range(first, last)]
+    return times, result.tokens_per_s or 0.0
+
+
+def time_matmul(width: int, threads: int, reps: int = 30) -> float:
+    """FLOP/s of (batch*seq) x width @ width x 4*width in fp32 (median of `reps`)."""
+    torch.set_num_threads(threads)
+    m, k, n = BATCH * SEQ_LEN, width, 4 * width
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    out = torch.empty(m, n)
+    for _ in range(3):
+        torch.mm(a, b, out=out)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - t)
+    return 2.0 * m * k * n / statistics.median(times)
+
+
+def measure(label: str, arch: str, param: str, width: int, depth: int,
+            options: dict[str, Any], steps: int, warmup: int, threads: int,
+            cache_dir: str) -> Row:
+    spec = trial_spec(arch, param, width, depth, options, steps, threads)
+    vocab = load_trial_data(spec, cache_dir).vocab_size
+    cfg = spec.model_config_obj(vocab_size=vocab)
+    fpt = flops_per_token(cfg, SEQ_LEN).training
+    step_times, trial_tps = time_training(spec, warmup, cache_dir)
+    step_s = statistics.median(step_times)
+    tokens_per_s = BATCH * SEQ_LEN / step_s
+    return Row(
+        label=label, width=width, depth=depth, params=param_counts(cfg).non_embedding,
+        flops_per_token=fpt, step_ms=1e3 * step_s, best_ms=1e3 * min(step_times),
+        tokens_per_s=tokens_per_s,
+        achieved=fpt * tokens_per_s, matmul=time_matmul(width, threads),
+        trial_tokens_per_s=trial_tps,
+    )
+
+
+def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
+                load: tuple[float, float]) -> None:
+    print(f"\ntorch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()} "
+          f"(requested {threads}), {os.cpu_count()} CPUs, 1-min load average "
+          f"{load[0]:.1f} before / {load[1]:.1f} after; seq {SEQ_LEN}, batch {BATCH}; "
+          f"{steps} steps per shape, steps {warmup + 1}..{steps - 1} timed")
+    header = (f"{'arch':<7} {'width':>5} {'depth':>5} {'params':>8} {'MFLOP/tok':>9} "
+              f"{'ms/step':>8} {'best ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'mm GFLOP/s':>10} "
+              f"{'vs matmul':>9} {'trial tok/s':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.label:<7} {r.width:>5} {r.depth:>5} {r.params / 1e6:>7.2f}M "
+              f"{r.flops_per_token / 1e6:>9.1f} {r.step_ms:>8.1f} {r.best_ms:>8.1f} "
+              f"{r.tokens_per_s:>8.0f} "
+              f"{r.achieved / 1e9:>8.2f} {r.matmul / 1e9:>10.2f} {r.ratio:>9.2f} "
+              f"{r.trial_tokens_per_s:>11.0f}")
+    print("\nms/step, tok/s, GFLOP/s: median step; vs matmul = achieved / matmul FLOP/s (the "
+          "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
+          "steps and the final eval included")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=16,
+                        help="steps per shape, at most 50 (one reporter call per step)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed first steps")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--only", nargs="*", help="labels or arch:width:depth to run")
+    args = parser.parse_args()
+    if not 2 <= args.warmup + 2 <= args.steps <= 50:
+        parser.error("need warmup + 2 <= steps <= 50")
+    shapes = [s for s in SHAPES if not args.only
+              or s[0] in args.only or f"{s[0]}:{s[3]}:{s[4]}" in args.only]
+    rows = []
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="hpt-bench-") as cache_dir:
+        for label, arch, param, width, depth, options in shapes:
+            rows.append(measure(label, arch, param, width, depth, options, args.steps,
+                                args.warmup, args.threads, cache_dir))
+            r = rows[-1]
+            print(f"{label} w{width} d{depth}: {r.tokens_per_s:.0f} tok/s, "
+                  f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul", flush=True)
+    print_table(rows, args.threads, args.steps, args.warmup,
+                (load_before, os.getloadavg()[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""HTML dashboard routes under /dashboards; the rendering lives in `hptransfer.dashboards`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, Response
+
+from hptransfer.dashboards import (
+    plotly_js_path,
+    plotly_js_text,
+    render_index_html,
+    render_not_found_html,
+    render_sweep_html,
+    sweep_data,
+)
+
+from .routes import coordinator
+
+router = APIRouter(prefix="/dashboards", tags=["dashboards"])
+INDEX_LIMIT = 200
+# plotly.js only changes with the installed package: let browsers keep it for a day.
+_JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
+
+
+@router.get("", response_class=HTMLResponse)
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+def dashboards_index(request: Request) -> HTMLResponse:
+    """Every sweep with its status, progress and a link to its dashboard."""
+    c = coordinator(request)
+    summaries = [c.summary(s["id"]) for s in c.store.list_sweeps(limit=INDEX_LIMIT)]
+    return HTMLResponse(render_index_html(summaries))
+
+
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+def sweep_dashboard(
+    request: Request,
+    sweep_id: str,
+    bootstrap: Annotated[int, Query(ge=0, le=2000)] = 100,
+) -> HTMLResponse:
+    """Live progress, loss-vs-LR curves, transfer drift, frontier, savings, N:L."""
+    c = coordinator(request)
+    try:
+        data = sweep_data(c, sweep_id, bootstrap)
+    except LookupError:
+        return HTMLResponse(render_not_found_html(f"No sweep with id {sweep_id!r}."), 404)
+    html = render_sweep_html(data.summary, data.trials, data.report,
+                             coordcheck_dir=data.coordcheck_dir)
+    return HTMLResponse(html)
+
+
+@router.get("/static/plotly.min.js", include_in_schema=False)
+def plotly_js() -> Response:
+    """The plotly.js of the installed plotly package: the pages never need the internet."""
+    path = plotly_js_path()
+    if path is not None:
+        return FileResponse(path, media_type="application/javascript", headers=_JS_HEADERS)
+    return Response(plotly_js_text(), media_type="application/javascript", headers=_JS_HEADERS)
