@@ -1,0 +1,82 @@
+"""The `hpt` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hptransfer.cli import main
+
+HPT = [sys.executable, "-m", "hptransfer.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*HPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_params_json_worked_case():
+    out = run("params", "--arch", "gpt", "--param", "completep", "--width", "1024",
+              "--depth", "32", "--lr", "0.01", "--eps", "1e-8", "--json")
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)
+    groups = {g["name"]: g for g in table["groups"]}
+    assert groups["hidden_weight"]["lr"] == pytest.approx(0.01 / 4)
+    assert groups["hidden_weight"]["eps"] == pytest.approx(1e-8 / 64)
+    assert table["multipliers"]["residual"] == pytest.approx(1 / 16)
+    assert all({"name", "params", "init_std", "lr", "weight_decay", "eps"} <= set(g)
+               for g in table["groups"])
+
+
+def test_params_text_and_bad_pairs():
+    out = run("params", "--param", "depth_mup", "--width", "512", "--depth", "8")
+    assert out.returncode == 0 and "hidden_weight" in out.stdout and "m_L=4" in out.stdout
+    bad = run("params", "--arch", "ngpt", "--param", "mup")
+    assert bad.returncode == 2
+    assert "use parameterization 'ngpt'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run("params", "--width", "100")
+    assert bad.returncode == 2 and "divisible by head_dim" in bad.stderr
+
+
+def test_flops_json_matches_library():
+    from hptransfer.models import ModelConfig
+    from hptransfer.models.flops import flops_report
+
+    out = run("flops", "--arch", "gpt", "--width", "256", "--depth", "4", "--seq-len", "128",
+              "--vocab", "512", "--json")
+    assert out.returncode == 0, out.stderr
+    expected = flops_report(ModelConfig(width=256, depth=4, vocab_size=512, max_seq_len=128), 128)
+    assert json.loads(out.stdout) == json.loads(json.dumps(expected))
+
+
+def test_coordcheck_cli(tmp_path):
+    png = tmp_path / "cc.png"
+    out = run("coordcheck", "--axis", "depth", "--param", "completep", "--sizes", "2,4",
+              "--fixed", "64", "--head-dim", "32", "--steps", "3", "--plot", str(png), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["axis"] == "depth" and "verdict" in result
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_client_commands_without_server_fail_cleanly():
+    out = run("status", "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2
+    assert "cannot reach" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_end_to_end(hpt_home, ray_cluster, tiny_spec, tmp_path, capsys):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec))
+    out_dir = tmp_path / "dash"
+    assert main(["demo", "--spec", str(spec), "--out", str(out_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "best LR per shape" in text
+    assert "Optimal LR per shape" in text  # the fit report
+    index = Path(out_dir) / "index.html"
+    assert index.exists() and "plotly" in index.read_text()[:200_000].lower()
+    assert (hpt_home / "mlflow.db").exists()
