@@ -240,6 +240,10 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
         assert completed[0].info.run_id == after[tid]["mlflow_run_id"]
         if tid in done:
             assert len(trial_runs_) == 1
+    # the attempt the dead coordinator left behind is closed, not shown running forever
+    interrupted = [r for r in runs[orphan["id"]] if r.info.run_id != after[orphan["id"]][
+        "mlflow_run_id"]]
+    assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
 
 
 # ------------------------------------------------------------------ worker killed

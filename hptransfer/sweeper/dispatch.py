@@ -93,12 +93,28 @@ class Dispatcher:
         self._remote = ray.remote(execute_trial)
         if self.tracker:
             self.tracker.flush_outbox()  # replay what an MLflow outage left behind
+        self._close_orphan_runs()
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
         if background:
             self._thread = threading.Thread(target=self._loop, name="hpt-dispatch", daemon=True)
             self._thread.start()
+
+    def _close_orphan_runs(self) -> None:
+        """A dead coordinator's attempts never finish; end their MLflow runs as KILLED so
+        the UI does not show them running forever (the re-queued attempt gets a new run)."""
+        if not self.tracker:
+            return
+        for sweep in self.store.list_sweeps(limit=10_000):
+            if sweep["status"] not in ACTIVE:
+                continue
+            for t in self.store.trials(sweep["id"], status="running", limit=None):
+                if t.get("lease_owner") != self.owner and t.get("mlflow_run_id"):
+                    self.tracker.finish_trial(
+                        t["mlflow_run_id"],
+                        {"error": "coordinator died during this attempt; re-queued"},
+                        "cancelled", trial_id=t["id"])
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
