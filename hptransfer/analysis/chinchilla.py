@@ -20,7 +20,7 @@ from scipy.optimize import minimize
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .serialize import frame_records, json_safe, with_none
-from .stats import bootstrap_indices, percentile_ci, single_threaded_blas
+from .stats import bootstrap_indices, percentile_ci, single_threaded
 from .trials import Trials
 
 _GRID_A = np.arange(0.0, 26.0, 5.0)
@@ -232,6 +232,7 @@ def _nan_fit(
     )
 
 
+@single_threaded
 def fit_chinchilla(
     n: Sequence[float] | np.ndarray,
     d: Sequence[float] | np.ndarray,
@@ -250,34 +251,6 @@ def fit_chinchilla(
     `top_k` grid starts with the lowest objective are refined by L-BFGS-B and the best kept.
     The CI resamples points `bootstrap` times, refining from the full-data optimum.
     """
-    with single_threaded_blas():
-        return _fit_chinchilla(
-            n,
-            d,
-            loss,
-            delta=delta,
-            bootstrap=bootstrap,
-            seed=seed,
-            ci=ci,
-            top_k=top_k,
-            trial_ids=trial_ids,
-            what=what,
-        )
-
-
-def _fit_chinchilla(
-    n: Sequence[float] | np.ndarray,
-    d: Sequence[float] | np.ndarray,
-    loss: Sequence[float] | np.ndarray,
-    *,
-    delta: float = 1e-3,
-    bootstrap: int = 0,
-    seed: int | None = 0,
-    ci: float = 0.95,
-    top_k: int = 3,
-    trial_ids: Sequence[Sequence[str]] | None = None,
-    what: str = "the Chinchilla fit",
-) -> ChinchillaFit:
     n_arr = np.asarray(n, dtype=float)
     d_arr = np.asarray(d, dtype=float)
     y = np.asarray(loss, dtype=float)

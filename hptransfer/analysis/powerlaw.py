@@ -11,7 +11,7 @@ from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
 from .serialize import json_safe
-from .stats import bootstrap_indices, percentile_ci, single_threaded_blas
+from .stats import bootstrap_indices, percentile_ci, single_threaded
 
 # Parameters are p = (log E, log A', log b) with A' = A * C0^(-b): logs keep E, A, b positive
 # and C0 (the geometric mean of the compute) keeps A' of order one for the optimiser.
@@ -181,6 +181,7 @@ def _nan_fit(
     )
 
 
+@single_threaded
 def fit_power_law(
     compute: Sequence[float] | np.ndarray,
     loss: Sequence[float] | np.ndarray,
@@ -197,30 +198,6 @@ def fit_power_law(
     `f_scale` is the log-residual size (about a relative error) beyond which points count
     linearly, so a few bad runs do not drag the fit. The CI resamples points `bootstrap` times.
     """
-    with single_threaded_blas():
-        return _fit_power_law(
-            compute,
-            loss,
-            bootstrap=bootstrap,
-            seed=seed,
-            ci=ci,
-            f_scale=f_scale,
-            trial_ids=trial_ids,
-            what=what,
-        )
-
-
-def _fit_power_law(
-    compute: Sequence[float] | np.ndarray,
-    loss: Sequence[float] | np.ndarray,
-    *,
-    bootstrap: int = 200,
-    seed: int | None = 0,
-    ci: float = 0.95,
-    f_scale: float = 0.01,
-    trial_ids: Sequence[Sequence[str]] | None = None,
-    what: str = "the loss-vs-compute fit",
-) -> PowerLawFit:
     c = np.asarray(compute, dtype=float)
     y = np.asarray(loss, dtype=float)
     ids = [list(t) for t in trial_ids] if trial_ids is not None else [[] for _ in c]

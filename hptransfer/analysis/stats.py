@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 
@@ -29,6 +32,10 @@ def bootstrap_indices(
     return [idx for idx in draws if np.unique(idx).size >= min_unique]
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 def single_threaded_blas() -> AbstractContextManager[object]:
     """Run BLAS single-threaded inside the block, when threadpoolctl is available.
 
@@ -39,3 +46,14 @@ def single_threaded_blas() -> AbstractContextManager[object]:
     if threadpool_limits is None:
         return nullcontext()
     return threadpool_limits(limits=1, user_api="blas")
+
+
+def single_threaded(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator form of `single_threaded_blas` for whole fitting functions."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with single_threaded_blas():
+            return fn(*args, **kwargs)
+
+    return wrapper
