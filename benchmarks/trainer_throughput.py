@@ -9,12 +9,15 @@ Achieved FLOP/s = analytic training FLOPs per token
 
 The reference is the FLOP/s of one fp32 matmul of the MLP's first projection,
 (batch*seq) x width @ width x 4*width, timed in the same process with the same thread count
-right after each shape: "vs matmul" is the share of that practical limit the trainer reaches
-(attention, norms, the optimizer and Python overhead are why it is below 1).
+just before and just after each shape's run (the better of the two). "vs matmul" is the share
+of that practical limit the trainer reaches (attention, norms, the optimizer and Python
+overhead are why it is below 1).
 
 Both are medians (of the timed steps, of the matmul repetitions), so that other processes
-briefly taking a core move the figures less; the load average is printed as a hint of how
-busy the machine was.
+briefly taking a core move the figures less; a row whose median step is over 1.25x its best
+step is marked `!` (the machine was busy during it: rerun, or use --threads 1, which suffers
+far less from a shared core than threads waiting on each other). The load average is printed
+too.
 
     .venv/bin/python benchmarks/trainer_throughput.py [--steps 16] [--warmup 3] [--threads N]
 """
@@ -36,6 +39,7 @@ from hptransfer.workers.trainer import load_trial_data, run_trial
 from hptransfer.workers.trial import ArchOptions, Budget, DataSource, TrialSpec
 
 SEQ_LEN, BATCH = 128, 8
+NOISY = 1.25  # median step over best step: flagged as disturbed
 # (label, arch, parameterization, width, depth, arch options)
 SHAPES: list[tuple[str, str, str, int, int, dict[str, Any]]] = [
     ("gpt", "gpt", "completep", 128, 2, {}),
@@ -125,14 +129,16 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     vocab = load_trial_data(spec, cache_dir).vocab_size
     cfg = spec.model_config_obj(vocab_size=vocab)
     fpt = flops_per_token(cfg, SEQ_LEN).training
+    matmul_before = time_matmul(width, threads)
     step_times, trial_tps = time_training(spec, warmup, cache_dir)
+    matmul = max(matmul_before, time_matmul(width, threads))
     step_s = statistics.median(step_times)
     tokens_per_s = BATCH * SEQ_LEN / step_s
     return Row(
         label=label, width=width, depth=depth, params=param_counts(cfg).non_embedding,
         flops_per_token=fpt, step_ms=1e3 * step_s, best_ms=1e3 * min(step_times),
         tokens_per_s=tokens_per_s,
-        achieved=fpt * tokens_per_s, matmul=time_matmul(width, threads),
+        achieved=fpt * tokens_per_s, matmul=matmul,
         trial_tokens_per_s=trial_tps,
     )
 
@@ -153,7 +159,7 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
               f"{r.flops_per_token / 1e6:>9.1f} {r.step_ms:>8.1f} {r.best_ms:>8.1f} "
               f"{r.tokens_per_s:>8.0f} "
               f"{r.achieved / 1e9:>8.2f} {r.matmul / 1e9:>10.2f} {r.ratio:>9.2f} "
-              f"{r.trial_tokens_per_s:>11.0f}")
+              f"{r.trial_tokens_per_s:>11.0f}{' !' if r.step_ms > NOISY * r.best_ms else ''}")
     print("\nms/step, tok/s, GFLOP/s: median step; vs matmul = achieved / matmul FLOP/s (the "
           "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
           "steps and the final eval included")

@@ -41,6 +41,18 @@ def test_submit_run_and_track_a_sweep(server, tiny_spec):
     history = ml.get_metric_history(child.info.run_id, "val_loss")
     assert [h.step for h in history] == [5, 10]
     assert any(k.startswith("group.hidden_weight") for k in child.data.params)
+    # at completion the fits and dashboards land on the parent run (logged just after the
+    # status flips, so poll briefly)
+    wanted = {"fits/fits.json", "dashboards/sweep.html", "dashboards/loss_vs_lr.png"}
+    deadline = time.time() + 60
+    while True:
+        names = {f.path for d in ("fits", "dashboards")
+                 for f in ml.list_artifacts(done["mlflow_run_id"], d)}
+        if wanted <= names or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert wanted <= names, names
+    assert ml.get_run(done["mlflow_run_id"]).info.status == "FINISHED"
 
 
 def test_bad_spec_is_422_naming_the_field(server, tiny_spec):
