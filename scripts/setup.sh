@@ -8,12 +8,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.hpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/pip install -q --upgrade pip
+  quiet() { "$@" 2> >(grep -v -e "is ignored" -e "^  " -e "^$" >&2); }
+  quiet .venv/bin/pip install -q --upgrade pip
   # torch first and pinned to a CPU-capable release in the declared range, so pip does not pull
   # a multi-GB CUDA build when only the range is given; GPU hosts can preinstall their own.
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/pip install -q "torch==2.13.0" || .venv/bin/pip install -q "torch>=2.4,<2.14"
+    quiet .venv/bin/pip install -q "torch==2.13.0" || quiet .venv/bin/pip install -q "torch>=2.4,<2.14"
   fi
-  .venv/bin/pip install -q -e ".[dev]" 2> >(grep -v "is ignored" >&2)
+  quiet .venv/bin/pip install -q -e ".[dev]"
   touch "$stamp"
 fi

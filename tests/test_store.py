@@ -408,6 +408,18 @@ def test_cancel_sweep(store: Store) -> None:
         store.cancel_sweep("missing")
 
 
+def test_active_sweeps_oldest_first(store: Store) -> None:
+    first = new_sweep(store, plan()[:2])
+    second = new_sweep(store, plan()[:2])
+    third = new_sweep(store, plan()[:2])
+    store.cancel_sweep(second)
+    assert [s["id"] for s in store.active_sweeps()] == [first, third]
+    for t in store.lease_pending("c", 10, sweep_id=first):
+        store.finish_trial(t["id"], "completed", result(3.0))
+    store.refresh_sweep_status(first)
+    assert [s["id"] for s in store.active_sweeps()] == [third]
+
+
 def test_sweep_status_transitions_and_mlflow_ids(store: Store) -> None:
     sid = new_sweep(store, plan()[:2])
     assert store.refresh_sweep_status(sid) == "running"

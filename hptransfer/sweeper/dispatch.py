@@ -106,9 +106,7 @@ class Dispatcher:
         the UI does not show them running forever (the re-queued attempt gets a new run)."""
         if not self.tracker:
             return
-        for sweep in self.store.list_sweeps(limit=10_000):
-            if sweep["status"] not in ACTIVE:
-                continue
+        for sweep in self.store.active_sweeps():
             for t in self.store.trials(sweep["id"], status="running", limit=None):
                 if t.get("lease_owner") != self.owner and t.get("mlflow_run_id"):
                     self.tracker.finish_trial(
@@ -251,9 +249,7 @@ class Dispatcher:
 
     def _fill(self) -> int:
         started = 0
-        for sweep in self.store.list_sweeps(limit=10_000):
-            if sweep["status"] not in ACTIVE:
-                continue
+        for sweep in self.store.active_sweeps():
             spec = self._spec(sweep)
             free = self._capacity(spec) - len(self._in_flight_for(sweep["id"]))
             if free <= 0:

@@ -591,6 +591,13 @@ class Store:
                 sweep["counts"] = counts[sweep["id"]]
             return sweeps
 
+    def active_sweeps(self) -> list[dict[str, Any]]:
+        """Pending or running sweeps, oldest first, without counts (the dispatcher's tick)."""
+        with self._read() as s:
+            stmt = (select(Sweep).where(Sweep.status.in_(("pending", "running")))
+                    .order_by(Sweep.created_at, Sweep.id))
+            return [_as_dict(x) for x in s.scalars(stmt)]
+
     def status_counts(self, sweep_id: str) -> dict[str, int]:
         """Number of trials in every status (zeros included)."""
         with self._read() as s:
