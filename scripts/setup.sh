@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.hpt-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  quiet() { "$@" 2> >(grep -v -e "is ignored" -e "^  " -e "^$" >&2); }
+  quiet() { "$@" 2> >(grep -v "is ignored" >&2); }  # drop pip's local-index noise
   quiet .venv/bin/pip install -q --upgrade pip
   # torch first and pinned to a CPU-capable release in the declared range, so pip does not pull
   # a multi-GB CUDA build when only the range is given; GPU hosts can preinstall their own.
