@@ -81,6 +81,7 @@ class Dispatcher:
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs: dict[str, SweepSpec] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._board = None
         self._remote = None
@@ -116,6 +117,7 @@ class Dispatcher:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread:
             self._thread.join(timeout)
 
@@ -129,18 +131,21 @@ class Dispatcher:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 busy = False
             if not busy:
-                self._stop.wait(self.poll_interval)
+                self._idle_wait()
 
-    def run_until_idle(self, sweep_id: str, timeout: float = 3600) -> None:
-        """Drive the loop in this thread until the sweep has no active trials (tests, demo)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if not self.run_once():
-                time.sleep(self.poll_interval)
-            sweep = self.store.get_sweep(sweep_id)
-            if sweep["status"] not in ACTIVE and not self._in_flight_for(sweep_id):
-                return
-        raise TimeoutError(f"sweep {sweep_id} still running after {timeout} s")
+    def wake(self) -> None:
+        """Ask the loop to look for work now (a sweep was submitted or cancelled)."""
+        self._wake.set()
+
+    def _idle_wait(self) -> None:
+        """Sleep until a trial finishes, work is submitted, or one poll interval passes —
+        whichever is first, so a finished trial's slot is refilled without polling delay."""
+        if self.in_flight:
+            ray.wait([f.ref for f in self.in_flight.values()], num_returns=1,
+                     timeout=self.poll_interval)
+        else:
+            self._wake.wait(self.poll_interval)
+        self._wake.clear()
 
     # one tick ------------------------------------------------------------------------
     def run_once(self) -> bool:

@@ -64,6 +64,8 @@ class Coordinator:
         if spec.search.method == "optuna":
             # trials are asked one by one later; the sweep is open until every study is done
             self.store.set_sweep_status(sweep_id, "pending")
+        if self.dispatcher:
+            self.dispatcher.wake()
         return self.summary(sweep_id)
 
     def _data_hash(self, spec: SweepSpec) -> str:
@@ -112,6 +114,8 @@ class Coordinator:
         if self.store.get_sweep(sweep_id) is None:
             raise NotFound(f"no sweep with id {sweep_id!r}")
         self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
+        if self.dispatcher:
+            self.dispatcher.wake()
         return self.summary(sweep_id)
 
     def fits(self, sweep_id: str, bootstrap: int = 100,
