@@ -27,6 +27,7 @@ from ray.exceptions import (
     TaskCancelledError,
     WorkerCrashedError,
 )
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.config import Settings
 from hptransfer.workers.remote import execute_trial
@@ -90,7 +91,11 @@ class Dispatcher:
     # lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
         init_ray(self.settings)
-        self._board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        # on the coordinator's own node, restarted if it dies: losing a worker node must
+        # not take the metrics side channel (and with it every dispatch tick) down
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self._board = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
+            ProgressBoard).options(scheduling_strategy=here).remote()
         self._remote = ray.remote(execute_trial)
         if self.tracker:
             self.tracker.flush_outbox()  # replay what an MLflow outage left behind
@@ -170,7 +175,11 @@ class Dispatcher:
                     ray.cancel(f.ref, force=True)
 
     def _relay_progress(self) -> None:
-        updates = ray.get(self._board.drain.remote())
+        try:
+            updates = ray.get(self._board.drain.remote(), timeout=10)
+        except Exception as exc:  # live metrics are best effort; results still arrive
+            log.warning("progress board unavailable: %s", exc)
+            return
         for trial_id, points in updates.items():
             f = self.in_flight.get(trial_id)
             if f is None:

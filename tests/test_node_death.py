@@ -1,0 +1,79 @@
+"""A Ray node dying mid-trial: the trial is re-queued and finishes on another node.
+
+Runs in a child process because it needs its own multi-node Ray cluster
+(`ray.cluster_utils.Cluster`: real raylets, several nodes on this machine) while the test
+session may already hold a local one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from mlflow.tracking import MlflowClient
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import ray
+    from ray.cluster_utils import Cluster
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.service import Coordinator
+
+    spec = json.loads(sys.argv[1])
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    doomed = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    coordinator = Coordinator(get_settings())
+    coordinator.start()
+    sweep = coordinator.submit(spec)
+    store = coordinator.store
+
+    def trial():
+        return store.trials(sweep["id"], limit=None)[0]
+
+    deadline = time.time() + 120
+    while not (trial()["status"] == "running" and
+               coordinator.dispatcher.in_flight):
+        assert time.time() < deadline, "never started"
+        time.sleep(0.2)
+    time.sleep(2.0)  # well inside training
+    cluster.remove_node(doomed, allow_graceful=False)
+    cluster.add_node(num_cpus=1)  # a replacement for the retry
+    while store.get_sweep(sweep["id"])["status"] in ("pending", "running"):
+        assert time.time() < deadline + 120, "never finished"
+        time.sleep(0.3)
+    coordinator.stop()
+    t = trial()
+    print("RESULT " + json.dumps({"status": t["status"], "attempts": t["attempts"],
+                                  "error": t["error"], "sweep": store.get_sweep(sweep["id"]),
+                                  "mlflow_uri": get_settings().mlflow_uri}, default=str))
+    """
+)
+
+
+def test_node_death_is_retried(tmp_path, tiny_spec):
+    tiny_spec["grid"]["lrs"] = [2**-6]
+    tiny_spec["budget"] = {"steps": 600, "batch_size": 4}
+    tiny_spec["retries"] = 1
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "OMP_NUM_THREADS": "1"}
+    for var in ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(tiny_spec)], env=env,
+                         capture_output=True, text=True, timeout=400)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["status"] == "completed"
+    assert result["attempts"] == 2  # the lost attempt counts; the retry completed
+    # the lost attempt is a FAILED MLflow run that says why
+    ml = MlflowClient(result["mlflow_uri"])
+    runs = ml.search_runs([result["sweep"]["mlflow_experiment_id"]],
+                          filter_string="tags.`hpt.role` = 'trial'")
+    failed = [r for r in runs if r.info.status == "FAILED"]
+    assert len(failed) == 1 and len(runs) == 2
+    assert "NodeDiedError" in failed[0].data.tags.get("hpt.error", "")
