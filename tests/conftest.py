@@ -15,7 +15,8 @@ def ray_cluster():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+                 log_to_driver=False)
     yield ray
 
 

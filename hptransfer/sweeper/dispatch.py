@@ -60,8 +60,10 @@ def init_ray(settings: Settings) -> None:
     if settings.ray_address:
         ray.init(address=settings.ray_address, ignore_reinit_error=True, log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False,
-                 num_gpus=None)
+        # "local": always a fresh in-process cluster, never one a stale
+        # /tmp/ray/ray_current_cluster file points at
+        ray.init(address="local", include_dashboard=False, ignore_reinit_error=True,
+                 log_to_driver=False)
 
 
 class Dispatcher:

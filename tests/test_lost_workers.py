@@ -1,8 +1,8 @@
-"""A Ray node dying mid-trial: the trial is re-queued and finishes on another node.
+"""Lost workers: a Ray node dying mid-trial, and Ray's memory monitor killing a worker.
 
-Runs in a child process because it needs its own multi-node Ray cluster
-(`ray.cluster_utils.Cluster`: real raylets, several nodes on this machine) while the test
-session may already hold a local one.
+Each runs in a child process with a Ray cluster of its own (the test session may already
+hold one): a real multi-node cluster (`ray.cluster_utils.Cluster`: several raylets on this
+machine), and a local cluster whose OOM threshold is set so low that Ray kills every worker.
 """
 
 from __future__ import annotations
@@ -77,3 +77,45 @@ def test_node_death_is_retried(tmp_path, tiny_spec):
     failed = [r for r in runs if r.info.status == "FAILED"]
     assert len(failed) == 1 and len(runs) == 2
     assert "NodeDiedError" in failed[0].data.tags.get("hpt.error", "")
+
+
+OOM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    import ray
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.service import Coordinator
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    coordinator = Coordinator(get_settings())
+    coordinator.start()
+    sweep = coordinator.submit(json.loads(sys.argv[1]))
+    deadline = time.time() + 150
+    while coordinator.store.get_sweep(sweep["id"])["status"] in ("pending", "running"):
+        assert time.time() < deadline, "never finished"
+        time.sleep(0.3)
+    coordinator.stop()
+    t = coordinator.store.trials(sweep["id"], limit=None)[0]
+    print("RESULT " + json.dumps({"status": t["status"], "attempts": t["attempts"],
+                                  "error": t["error"]}))
+    """
+)
+
+
+def test_oom_killed_worker_is_retried_then_failed(tmp_path, tiny_spec):
+    tiny_spec["grid"]["lrs"] = [2**-6]
+    tiny_spec["budget"] = {"steps": 300, "batch_size": 4}
+    tiny_spec["retries"] = 1
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "OMP_NUM_THREADS": "1",
+           # Ray's memory monitor: kill workers once the node is 5 % full, i.e. always
+           "RAY_memory_usage_threshold": "0.05", "RAY_memory_monitor_refresh_ms": "100"}
+    for var in ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", OOM_SCRIPT, json.dumps(tiny_spec)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["status"] == "failed"
+    assert result["attempts"] == 2  # retried once (retries: 1), then given up
+    assert result["error"].startswith("OutOfMemoryError")
