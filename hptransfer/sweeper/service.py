@@ -61,9 +61,6 @@ class Coordinator:
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
         )
-        if spec.search.method == "optuna":
-            # trials are asked one by one later; the sweep is open until every study is done
-            self.store.set_sweep_status(sweep_id, "pending")
         if self.dispatcher:
             self.dispatcher.wake()
         return self.summary(sweep_id)
