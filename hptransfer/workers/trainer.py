@@ -83,6 +83,8 @@ def _train(
     flop_breakdown = flops_per_token(cfg, spec.seq_len)
     fpt = flop_breakdown.training
     notes: list[str] = []
+    if spec.precision == "bf16" and device.type != "cuda":
+        notes.append(f"bf16 autocast is CUDA-only; this trial ran fp32 on {device}")
     warmup = spec.arch != "ngpt"
     if not warmup and spec.schedule.warmup_fraction > 0:
         notes.append("ngpt: warmup disabled (nGPT trains without warmup)")
