@@ -72,3 +72,16 @@ def test_non_object_bodies(client):
         r = client.post("/sweeps", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422, (body, r.status_code, r.text)
     assert client.get("/sweeps").json() == []
+
+
+def test_fits_and_dashboard_of_an_unstarted_sweep_explain_themselves(client, tiny_spec):
+    sweep = client.post("/sweeps", json=tiny_spec).json()
+    r = client.get(f"/sweeps/{sweep['id']}/fits")
+    assert r.status_code == 200
+    body = r.json()
+    assert "not enough data for" in body["text"]
+    assert set(body["tables"]) >= {"optimal_lr", "transfer", "frontier", "savings"}
+    page = client.get(f"/dashboards/sweeps/{sweep['id']}")
+    assert page.status_code == 200 and "not enough data for" in page.text
+    assert client.get("/sweeps/nope/fits").status_code == 404
+    assert client.get(f"/sweeps/{sweep['id']}/fits", params={"bootstrap": -1}).status_code == 422
