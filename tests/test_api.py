@@ -125,3 +125,21 @@ def test_cancel_stops_pending_and_running(server, tiny_spec):
             time.sleep(0.2)
     assert summary["status"] == "cancelled"
     assert {k: v for k, v in summary["counts"].items() if v} == {"cancelled": 3}
+
+
+def test_two_sweeps_share_the_cluster_without_overcommitting(server, tiny_spec):
+    url, _ = server  # the test cluster has 2 CPUs; each trial asks for 1
+    tiny_spec["budget"] = {"steps": 40, "batch_size": 4}
+    with Client(url) as c:
+        a = c.submit({**tiny_spec, "name": "a"})
+        b = c.submit({**tiny_spec, "name": "b", "grid": {**tiny_spec["grid"], "seeds": [1]}})
+        peak = 0
+        deadline = time.time() + 300
+        while True:
+            sa, sb = c.get(a["id"]), c.get(b["id"])
+            peak = max(peak, sa["counts"]["running"] + sb["counts"]["running"])
+            if sa["status"] == sb["status"] == "completed":
+                break
+            assert time.time() < deadline
+            time.sleep(0.1)
+    assert 1 <= peak <= 2

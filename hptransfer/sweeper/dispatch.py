@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -50,7 +49,8 @@ class InFlight:
     trial: dict[str, Any]
     ref: ray.ObjectRef
     run_id: str | None
-    submitted: float = field(default_factory=time.time)
+    cpus: float
+    gpus: float
 
 
 def init_ray(settings: Settings) -> None:
@@ -255,19 +255,26 @@ class Dispatcher:
                                           sweep_id=sweep_id)
 
     # filling slots -------------------------------------------------------------------
-    def _capacity(self, spec: SweepSpec) -> int:
-        cpus = ray.cluster_resources().get("CPU", 1.0)
-        by_cpu = max(1, int(cpus // spec.resources.cpus)) if spec.resources.cpus else 1
-        if spec.resources.gpus:
-            gpus = ray.cluster_resources().get("GPU", 0.0)
-            by_cpu = min(by_cpu, max(1, int(gpus // spec.resources.gpus)))
-        return min(spec.max_concurrent, by_cpu)
+    def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
+        """Trials of this sweep that can start now: within its max_concurrent and within the
+        cluster's CPUs/GPUs not taken by trials already in flight (of any sweep), so a
+        leased trial is really running, not waiting in Ray's queue."""
+        res = spec.resources
+        used_cpu = sum(f.cpus for f in self.in_flight.values())
+        used_gpu = sum(f.gpus for f in self.in_flight.values())
+        fits = math.floor((cluster.get("CPU", 0.0) - used_cpu) / res.cpus + 1e-9)
+        if res.gpus:
+            fits = min(fits, math.floor((cluster.get("GPU", 0.0) - used_gpu) / res.gpus + 1e-9))
+        if not self.in_flight:
+            fits = max(fits, 1)  # larger than the cluster today: let Ray queue (or autoscale)
+        return min(spec.max_concurrent - len(self._in_flight_for(sweep_id)), fits)
 
     def _fill(self) -> int:
         started = 0
+        cluster = ray.cluster_resources()
         for sweep in self.store.active_sweeps():
             spec = self._spec(sweep)
-            free = self._capacity(spec) - len(self._in_flight_for(sweep["id"]))
+            free = self._free_slots(spec, sweep["id"], cluster)
             if free <= 0:
                 continue
             if spec.search.method == "optuna":
@@ -301,7 +308,8 @@ class Dispatcher:
         ref = self._remote.options(**options).remote(
             trial_spec, trial["id"], self._board, str(self.settings.cache_dir)
         )
-        self.in_flight[trial["id"]] = InFlight(trial, ref, run_id)
+        self.in_flight[trial["id"]] = InFlight(trial, ref, run_id, spec.resources.cpus,
+                                               spec.resources.gpus)
 
     # optuna --------------------------------------------------------------------------
     def _study_name(self, sweep_id: str, shape: ShapeKey) -> str:
