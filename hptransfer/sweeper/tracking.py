@@ -37,41 +37,54 @@ sets it (MLFLOW_HTTP_REQUEST_MAX_RETRIES=2, MLFLOW_HTTP_REQUEST_TIMEOUT=10): MLf
 The default store is SQLite (`sqlite:///<home>/mlflow.db`); MLflow's file store is not used
 (it raises unless MLFLOW_ALLOW_FILE_STORE is set). SQLite databases are switched to WAL so
 `mlflow ui` can read while a sweep writes.
+
+The outbox files live in `mlflow_outbox`; flattening, key/value limits and URI helpers in
+`mlflow_params`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import re
 import sqlite3
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
-try:  # cross-process locking of the outbox; absent on Windows (threads are still locked)
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from .mlflow_outbox import Outbox, now_ms
+from .mlflow_params import (
+    MAX_KEY,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VALUE,
+    flatten,
+    mlflow_key,
+    mlflow_params,
+    mlflow_tags,
+    normalize_tracking_uri,
+    run_name,
+    safe_name,
+    sqlite_path,
+    table_params,
+    to_float,
+)
+
+# The public entry points; MAX_KEY, MAX_PARAM_VALUE, flatten and mlflow_key live in
+# mlflow_params and stay importable from here.
+__all__ = [
+    "MAX_KEY", "MAX_PARAM_VALUE", "Tracker", "flatten", "mlflow_key", "ui_command",
+]
 
 log = logging.getLogger(__name__)
 
-# MLflow's limits (mlflow.utils.validation); checked here so one long value cannot sink a batch.
-MAX_PARAM_VALUE = 6000
-MAX_KEY = 250
-MAX_TAG_VALUE = 8000
-MAX_METRICS_PER_BATCH = 1000
-ERROR_TAIL = 4000
+ERROR_TAIL = 4000  # characters of a trial's error kept in its hpt.error tag
 
 CURVE_METRICS = ("train_loss", "val_loss", "lr", "tokens")
 FINAL_METRICS = (
@@ -90,29 +103,6 @@ REJECTED_CODES = frozenset({
     "INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST",
     "INVALID_STATE", "BAD_REQUEST",
 })
-_KEY_BAD_CHARS = re.compile(r"[^\w.\- :]")  # MLflow allows these plus "/", which we avoid
-_FILE_BAD_CHARS = re.compile(r"[^\w.\-]")
-
-
-# ------------------------------------------------------------------------------------------
-# helpers
-
-
-def normalize_tracking_uri(uri: str) -> str:
-    """A bare `*.db` path becomes an absolute sqlite URI; anything else is returned as is."""
-    if "://" not in uri and uri.endswith((".db", ".sqlite", ".sqlite3")):
-        return f"sqlite:///{Path(uri).expanduser().resolve()}"
-    return uri
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a file-backed `sqlite:///` URI (None for other stores)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    raw = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
-    if not raw or raw == ":memory:":
-        return None
-    return Path(raw).expanduser().resolve()
 
 
 def ui_command(
@@ -132,95 +122,8 @@ def ui_command(
     return argv
 
 
-def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested mapping -> {"a.b.c": "value"}; lists of mappings are indexed, other lists JSON."""
-    out: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            if value:
-                out.update(flatten(value, name + "."))
-            else:
-                out[name] = "{}"
-        elif isinstance(value, list | tuple) and value and all(
-            isinstance(v, Mapping) for v in value
-        ):
-            for i, item in enumerate(value):
-                out.update(flatten(item, f"{name}.{i}."))
-        elif isinstance(value, list | tuple):
-            out[name] = json.dumps(list(value), default=str)
-        else:
-            out[name] = str(value)
-    return out
-
-
-def mlflow_key(key: str) -> str:
-    """A key MLflow accepts: allowed characters only, at most 250 characters (hash-suffixed)."""
-    key = _KEY_BAD_CHARS.sub("_", key) or "_"
-    if key in (".", "..") or key.startswith(".."):
-        key = "_" + key
-    if len(key) > MAX_KEY:
-        # Keep keys unique after truncation: two long keys may share their first 240 chars.
-        key = key[: MAX_KEY - 9] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
-    return key
-
-
-def _truncate(value: str, limit: int) -> str:
-    marker = "...[truncated]"
-    return value if len(value) <= limit else value[: limit - len(marker)] + marker
-
-
-def mlflow_params(flat: Mapping[str, Any]) -> dict[str, str]:
-    """Keys and values cut to MLflow's limits (key 250, value 6000 characters)."""
-    return {mlflow_key(k): _truncate(str(v), MAX_PARAM_VALUE) for k, v in flat.items()}
-
-
-def _float(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _safe_name(text: str) -> str:
-    """File-name-safe and injective: a short hash is added whenever characters were replaced."""
-    safe = _FILE_BAD_CHARS.sub("_", text)[:80] or "_"
-    if safe != text:
-        safe += "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
-    return safe
-
-
-def run_name(arm: str, spec: Mapping[str, Any]) -> str:
-    lr = _float(spec.get("lr"))
-    lr_text = f"{lr:.3g}" if lr is not None else "?"
-    return (
-        f"{arm} N={spec.get('width', '?')} L={spec.get('depth', '?')} "
-        f"lr={lr_text} seed={spec.get('seed', '?')}"
-    )
-
-
-def table_params(table: Mapping[str, Any]) -> dict[str, str]:
-    """The param table as params: group.<name>.{lr,weight_decay,eps,init,init_std,n_params},
-    mult.{residual,logits,attn_scale}, table.{parameterization,alpha,m_width,m_depth}."""
-    out: dict[str, Any] = {}
-    for key in ("parameterization", "alpha", "m_width", "m_depth"):
-        if key in table:
-            out[f"table.{key}"] = table[key]
-    for group in table.get("groups") or []:
-        name = group.get("name", "?")
-        for key in ("lr", "weight_decay", "eps", "init", "init_std"):
-            if key in group:
-                out[f"group.{name}.{key}"] = group[key]
-        out[f"group.{name}.n_params"] = len(group.get("params") or [])  # tensors in the group
-    for key, value in (table.get("multipliers") or {}).items():
-        out[f"mult.{key}"] = value
-    return mlflow_params(out)
+# ------------------------------------------------------------------------------------------
+# errors
 
 
 def _quotable(text: str) -> bool:
@@ -249,109 +152,6 @@ class _Unresolved(Exception):
 
 
 # ------------------------------------------------------------------------------------------
-# outbox
-
-
-class Outbox:
-    """JSON-lines files under one directory, safe across threads and (POSIX) processes.
-
-    Appends take a short exclusive lock on `.append.lock`; a replay holds `.replay.lock`
-    (non-blocking: one replayer at a time) and rewrites a file only under the append lock,
-    keeping whatever was appended meanwhile.
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root).expanduser().resolve()
-        self._thread_locks = {".append.lock": threading.Lock(), ".replay.lock": threading.Lock()}
-
-    @contextlib.contextmanager
-    def _locked(self, name: str, blocking: bool = True) -> Iterator[bool]:
-        tlock = self._thread_locks[name]
-        if not tlock.acquire(blocking):
-            yield False
-            return
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if fcntl is not None:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-                    except BlockingIOError:
-                        yield False
-                        return
-                yield True
-            finally:
-                os.close(fd)  # closing releases the flock
-        finally:
-            tlock.release()
-
-    def replaying(self) -> contextlib.AbstractContextManager[bool]:
-        return self._locked(".replay.lock", blocking=False)
-
-    def sweep_path(self, sweep_id: str | None) -> Path:
-        return self.root / _safe_name(sweep_id or "_nosweep") / "sweep.jsonl"
-
-    def trial_path(self, sweep_id: str | None, trial_id: str) -> Path:
-        folder = self.root / _safe_name(sweep_id or "_nosweep")
-        return folder / f"trial-{_safe_name(trial_id)}.jsonl"
-
-    def run_path(self, run_id: str) -> Path:
-        return self.root / "_runs" / f"run-{_safe_name(run_id)}.jsonl"
-
-    def append(self, path: Path, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, default=str, allow_nan=True) + "\n"
-        with self._locked(".append.lock"):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line)
-
-    def read(self, path: Path) -> list[str]:
-        with self._locked(".append.lock"):
-            try:
-                return path.read_text(encoding="utf-8").splitlines()
-            except FileNotFoundError:
-                return []
-
-    def rewrite(self, path: Path, consumed: int, head: list[dict[str, Any]]) -> bool:
-        """Drop the first `consumed` lines, prepend `head` if anything is left; True if gone."""
-        with self._locked(".append.lock"):
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except FileNotFoundError:
-                return True
-            rest = lines[consumed:]
-            if not rest:
-                path.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    path.parent.rmdir()  # only when empty
-                return True
-            text = "".join(json.dumps(h, default=str) + "\n" for h in head)
-            text += "".join(line + "\n" for line in rest)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-            return False
-
-    def files(self) -> list[Path]:
-        """Pending files, each sweep's own file before its trials' (trials need the sweep)."""
-        if not self.root.is_dir():
-            return []
-        out: list[Path] = []
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            files = sorted(folder.glob("*.jsonl"), key=lambda p: (p.name != "sweep.jsonl", p.name))
-            out.extend(files)
-        return out
-
-    def pending(self) -> int:
-        return sum(len(self.read(p)) for p in self.files())
-
-    def reject(self, record: Any, error: str) -> None:
-        entry = {"ts": _now_ms(), "error": error, "record": record}
-        self.append(self.root / "rejected.jsonl", entry)
-
-
-# ------------------------------------------------------------------------------------------
 # tracker
 
 
@@ -361,6 +161,13 @@ class _SweepRef:
     name: str | None = None
     experiment_id: str | None = None
     parent_run_id: str | None = None
+
+    @property
+    def ids(self) -> tuple[str, str] | None:
+        """(experiment_id, parent_run_id) once both are known."""
+        if self.experiment_id and self.parent_run_id:
+            return self.experiment_id, self.parent_run_id
+        return None
 
 
 @dataclass
@@ -417,17 +224,17 @@ class Tracker:
             with self._state:
                 ref = self._sweeps.setdefault(sweep_id, _SweepRef(sweep_id))
                 ref.name = name
-            if ref.experiment_id and ref.parent_run_id:
-                return ref.experiment_id, ref.parent_run_id
+            if ref.ids:
+                return ref.ids
             path = self.outbox.sweep_path(sweep_id)
             if path.exists():
                 self._auto_replay(path)
-                if ref.experiment_id and ref.parent_run_id:
-                    return ref.experiment_id, ref.parent_run_id
+                if ref.ids:
+                    return ref.ids
                 if self._has_start(path):
                     return None  # already queued: a coordinator retrying must not pile up copies
             record = {
-                "op": "start_sweep", "ts": _now_ms(), "sweep_id": sweep_id, "name": name,
+                "op": "start_sweep", "ts": now_ms(), "sweep_id": sweep_id, "name": name,
                 "spec": dict(spec), "tags": {str(k): str(v) for k, v in (tags or {}).items()},
             }
             return self._submit("start_sweep", path, record)
@@ -460,7 +267,7 @@ class Tracker:
                 if sweep_file.exists():
                     self._auto_replay(sweep_file)
             record = {
-                "op": "start_trial", "ts": _now_ms(), "sweep_id": sweep_id, "trial_id": trial_id,
+                "op": "start_trial", "ts": now_ms(), "sweep_id": sweep_id, "trial_id": trial_id,
                 "arm": str(arm), "spec": dict(trial_spec), "experiment_id": experiment_id,
                 "parent_run_id": parent_run_id,
             }
@@ -479,7 +286,7 @@ class Tracker:
                 return True
             run_id, trial_id, path = self._route(run_id, trial_id)
             record = {
-                "op": "log_metrics", "ts": _now_ms(), "run_id": run_id, "trial_id": trial_id,
+                "op": "log_metrics", "ts": now_ms(), "run_id": run_id, "trial_id": trial_id,
                 "points": list(points),
             }
             return bool(self._submit("log_metrics", path, record))
@@ -495,7 +302,7 @@ class Tracker:
         try:
             run_id, trial_id, path = self._route(run_id, trial_id)
             record = {
-                "op": "finish_trial", "ts": _now_ms(), "run_id": run_id, "trial_id": trial_id,
+                "op": "finish_trial", "ts": now_ms(), "run_id": run_id, "trial_id": trial_id,
                 "result": dict(result or {}), "status": str(status),
             }
             return bool(self._submit("finish_trial", path, record))
@@ -525,7 +332,7 @@ class Tracker:
                 else:
                     encoded.append({"name": name, "text": str(content)})
             record = {
-                "op": "finish_sweep", "ts": _now_ms(), "sweep_id": sweep_id,
+                "op": "finish_sweep", "ts": now_ms(), "sweep_id": sweep_id,
                 "parent_run_id": parent_run_id, "status": str(status), "artifacts": encoded,
             }
             path = (
@@ -571,10 +378,9 @@ class Tracker:
         return ref.run_id if ref else None
 
     def sweep_ids_for(self, sweep_id: str) -> tuple[str, str] | None:
+        """(experiment_id, parent_run_id) of the sweep, once known to this Tracker."""
         ref = self._sweeps.get(str(sweep_id))
-        if ref and ref.experiment_id and ref.parent_run_id:
-            return ref.experiment_id, ref.parent_run_id
-        return None
+        return ref.ids if ref else None
 
     @property
     def available(self) -> bool:
@@ -604,18 +410,24 @@ class Tracker:
                     raise ConnectionError(f"cannot open {self.tracking_uri}: {exc}") from exc
             return self._client
 
-    def _note_failure(self, what: str, exc: BaseException) -> None:
+    def _count_error(self, what: str, exc: BaseException) -> None:
         with self._state:
             self.failures += 1
             self.last_error = f"{what}: {type(exc).__name__}: {str(exc)[:500]}"
+
+    def _note_failure(self, what: str, exc: BaseException) -> None:
+        self._count_error(what, exc)
         log.warning("MLflow %s failed: %s", what, self.last_error)
+
+    def _reject(self, what: str, record: Any, exc: BaseException) -> None:
+        """A record MLflow will never take: count it and park it in rejected.jsonl."""
+        self._note_failure(what, exc)
+        self.outbox.reject(record, str(exc)[:2000])
 
     def _trip(self, what: str, exc: BaseException) -> None:
         was_up = self.available
         self._down_until = time.monotonic() + self.retry_after_s
-        with self._state:
-            self.failures += 1
-            self.last_error = f"{what}: {type(exc).__name__}: {str(exc)[:500]}"
+        self._count_error(what, exc)
         if was_up:  # one warning per outage, not one per call
             log.warning(
                 "MLflow unreachable (%s); queueing records in %s for %.0f s",
@@ -673,8 +485,7 @@ class Tracker:
                 self._trip(what, exc)
                 self.outbox.append(path, record)
             else:
-                self._note_failure(what, exc)
-                self.outbox.reject(record, str(exc)[:2000])
+                self._reject(what, record, exc)
         return None
 
     def _replay(self, path: Path) -> tuple[int, bool]:
@@ -711,8 +522,7 @@ class Tracker:
                     self._trip("replay", exc)
                     stopped = True
                     break
-                self._note_failure("replay", exc)
-                self.outbox.reject(record, str(exc)[:2000])
+                self._reject("replay", record, exc)
             done += 1
         # Carry the ids resolved so far, so the rest does not create a second run.
         head = [{"op": "bind", **{k: v for k, v in ctx.items() if k != "replay"}}]
@@ -741,16 +551,15 @@ class Tracker:
             return None
         root = self.artifact_root
         if "://" in root:
-            return f"{root.rstrip('/')}/{_safe_name(name)}/{_safe_name(sweep_id)}"
-        return str(Path(root).expanduser().resolve() / _safe_name(name) / _safe_name(sweep_id))
+            return f"{root.rstrip('/')}/{safe_name(name)}/{safe_name(sweep_id)}"
+        return str(Path(root).expanduser().resolve() / safe_name(name) / safe_name(sweep_id))
 
     def _apply_start_sweep(self, record: dict[str, Any], ctx: dict[str, Any]) -> tuple[str, str]:
         from mlflow.exceptions import MlflowException
 
         client = self._get_client()
         sweep_id, name, ts = record["sweep_id"], record["name"], record["ts"]
-        tags = {**record.get("tags", {}), "hpt.sweep_id": sweep_id, "hpt.name": name}
-        tags = {mlflow_key(k): _truncate(str(v), MAX_TAG_VALUE) for k, v in tags.items()}
+        tags = mlflow_tags({**record.get("tags", {}), "hpt.sweep_id": sweep_id, "hpt.name": name})
         exp_name = f"hpt/{name}/{sweep_id}"
         exp = client.get_experiment_by_name(exp_name)
         if exp is None:
@@ -769,10 +578,7 @@ class Tracker:
                 client.restore_experiment(experiment_id)
         parent = None
         if exp is not None:  # resuming: reuse the sweep's parent run rather than add one
-            found = client.search_runs(
-                [experiment_id], "tags.`hpt.role` = 'sweep'", max_results=1
-            )
-            parent = found[0] if found else None
+            parent = self._find_parent_run(experiment_id)
         params = mlflow_params(flatten(record.get("spec") or {}))
         if parent is None:
             parent = client.create_run(
@@ -793,12 +599,26 @@ class Tracker:
         spec_text = json.dumps(record.get("spec") or {}, indent=2, sort_keys=True, default=str)
         self._tolerant("start_sweep artifact", lambda: client.log_text(
             parent_run_id, spec_text, "sweep_spec.json"))
-        with self._state:
-            ref = self._sweeps.setdefault(sweep_id, _SweepRef(sweep_id))
-            ref.name, ref.experiment_id, ref.parent_run_id = name, experiment_id, parent_run_id
-            self._parent_to_sweep[parent_run_id] = sweep_id
+        self._bind_sweep(sweep_id, experiment_id, parent_run_id, name=name)
         ctx.update(sweep_id=sweep_id, experiment_id=experiment_id, parent_run_id=parent_run_id)
         return experiment_id, parent_run_id
+
+    def _find_parent_run(self, experiment_id: str) -> Any:
+        """The sweep's parent run in its experiment, or None."""
+        found = self._get_client().search_runs(
+            [experiment_id], "tags.`hpt.role` = 'sweep'", max_results=1
+        )
+        return found[0] if found else None
+
+    def _bind_sweep(
+        self, sweep_id: str, experiment_id: str, parent_run_id: str, name: str | None = None,
+    ) -> None:
+        with self._state:
+            ref = self._sweeps.setdefault(sweep_id, _SweepRef(sweep_id))
+            ref.experiment_id, ref.parent_run_id = experiment_id, parent_run_id
+            if name is not None:
+                ref.name = name
+            self._parent_to_sweep[parent_run_id] = sweep_id
 
     def _resolve_sweep(self, sweep_id: str | None, ctx: dict[str, Any]) -> tuple[str, str]:
         if ctx.get("experiment_id") and ctx.get("parent_run_id"):
@@ -806,22 +626,17 @@ class Tracker:
         if sweep_id is None:
             raise _Unresolved("record names neither a sweep nor its runs")
         ref = self._sweeps.get(sweep_id)
-        if ref and ref.experiment_id and ref.parent_run_id:
-            return ref.experiment_id, ref.parent_run_id
+        if ref and ref.ids:
+            return ref.ids
         client = self._get_client()
         if not _quotable(sweep_id):
             raise _Unresolved(f"cannot search for sweep id {sweep_id!r}")
         exps = client.search_experiments(filter_string=f"tags.`hpt.sweep_id` = '{sweep_id}'")
         for exp in exps:
-            runs = client.search_runs(
-                [exp.experiment_id], "tags.`hpt.role` = 'sweep'", max_results=1
-            )
-            if runs:
-                with self._state:
-                    ref = self._sweeps.setdefault(sweep_id, _SweepRef(sweep_id))
-                    ref.experiment_id, ref.parent_run_id = exp.experiment_id, runs[0].info.run_id
-                    self._parent_to_sweep[ref.parent_run_id] = sweep_id
-                return exp.experiment_id, runs[0].info.run_id
+            parent = self._find_parent_run(exp.experiment_id)
+            if parent is not None:
+                self._bind_sweep(sweep_id, exp.experiment_id, parent.info.run_id)
+                return exp.experiment_id, parent.info.run_id
         raise _Unresolved(f"sweep {sweep_id} is not in MLflow yet")
 
     def _apply_start_trial(self, record: dict[str, Any], ctx: dict[str, Any]) -> str:
@@ -903,7 +718,7 @@ class Tracker:
                 continue
             step = int(point["step"])
             for key in CURVE_METRICS:
-                value = _float(point.get(key))
+                value = to_float(point.get(key))
                 if value is None or step <= seen.get(key, -1):
                     continue
                 metrics.append(Metric(key, value, ts, step))
@@ -932,21 +747,20 @@ class Tracker:
         from mlflow.entities import Param, RunTag
 
         p = [Param(k, v) for k, v in (params or {}).items()]
-        t = [
-            RunTag(mlflow_key(k), _truncate(str(v), MAX_TAG_VALUE))
-            for k, v in (tags or {}).items()
-        ]
+        t = [RunTag(k, v) for k, v in mlflow_tags(tags or {}).items()]
         if p or t:  # MLflow splits params/tags into its own 100-entity requests
             self._get_client().log_batch(run_id, params=p, tags=t, synchronous=True)
 
-    def _tolerant(self, what: str, fn: Callable[[], Any]) -> None:
-        """Run one step of a multi-step record; a rejection spoils only that step."""
+    def _tolerant(self, what: str, fn: Callable[[], Any]) -> bool:
+        """Run one step of a multi-step record; a rejection spoils only that step (False)."""
         try:
             fn()
         except Exception as exc:
             if _is_transient(exc) or _run_gone(exc):
                 raise
             self._note_failure(what, exc)
+            return False
+        return True
 
     def _apply_finish_trial(self, record: dict[str, Any], ctx: dict[str, Any]) -> bool:
         from mlflow.entities import Metric
@@ -957,20 +771,16 @@ class Tracker:
         tags = {"hpt.status": status}
         if result.get("error"):
             tags["hpt.error"] = str(result["error"])[-ERROR_TAIL:]
-        try:
-            self._log_batch(run_id, params=table_params(table), tags=tags)
-        except Exception as exc:
-            if _is_transient(exc) or _run_gone(exc):
-                raise
+        if not self._tolerant("finish_trial params", lambda: self._log_batch(
+                run_id, params=table_params(table), tags=tags)):
             # e.g. a second finish with other values: params are immutable, the status is not
-            self._note_failure("finish_trial params", exc)
             self._tolerant("finish_trial tags", lambda: self._log_batch(run_id, tags=tags))
         curve = list(result.get("curve") or [])
         metrics, marks = self._curve_metrics(run_id, curve, ts)
         last = max((int(p["step"]) for p in curve if p.get("step") is not None), default=0)
         final_step = int(result.get("steps") or last)
         for key in FINAL_METRICS:
-            value = _float(result.get(key))
+            value = to_float(result.get(key))
             # "tokens" is also a curve metric: do not log a second value at the same step.
             if value is None or final_step <= max(marks.get(key, -1),
                                                   self._logged.get(run_id, {}).get(key, -1)):

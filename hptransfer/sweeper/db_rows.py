@@ -1,0 +1,129 @@
+"""Rows in and out of the app database: ORM objects to plain dicts, planned trials to insert
+values, worker results to the typed result columns."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any, Protocol, cast
+
+from sqlalchemy import inspect
+
+from .db_schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Trial
+
+
+class PlannedTrial(Protocol):
+    """One planned grid point, as produced by the planner (read-only attributes)."""
+
+    @property
+    def arm(self) -> str: ...
+    @property
+    def trial(self) -> Any: ...  # a TrialSpec (or a plain dict of its JSON dump)
+    @property
+    def width(self) -> int: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def sigma_base(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def content_hash(self) -> str: ...
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id(n: int) -> str:
+    return uuid.uuid4().hex[:n]
+
+
+def as_dict(obj: Base) -> dict[str, Any]:
+    """Every column of an ORM row, by attribute name."""
+    return {attr.key: getattr(obj, attr.key) for attr in inspect(obj).mapper.column_attrs}
+
+
+def trial_dict(obj: Trial) -> dict[str, Any]:
+    out = as_dict(obj)
+    out["reused"] = obj.reused_from is not None
+    return out
+
+
+def dump_model(value: Any) -> dict[str, Any]:
+    # TrialSpec / TrialResult are pydantic models; plain mappings pass through.
+    if hasattr(value, "model_dump"):
+        return cast(dict[str, Any], value.model_dump(mode="json"))
+    return dict(value)
+
+
+def _number(value: Any, kind: type[int] | type[float]) -> int | float | None:
+    """A finite number of the given kind, or None (missing, NaN and inf all read as None)."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(number):
+        return None
+    return int(number) if kind is int else number
+
+
+def result_columns(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of a trial's `RESULT_COLUMNS` taken from a result dump."""
+    out: dict[str, Any] = {k: _number(result.get(k), float) for k in RESULT_FLOATS}
+    out.update({k: _number(result.get(k), int) for k in RESULT_INTS})
+    return out
+
+
+def trial_row(
+    sweep_id: str,
+    idx: int,
+    p: PlannedTrial,
+    data_hash: str | None,
+    max_attempts: int,
+    now: datetime,
+    donors: Mapping[str, Mapping[str, Any]],
+    optuna_trial_number: int | None = None,
+) -> dict[str, Any]:
+    """The insert values for one planned trial (completed from a donor when reused)."""
+    row: dict[str, Any] = {
+        "id": new_id(16),
+        "sweep_id": sweep_id,
+        "idx": idx,
+        "arm": str(p.arm),
+        "width": int(p.width),
+        "depth": int(p.depth),
+        "lr": float(p.lr),
+        "sigma_base": float(p.sigma_base),
+        "seed": int(p.seed),
+        "spec": dump_model(p.trial),
+        "content_hash": p.content_hash,
+        "data_hash": data_hash,
+        "status": "pending",
+        "attempts": 0,
+        "max_attempts": max_attempts,
+        "optuna_trial_number": optuna_trial_number,
+        "created_at": now,
+        # every row carries the same keys, so the inserts batch into one executemany
+        **dict.fromkeys(RESULT_COLUMNS),
+        **dict.fromkeys(("result", "worker_node", "reused_from", "started_at", "finished_at")),
+    }
+    donor = donors.get(p.content_hash) if p.content_hash else None
+    if donor is not None:
+        row.update({k: donor[k] for k in RESULT_COLUMNS})
+        row.update(
+            status="completed",
+            result=donor["result"],
+            worker_node=donor["worker_node"],
+            # point at the trial that actually ran, not at another copy of it
+            reused_from=donor["reused_from"] or donor["id"],
+            started_at=now,
+            finished_at=now,
+        )
+    return row

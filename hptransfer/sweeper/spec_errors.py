@@ -1,0 +1,128 @@
+"""SpecError, and pydantic's ValidationError turned into SpecError entries.
+
+An entry is {"field": path, "message": text}: the path reads like the spec itself
+(``grid.widths[2]``, ``arms[0].alpha``) and the message says what to fix, without pydantic's
+boilerplate.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, get_args
+
+from pydantic import BaseModel, ValidationError
+
+# Tags of the grid.lrs union; they appear in pydantic's error locations and are dropped there.
+LRS_LIST, LRS_RANGE = "lr_list", "lr_log_range"
+
+
+class SpecError(ValueError):
+    """An invalid sweep spec; `.errors` is a list of {"field": path, "message": text}."""
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        self.errors = [{"field": e["field"], "message": e["message"]} for e in errors]
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return "\n".join(_line(e) for e in self.errors)
+
+
+def error(field: str, message: str) -> dict[str, str]:
+    return {"field": field, "message": message}
+
+
+def _line(e: dict[str, str]) -> str:
+    return f"{e['field']}: {e['message']}" if e["field"] else e["message"]
+
+
+def plain_message(exc: BaseException, root: type[BaseModel]) -> str:
+    """A ValidationError as 'field: message; ...' without pydantic's boilerplate."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(_line(e) for e in convert_errors(exc, root))
+    return str(exc)
+
+
+def convert_errors(exc: ValidationError, root: type[BaseModel]) -> list[dict[str, str]]:
+    """SpecError entries for every error of `exc`; `root` is the model that was validated
+    (its fields are listed when a key is unknown)."""
+    out: list[dict[str, str]] = []
+    for err in exc.errors():
+        loc, kind = tuple(err["loc"]), err["type"]
+        field = _path(loc)
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, SpecError):
+            # Our own checks already carry field paths, relative to where they were raised.
+            out.extend(error(_join(field, e["field"]), e["message"]) for e in cause.errors)
+            continue
+        if kind == "extra_forbidden":
+            out.append(error(field, _unknown_field_message(loc, root)))
+        elif kind == "missing":
+            out.append(error(field, "required field is missing"))
+        elif kind in ("value_error", "assertion_error") and cause is not None:
+            out.append(error(field, str(cause)))
+        elif kind == "too_short" and err.get("input") in ([], {}, ""):
+            out.append(error(field, "must not be empty"))
+        else:
+            out.append(error(field, _with_input(err["msg"], err.get("input"))))
+    return out
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if part in (LRS_LIST, LRS_RANGE):
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _join(prefix: str, field: str) -> str:
+    if not prefix:
+        return field
+    if not field:
+        return prefix
+    return prefix + field if field.startswith("[") else f"{prefix}.{field}"
+
+
+def _model_at(loc: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
+    """The spec model that holds the field at `loc` (for listing its allowed fields)."""
+    model: type[BaseModel] | None = root
+    for part in loc:
+        if isinstance(part, int) or part in (LRS_LIST, LRS_RANGE):
+            continue
+        if model is None or part not in model.model_fields:
+            return None
+        model = _find_model(model.model_fields[part].annotation)
+    return model
+
+
+def _find_model(tp: Any) -> type[BaseModel] | None:
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in get_args(tp):
+        found = _find_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _unknown_field_message(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
+    name = str(loc[-1])
+    model = _model_at(loc[:-1], root)
+    if model is None:
+        return f"unknown field {name!r}"
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown field {name!r}{hint} (allowed: {', '.join(allowed)})"
+
+
+def _with_input(msg: str, value: Any) -> str:
+    # Show the offending value when it is short enough to read in one line.
+    if isinstance(value, (dict, list, tuple)) or value is None:
+        return msg
+    shown = repr(value)
+    return msg if len(shown) > 60 else f"{msg}, got {shown}"

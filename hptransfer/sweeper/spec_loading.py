@@ -1,0 +1,118 @@
+"""The raw data of a sweep spec: a dict as given, or read from a .yaml/.yml/.json file or from
+YAML/JSON text.
+
+Syntax errors become a SpecError naming the line and column. YAML is read strictly: a repeated
+key is an error, and ``1e-3`` is a number (as in YAML 1.2), not a string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .spec_errors import SpecError, error
+
+
+def read_spec_data(source: dict | str | os.PathLike) -> dict:
+    """The mapping of fields in `source`: a dict, a file path, or YAML/JSON text."""
+    if isinstance(source, dict):
+        data: Any = source
+    elif isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
+        data = _read_file(Path(source))
+    elif isinstance(source, str):
+        data = _parse_text(source, where="")
+    else:
+        raise SpecError([error("", f"cannot load a sweep spec from {type(source).__name__}; "
+                               "pass a dict, a file path, or YAML/JSON text")])
+    if not isinstance(data, dict):
+        raise SpecError([error("", f"a sweep spec must be a mapping of fields, "
+                               f"got {type(data).__name__}")])
+    return data
+
+
+def _looks_like_path(text: str) -> bool:
+    if "\n" in text or not text.strip():
+        return False
+    if text.strip().lower().endswith((".yaml", ".yml", ".json")):
+        return True
+    try:
+        return Path(text).is_file()
+    except OSError:  # e.g. a name too long to be a path: it is text
+        return False
+
+
+def _read_file(path: Path) -> Any:
+    try:
+        text = path.expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([error("", f"file not found: {path}")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([error("", f"cannot read {path}: {exc}")]) from None
+    if path.suffix.lower() == ".json":
+        return _parse_json(text, where=f" in {path}")
+    return _parse_yaml(text, where=f" in {path}")
+
+
+def _parse_text(text: str, where: str) -> Any:
+    if text.lstrip().startswith("{"):
+        try:
+            return _parse_json(text, where)
+        except SpecError as json_error:
+            try:
+                return _parse_yaml(text, where)  # flow-style YAML also starts with "{"
+            except SpecError:
+                raise json_error from None
+    return _parse_yaml(text, where)
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError([error(
+            "", f"invalid JSON{where} at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        )]) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"duplicate key {key!r} (first given on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads `1e-3` and `2e9` as strings; read them as numbers, as YAML 1.2 does.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = getattr(exc, "context", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        detail = f"{problem} ({context})" if context else problem
+        raise SpecError([error("", f"invalid YAML{where}{at}: {detail}")]) from None

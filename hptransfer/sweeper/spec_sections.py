@@ -1,0 +1,252 @@
+"""The sections of a SweepSpec: the grid (with its learning-rate log range), the fixed trial
+settings, the budget, the search, the Ray resources, and the arms.
+
+Each section checks its own fields; checks across sections are `SweepSpec`'s.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
+from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
+from hptransfer.workers.trial import ArchOptions, Budget
+
+from .spec_errors import LRS_LIST, LRS_RANGE, SpecError, error
+
+_LOG_RANGE_MAX_VALUES = 1000  # a tiny step would otherwise expand into millions of LRs
+_FLOAT_TOL = 1e-9
+
+
+def _unique(values: list[Any], what: str) -> list[Any]:
+    seen: set[Any] = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"{what} {v!r} appears more than once; list each value once")
+        seen.add(v)
+    return values
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class SpecModel(BaseModel):
+    # Every spec model rejects unknown keys (a typo must not silently fall back to a default).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LogRange(SpecModel):
+    """Learning rates 2**k for k = log2_min, log2_min + step, ... up to log2_max inclusive."""
+
+    # Bounded so 2**k stays a normal float (and far outside any sane LR anyway).
+    log2_min: float = Field(ge=-100, le=100, allow_inf_nan=False)
+    log2_max: float = Field(ge=-100, le=100, allow_inf_nan=False)
+    step: float = Field(gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LogRange:
+        if self.log2_min > self.log2_max:
+            raise ValueError(
+                f"log2_min ({_fmt(self.log2_min)}) is greater than log2_max "
+                f"({_fmt(self.log2_max)}); swap them"
+            )
+        if self.count() > _LOG_RANGE_MAX_VALUES:
+            raise ValueError(
+                f"step {_fmt(self.step)} gives {self.count()} learning rates, more than "
+                f"{_LOG_RANGE_MAX_VALUES}; use a larger step"
+            )
+        return self
+
+    def count(self) -> int:
+        # The tolerance keeps log2_max itself when (max - min) / step lands just under an integer.
+        return math.floor((self.log2_max - self.log2_min) / self.step + _FLOAT_TOL) + 1
+
+    def values(self) -> list[float]:
+        # Rounding the exponent makes 0.1-style steps give the same floats on every machine,
+        # and integer exponents give exact powers of two.
+        return [2.0 ** round(self.log2_min + i * self.step, 12) for i in range(self.count())]
+
+
+def _lrs_kind(value: Any) -> str | None:
+    if isinstance(value, (dict, LogRange)):
+        return LRS_RANGE
+    if isinstance(value, (list, tuple)):
+        return LRS_LIST
+    return None
+
+
+LrGrid = Annotated[
+    Annotated[list[PositiveFloat], Tag(LRS_LIST), Field(min_length=1)]
+    | Annotated[LogRange, Tag(LRS_RANGE)],
+    Discriminator(
+        _lrs_kind,
+        custom_error_type="lrs_type",
+        custom_error_message=(
+            "give a list of learning rates or a log range {log2_min, log2_max, step}"
+        ),
+    ),
+]
+
+
+class Grid(SpecModel):
+    widths: list[PositiveInt] = Field(min_length=1)
+    depths: list[PositiveInt] = Field(min_length=1)
+    lrs: LrGrid
+    sigma_bases: list[PositiveFloat] = Field([0.02], min_length=1)
+    seeds: list[Annotated[int, Field(ge=0)]] = Field([0], min_length=1)
+
+    @field_validator("widths", "depths", "sigma_bases", "seeds")
+    @classmethod
+    def _no_repeats(cls, values: list[Any], info: ValidationInfo) -> list[Any]:
+        # A repeated value would plan the same trial twice.
+        return _unique(values, str(info.field_name).removesuffix("s").removesuffix("_base"))
+
+    @field_validator("lrs")
+    @classmethod
+    def _no_repeated_lrs(cls, value: list[float] | LogRange) -> list[float] | LogRange:
+        if isinstance(value, list):
+            _unique(value, "lr")
+        return value
+
+    def lr_values(self) -> list[float]:
+        return self.lrs.values() if isinstance(self.lrs, LogRange) else list(self.lrs)
+
+    def lr_bounds(self) -> tuple[float, float]:
+        """(min, max) of the learning rates: the range an Optuna search samples from."""
+        values = self.lr_values()
+        return min(values), max(values)
+
+
+class Fixed(SpecModel):
+    """Trial settings shared by the whole sweep; every name is a `TrialSpec` field."""
+
+    head_dim: int = Field(64, gt=0)
+    base_width: int = Field(256, gt=0)
+    base_depth: int = Field(2, gt=0)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    eps: float = Field(1e-12, gt=0, allow_inf_nan=False)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    divergence_factor: float = Field(2.0, gt=1)
+    eval_every: int | None = Field(None, gt=0)
+    seq_len: int = Field(128, gt=1)
+
+
+class SweepBudget(Budget):
+    """A trial `Budget` (exactly one of tokens, steps, tokens_per_param) plus batch sizing."""
+
+    batch_size: int = Field(16, gt=0)
+    batch_rule: Literal["fixed", "scale_with_params"] = "fixed"
+    batch_exponent: float = Field(0.5, allow_inf_nan=False)
+
+    def trial_budget(self) -> Budget:
+        # A plain Budget, so batch settings never leak into a trial's content hash.
+        return Budget(tokens=self.tokens, steps=self.steps, tokens_per_param=self.tokens_per_param)
+
+
+class Search(SpecModel):
+    method: Literal["grid", "optuna"] = "grid"
+    sampler: Literal["tpe", "random", "qmc"] = "tpe"
+    pruner: Literal["successive_halving", "median", "none"] = "successive_halving"
+    n_trials: int | None = Field(None, gt=0)  # LRs tried per shape (optuna only)
+
+
+class Resources(SpecModel):
+    """Ray resources of one trial; fractions let several trials share a GPU."""
+
+    cpus: float = Field(1.0, gt=0, allow_inf_nan=False)
+    gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+class Arm(SpecModel):
+    """One contender: an architecture with its options, under one parameterization."""
+
+    label: str | None = Field(None, min_length=1, max_length=100)
+    arch: Literal["gpt", "ngpt"] = "gpt"
+    arch_options: ArchOptions = ArchOptions()
+    parameterization: str
+    alpha: float | None = Field(None, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _check(self) -> Arm:
+        problems = self._problems()
+        if problems:
+            raise SpecError(problems)  # fields are relative; load_spec prefixes "arms[i]."
+        if self.label is None:
+            # Frozen model: set the derived default once, before anyone can read it.
+            object.__setattr__(self, "label", self.default_label())
+        return self
+
+    def _problems(self) -> list[dict[str, str]]:
+        name = self.parameterization
+        if name not in PRESETS:
+            close = difflib.get_close_matches(name, PRESETS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            return [error("parameterization", f"unknown parameterization {name!r}; {hint}"
+                          f"use one of {', '.join(PRESETS)}")]
+        if name == "depth_alpha" and self.alpha is None:
+            return [error("alpha", "parameterization 'depth_alpha' needs alpha in [0.5, 1] "
+                          "(0.5 = depth-muP, 1 = CompleteP)")]
+        if self.alpha is not None and not 0.5 <= self.alpha <= 1.0:
+            return [error("alpha", f"alpha must be in [0.5, 1] (0.5 = depth-muP, "
+                          f"1 = CompleteP), got {_fmt(self.alpha)}")]
+        try:
+            p = Parameterization(name=name, alpha=self.alpha)
+        except ParameterizationError as exc:  # e.g. alpha given with a non-alpha preset
+            return [error("alpha", str(exc))]
+        problems = []
+        try:
+            check_pairing(ModelConfig(arch=self.arch), p)
+        except ParameterizationError as exc:
+            problems.append(error("parameterization", str(exc)))
+        try:
+            # Deep enough that only arch/option conflicts show; depth limits are per shape.
+            ModelConfig(arch=self.arch, depth=max(2, self.arch_options.value_embeddings),
+                        **self.arch_options.model_dump())
+        except ModelConfigError as exc:
+            problems.append(error("arch_options", str(exc)))
+        return problems
+
+    def param_label(self) -> str:
+        if self.parameterization == "depth_alpha" and self.alpha is not None:
+            return f"depth_alpha({self.alpha:g})"
+        return self.parameterization
+
+    def default_label(self) -> str:
+        """`arch/parameterization`, plus `+option[=value]` for each non-default arch option."""
+        label = f"{self.arch}/{self.param_label()}"
+        defaults = ArchOptions().model_dump()
+        for key, value in self.arch_options.model_dump().items():
+            if value == defaults[key]:
+                continue
+            if isinstance(value, bool):
+                label += f"+{key}" if value else f"+no_{key}"
+            else:
+                label += f"+{key}={value}"
+        return label
+
+    @property
+    def name(self) -> str:
+        """The label, always set after validation."""
+        return self.label or self.default_label()
