@@ -101,15 +101,23 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
         seed=a.seed, head_dim=a.head_dim, base_width=a.base_width, base_depth=a.base_depth,
         sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a),
     )
-    if a.plot:
-        result.save_plot(a.plot)
+    plot = a.plot or str(_default_coordcheck_plot(a, p))
+    result.save_plot(plot)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format_table())
-        if a.plot:
-            print(f"plot written to {a.plot}")
+        print(f"plot written to {plot}")
     return 0 if result.verdict["passed"] or not a.strict else 1
+
+
+def _default_coordcheck_plot(a: argparse.Namespace, p: Parameterization):
+    """Under $HPT_HOME/coordcheck/, where the sweep dashboards pick coord-check plots up."""
+    from hptransfer.config import get_settings
+
+    folder = get_settings().home / "coordcheck"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{a.arch}-{p.label()}-{a.axis}.png"
 
 
 @command("train")
@@ -264,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--plot", default=None,
+                   help="PNG path (default $HPT_HOME/coordcheck/ARCH-PARAM-AXIS.png, which the "
+                        "dashboards show)")
     p.add_argument("--strict", action="store_true", help="exit 1 when the verdict fails")
     p.add_argument("--json", action="store_true")
 

@@ -63,6 +63,14 @@ def test_coordcheck_cli(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_coordcheck_plot_defaults_to_the_dashboards_folder(hpt_home):
+    out = run("coordcheck", "--axis", "width", "--param", "mup", "--sizes", "64,128",
+              "--head-dim", "32", "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    png = hpt_home / "coordcheck" / "gpt-mup-width.png"
+    assert png.exists() and str(png) in out.stdout
+
+
 def test_client_commands_without_server_fail_cleanly():
     out = run("status", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2

@@ -107,3 +107,31 @@ def test_schedules():
 def test_content_hash_ignores_device_only():
     assert spec(device="cpu").content_hash() == spec(device="auto").content_hash()
     assert spec(lr=0.1).content_hash() != spec(lr=0.2).content_hash()
+
+
+def test_bpe_tokenizer_sets_the_vocabulary(tmp_path):
+    r = run_trial(spec(data={"tokenizer": "bpe", "bpe_vocab_size": 512,
+                             "max_corpus_bytes": 300_000, "val_tokens": 2048}),
+                  cache_dir=str(tmp_path))
+    assert r.status == "completed", r.error
+    # the embedding tables follow the trained BPE vocabulary, not the 256 bytes
+    assert r.params_embedding == 2 * 512 * 64
+    assert r.curve[0]["train_loss"] == pytest.approx(math.log(512), abs=0.5)
+
+
+def test_trains_on_modded_nanogpt_shards(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for i in range(2):  # header: magic 20240520, version 1, token count; then uint16 tokens
+        tokens = rng.integers(0, 300, size=40_000, dtype=np.uint16)
+        header = np.zeros(256, dtype=np.int32)
+        header[:3] = (20240520, 1, tokens.size)
+        with open(tmp_path / f"shard_{i:02d}.bin", "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.tobytes())
+    r = run_trial(spec(data={"source": str(tmp_path), "vocab_size": 300, "val_tokens": 2048}),
+                  cache_dir=str(tmp_path / "cache"))
+    assert r.status == "completed", r.error
+    assert r.params_embedding == 2 * 300 * 64
+    assert r.final_val_loss < math.log(300) + 0.2  # random tokens: nothing to learn, no blow-up
