@@ -135,3 +135,14 @@ def test_trains_on_modded_nanogpt_shards(tmp_path):
     assert r.status == "completed", r.error
     assert r.params_embedding == 2 * 300 * 64
     assert r.final_val_loss < math.log(300) + 0.2  # random tokens: nothing to learn, no blow-up
+
+
+def test_trial_data_fields_mirror_the_data_layer():
+    # TrialSpec validates data fields with pydantic (field-named errors at submit); the data
+    # layer keeps a plain dataclass. The two must not drift apart.
+    import dataclasses
+
+    from hptransfer.data import DataSpec
+    from hptransfer.workers.trial import DataSource
+
+    assert set(DataSource.model_fields) == {f.name for f in dataclasses.fields(DataSpec)}
