@@ -56,18 +56,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def run_in_child(script: str, spec: dict, tmp_path, timeout: float, **extra_env: str) -> dict:
+    """Run `script` with the spec in a fresh process and HPT_HOME; return its RESULT line."""
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "OMP_NUM_THREADS": "1",
+           **extra_env}
+    for var in ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(spec)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def test_node_death_is_retried(tmp_path, tiny_spec):
     tiny_spec["grid"]["lrs"] = [2**-6]
     tiny_spec["budget"] = {"steps": 600, "batch_size": 4}
     tiny_spec["retries"] = 1
-    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "OMP_NUM_THREADS": "1"}
-    for var in ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI"):
-        env.pop(var, None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(tiny_spec)], env=env,
-                         capture_output=True, text=True, timeout=400)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_in_child(SCRIPT, tiny_spec, tmp_path, timeout=400)
     assert result["status"] == "completed"
     assert result["attempts"] == 2  # the lost attempt counts; the retry completed
     # the lost attempt is a FAILED MLflow run that says why
@@ -106,16 +112,9 @@ def test_oom_killed_worker_is_retried_then_failed(tmp_path, tiny_spec):
     tiny_spec["grid"]["lrs"] = [2**-6]
     tiny_spec["budget"] = {"steps": 300, "batch_size": 4}
     tiny_spec["retries"] = 1
-    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "OMP_NUM_THREADS": "1",
-           # Ray's memory monitor: kill workers once the node is 5 % full, i.e. always
-           "RAY_memory_usage_threshold": "0.05", "RAY_memory_monitor_refresh_ms": "100"}
-    for var in ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI"):
-        env.pop(var, None)
-    out = subprocess.run([sys.executable, "-c", OOM_SCRIPT, json.dumps(tiny_spec)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    # Ray's memory monitor: kill workers once the node is 5 % full, i.e. always
+    result = run_in_child(OOM_SCRIPT, tiny_spec, tmp_path, timeout=300,
+                          RAY_memory_usage_threshold="0.05", RAY_memory_monitor_refresh_ms="100")
     assert result["status"] == "failed"
     assert result["attempts"] == 2  # retried once (retries: 1), then given up
     assert result["error"].startswith("OutOfMemoryError")
