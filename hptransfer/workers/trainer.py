@@ -98,7 +98,7 @@ def _train(
     curve: list[dict[str, Any]] = []
     initial_loss: float | None = None
     status, val_loss, train_loss = "completed", None, float("nan")
-    step = 0
+    steps_done = 0
     t_train = time.perf_counter()
     for step in range(total_steps):
         factor = spec.schedule.factor(step, total_steps, warmup=warmup)
@@ -121,6 +121,7 @@ def _train(
             torch.nn.utils.clip_grad_norm_(built.model.parameters(), spec.grad_clip)
         opt.step()
         built.after_step()
+        steps_done = step + 1  # optimizer steps actually taken (tokens and FLOPs spent)
 
         done = step + 1
         point = None
@@ -140,7 +141,6 @@ def _train(
         if status == "diverged":
             break
 
-    steps_done = step + 1 if status != "diverged" else step
     tokens = steps_done * tokens_per_step
     train_time = time.perf_counter() - t_train
     tokens_per_s = tokens / train_time if train_time > 0 else 0.0
