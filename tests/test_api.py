@@ -143,3 +143,17 @@ def test_two_sweeps_share_the_cluster_without_overcommitting(server, tiny_spec):
             assert time.time() < deadline
             time.sleep(0.1)
     assert 1 <= peak <= 2
+
+
+def test_gpu_sweep_waits_visibly_on_a_cluster_without_gpus(server, tiny_spec):
+    url, _ = server  # the test cluster has no GPUs
+    tiny_spec["resources"] = {"cpus": 1, "gpus": 0.5}
+    with Client(url) as c:
+        s = c.submit(tiny_spec)
+        deadline = time.time() + 30
+        while not (summary := c.get(s["id"]))["waiting_for"]:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        assert "GPU" in summary["waiting_for"]
+        assert summary["counts"]["running"] == 0 and summary["counts"]["pending"] == 3
+        c.cancel(s["id"])

@@ -48,6 +48,7 @@ class SweepSummary(BaseModel):
     done: int
     progress: float
     eta_s: float | None = None
+    waiting_for: str | None = None  # why pending trials cannot start now, if they cannot
     mlflow_experiment_id: str | None = None
     mlflow_run_id: str | None = None
 

@@ -81,6 +81,7 @@ class Dispatcher:
         self.poll_interval = poll_interval
         self.on_sweep_finished = on_sweep_finished
         self.in_flight: dict[str, InFlight] = {}
+        self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs: dict[str, SweepSpec] = {}
         self._stop = threading.Event()
@@ -260,6 +261,12 @@ class Dispatcher:
         cluster's CPUs/GPUs not taken by trials already in flight (of any sweep), so a
         leased trial is really running, not waiting in Ray's queue."""
         res = spec.resources
+        if res.gpus and not cluster.get("GPU"):
+            # leasing now would leave the trial 'running' in Ray's queue forever
+            self.waiting[sweep_id] = (f"needs {res.gpus:g} GPU per trial and the Ray cluster "
+                                      "has none; trials stay pending until a GPU node joins")
+            return 0
+        self.waiting.pop(sweep_id, None)
         used_cpu = sum(f.cpus for f in self.in_flight.values())
         used_gpu = sum(f.gpus for f in self.in_flight.values())
         fits = math.floor((cluster.get("CPU", 0.0) - used_cpu) / res.cpus + 1e-9)

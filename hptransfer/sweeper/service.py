@@ -89,6 +89,7 @@ class Coordinator:
             "done": done,
             "progress": done / total if total else 0.0,
             "eta_s": self._eta(sweep_id, total - done, spec.max_concurrent),
+            "waiting_for": self.dispatcher.waiting.get(sweep_id) if self.dispatcher else None,
         }
 
     @staticmethod
