@@ -158,6 +158,8 @@ def _print_summary(s: dict) -> None:
     eta = f"  eta {s['eta_s']:.0f}s" if s.get("eta_s") else ""
     print(f"{s['id']}  {s['name']:<24} {s['status']:<10} {s['done']}/{s['total']}  "
           f"[{counts}]{eta}")
+    if s.get("waiting_for"):
+        print(f"    waiting: {s['waiting_for']}")
 
 
 @command("serve")

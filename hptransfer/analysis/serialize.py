@@ -56,3 +56,22 @@ def with_none(frame: pd.DataFrame, columns: tuple[str, ...] | list[str]) -> pd.D
             values = frame[col].astype(object)
             frame[col] = values.where(values.notna(), None)
     return frame
+
+
+def analysis_dict(
+    analysis: str, result: Any, *, first: Mapping[str, Any] | None = None, **rest: Any
+) -> dict[str, Any]:
+    """JSON-safe `to_dict` of an analysis result: its name, `first`, status, then `rest`.
+
+    `first` exists only to keep the key order those results always had.
+    """
+    return json_safe(
+        {
+            "analysis": analysis,
+            **(first or {}),
+            "reliable": result.reliable,
+            "reason": result.reason,
+            "warnings": result.warnings,
+            **rest,
+        }
+    )
