@@ -15,7 +15,7 @@ import pandas as pd
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
-from .serialize import frame_records, json_safe, with_none
+from .serialize import analysis_dict, frame_records, with_none
 from .trials import Trials
 
 _BAND_GRID = 4001
@@ -108,16 +108,12 @@ class AspectRatioResult:
         return self.groups.copy()
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "aspect_ratio",
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "size_tolerance": self.tolerance,
-                "within": self.within,
-                "groups": frame_records(self.groups),
-            }
+        return analysis_dict(
+            "aspect_ratio",
+            self,
+            size_tolerance=self.tolerance,
+            within=self.within,
+            groups=frame_records(self.groups),
         )
 
 

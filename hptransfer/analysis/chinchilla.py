@@ -18,8 +18,9 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from .errors import NotEnoughData
+from .fit_result import FitResult
 from .optimal_lr import OptimalLRResult, as_optimal
-from .serialize import frame_records, json_safe, with_none
+from .serialize import analysis_dict, frame_records, json_safe, with_none
 from .stats import bootstrap_indices, percentile_ci, single_threaded
 from .trials import Trials
 
@@ -51,7 +52,7 @@ def compute_optimal_allocation(
 
 
 @dataclass
-class ChinchillaFit:
+class ChinchillaFit(FitResult):
     """A fitted L(N, D); NaN parameters with a `reason` when no fit was possible."""
 
     E: float
@@ -64,17 +65,7 @@ class ChinchillaFit:
     loss: np.ndarray
     residuals: np.ndarray
     objective: float = float("nan")
-    trial_ids: list[list[str]] = field(default_factory=list)
-    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
-    ci_level: float = 0.95
-    reliable: bool = False
-    warnings: list[str] = field(default_factory=list)
-    reason: NotEnoughData | None = None
-    boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 5)))
-
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
+    boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 5)), kw_only=True)
 
     @property
     def G(self) -> float:
@@ -110,8 +101,7 @@ class ChinchillaFit:
                 "n_exponent": self.n_exponent if self.ok else None,
                 "d_exponent": self.d_exponent if self.ok else None,
                 "objective": self.objective,
-                "ci": {k: list(v) for k, v in self.ci.items()},
-                "ci_level": self.ci_level,
+                **self.ci_dict(),
                 "n_points": int(self.n.size),
                 "inputs": [
                     {"params": a, "tokens": b, "loss": c, "residual_log": r, "trial_ids": t}
@@ -120,9 +110,7 @@ class ChinchillaFit:
                     )
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
-                "reliable": self.reliable,
-                "warnings": self.warnings,
-                "reason": self.reason,
+                **self.status_dict(),
             }
         )
 
@@ -328,9 +316,9 @@ def fit_chinchilla(
         y,
         residuals,
         float(best.fun),
-        ids,
-        ci_map,
-        ci,
+        trial_ids=ids,
+        ci=ci_map,
+        ci_level=ci,
         reliable=not problems,
         warnings=warnings + problems,
         boot_params=boot,
@@ -367,11 +355,7 @@ class ChinchillaResult:
                     n_opt_at_max=float(n_opt),
                     d_opt_at_max=float(d_opt),
                 )
-            row.update(
-                reliable=fit.reliable,
-                reason=str(fit.reason) if fit.reason else None,
-                warnings=list(fit.warnings),
-            )
+            row.update(fit.status_row())
             rows.append(row)
         columns = [
             "arm",
@@ -391,15 +375,11 @@ class ChinchillaResult:
         return with_none(pd.DataFrame(rows, columns=columns), ["reason"])
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "chinchilla",
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "fits": {arm: fit.to_dict() for arm, fit in self.fits.items()},
-                "table": frame_records(self.to_frame()),
-            }
+        return analysis_dict(
+            "chinchilla",
+            self,
+            fits={arm: fit.to_dict() for arm, fit in self.fits.items()},
+            table=frame_records(self.to_frame()),
         )
 
 

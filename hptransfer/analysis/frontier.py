@@ -10,8 +10,8 @@ import pandas as pd
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
-from .powerlaw import PowerLawFit, fit_power_law
-from .serialize import frame_records, json_safe, with_none
+from .powerlaw import PARAM_NAMES, PowerLawFit, fit_power_law
+from .serialize import analysis_dict, frame_records, with_none
 from .trials import Trials
 
 
@@ -60,18 +60,11 @@ class FrontierResult:
                 lo, hi = fit.loss_range
                 clo, chi = fit.compute_range
                 row.update(E=fit.E, A=fit.A, b=fit.b)
-                for name in ("E", "A", "b"):
+                for name in PARAM_NAMES:
                     ci = fit.ci.get(name, (np.nan, np.nan))
                     row[f"{name}_ci_low"], row[f"{name}_ci_high"] = ci
-                row.update(
-                    loss_min=lo,
-                    loss_max=hi,
-                    compute_min=clo,
-                    compute_max=chi,
-                    reliable=fit.reliable,
-                    reason=None,
-                    warnings=list(fit.warnings),
-                )
+                row.update(loss_min=lo, loss_max=hi, compute_min=clo, compute_max=chi)
+                row.update(fit.status_row())
             else:
                 reason = self.reasons.get(arm) or (fit.reason if fit is not None else None)
                 row.update(
@@ -84,15 +77,8 @@ class FrontierResult:
             "arm",
             "n_points",
             "n_frontier",
-            "E",
-            "A",
-            "b",
-            "E_ci_low",
-            "E_ci_high",
-            "A_ci_low",
-            "A_ci_high",
-            "b_ci_low",
-            "b_ci_high",
+            *PARAM_NAMES,
+            *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")),
             "loss_min",
             "loss_max",
             "compute_min",
@@ -104,16 +90,12 @@ class FrontierResult:
         return with_none(pd.DataFrame(rows, columns=columns), ["reason"])
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "frontier",
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "fits": {arm: fit.to_dict() for arm, fit in self.fits.items()},
-                "reasons": self.reasons,
-                "points": frame_records(self.points),
-            }
+        return analysis_dict(
+            "frontier",
+            self,
+            fits={arm: fit.to_dict() for arm, fit in self.fits.items()},
+            reasons=self.reasons,
+            points=frame_records(self.points),
         )
 
 

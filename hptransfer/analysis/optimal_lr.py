@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import NotEnoughData
-from .serialize import frame_records, json_safe
+from .serialize import analysis_dict, frame_records
 from .stats import percentile_ci
 from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
 
@@ -44,17 +44,13 @@ class OptimalLRResult:
         return self.shapes.copy()
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "optimal_lr",
-                "keys": list(self.keys),
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "bootstrap": self.bootstrap,
-                "ci_level": self.ci_level,
-                "shapes": frame_records(self.shapes),
-            }
+        return analysis_dict(
+            "optimal_lr",
+            self,
+            first={"keys": list(self.keys)},
+            bootstrap=self.bootstrap,
+            ci_level=self.ci_level,
+            shapes=frame_records(self.shapes),
         )
 
     def best_points(self) -> pd.DataFrame:

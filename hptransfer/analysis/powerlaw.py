@@ -10,6 +10,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
+from .fit_result import FitResult
 from .serialize import json_safe
 from .stats import bootstrap_indices, percentile_ci, single_threaded
 
@@ -19,8 +20,11 @@ _N_E_PROFILE = 48
 _LOG_B_BOUNDS = (np.log(1e-4), np.log(5.0))
 
 
+PARAM_NAMES = ("E", "A", "b")
+
+
 @dataclass
-class PowerLawFit:
+class PowerLawFit(FitResult):
     """L(C) = E + A * C^(-b) fitted on (compute, loss) points; None-like NaNs if no fit."""
 
     E: float
@@ -30,17 +34,7 @@ class PowerLawFit:
     compute: np.ndarray
     loss: np.ndarray
     residuals: np.ndarray
-    trial_ids: list[list[str]] = field(default_factory=list)
-    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
-    ci_level: float = 0.95
-    reliable: bool = False
-    warnings: list[str] = field(default_factory=list)
-    reason: NotEnoughData | None = None
-    boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 3)))
-
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
+    boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 3)), kw_only=True)
 
     @property
     def loss_range(self) -> tuple[float, float]:
@@ -83,8 +77,7 @@ class PowerLawFit:
                 "E": self.E,
                 "A": self.A,
                 "b": self.b,
-                "ci": {k: list(v) for k, v in self.ci.items()},
-                "ci_level": self.ci_level,
+                **self.ci_dict(),
                 "n_points": int(self.compute.size),
                 "loss_range": list(self.loss_range),
                 "compute_range": list(self.compute_range),
@@ -99,9 +92,7 @@ class PowerLawFit:
                     )
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
-                "reliable": self.reliable,
-                "warnings": self.warnings,
-                "reason": self.reason,
+                **self.status_dict(),
             }
         )
 
@@ -174,7 +165,7 @@ def _nan_fit(
         compute,
         loss,
         np.full(loss.shape, np.nan),
-        ids,
+        trial_ids=ids,
         reliable=False,
         warnings=warnings,
         reason=reason,
@@ -266,9 +257,9 @@ def fit_power_law(
         c,
         y,
         residuals,
-        ids,
-        ci_map,
-        ci,
+        trial_ids=ids,
+        ci=ci_map,
+        ci_level=ci,
         reliable=not problems,
         warnings=warnings + problems,
         boot_params=boot,

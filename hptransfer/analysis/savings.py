@@ -13,7 +13,7 @@ from .errors import NotEnoughData
 from .frontier import FrontierResult, loss_compute_frontier
 from .optimal_lr import OptimalLRResult
 from .powerlaw import PowerLawFit
-from .serialize import frame_records, json_safe, with_none
+from .serialize import analysis_dict, frame_records, json_safe, with_none
 from .stats import percentile_ci
 from .trials import Trials
 
@@ -177,15 +177,11 @@ class SavingsResult:
         return with_none(merged, ["note", "reason"])
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "savings",
-                "reference": self.reference,
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "comparisons": {k: v.to_dict() for k, v in self.comparisons.items()},
-            }
+        return analysis_dict(
+            "savings",
+            self,
+            first={"reference": self.reference},
+            comparisons={k: v.to_dict() for k, v in self.comparisons.items()},
         )
 
 

@@ -15,7 +15,7 @@ from scipy import stats
 
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, optimal_lr
-from .serialize import frame_records, json_safe, with_none
+from .serialize import analysis_dict, frame_records, with_none
 
 AXES: tuple[str, ...] = ("width", "depth")
 
@@ -90,17 +90,13 @@ class TransferResult:
         return self.slopes.copy()
 
     def to_dict(self) -> dict[str, Any]:
-        return json_safe(
-            {
-                "analysis": "transfer",
-                "reliable": self.reliable,
-                "reason": self.reason,
-                "warnings": self.warnings,
-                "tolerance_log2": self.tolerance,
-                "ci_level": self.ci_level,
-                "slopes": frame_records(self.slopes),
-                "by_level": frame_records(self.by_level),
-            }
+        return analysis_dict(
+            "transfer",
+            self,
+            tolerance_log2=self.tolerance,
+            ci_level=self.ci_level,
+            slopes=frame_records(self.slopes),
+            by_level=frame_records(self.by_level),
         )
 
 
