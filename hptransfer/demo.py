@@ -32,7 +32,8 @@ def best_lr_table(df) -> str:
 
 def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     # the demo's output is the sweep; Ray's start-up chatter is not
-    logging.getLogger("ray").setLevel(logging.ERROR)
+    for noisy in ("ray", "mlflow", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     settings = get_settings()
     spec_path = spec_path or str(DEFAULT_SPEC)
     out = Path(out_dir) if out_dir else settings.home / "demo"

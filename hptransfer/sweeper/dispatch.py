@@ -62,8 +62,9 @@ def init_ray(settings: Settings) -> None:
     else:
         # "local": always a fresh in-process cluster, never one a stale
         # /tmp/ray/ray_current_cluster file points at
+        # configure_logging=False: the application's logging config (levels) applies
         ray.init(address="local", include_dashboard=False, ignore_reinit_error=True,
-                 log_to_driver=False)
+                 log_to_driver=False, configure_logging=False)
 
 
 class Dispatcher:
