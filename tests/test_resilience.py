@@ -249,6 +249,40 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
 # ------------------------------------------------------------------ worker killed
 
 
+def test_restart_closes_a_run_created_just_before_the_coordinator_died(hpt_home, ray_cluster,
+                                                                       tiny_spec):
+    # The window the kill test above can hit by chance: a coordinator leased a trial and
+    # created its MLflow run, then died before the app DB learnt the run id.
+    from hptransfer.sweeper.service import Coordinator
+
+    tiny_spec.update(name="died-mid-submit", max_concurrent=1, reuse=False)
+    tiny_spec["grid"]["lrs"] = [2.0**-8]
+    dead = Coordinator(get_settings(), dispatch=False)
+    sweep = dead.submit(tiny_spec)
+    [trial] = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
+    ids = dead.tracker.start_sweep(sweep["id"], sweep["name"], tiny_spec)
+    assert ids is not None
+    dead.store.set_sweep_mlflow(sweep["id"], *ids)
+    lost_run = dead.tracker.start_trial(*ids, trial["id"], trial["arm"], trial["spec"],
+                                        sweep_id=sweep["id"])
+    assert lost_run and dead.store.get_trial(trial["id"])["mlflow_run_id"] is None
+
+    second = Coordinator(get_settings())
+    second.start()
+    try:
+        wait_for(lambda: second.store.get_sweep(sweep["id"])["status"] == "completed", 120,
+                 "the re-queued trial to complete")
+    finally:
+        second.stop()
+    row = second.store.get_trial(trial["id"])
+    runs = {r.info.run_id: r for r in trial_runs(get_settings().mlflow_uri, ids[0])[trial["id"]]}
+    assert set(runs) == {lost_run, row["mlflow_run_id"]}
+    assert runs[lost_run].info.status == "KILLED"
+    assert runs[lost_run].data.tags["hpt.status"] == "cancelled"
+    assert runs[row["mlflow_run_id"]].info.status == "FINISHED"
+    assert row["attempts"] == 1 and row["status"] == "completed"
+
+
 @pytest.fixture
 def server(hpt_home, ray_cluster) -> Iterator[tuple[str, Any]]:
     settings = get_settings()

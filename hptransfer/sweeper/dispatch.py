@@ -118,10 +118,15 @@ class Dispatcher:
             return
         for sweep in self.store.active_sweeps():
             for t in self.store.trials(sweep["id"], status="running", limit=None):
-                if t.get("lease_owner") != self.owner and t.get("mlflow_run_id"):
+                if t.get("lease_owner") == self.owner:
+                    continue
+                # the app DB may not know the run yet (killed between create and record)
+                run_ids = set(self.tracker.open_runs(sweep["id"], t["id"]))
+                if t.get("mlflow_run_id"):
+                    run_ids.add(t["mlflow_run_id"])
+                for run_id in sorted(run_ids):
                     self.tracker.finish_trial(
-                        t["mlflow_run_id"],
-                        {"error": "coordinator died during this attempt; re-queued"},
+                        run_id, {"error": "coordinator died during this attempt; re-queued"},
                         "cancelled", trial_id=t["id"])
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -377,6 +377,25 @@ class Tracker:
         ref = self._trials.get(str(trial_id))
         return ref.run_id if ref else None
 
+    def open_runs(self, sweep_id: str, trial_id: str) -> list[str]:
+        """The trial's MLflow runs still marked RUNNING, e.g. an attempt whose coordinator died
+        after creating the run but before the app DB learnt its id; [] if MLflow is away."""
+        try:
+            sweep_id, trial_id = str(sweep_id), str(trial_id)
+            if not (self.available and _quotable(trial_id)):
+                return []
+            experiment_id, _ = self._resolve_sweep(sweep_id, {})
+            found = self._get_client().search_runs(
+                [experiment_id],
+                f"tags.`hpt.trial_id` = '{trial_id}' and attributes.status = 'RUNNING'",
+            )
+            return [run.info.run_id for run in found]
+        except _Unresolved:
+            return []
+        except Exception as exc:
+            self._note_failure("open_runs", exc)
+            return []
+
     def sweep_ids_for(self, sweep_id: str) -> tuple[str, str] | None:
         """(experiment_id, parent_run_id) of the sweep, once known to this Tracker."""
         ref = self._sweeps.get(str(sweep_id))
