@@ -107,16 +107,20 @@ class Client:
 
         start = time.time()
         bar = None
+        shown = None
         try:
             while True:
                 s = self.get(sweep_id)
-                if progress:
+                counts = {k: v for k, v in s["counts"].items() if v}
+                if progress and shown != (s["total"], s["done"], counts):
+                    # redraw only on change: piped into a log, every redraw is a new line
+                    shown = (s["total"], s["done"], counts)
                     if bar is None:
                         bar = tqdm(total=s["total"], desc=s["name"], unit="trial",
                                    file=sys.stderr)
                     bar.total = s["total"]
                     bar.n = s["done"]
-                    bar.set_postfix({k: v for k, v in s["counts"].items() if v})
+                    bar.set_postfix(counts, refresh=False)
                     bar.refresh()
                 if s["status"] in TERMINAL_SWEEP:
                     return s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     # the demo's output is the sweep; Ray's start-up chatter is not
     for noisy in ("ray", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # mlflow resets its loggers when first imported (later, lazily): tell it via its env var
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     settings = get_settings()
     spec_path = spec_path or str(DEFAULT_SPEC)
     out = Path(out_dir) if out_dir else settings.home / "demo"
