@@ -633,3 +633,22 @@ def test_fit_report_end_to_end() -> None:
     text = report.format_text()
     for title in ("Optimal LR per shape", "Transfer drift", "FLOP savings", "Chinchilla fit"):
         assert title in text
+
+
+def test_default_reference_is_the_baseline_parameterization() -> None:
+    # savings are quoted against the paper's baselines: µP when present, else SP
+    def arms(*pairs: tuple[str, str]) -> pd.DataFrame:
+        frames = []
+        for arm, param in pairs:
+            frame = lr_sweep({(arm, 64, 2): -7.0}, seeds=1)
+            frame["parameterization"] = param
+            frames.append(frame)
+        return pd.concat(frames, ignore_index=True)
+
+    sp_cp = fit_report(arms(("a/completep", "completep"), ("b/sp", "sp")), bootstrap=0)
+    assert sp_cp.reference_arm == "b/sp"
+    assert "using the SP arm b/sp" in " ".join(sp_cp.warnings)
+    all_three = arms(("a/completep", "completep"), ("b/sp", "sp"), ("c/mup", "mup"))
+    assert fit_report(all_three, bootstrap=0).reference_arm == "c/mup"
+    neither = arms(("b/completep", "completep"), ("a/depth", "depth_mup"))
+    assert fit_report(neither, bootstrap=0).reference_arm == "a/depth"

@@ -30,6 +30,7 @@ TABLE_NAMES: tuple[str, ...] = (
 )
 # Parameterization labels taken as µP when picking a default reference arm (the paper's).
 _MUP_LABELS = frozenset({"mup", "µp", "μp", "mu_p", "mu-p"})
+_SP_LABELS = frozenset({"sp", "standard"})
 
 T = TypeVar("T")
 
@@ -93,10 +94,12 @@ def _choose_reference(trials: Trials) -> tuple[str | None, str | None]:
     if not arms:
         return None, None
     pairs = frame[["arm", "parameterization"]].drop_duplicates()
-    is_mup = pairs["parameterization"].str.lower().isin(_MUP_LABELS).to_numpy(dtype=bool)
-    mup = sorted(set(pairs["arm"].to_numpy()[is_mup].tolist()))
-    if len(mup) == 1:
-        return mup[0], f"no reference arm given; using the µP arm {mup[0]}"
+    labels = pairs["parameterization"].str.lower()
+    # the paper's baselines: savings are quoted against µP, else against SP
+    for baseline, name in ((_MUP_LABELS, "µP"), (_SP_LABELS, "SP")):
+        found = sorted(set(pairs["arm"].to_numpy()[labels.isin(baseline).to_numpy(bool)]))
+        if len(found) == 1:
+            return found[0], f"no reference arm given; using the {name} arm {found[0]}"
     return arms[0], f"no reference arm given; using {arms[0]} (first by name)"
 
 
@@ -116,7 +119,7 @@ def fit_report(
     """Run every analysis. Never raises on bad data: problems become reasons and warnings.
 
     `bootstrap` resamples (0 turns all bootstraps off) and `seed` make the CIs reproducible.
-    `reference_arm` defaults to the arm whose parameterization is µP, else the first arm.
+    `reference_arm` defaults to the arm whose parameterization is µP, else SP, else the first arm.
     """
     report = FitReport(bootstrap=bootstrap, seed=seed)
     try:
