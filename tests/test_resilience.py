@@ -249,23 +249,29 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
 # ------------------------------------------------------------------ worker killed
 
 
-def test_restart_closes_a_run_created_just_before_the_coordinator_died(hpt_home, ray_cluster,
-                                                                       tiny_spec):
-    # The window the kill test above can hit by chance: a coordinator leased a trial and
-    # created its MLflow run, then died before the app DB learnt the run id.
+def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
+        hpt_home, ray_cluster, tiny_spec):
+    # The two windows the kill test above can hit only by chance. Trial A: the dead
+    # coordinator stored A's result, then died before finishing A's MLflow run. Trial B: it
+    # leased B and created B's run, then died before the app DB learnt the run id.
     from hptransfer.sweeper.service import Coordinator
+    from hptransfer.workers.remote import execute_trial
 
-    tiny_spec.update(name="died-mid-submit", max_concurrent=1, reuse=False)
-    tiny_spec["grid"]["lrs"] = [2.0**-8]
+    tiny_spec.update(name="died-between-writes", max_concurrent=1, reuse=False)
+    tiny_spec["grid"]["lrs"] = [2.0**-8, 2.0**-6]
     dead = Coordinator(get_settings(), dispatch=False)
     sweep = dead.submit(tiny_spec)
-    [trial] = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
     ids = dead.tracker.start_sweep(sweep["id"], sweep["name"], tiny_spec)
     assert ids is not None
     dead.store.set_sweep_mlflow(sweep["id"], *ids)
-    lost_run = dead.tracker.start_trial(*ids, trial["id"], trial["arm"], trial["spec"],
-                                        sweep_id=sweep["id"])
-    assert lost_run and dead.store.get_trial(trial["id"])["mlflow_run_id"] is None
+    a, b = dead.store.lease_pending("dead-coordinator", 2, sweep_id=sweep["id"])
+    run_a = dead.tracker.start_trial(*ids, a["id"], a["arm"], a["spec"], sweep_id=sweep["id"])
+    dead.store.set_trial_mlflow(a["id"], run_a)
+    result_a = execute_trial(a["spec"], a["id"], None, None)
+    dead.store.finish_trial(a["id"], "completed", result_a, None, result_a["worker_node"])
+    lost_b = dead.tracker.start_trial(*ids, b["id"], b["arm"], b["spec"], sweep_id=sweep["id"])
+    assert lost_b and dead.store.get_trial(b["id"])["mlflow_run_id"] is None
+    a_before = dead.store.get_trial(a["id"])
 
     second = Coordinator(get_settings())
     second.start()
@@ -274,13 +280,23 @@ def test_restart_closes_a_run_created_just_before_the_coordinator_died(hpt_home,
                  "the re-queued trial to complete")
     finally:
         second.stop()
-    row = second.store.get_trial(trial["id"])
-    runs = {r.info.run_id: r for r in trial_runs(get_settings().mlflow_uri, ids[0])[trial["id"]]}
-    assert set(runs) == {lost_run, row["mlflow_run_id"]}
-    assert runs[lost_run].info.status == "KILLED"
-    assert runs[lost_run].data.tags["hpt.status"] == "cancelled"
-    assert runs[row["mlflow_run_id"]].info.status == "FINISHED"
-    assert row["attempts"] == 1 and row["status"] == "completed"
+    runs = {tid: {r.info.run_id: r for r in rs}
+            for tid, rs in trial_runs(get_settings().mlflow_uri, ids[0]).items()}
+    # A was not re-run; its one run now carries the stored result
+    a_after = second.store.get_trial(a["id"])
+    assert a_after["finished_at"] == a_before["finished_at"] and a_after["attempts"] == 1
+    assert set(runs[a["id"]]) == {run_a}
+    assert runs[a["id"]][run_a].info.status == "FINISHED"
+    assert runs[a["id"]][run_a].data.tags["hpt.status"] == "completed"
+    assert runs[a["id"]][run_a].data.metrics["final_val_loss"] == pytest.approx(
+        result_a["final_val_loss"])
+    # B's lost attempt is closed as KILLED; B ran once more under the new coordinator
+    b_after = second.store.get_trial(b["id"])
+    assert set(runs[b["id"]]) == {lost_b, b_after["mlflow_run_id"]}
+    assert runs[b["id"]][lost_b].info.status == "KILLED"
+    assert runs[b["id"]][lost_b].data.tags["hpt.status"] == "cancelled"
+    assert runs[b["id"]][b_after["mlflow_run_id"]].info.status == "FINISHED"
+    assert b_after["attempts"] == 1 and b_after["status"] == "completed"
 
 
 @pytest.fixture

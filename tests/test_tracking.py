@@ -329,9 +329,10 @@ def test_resume_reuses_experiment_and_parent(store: str, tmp_path: Path) -> None
         assert rid and client.get_run(rid).data.tags["hpt.sweep_id"] == "sw-r"
 
 
-def test_open_runs_finds_an_attempt_the_app_db_never_recorded(store: str, tmp_path: Path) -> None:
-    # A coordinator created the run, then died before storing its id: a new process's Tracker
-    # must still find it by trial id so it can be closed, and only the runs still RUNNING.
+def test_open_trial_runs_finds_attempts_the_app_db_never_recorded(store: str,
+                                                                   tmp_path: Path) -> None:
+    # A coordinator created runs, then died before storing their ids: a new process's
+    # Tracker must still find them (only those still RUNNING) so they can be closed.
     dead = make_tracker(store, tmp_path)
     experiment_id, parent_id = dead.start_sweep("sw-o", "orphans", {"n": 1}) or (None, None)
     lost = dead.start_trial(experiment_id, parent_id, "t-o", "cp", trial_spec(1e-3))
@@ -339,13 +340,13 @@ def test_open_runs_finds_an_attempt_the_app_db_never_recorded(store: str, tmp_pa
     assert dead.finish_trial(done, result("completed", 1e-3, curve(5)), "completed")
 
     fresh = make_tracker(store, tmp_path)
-    assert fresh.open_runs("sw-o", "t-o") == [lost]
-    assert fresh.open_runs("sw-o", "t-done") == []
-    assert fresh.open_runs("no-such-sweep", "t-o") == []
+    assert fresh.open_trial_runs("sw-o") == {lost: "t-o"}  # not the parent, not `done`
+    assert fresh.open_trial_runs("no-such-sweep") is None
     assert fresh.finish_trial(lost, {"error": "coordinator died"}, "cancelled", trial_id="t-o")
     assert MlflowClient(store).get_run(lost).info.status == "KILLED"
-    assert fresh.open_runs("sw-o", "t-o") == []
+    assert fresh.open_trial_runs("sw-o") == {}
     assert fresh.failures == 0
+    assert make_tracker("http://127.0.0.1:1", tmp_path / "down").open_trial_runs("sw-o") is None
 
 
 def test_bad_input_is_reported_not_raised_or_queued(store: str, tmp_path: Path) -> None:

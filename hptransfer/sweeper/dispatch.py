@@ -35,7 +35,7 @@ from .optuna_search import OptunaSearch
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
-from .store import Store
+from .store import FINISHED_STATUSES, Store
 from .tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -112,22 +112,28 @@ class Dispatcher:
             self._thread.start()
 
     def _close_orphan_runs(self) -> None:
-        """A dead coordinator's attempts never finish; end their MLflow runs as KILLED so
-        the UI does not show them running forever (the re-queued attempt gets a new run)."""
+        """Bring MLflow in line with the app DB after a coordinator died: the attempts it
+        left running end as KILLED (the re-queued attempt gets a new run), and a finished
+        trial whose run never got its result (killed between the two writes) gets it now."""
         if not self.tracker:
             return
         for sweep in self.store.active_sweeps():
-            for t in self.store.trials(sweep["id"], status="running", limit=None):
-                if t.get("lease_owner") == self.owner:
+            rows = {t["id"]: t for t in self.store.trials(sweep["id"], limit=None)}
+            open_runs = self.tracker.open_trial_runs(sweep["id"])
+            if open_runs is None:  # MLflow away: close what the app DB knows (via the outbox)
+                open_runs = {t["mlflow_run_id"]: tid for tid, t in rows.items()
+                             if t["status"] == "running" and t.get("mlflow_run_id")}
+            for run_id, trial_id in sorted(open_runs.items()):
+                t = rows.get(trial_id)
+                if t is None or (t["status"] == "running" and t.get("lease_owner") == self.owner):
                     continue
-                # the app DB may not know the run yet (killed between create and record)
-                run_ids = set(self.tracker.open_runs(sweep["id"], t["id"]))
-                if t.get("mlflow_run_id"):
-                    run_ids.add(t["mlflow_run_id"])
-                for run_id in sorted(run_ids):
+                if t["status"] in FINISHED_STATUSES and t.get("mlflow_run_id") == run_id:
+                    self.tracker.finish_trial(run_id, t.get("result") or {"error": t["error"]},
+                                              t["status"], trial_id=trial_id)
+                else:
                     self.tracker.finish_trial(
                         run_id, {"error": "coordinator died during this attempt; re-queued"},
-                        "cancelled", trial_id=t["id"])
+                        "cancelled", trial_id=trial_id)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

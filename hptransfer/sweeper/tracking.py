@@ -377,24 +377,31 @@ class Tracker:
         ref = self._trials.get(str(trial_id))
         return ref.run_id if ref else None
 
-    def open_runs(self, sweep_id: str, trial_id: str) -> list[str]:
-        """The trial's MLflow runs still marked RUNNING, e.g. an attempt whose coordinator died
-        after creating the run but before the app DB learnt its id; [] if MLflow is away."""
+    def open_trial_runs(self, sweep_id: str) -> dict[str, str] | None:
+        """{run id: trial id} of the sweep's trial runs still marked RUNNING (e.g. attempts a
+        dead coordinator left behind, some never recorded in the app DB); None if MLflow is
+        away or the sweep is not in MLflow yet, so the caller can fall back on what it has."""
         try:
-            sweep_id, trial_id = str(sweep_id), str(trial_id)
-            if not (self.available and _quotable(trial_id)):
-                return []
-            experiment_id, _ = self._resolve_sweep(sweep_id, {})
-            found = self._get_client().search_runs(
-                [experiment_id],
-                f"tags.`hpt.trial_id` = '{trial_id}' and attributes.status = 'RUNNING'",
-            )
-            return [run.info.run_id for run in found]
+            if not self.available:
+                return None
+            experiment_id, _ = self._resolve_sweep(str(sweep_id), {})
+            client, found, token = self._get_client(), {}, None
+            while True:
+                page = client.search_runs(
+                    [experiment_id],
+                    "tags.`hpt.role` = 'trial' and attributes.status = 'RUNNING'",
+                    max_results=1000, page_token=token,
+                )
+                found.update({run.info.run_id: run.data.tags.get("hpt.trial_id", "")
+                              for run in page})
+                token = page.token
+                if not token:
+                    return found
         except _Unresolved:
-            return []
+            return None
         except Exception as exc:
-            self._note_failure("open_runs", exc)
-            return []
+            self._note_failure("open_trial_runs", exc)
+            return None
 
     def sweep_ids_for(self, sweep_id: str) -> tuple[str, str] | None:
         """(experiment_id, parent_run_id) of the sweep, once known to this Tracker."""
