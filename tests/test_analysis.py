@@ -134,6 +134,9 @@ def test_edge_flag_when_vertex_is_outside_the_grid(truth: float, edge: str, word
     # The CLI shows an unreliable η* rounded and marked, not as a precise-looking number.
     text = fit_report(df, bootstrap=0).format_text()
     assert f"~{row['lr_opt']:.2g}" in text and words in text
+    # ... while the observed inputs on that row stay exact (they are not estimates)
+    line = next(ln for ln in text.splitlines() if f"~{row['lr_opt']:.2g}" in ln)
+    assert f" {row['best_lr']:.4g} " in line and " 0.02 " in line and "~0.02" not in line
 
 
 def test_diverged_runs_are_excluded_but_counted() -> None:

@@ -258,6 +258,11 @@ _TITLES = {
 }
 
 
+# observed inputs, not estimates: printed exactly even on an unreliable row
+_DATA_COLUMNS = frozenset({"sigma_base", "best_lr", "loss", "loss_min", "loss_max",
+                           "compute_min", "compute_max"})
+
+
 def _cell(value: Any, reliable: bool) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -276,7 +281,7 @@ def _render_table(frame: pd.DataFrame, columns: list[str]) -> str:
         return "  (no rows)"
     flags = frame["reliable"].tolist() if "reliable" in frame else [True] * len(frame)
     cells = [
-        [_cell(row[c], bool(ok)) for c in columns]
+        [_cell(row[c], bool(ok) or c in _DATA_COLUMNS) for c in columns]
         for (_, row), ok in zip(frame.iterrows(), flags, strict=True)
     ]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
