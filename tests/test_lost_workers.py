@@ -36,12 +36,14 @@ SCRIPT = textwrap.dedent(
     def trial():
         return store.trials(sweep["id"], limit=None)[0]
 
+    def training_step():
+        attempt = coordinator.dispatcher.in_flight.get(trial()["id"])
+        return attempt.last_step if attempt else 0
+
     deadline = time.time() + 120
-    while not (trial()["status"] == "running" and
-               coordinator.dispatcher.in_flight):
-        assert time.time() < deadline, "never started"
-        time.sleep(0.2)
-    time.sleep(2.0)  # well inside training
+    while training_step() == 0:  # the worker has reported a step: training is underway
+        assert time.time() < deadline, "never started training"
+        time.sleep(0.05)
     cluster.remove_node(doomed, allow_graceful=False)
     cluster.add_node(num_cpus=1)  # a replacement for the retry
     while store.get_sweep(sweep["id"])["status"] in ("pending", "running"):
@@ -71,7 +73,7 @@ def run_in_child(script: str, spec: dict, tmp_path, timeout: float, **extra_env:
 
 def test_node_death_is_retried(tmp_path, tiny_spec):
     tiny_spec["grid"]["lrs"] = [2**-6]
-    tiny_spec["budget"] = {"steps": 600, "batch_size": 4}
+    tiny_spec["budget"] = {"steps": 1500, "batch_size": 4}  # seconds left after step 1
     tiny_spec["retries"] = 1
     result = run_in_child(SCRIPT, tiny_spec, tmp_path, timeout=400)
     assert result["status"] == "completed"

@@ -51,6 +51,7 @@ class InFlight:
     run_id: str | None
     cpus: float
     gpus: float
+    last_step: int = 0  # the latest step the worker reported: > 0 once training is underway
 
 
 def init_ray(settings: Settings) -> None:
@@ -199,6 +200,7 @@ class Dispatcher:
             f = self.in_flight.get(trial_id)
             if f is None:
                 continue
+            f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
             if self.tracker:
                 self.tracker.log_metrics(f.run_id, points, trial_id=trial_id)
             if f.trial.get("optuna_trial_number") is not None:
