@@ -91,7 +91,7 @@ def cmd_flops(a: argparse.Namespace) -> int:
 
 @command("coordcheck")
 def cmd_coordcheck(a: argparse.Namespace) -> int:
-    from hptransfer.workers.coordcheck import run_coordcheck
+    from hptransfer.coordcheck import format_table, run_coordcheck, save_plot
 
     p = _parameterization(a)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
@@ -102,11 +102,11 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
         sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a),
     )
     plot = a.plot or str(_default_coordcheck_plot(a, p))
-    result.save_plot(plot)
+    save_plot(result, plot)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result.format_table())
+        print(format_table(result))
         print(f"plot written to {plot}")
     return 0 if result.verdict["passed"] or not a.strict else 1
 
@@ -234,7 +234,7 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     import subprocess
 
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.tracking import ui_command
+    from hptransfer.sweeper.mlflow.tracking import ui_command
 
     settings = get_settings()
     cmd = ui_command(settings.mlflow_uri, a.host, a.port)

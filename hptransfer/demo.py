@@ -58,7 +58,7 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
 
 def _print_fits(client: Client, sweep_id: str, out: Path) -> None:
     from hptransfer.dashboards import write_sweep_dashboard
-    from hptransfer.sweeper.store import Store
+    from hptransfer.sweeper.db.store import Store
 
     print("\n" + client.fits_text(sweep_id))
     store = Store(get_settings().database_url)

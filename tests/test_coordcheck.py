@@ -1,4 +1,4 @@
-"""Coord checks (hptransfer.workers.coordcheck): the physics on small CPU models, the verdict
+"""Coord checks (hptransfer.coordcheck): the physics on small CPU models, the verdict
 rules, serialisation and plots.
 
 Numbers seen when these settings were chosen (gpt, width 128, head_dim 32, L = 2, 4, 8, 16,
@@ -20,11 +20,13 @@ import sys
 import numpy as np
 import pytest
 
-from hptransfer.workers.coordcheck import (
+from hptransfer.coordcheck import (
     MODULES,
     CoordCheckError,
+    format_table,
     judge,
     run_coordcheck,
+    save_plot,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -150,11 +152,11 @@ def test_to_dict_json_round_trip(depth_runs):
 
 def test_format_table_and_png(depth_runs, tmp_path):
     run = depth_runs["completep"]
-    table = run.format_table()
+    table = format_table(run)
     for m in MODULES:
         assert m in table
     assert "PASSED" in table and "median" in table
-    path = run.save_plot(tmp_path / "sub" / "completep_depth.png")
+    path = save_plot(run, tmp_path / "sub" / "completep_depth.png")
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 5000
 
@@ -173,7 +175,7 @@ def test_ngpt_runs_on_both_axes_and_plots(data_dir, tmp_path):
     assert w.verdict.modules["final_residual"] == "stable"
     assert w.verdict.modules["attn_out"] == "not judged"
     assert d.verdict.passed, d.verdict.reasons
-    path = w.save_plot(tmp_path / "ngpt.png")
+    path = save_plot(w, tmp_path / "ngpt.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 

@@ -23,7 +23,7 @@ from hptransfer.dashboards import (
     write_sweep_dashboard,
 )
 from hptransfer.dashboards.pngs import frontier_png, lr_png
-from hptransfer.sweeper.store import RESULT_FRAME_COLUMNS
+from hptransfer.sweeper.db.store import RESULT_FRAME_COLUMNS
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "benchmarks" / "out" / "screenshots"
@@ -267,7 +267,7 @@ def server(hpt_home, ray_cluster):
 @needs_chromium
 def test_dashboards_in_headless_chromium(server, tiny_spec, tmp_path):
     from hptransfer.client import Client
-    from hptransfer.sweeper.store import Store
+    from hptransfer.sweeper.db.store import Store
 
     url, settings = server
     # two widths and two depths, so both panels have curves; 2^1 is meant to diverge

@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 from hptransfer.api.server import free_port, serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.store import Store
+from hptransfer.sweeper.db.store import Store
 
 # Ray vendors psutil (ray/thirdparty_files); importable only once ray is imported.
 psutil = importlib.import_module("psutil")

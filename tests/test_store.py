@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from hptransfer.config import SettingsError, get_settings
-from hptransfer.sweeper.store import (
+from hptransfer.sweeper.db.store import (
     RESULT_FRAME_COLUMNS,
     Base,
     NotFoundError,

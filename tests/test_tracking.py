@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from hptransfer.sweeper.tracking import (
+from hptransfer.sweeper.mlflow.tracking import (
     MAX_KEY,
     MAX_PARAM_VALUE,
     Tracker,

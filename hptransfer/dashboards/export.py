@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.analysis import FitReport
+from hptransfer.sweeper.db.store import NotFoundError, Store
 from hptransfer.sweeper.fits import sweep_report
-from hptransfer.sweeper.store import NotFoundError, Store
 
 from .pages import render_sweep_html
 from .pngs import frontier_png, lr_png

@@ -31,12 +31,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hptransfer.config import Settings
 from hptransfer.workers.remote import execute_trial
 
+from .db.store import FINISHED_STATUSES, Store
+from .mlflow.tracking import Tracker
 from .optuna_search import OptunaSearch
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
-from .store import FINISHED_STATUSES, Store
-from .tracking import Tracker
 
 log = logging.getLogger(__name__)
 

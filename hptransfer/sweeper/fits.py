@@ -14,7 +14,7 @@ from typing import Any
 from hptransfer.analysis import FitReport, fit_report
 from hptransfer.analysis.serialize import json_safe
 
-from .store import Store
+from .db.store import Store
 
 log = logging.getLogger(__name__)
 _CACHE: dict[tuple, FitReport] = {}

@@ -10,12 +10,12 @@ from typing import Any
 from hptransfer.config import Settings, get_settings
 from hptransfer.data import DataError, DataSpec, load_dataset
 
+from .db.store import Store
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
+from .mlflow.tracking import Tracker
 from .plan import plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec
-from .store import Store
-from .tracking import Tracker
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .coordcheck_training import ordered_modules
+from .training import ordered_modules
 
 DEFAULT_THRESHOLD = 0.4  # |median log2 growth per doubling| beyond which a module fails
 

@@ -25,7 +25,7 @@ from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
 from hptransfer.workers.trial import ArchOptions, Budget
 
-from .spec_errors import LRS_LIST, LRS_RANGE, SpecError, error
+from .errors import LRS_LIST, LRS_RANGE, SpecError, error
 
 _LOG_RANGE_MAX_VALUES = 1000  # a tiny step would otherwise expand into millions of LRs
 _FLOAT_TOL = 1e-9

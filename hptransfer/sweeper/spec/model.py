@@ -27,9 +27,9 @@ from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
 from hptransfer.workers.trial import DataSource, Schedule, TrialSpec
 
-from .spec_errors import SpecError, convert_errors, error, plain_message
-from .spec_loading import read_spec_data
-from .spec_sections import (
+from .errors import SpecError, convert_errors, error, plain_message
+from .loading import read_spec_data
+from .sections import (
     Arm,
     Fixed,
     Grid,

@@ -1,6 +1,6 @@
 """Coord-check training: one model trained on the fixed batch while forward hooks record the
 mean |activation| of each module at every step (the modules are described in
-`hptransfer.workers.coordcheck`)."""
+`hptransfer.coordcheck`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .coordcheck import CoordCheckResult
+    from .result import CoordCheckResult
 
 
 def format_table(result: CoordCheckResult) -> str:

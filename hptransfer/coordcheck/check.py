@@ -1,155 +1,28 @@
-"""Coordinate check: is a parameterization's activation scale independent of width or depth?
-
-For every size on one axis (width with depth fixed, or depth with width fixed) a model is built
-with the same seed and trained ``steps`` AdamW steps on one fixed batch. At every step
-t = 1..steps (t = 1 is the forward pass at init, before any update) forward hooks record the mean
-|activation| of each module's output, averaged over blocks for per-block modules:
-
-- ``embedding``: output of the input embedding table;
-- ``attn_out``: each block's attention output (the branch, before the residual multiplier);
-- ``mlp_out``: each block's MLP output (the branch, before the residual multiplier);
-- ``final_residual``: the residual stream after the last block (input of ``ln_final`` for gpt,
-  the hidden state fed to the unembedding for ngpt);
-- ``logits``: the model output.
-
-Verdict: per module, the median over steps >= ``min_step`` of the log2-log2 slope of mean|act|
-against size must lie within ``+/- threshold`` (0.4 per doubling) of the expected slope; the
-rules, their numbers and exemptions are in `hptransfer.workers.coordcheck_verdict`.
-
-Layout: this module runs the check and holds its result; `coordcheck_training` trains one
-model with the hooks, `coordcheck_verdict` fits slopes and judges them, `coordcheck_table` and
-`coordcheck_plot` render a result. Their public names are importable from here.
-"""
+"""Runs the coordinate check (see the package docstring)."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from hptransfer.models.build import build_model
 
-from .coordcheck_plot import save_plot
-from .coordcheck_table import format_table
-from .coordcheck_training import MODULES, ordered_modules, train_and_record
-from .coordcheck_verdict import (
+from .result import CoordCheckError, CoordCheckResult
+from .training import MODULES, train_and_record
+from .verdict import (
     DEFAULT_THRESHOLD,
-    Verdict,
-    exemption,
-    expected_slope,
     fit_slopes,
     judge,
-    judged,
     parameterization_kind,
 )
-
-__all__ = [
-    "AXES",
-    "DEFAULT_FIXED",
-    "DEFAULT_SIZES",
-    "DEFAULT_THRESHOLD",
-    "FALLBACK_VOCAB",
-    "MODULES",
-    "CoordCheckError",
-    "CoordCheckResult",
-    "Verdict",
-    "exemption",
-    "expected_slope",
-    "judge",
-    "judged",
-    "run_coordcheck",
-]
 
 AXES = ("width", "depth")
 DEFAULT_SIZES = {"width": [64, 128, 256, 512], "depth": [2, 4, 8, 16, 32]}
 DEFAULT_FIXED = {"width": 2, "depth": 256}  # the depth on the width axis, the width on depth
 FALLBACK_VOCAB = 256
-
-
-class CoordCheckError(ValueError):
-    """Invalid coord-check settings (axis, sizes, head_dim)."""
-
-
-@dataclass
-class CoordCheckResult:
-    axis: str
-    arch: str
-    parameterization: str
-    alpha: float | None
-    sizes: list[int]
-    fixed: int
-    steps: int
-    lr: float
-    batch_size: int
-    seq_len: int
-    seed: int
-    head_dim: int
-    data_source: str  # "corpus" (hptransfer.data) or "random" (deterministic random tokens)
-    rows: list[dict]  # {size, step, module, mean_abs}
-    slopes: list[dict]  # {module, step, slope}
-    verdict: Verdict
-    losses: list[dict] = field(default_factory=list)  # {size, step, loss}
-    seconds: float = 0.0
-
-    @property
-    def label(self) -> str:
-        fixed = f"depth={self.fixed}" if self.axis == "width" else f"width={self.fixed}"
-        return f"{self.arch} / {self.parameterization} / {self.axis} axis ({fixed})"
-
-    def value(self, size: int, step: int, module: str) -> float:
-        for r in self.rows:
-            if r["size"] == size and r["step"] == step and r["module"] == module:
-                return r["mean_abs"]
-        raise KeyError((size, step, module))
-
-    def slope(self, module: str, step: int) -> float:
-        for s in self.slopes:
-            if s["module"] == module and s["step"] == step:
-                return s["slope"]
-        raise KeyError((module, step))
-
-    def ratio(self, module: str, step: int) -> float:
-        """mean|act| at the largest size over that at the smallest."""
-        return self.value(self.sizes[-1], step, module) / self.value(self.sizes[0], step, module)
-
-    def modules(self) -> list[str]:
-        return ordered_modules(r["module"] for r in self.rows)
-
-    def to_dict(self) -> dict:
-        return _json_safe(
-            {
-                "axis": self.axis,
-                "arch": self.arch,
-                "parameterization": self.parameterization,
-                "alpha": self.alpha,
-                "sizes": list(self.sizes),
-                "fixed": self.fixed,
-                "steps": self.steps,
-                "lr": self.lr,
-                "batch_size": self.batch_size,
-                "seq_len": self.seq_len,
-                "seed": self.seed,
-                "head_dim": self.head_dim,
-                "data_source": self.data_source,
-                "rows": self.rows,
-                "slopes": self.slopes,
-                "losses": self.losses,
-                "verdict": self.verdict.to_dict(),
-                "seconds": self.seconds,
-            }
-        )
-
-    def format_table(self) -> str:
-        return format_table(self)
-
-    def save_plot(self, path: str | Path) -> Path:
-        """PNG: one panel per module, x = size (log2), y = mean|act| (log), a line per step."""
-        return save_plot(self, path)
 
 
 def run_coordcheck(
@@ -237,18 +110,6 @@ def run_coordcheck(
         head_dim=head_dim, data_source=data_source, rows=rows, slopes=slopes, verdict=verdict,
         losses=losses, seconds=round(time.perf_counter() - started, 3),
     )
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _json_safe(obj.item())
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .coordcheck import CoordCheckResult
+    from .result import CoordCheckResult
 
 
 def save_plot(result: CoordCheckResult, path: str | Path) -> Path:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .mlflow_params import safe_name
+from .params import safe_name
 
 try:  # cross-process locking of the outbox; absent on Windows (threads are still locked)
     import fcntl

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .spec_errors import SpecError, error
+from .errors import SpecError, error
 
 
 def read_spec_data(source: dict | str | os.PathLike) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy import Row, Select, select
 
-from .db_schema import Trial
+from .schema import Trial
 
 # Columns of results_frame(), in order; the analysis package consumes exactly this frame.
 RESULT_FRAME_COLUMNS: tuple[str, ...] = (

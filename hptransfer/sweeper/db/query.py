@@ -11,7 +11,7 @@ from sqlalchemy import Select, Update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from .db_schema import Trial
+from .schema import Trial
 
 T = TypeVar("T")
 

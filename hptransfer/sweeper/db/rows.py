@@ -11,7 +11,7 @@ from typing import Any, Protocol, cast
 
 from sqlalchemy import inspect
 
-from .db_schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Trial
+from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Trial
 
 
 class PlannedTrial(Protocol):

@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .mlflow_outbox import Outbox, now_ms
-from .mlflow_params import (
+from .outbox import Outbox, now_ms
+from .params import (
     MAX_KEY,
     MAX_METRICS_PER_BATCH,
     MAX_PARAM_VALUE,

@@ -28,7 +28,7 @@ from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
-from .db_engine import (
+from .engine import (
     MIGRATIONS_DIR,
     SQLITE_BUSY_TIMEOUT_MS,
     alembic_config,
@@ -39,9 +39,9 @@ from .db_engine import (
     packaged_head,
     upgrade_to_head,
 )
-from .db_frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
-from .db_query import TrialFilters, bulk_update, chunks
-from .db_rows import (
+from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
+from .query import TrialFilters, bulk_update, chunks
+from .rows import (
     PlannedTrial,
     as_dict,
     dump_model,
@@ -51,7 +51,7 @@ from .db_rows import (
     trial_row,
     utcnow,
 )
-from .db_schema import (
+from .schema import (
     ACTIVE_STATUSES,
     FINISHED_STATUSES,
     LEASABLE_SWEEP_STATUSES,

@@ -1,0 +1,1 @@
+"""MLflow: a view of the app database (one experiment per sweep, a nested run per trial)."""
