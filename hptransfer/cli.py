@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -164,9 +165,7 @@ def _print_summary(s: dict) -> None:
 
 @command("serve")
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
-    from hptransfer.api import create_app
+    from hptransfer.api.server import serve_forever
     from hptransfer.config import get_settings
 
     settings = get_settings()
@@ -174,8 +173,36 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_token:
         print("warning: serving on a non-loopback address without HPT_API_TOKEN", file=sys.stderr)
     print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=a.log_level)
+    serve_forever(settings, host, port, a.log_level)
     return 0
+
+
+@command("doctor")
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.health import check_api, run_checks
+
+    settings = get_settings()
+    try:
+        checks = run_checks(settings, deep=not a.quick)
+        url = a.url or os.environ.get("HPT_URL")
+        if url:
+            checks.append(check_api(url))
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    if a.json:
+        print(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        for c in checks:
+            print(c.line())
+    failed = [c.name for c in checks if not c.ok]
+    if failed and not a.json:
+        print(f"{len(failed)} of {len(checks)} checks failed: {', '.join(failed)}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 @command("submit")
@@ -293,6 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--log-level", default="info")
+
+    p = sub.add_parser("doctor", help="check every component the coordinator's settings name: "
+                       "databases, MLflow, Ray nodes, package version and data on each node")
+    p.add_argument("--quick", action="store_true",
+                   help="skip the per-node probe (package version, data roots)")
+    p.add_argument("--url", default=None, help="also check the API (default $HPT_URL)")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("submit", help="submit a sweep spec (YAML or JSON file)")
     p.add_argument("spec")

@@ -16,6 +16,7 @@ from hptransfer.sweeper.service import Coordinator, NotFound
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
+from .health import remember_mlflow_store
 from .routes import router
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
     async def lifespan(app: FastAPI):
         app.state.coordinator = Coordinator(settings, dispatch=dispatch)
         app.state.coordinator.start()
+        remember_mlflow_store(app)
         try:
             yield
         finally:

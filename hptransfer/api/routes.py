@@ -19,20 +19,16 @@ def coordinator(request: Request):
     return request.app.state.coordinator
 
 
-@router.get("/health", response_model=Health, tags=["service"])
-def health(request: Request) -> dict[str, Any]:
-    import ray
+@router.get("/health", response_model=Health, responses={503: {"model": Health}},
+            tags=["service"])
+def health(request: Request, deep: bool = False) -> Any:
+    """Each component: app database (migrations at head), Optuna storage, MLflow (version,
+    artifacts, still the store it started with), Ray nodes and their resources, dispatcher;
+    `deep=true` adds the package version and data roots seen on every Ray node (slower).
+    503 when the app database is down; `degraded` when another component fails."""
+    from .health import health_report
 
-    c = coordinator(request)
-    c.store.list_sweeps(limit=1)  # raises (-> 503 handler) if the database is gone
-    return {
-        "status": "ok",
-        "database": c.store.url_safe,
-        "ray": ray.is_initialized(),
-        "ray_address": ray.get_runtime_context().gcs_address if ray.is_initialized() else None,
-        "dispatcher_error": c.dispatcher.last_error if c.dispatcher else None,
-        "mlflow_uri": c.settings.mlflow_uri,
-    }
+    return health_report(request.app, deep)
 
 
 @router.post("/sweeps", status_code=201, response_model=SweepSummary, responses=ERRORS,

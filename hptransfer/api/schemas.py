@@ -62,10 +62,18 @@ class TrialPage(BaseModel):
     items: list[dict[str, Any]]
 
 
+class ComponentHealth(BaseModel):
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+
+
 class Health(BaseModel):
-    status: str
+    status: str  # ok | degraded (a component failed) | down (the app database)
     database: str
     ray: bool
     ray_address: str | None = None
     dispatcher_error: str | None = None
-    mlflow_uri: str
+    mlflow_uri: str | None = None
+    components: list[ComponentHealth] = []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +15,32 @@ import uvicorn
 from hptransfer.config import Settings
 
 from .app import create_app
+
+
+def serve_forever(settings: Settings, host: str, port: int, log_level: str = "info") -> None:
+    """`hpt serve`: the API in the main thread until SIGTERM or SIGINT, then a clean stop.
+
+    The dispatcher stops (trials in flight stay `running` in the app database and the next
+    start re-queues them), Ray shuts down (with an in-process cluster, every process of it)
+    and "shutdown complete" is logged. Ray is started first because `ray.init` installs a
+    SIGTERM handler that raises SystemExit: uvicorn's own handlers, installed after it, must
+    be the ones in force while serving.
+    """
+    import ray
+
+    from hptransfer.sweeper.dispatch import init_ray
+
+    init_ray(settings)
+    # uvicorn puts these back after a signal-initiated stop and re-raises the signal into
+    # them: they only note it, so the clean-up below runs.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        print("hpt serve: shutdown complete", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:

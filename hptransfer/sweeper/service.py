@@ -31,7 +31,11 @@ class Coordinator:
         self.settings = (settings or get_settings()).ensure_dirs()
         self.store = Store(self.settings.database_url)
         self.store.migrate()
-        self.tracker = Tracker(self.settings.mlflow_uri, str(self.settings.mlflow_artifacts),
+        # an `mlflow server` picks the artifact location itself (proxied: mlflow-artifacts:/);
+        # a local path here would bypass it and land on the coordinator's disk
+        server = self.settings.mlflow_uri.startswith(("http://", "https://"))
+        self.tracker = Tracker(self.settings.mlflow_uri,
+                               None if server else str(self.settings.mlflow_artifacts),
                                outbox_dir=str(self.settings.home / "mlflow-outbox"))
         self.dispatcher = (
             Dispatcher(self.store, self.settings, self.tracker,

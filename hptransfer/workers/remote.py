@@ -41,4 +41,6 @@ def execute_trial(
     result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
     out = result.model_dump(mode="json")
     out["worker_node"] = f"{socket.gethostname()}:{os.getpid()}"
+    # several Ray nodes can share a host: the node id says which one ran the trial
+    out["ray_node_id"] = ray.get_runtime_context().get_node_id()
     return out

@@ -1,0 +1,48 @@
+"""GET /health's body: the component checks of `hptransfer.sweeper.health`, run inside the
+server against the connections it holds, plus the dispatcher's state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from hptransfer.sweeper.health import Check, mask_url, mlflow_store_identity, run_checks
+
+
+def remember_mlflow_store(app: FastAPI) -> None:
+    """Note which MLflow store the coordinator started with (after it opened it)."""
+    app.state.mlflow_identity = mlflow_store_identity(app.state.coordinator.settings.mlflow_uri)
+
+
+def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
+    """200 with status ok or degraded (a component failed, the API still works); 503 when the
+    app database is down."""
+    import ray
+
+    c = app.state.coordinator
+    if getattr(app.state, "mlflow_identity", None) is None:  # MLflow was away at start
+        remember_mlflow_store(app)
+
+    def dispatcher() -> Check:
+        error = c.dispatcher.last_error if c.dispatcher else None
+        if error:
+            return Check("dispatcher", False, f"last tick failed: {error[:300]}",
+                         "see the server log; the loop retries on its own")
+        return Check("dispatcher", True, "running" if c.dispatcher else "off (API only)")
+
+    checks = run_checks(c.settings, deep=deep, connect_ray=False, engine=c.store.engine,
+                        mlflow_started_with=app.state.mlflow_identity, extra=[dispatcher])
+    db_ok = checks[0].ok
+    ray_on = ray.is_initialized()
+    body: dict[str, Any] = {
+        "status": "ok" if all(ch.ok for ch in checks) else ("degraded" if db_ok else "down"),
+        "database": c.store.url_safe,
+        "ray": ray_on,
+        "ray_address": ray.get_runtime_context().gcs_address if ray_on else None,
+        "dispatcher_error": c.dispatcher.last_error if c.dispatcher else None,
+        "mlflow_uri": mask_url(c.settings.mlflow_uri),
+        "components": [ch.to_dict() for ch in checks],
+    }
+    return JSONResponse(status_code=200 if db_ok else 503, content=body)

@@ -1,0 +1,373 @@
+"""Health of every component the coordinator depends on: one `Check` per component.
+
+`hpt doctor` runs them from the coordinator's settings (a process of its own); `GET /health`
+runs the same ones inside the server, against the connections it holds, plus a comparison
+with the MLflow store it started with (a deleted or replaced `mlflow.db` shows up). Every
+URL in a check's text has its credentials masked.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import hptransfer
+from hptransfer.config import Settings
+
+from .db.engine import current_revision, make_engine, packaged_head
+from .mlflow.params import normalize_tracking_uri, sqlite_path
+
+HTTP_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 60.0  # a busy node needs a few seconds to start a worker process
+_SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None  # what to do when it failed
+
+    def line(self) -> str:
+        text = f"{'ok  ' if self.ok else 'FAIL'}  {self.name:<10} {self.detail}"
+        return text if self.ok or not self.fix else f"{text}\n      -> {self.fix}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def mask_url(url: str | None) -> str | None:
+    """The URL with any password (user:pw@) and secret-looking query values replaced by ***."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "***"
+    netloc = parts.netloc
+    if "@" in netloc:
+        creds, host = netloc.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in creds else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_KEYS) else v)
+                           for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+# ------------------------------------------------------------------------------ databases
+
+
+def check_database(url: str, engine: Any | None = None) -> Check:
+    """The app database answers and its schema is at the packaged Alembic head."""
+    shown = mask_url(url)
+    try:
+        own = engine is None
+        engine = engine or make_engine(url)
+        try:
+            rev = current_revision(engine)
+        finally:
+            if own:
+                engine.dispose()
+    except Exception as exc:
+        return Check("database", False, f"{shown} unreachable ({_short(exc)})",
+                     "start the database server or fix HPT_DATABASE_URL")
+    head = packaged_head()
+    if rev != head:
+        return Check("database", False, f"{shown} at revision {rev}, this package needs {head}",
+                     "start `hpt serve` once with this package version (it migrates on start) "
+                     "or install the version that wrote the database")
+    return Check("database", True, f"{shown} (migrations at head {head})")
+
+
+def check_optuna(url: str) -> Check:
+    shown = mask_url(url)
+    try:
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        return Check("optuna", False, f"{shown} unreachable ({_short(exc)})",
+                     "start the database server or fix HPT_OPTUNA_URL")
+    return Check("optuna", True, f"{shown} reachable")
+
+
+# ------------------------------------------------------------------------------ MLflow
+
+
+def mlflow_store_identity(uri: str) -> str | None:
+    """What tells one MLflow store from another: a SQLite file's device and inode, or a
+    server's default experiment (created once per backend store). None when unreachable."""
+    uri = normalize_tracking_uri(uri)
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            st = db.stat()
+        except OSError:
+            return None
+        return f"sqlite:{st.st_dev}:{st.st_ino}"
+    if uri.startswith(("http://", "https://")):
+        import httpx
+
+        try:
+            r = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get",
+                          params={"experiment_id": "0"}, timeout=HTTP_TIMEOUT_S)
+            r.raise_for_status()
+            exp = r.json()["experiment"]
+        except Exception:
+            return None
+        return f"server:{exp.get('creation_time')}:{exp.get('artifact_location')}"
+    return uri
+
+
+def check_mlflow(uri: str, artifacts: Path | None = None,
+                 started_with: str | None = None) -> Check:
+    """The tracking store answers, its version matches ours (major), artifacts are reachable,
+    and (inside the server) it is still the store the coordinator started with."""
+    import mlflow
+
+    uri = normalize_tracking_uri(uri)
+    shown = mask_url(uri)
+    db = sqlite_path(uri)
+    if db is not None:
+        if not db.exists():
+            return Check("mlflow", False, f"{shown}: the database file is gone",
+                         "restore the file from a backup or restart `hpt serve` to start a "
+                         "new store (records since then are in HPT_HOME/mlflow-outbox)")
+        detail = f"{shown} (SQLite, mlflow {mlflow.__version__})"
+        root = artifacts or db.parent / "mlartifacts"
+        if not os.access(root if root.exists() else root.parent, os.W_OK):
+            return Check("mlflow", False, f"{detail}: artifacts folder {root} not writable",
+                         "fix the permissions of the artifacts folder")
+    elif uri.startswith(("http://", "https://")):
+        import httpx
+
+        base = uri.rstrip("/")
+        try:
+            version = httpx.get(f"{base}/version", timeout=HTTP_TIMEOUT_S)
+            version.raise_for_status()
+            server = version.text.strip()
+        except Exception as exc:
+            return Check("mlflow", False, f"{shown} unreachable ({_short(exc)})",
+                         "start the MLflow server or fix MLFLOW_TRACKING_URI")
+        ours = mlflow.__version__
+        if server.split(".")[0] != ours.split(".")[0]:
+            return Check("mlflow", False, f"{shown} runs mlflow {server}, this client {ours}",
+                         f"run an MLflow {ours.split('.')[0]}.x server")
+        try:  # proxied artifact access (`mlflow server --artifacts-destination`)
+            r = httpx.get(f"{base}/api/2.0/mlflow-artifacts/artifacts", timeout=HTTP_TIMEOUT_S)
+            r.raise_for_status()
+        except Exception as exc:
+            return Check("mlflow", False, f"{shown} (mlflow {server}): artifact proxy not "
+                         f"available ({_short(exc)})",
+                         "start the server with --artifacts-destination (artifact serving on)")
+        detail = f"{shown} (server mlflow {server}, artifacts proxied)"
+    else:
+        detail = f"{shown} (mlflow {mlflow.__version__})"
+    if started_with is not None:
+        now = mlflow_store_identity(uri)
+        if now != started_with:
+            return Check("mlflow", False, f"{detail}: not the store the coordinator started "
+                         "with (deleted, replaced or re-created)",
+                         "restart `hpt serve` so it writes to the store that exists now")
+    return Check("mlflow", True, detail)
+
+
+# ------------------------------------------------------------------------------ Ray
+
+
+def _node_key(node: dict[str, Any]) -> tuple:
+    res = node.get("Resources") or {}
+    labels = tuple(sorted(k for k in res if not k.startswith(("node:", "accelerator_type"))
+                          and k not in ("CPU", "GPU", "memory", "object_store_memory")))
+    return (node.get("NodeManagerAddress"), labels, res.get("CPU", 0), res.get("GPU", 0))
+
+
+def _describe(node: dict[str, Any]) -> str:
+    res = node.get("Resources") or {}
+    labels = [k for k in _node_key(node)[1]]
+    head = " head" if "node:__internal_head__" in res else ""
+    text = (f"{node.get('NodeManagerAddress')} {str(node.get('NodeID'))[:8]}{head}: "
+            f"{res.get('CPU', 0):g} CPU, "
+            f"{res.get('GPU', 0):g} GPU")
+    return text + (f" [{', '.join(labels)}]" if labels else "")
+
+
+def check_ray_nodes(nodes: list[dict[str, Any]], address: str | None) -> Check:
+    """Alive nodes and their resources; a dead node not replaced by a node with the same
+    address and labels fails the check (a worker host went away)."""
+    where = address or "in-process local cluster"
+    alive = [n for n in nodes if n.get("Alive")]
+    alive_keys = {_node_key(n) for n in alive}
+    lost = [n for n in nodes if not n.get("Alive") and _node_key(n) not in alive_keys]
+    summary = "; ".join(_describe(n) for n in alive)
+    if lost:
+        return Check("ray", False, f"{where}: node lost: {', '.join(_describe(n) for n in lost)}"
+                     f" (alive: {summary})",
+                     "restart the lost node (`ray start --address=HEAD:PORT ...`) on its host")
+    if not any((n.get("Resources") or {}).get("CPU") for n in alive):
+        return Check("ray", False, f"{where}: no node with CPUs ({summary})",
+                     "start a worker: `ray start --address=HEAD:PORT`")
+    return Check("ray", True, f"{where}: {len(alive)} nodes ({summary})")
+
+
+def _probe_node(roots: list[str], cache_dir: str) -> dict[str, Any]:
+    """Runs on one Ray node: what the trials there will see."""
+    import socket
+
+    import hptransfer as pkg
+
+    seen = {r: os.path.isdir(r) and os.access(r, os.R_OK) for r in roots}
+    cache = Path(cache_dir)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        cache_ok = os.access(cache, os.W_OK)
+    except OSError:
+        cache_ok = False
+    return {"host": socket.gethostname(), "version": pkg.__version__,
+            "python": "{}.{}".format(*sys.version_info[:2]), "roots": seen, "cache": cache_ok}
+
+
+def data_roots(settings: Settings) -> list[Path]:
+    """Where sweeps may read data from: the settings' roots where configured, else
+    $HPT_HOME/data (the embedded corpus ships inside the package)."""
+    roots = getattr(settings, "data_roots", None) or (settings.home / "data",)
+    return [Path(r) for r in roots]
+
+
+def probe_nodes(settings: Settings, nodes: list[dict[str, Any]],
+                timeout: float = PROBE_TIMEOUT_S) -> list[Check]:
+    """Package version and data visibility on every alive node (a zero-CPU task pinned to
+    each node). Returns the `workers` and `data` checks."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # a root the coordinator does not have either holds nothing to read: not checked
+    roots = [str(r) for r in data_roots(settings) if r.is_dir()]
+    probe = ray.remote(num_cpus=0, max_retries=0)(_probe_node)
+    alive = [n for n in nodes if n.get("Alive")]
+    refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n["NodeID"], soft=False)).remote(roots, str(settings.cache_dir)): n for n in alive}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+    ours, py = hptransfer.__version__, "{}.{}".format(*sys.version_info[:2])
+    bad_pkg, bad_data, seen = [], [], []
+    for ref, node in refs.items():
+        name = _describe(node).split(":")[0]
+        if ref not in ready:
+            bad_pkg.append(f"{name}: no answer in {timeout:.0f}s")
+            continue
+        try:
+            out = ray.get(ref)
+        except Exception as exc:
+            bad_pkg.append(f"{name}: {_short(exc)}")
+            continue
+        seen.append(f"{name} {out['version']}")
+        if out["version"] != ours or out["python"] != py:
+            bad_pkg.append(f"{name}: hptransfer {out['version']} python {out['python']}")
+        missing = [r for r, ok in out["roots"].items() if not ok]
+        if missing:
+            bad_data.append(f"{name} cannot read {', '.join(missing)}")
+        if not out["cache"]:
+            bad_data.append(f"{name} cannot write the cache {settings.cache_dir}")
+    for ref in refs:
+        if ref not in ready:
+            ray.cancel(ref, force=True)
+    workers = (Check("workers", False, f"coordinator has hptransfer {ours}, python {py}; "
+                     + "; ".join(bad_pkg),
+                     "install the coordinator's hptransfer version (and Python) on every node")
+               if bad_pkg else
+               Check("workers", True, f"hptransfer {ours}, python {py} on all {len(seen)} nodes"))
+    data = (Check("data", False, "; ".join(bad_data),
+                  "mount the data roots and HPT_HOME/cache at the same paths on every node "
+                  "(or set HPT_DATA_ROOTS to what the workers see)")
+            if bad_data else
+            Check("data", True, f"{', '.join(roots) or 'no data roots'} and the cache "
+                  "visible on every node"))
+    return [workers, data]
+
+
+# ------------------------------------------------------------------------------ doctor
+
+
+def check_api(url: str) -> Check:
+    """The coordinator's API answers /health (its own report is in `components` there)."""
+    import httpx
+
+    shown = mask_url(url)
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/health", timeout=HTTP_TIMEOUT_S)
+        status = r.json().get("status")
+    except Exception as exc:
+        return Check("api", False, f"{shown} unreachable ({_short(exc)})",
+                     "start `hpt serve` (see its log) or fix HPT_URL")
+    if r.status_code != 200:
+        return Check("api", False, f"{shown} answers {r.status_code} ({status})",
+                     "see GET /health and the server log")
+    return Check("api", True, f"{shown} answers ({status})")
+
+
+def _ray_checks(settings: Settings, deep: bool, connect: bool) -> list[Check]:
+    import ray
+
+    if not ray.is_initialized():
+        if not connect:
+            return [Check("ray", False, "not initialised", "restart `hpt serve`")]
+        if not settings.ray_address:
+            return [Check("ray", True, "no RAY_ADDRESS: `hpt serve` starts an in-process "
+                          "cluster on this machine"), *_local_checks(settings)]
+        try:  # (importing hptransfer.sweeper prepared Ray's token auth)
+            ray.init(address=settings.ray_address, log_to_driver=False,
+                     configure_logging=False, logging_level="error")
+        except Exception as exc:
+            return [Check("ray", False, f"{settings.ray_address} unreachable ({_short(exc)})",
+                          "start the Ray head, join this host with `ray start --address=HEAD:"
+                          "PORT --num-cpus=0`, or fix RAY_ADDRESS (and RAY_AUTH_TOKEN)")]
+    try:
+        nodes = ray.nodes()
+    except Exception as exc:
+        return [Check("ray", False, f"cluster state unavailable ({_short(exc)})",
+                      "check the Ray head is running")]
+    checks = [check_ray_nodes(nodes, settings.ray_address)]
+    if deep:
+        checks += probe_nodes(settings, nodes)
+    return checks
+
+
+def _local_checks(settings: Settings) -> list[Check]:
+    out = _probe_node([str(r) for r in data_roots(settings) if r.is_dir()],
+                      str(settings.cache_dir))
+    missing = [r for r, ok in out["roots"].items() if not ok]
+    ok = not missing and out["cache"]
+    return [Check("data", ok, "data roots and cache visible" if ok else
+                  f"cannot read {', '.join(missing) or '-'}; cache writable: {out['cache']}",
+                  None if ok else "create the data roots / fix their permissions")]
+
+
+def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = True,
+               engine: Any | None = None, mlflow_started_with: str | None = None,
+               extra: Iterable[Callable[[], Check]] = ()) -> list[Check]:
+    """Every component's check, in dependency order."""
+    checks = [
+        check_database(settings.database_url, engine),
+        check_optuna(settings.optuna_url),
+        check_mlflow(settings.mlflow_uri, settings.mlflow_artifacts, mlflow_started_with),
+        *_ray_checks(settings, deep, connect_ray),
+    ]
+    checks += [fn() for fn in extra]
+    return checks

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Stops what scripts/cluster_up.sh started (same HPT_CLUSTER_DIR), coordinator first so it
+# shuts down cleanly while Ray is still there. Data (PostgreSQL, MLflow artifacts) is kept;
+# `--purge` deletes the directory as well. `cluster_down.sh NAME...` stops only those
+# components (coordinator, ray-coordinator, ray-worker, ray-head, mlflow, postgres).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DIR=${HPT_CLUSTER_DIR:-$ROOT/.hpt/cluster}
+PURGE=0
+NAMES=()
+for arg in "$@"; do
+  case $arg in
+    --purge) PURGE=1 ;;
+    coordinator|ray-coordinator|ray-worker|ray-head|mlflow|postgres) NAMES+=("$arg") ;;
+    *) echo "cluster_down: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+[ ${#NAMES[@]} -gt 0 ] || NAMES=(coordinator ray-coordinator ray-worker ray-head mlflow postgres)
+if [ ! -d "$DIR" ]; then echo "cluster_down: nothing at $DIR" >&2; exit 0; fi
+# shellcheck disable=SC1091
+[ -f "$DIR/state" ] && source "$DIR/state"
+
+stop_group() {  # stop_group NAME: SIGTERM its session, SIGKILL what is left after 20 s
+  local name=$1 pid
+  pid=$(cat "$DIR/pids/$name" 2>/dev/null) || return 0
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    echo "cluster_down: stopped $name" >&2
+  fi
+  rm -f "$DIR/pids/$name"
+}
+stop_ray_leftovers() {  # Ray daemons that left the session: found by their node's temp dir
+  local tmp=$1 pids
+  [ -n "$tmp" ] || return 0
+  pids=$(pgrep -f -- "$tmp" || true)
+  [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+}
+
+for name in "${NAMES[@]}"; do
+  case $name in
+    postgres)
+      if [ -f "$DIR/pg/PG_VERSION" ]; then
+        PG_BIN=${HPT_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)}
+        [ -n "$PG_BIN" ] || PG_BIN=$(dirname "$(command -v pg_ctl)")
+        if [ "$(id -u)" = 0 ]; then run=(runuser -u postgres --); else run=(); fi
+        if "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" status >/dev/null 2>&1; then
+          "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m fast -w stop >/dev/null
+          echo "cluster_down: stopped postgres" >&2
+        fi
+      fi ;;
+    ray-head|ray-worker|ray-coordinator)
+      stop_group "$name"
+      stop_ray_leftovers "${RAY_TMP:+$RAY_TMP/$name}" ;;
+    *) stop_group "$name" ;;
+  esac
+done
+
+if [ $PURGE = 1 ]; then
+  [ -n "${RAY_TMP:-}" ] && stop_ray_leftovers "$RAY_TMP" && rm -rf "$RAY_TMP"
+  rm -rf "$DIR"
+  echo "cluster_down: removed $DIR" >&2
+fi

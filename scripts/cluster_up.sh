@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# The production topology of docker-compose.yml as separate local processes, on free ports,
+# under one directory (default .hpt/cluster, or $HPT_CLUSTER_DIR):
+#   postgres    its own PostgreSQL instance (initdb), databases hpt, optuna and mlflow
+#   mlflow      `mlflow server` on that PostgreSQL, proxied artifacts (--artifacts-destination)
+#   ray-head    `ray start --head`
+#   ray-worker  `ray start --address=HEAD` with its own resource label (hpt_worker)
+#   coordinator `ray start --address=HEAD --num-cpus=0` + `hpt serve` with a token
+# Idempotent: a component already running is left alone, a stopped one is started again with
+# the same ports, password and token. `source DIR/env` gives a shell the coordinator's
+# settings (hpt status, hpt doctor, the Python client). Stop it all: scripts/cluster_down.sh.
+set -euo pipefail
+# The daemons started below must not inherit the caller's descriptors (a `flock` held around
+# this script would otherwise stay held by PostgreSQL for as long as it runs).
+for fd in /proc/$$/fd/*; do
+  fd=${fd##*/}
+  if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-" 2>/dev/null || true; fi
+done
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DIR=${HPT_CLUSTER_DIR:-$ROOT/.hpt/cluster}
+HEAD_CPUS=${HPT_HEAD_CPUS:-1}
+WORKER_CPUS=${HPT_WORKER_CPUS:-1}
+OBJECT_STORE_BYTES=${HPT_RAY_OBJECT_STORE_BYTES:-200000000}  # small: 2 cores, 3 raylets
+MLFLOW_WORKERS=${HPT_MLFLOW_WORKERS:-1}
+TIMEOUT=${HPT_CLUSTER_TIMEOUT:-180}
+
+die() { echo "cluster_up: error: $*" >&2; exit 1; }
+say() { echo "cluster_up: $*" >&2; }
+
+# ---------------------------------------------------------------- programs
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+  PY=$ROOT/.venv/bin/python
+else
+  say "no .venv yet: running scripts/setup.sh"
+  bash "$ROOT/scripts/setup.sh"
+  PY=$ROOT/.venv/bin/python
+fi
+BIN=$(dirname "$PY")
+for prog in ray mlflow hpt; do
+  [ -x "$BIN/$prog" ] || die "$BIN/$prog not found: install the package (scripts/setup.sh)"
+done
+PG_BIN=${HPT_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)}
+if [ -z "$PG_BIN" ] && command -v initdb >/dev/null 2>&1; then PG_BIN=$(dirname "$(command -v initdb)"); fi
+[ -n "$PG_BIN" ] && [ -x "$PG_BIN/initdb" ] || die "PostgreSQL server programs (initdb, pg_ctl) \
+not found: install PostgreSQL 15 (apt-get install postgresql) or set HPT_PG_BIN"
+
+mkdir -p "$DIR/logs" "$DIR/pids" "$DIR/mlartifacts" "$DIR/hpt/data"
+DIR=$(cd "$DIR" && pwd)
+
+# ---------------------------------------------------------------- state: ports and secrets
+# Chosen once and kept, so a restarted component comes back where the others expect it.
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+secret() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
+if [ ! -f "$DIR/state" ]; then
+  umask 077
+  {
+    echo "PG_PORT=$(free_port)"
+    echo "MLFLOW_PORT=$(free_port)"
+    echo "RAY_PORT=$(free_port)"
+    echo "RAY_DASHBOARD_PORT=$(free_port)"
+    echo "RAY_CLIENT_PORT=$(free_port)"
+    for n in HEAD WORKER COORD; do echo "RAY_AGENT_PORT_$n=$(free_port)"; done
+    echo "API_PORT=$(free_port)"
+    echo "PG_PASSWORD=$(secret)"
+    echo "API_TOKEN=${HPT_API_TOKEN:-$(secret)}"
+    echo "RAY_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(32))')"
+    # short: Ray's unix socket paths under it are limited to 107 characters
+    echo "RAY_TMP=$(mktemp -d /tmp/hptray.XXXXXX)"
+  } > "$DIR/state.tmp"
+  mv "$DIR/state.tmp" "$DIR/state"
+  umask 022
+fi
+# shellcheck disable=SC1091
+source "$DIR/state"
+mkdir -p "$RAY_TMP"
+
+PG_URL=postgresql://hpt:$PG_PASSWORD@127.0.0.1:$PG_PORT
+RAY_ADDRESS_=127.0.0.1:$RAY_PORT
+umask 077
+cat > "$DIR/env" <<EOF
+# the coordinator's settings: source this file to use the local cluster from a shell
+export HPT_HOME=$DIR/hpt
+export HPT_DATABASE_URL=$PG_URL/hpt
+export HPT_OPTUNA_URL=$PG_URL/optuna
+export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT
+export RAY_ADDRESS=$RAY_ADDRESS_
+export HPT_API_TOKEN=$API_TOKEN
+export HPT_URL=http://127.0.0.1:$API_PORT
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN=$RAY_TOKEN
+EOF
+umask 022
+
+# ---------------------------------------------------------------- process helpers
+alive() {  # alive NAME: its recorded process (group leader) runs
+  local pid
+  pid=$(cat "$DIR/pids/$1" 2>/dev/null) || return 1
+  kill -0 "$pid" 2>/dev/null
+}
+start_bg() {  # start_bg NAME CMD...: in a session of its own, so cluster_down stops it whole
+  local name=$1; shift
+  setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
+  echo $! > "$DIR/pids/$name"
+}
+wait_for() {  # wait_for NAME DESCRIPTION CHECK...: poll CHECK until it succeeds
+  local name=$1 what=$2; shift 2
+  local deadline=$((SECONDS + TIMEOUT))
+  until "$@" >/dev/null 2>&1; do
+    if [ -f "$DIR/pids/$name" ] && ! alive "$name"; then
+      tail -n 30 "$DIR/logs/$name.log" >&2 || true
+      die "$name exited before $what (log: $DIR/logs/$name.log)"
+    fi
+    [ $SECONDS -lt $deadline ] || { tail -n 30 "$DIR/logs/$name.log" >&2 || true
+      die "$name: no $what after ${TIMEOUT}s (log: $DIR/logs/$name.log)"; }
+    sleep 1
+  done
+}
+http_ok() { "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1"; }
+log_has() { grep -q "$2" "$DIR/logs/$1.log"; }
+
+# ---------------------------------------------------------------- PostgreSQL
+# PostgreSQL refuses to run as root: as root the instance belongs to the postgres user.
+if [ "$(id -u)" = 0 ]; then
+  id postgres >/dev/null 2>&1 || die "running as root needs the 'postgres' system user"
+  as_pg() { runuser -u postgres -- "$@"; }
+else
+  as_pg() { "$@"; }
+fi
+PGDATA=$DIR/pg
+if [ ! -f "$PGDATA/PG_VERSION" ]; then
+  say "initialising PostgreSQL in $PGDATA"
+  mkdir -p "$PGDATA"
+  chmod 700 "$PGDATA"
+  [ "$(id -u)" = 0 ] && chown postgres "$PGDATA"
+  as_pg test -w "$PGDATA" || die "the postgres user cannot write $PGDATA: pick an \
+HPT_CLUSTER_DIR whose parents it can enter (not a mode-700 folder of root)"
+  pwfile=$(mktemp)
+  echo "$PG_PASSWORD" > "$pwfile"
+  chmod 644 "$pwfile"
+  as_pg "$PG_BIN/initdb" -D "$PGDATA" -U hpt --pwfile="$pwfile" --auth=scram-sha-256 \
+    -E UTF8 >"$DIR/logs/postgres-init.log" 2>&1 || { rm -f "$pwfile"
+    die "initdb failed (log: $DIR/logs/postgres-init.log)"; }
+  rm -f "$pwfile"
+fi
+if as_pg "$PG_BIN/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+  say "postgres already running"
+else
+  touch "$DIR/logs/postgres.log"
+  [ "$(id -u)" = 0 ] && chown postgres "$DIR/logs/postgres.log"
+  # TCP on loopback only, no unix socket (its path length is limited)
+  as_pg "$PG_BIN/pg_ctl" -D "$PGDATA" -l "$DIR/logs/postgres.log" -w -t "$TIMEOUT" \
+    -o "-p $PG_PORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=''" start \
+    >/dev/null || { tail -n 20 "$DIR/logs/postgres.log" >&2; die "PostgreSQL did not start"; }
+fi
+wait_for postgres "connections" "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"
+for db in hpt optuna mlflow; do  # separate databases: all three use an alembic_version table
+  exists=$(PGPASSWORD=$PG_PASSWORD "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U hpt -d postgres \
+    -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'")
+  [ "$exists" = 1 ] || PGPASSWORD=$PG_PASSWORD "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" \
+    -U hpt "$db"
+done
+
+# ---------------------------------------------------------------- MLflow server
+if alive mlflow; then
+  say "mlflow already running"
+else
+  start_bg mlflow "$BIN/mlflow" server \
+    --backend-store-uri "postgresql+psycopg://hpt:$PG_PASSWORD@127.0.0.1:$PG_PORT/mlflow" \
+    --artifacts-destination "$DIR/mlartifacts" --host 127.0.0.1 --port "$MLFLOW_PORT" \
+    --workers "$MLFLOW_WORKERS" --allowed-hosts "127.0.0.1:$MLFLOW_PORT,localhost:$MLFLOW_PORT"
+fi
+
+# ---------------------------------------------------------------- Ray head and worker
+# Each node its own temp dir (under RAY_TMP, so cluster_down finds every process of it) and
+# its own agent port; the worker is told apart by its resource label, as a GPU host would be.
+# Token authentication with this cluster's own token; every node on loopback only.
+unset RAY_ADDRESS
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN
+if alive ray-head; then
+  say "ray-head already running"
+else
+  start_bg ray-head "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
+    --num-cpus="$HEAD_CPUS" \
+    --num-gpus=0 --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
+    --ray-client-server-port="$RAY_CLIENT_PORT" \
+    --dashboard-agent-listen-port="$RAY_AGENT_PORT_HEAD" \
+    --object-store-memory="$OBJECT_STORE_BYTES" --temp-dir="$RAY_TMP/ray-head" \
+    --disable-usage-stats --block
+fi
+wait_for ray-head "a running Ray head" log_has ray-head "Ray runtime started"
+
+join_ray() {  # join_ray NAME AGENT_PORT ARGS...
+  local name=$1 agent=$2; shift 2
+  if alive "$name"; then say "$name already running"; return; fi
+  start_bg "$name" "$BIN/ray" start --address="$RAY_ADDRESS_" --node-ip-address=127.0.0.1 \
+    --dashboard-agent-listen-port="$agent" --object-store-memory="$OBJECT_STORE_BYTES" \
+    --temp-dir="$RAY_TMP/$name" --disable-usage-stats --block "$@"
+}
+join_ray ray-worker "$RAY_AGENT_PORT_WORKER" --num-cpus="$WORKER_CPUS" \
+  --resources='{"hpt_worker": 1}'
+# the coordinator's own raylet: no CPUs, so no trial lands beside the API
+join_ray ray-coordinator "$RAY_AGENT_PORT_COORD" --num-cpus=0 --num-gpus=0
+wait_for ray-worker "a Ray node joined to the head" log_has ray-worker "Ray runtime started"
+wait_for ray-coordinator "a Ray node joined to the head" \
+  log_has ray-coordinator "Ray runtime started"
+wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
+
+# ---------------------------------------------------------------- coordinator
+if alive coordinator; then
+  say "coordinator already running"
+else
+  # shellcheck disable=SC1091
+  (source "$DIR/env" && exec setsid "$BIN/hpt" serve --host 127.0.0.1 --port "$API_PORT") \
+    >>"$DIR/logs/coordinator.log" 2>&1 </dev/null &
+  echo $! > "$DIR/pids/coordinator"
+fi
+wait_for coordinator "an answer on /health" http_ok "http://127.0.0.1:$API_PORT/health"
+
+cat <<EOF
+hptransfer local cluster up in $DIR
+  API (token in $DIR/env)   http://127.0.0.1:$API_PORT   (/docs, /dashboards, /health)
+  MLflow server             http://127.0.0.1:$MLFLOW_PORT
+  Ray dashboard             http://127.0.0.1:$RAY_DASHBOARD_PORT   (head 127.0.0.1:$RAY_PORT)
+  PostgreSQL                postgresql://hpt:***@127.0.0.1:$PG_PORT/{hpt,optuna,mlflow}
+  logs                      $DIR/logs/
+use it:   source $DIR/env && hpt doctor && hpt submit examples/cpu_small.yaml --wait
+stop it:  bash scripts/cluster_down.sh
+EOF
