@@ -32,7 +32,8 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
                          "see the server log; the loop retries on its own")
         return Check("dispatcher", True, "running" if c.dispatcher else "off (API only)")
 
-    checks = run_checks(c.settings, deep=deep, connect_ray=False, engine=c.store.engine,
+    checks = run_checks(c.settings, deep=deep, connect_ray=False,
+                        use_ray=c.dispatcher is not None, engine=c.store.engine,
                         mlflow_started_with=app.state.mlflow_identity, extra=[dispatcher])
     db_ok = checks[0].ok
     ray_on = ray.is_initialized()

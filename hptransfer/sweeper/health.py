@@ -178,7 +178,17 @@ def check_mlflow(uri: str, artifacts: Path | None = None,
                          f"available ({_short(exc)})",
                          "start the server with --artifacts-destination (artifact serving on)")
         detail = f"{shown} (server mlflow {server}, artifacts proxied)"
-    else:
+    else:  # a database URL: MLflow opens it itself
+        try:
+            engine = make_engine(uri)
+            try:
+                with engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+            finally:
+                engine.dispose()
+        except Exception as exc:
+            return Check("mlflow", False, f"{shown} unreachable ({_short(exc)})",
+                         "start the database server or fix MLFLOW_TRACKING_URI")
         detail = f"{shown} (mlflow {mlflow.__version__})"
     if started_with is not None:
         now = mlflow_store_identity(uri)
@@ -360,14 +370,16 @@ def _local_checks(settings: Settings) -> list[Check]:
 
 
 def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = True,
-               engine: Any | None = None, mlflow_started_with: str | None = None,
+               use_ray: bool = True, engine: Any | None = None,
+               mlflow_started_with: str | None = None,
                extra: Iterable[Callable[[], Check]] = ()) -> list[Check]:
-    """Every component's check, in dependency order."""
+    """Every component's check, in dependency order (`use_ray=False`: an API-only server)."""
     checks = [
         check_database(settings.database_url, engine),
         check_optuna(settings.optuna_url),
         check_mlflow(settings.mlflow_uri, settings.mlflow_artifacts, mlflow_started_with),
-        *_ray_checks(settings, deep, connect_ray),
+        *(_ray_checks(settings, deep, connect_ray) if use_ray
+          else [Check("ray", True, "not used (no dispatcher)")]),
     ]
     checks += [fn() for fn in extra]
     return checks
