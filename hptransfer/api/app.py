@@ -32,6 +32,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
             yield
         finally:
             app.state.coordinator.stop()
+            app.state.mlflow_store.close()
 
     app = FastAPI(
         title="hptransfer",

@@ -8,12 +8,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from hptransfer.sweeper.health import Check, mask_url, mlflow_store_identity, run_checks
+from hptransfer.sweeper.health import Check, MlflowStoreWatch, mask_url, run_checks
 
 
 def remember_mlflow_store(app: FastAPI) -> None:
     """Note which MLflow store the coordinator started with (after it opened it)."""
-    app.state.mlflow_identity = mlflow_store_identity(app.state.coordinator.settings.mlflow_uri)
+    app.state.mlflow_store = MlflowStoreWatch(app.state.coordinator.settings.mlflow_uri)
 
 
 def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
@@ -22,7 +22,7 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
     import ray
 
     c = app.state.coordinator
-    if getattr(app.state, "mlflow_identity", None) is None:  # MLflow was away at start
+    if getattr(app.state, "mlflow_store", None) is None:
         remember_mlflow_store(app)
 
     def dispatcher() -> Check:
@@ -34,7 +34,7 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
 
     checks = run_checks(c.settings, deep=deep, connect_ray=False,
                         use_ray=c.dispatcher is not None, engine=c.store.engine,
-                        mlflow_started_with=app.state.mlflow_identity, extra=[dispatcher])
+                        mlflow_started_with=app.state.mlflow_store, extra=[dispatcher])
     db_ok = checks[0].ok
     ray_on = ray.is_initialized()
     body: dict[str, Any] = {

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import hptransfer
 from hptransfer.config import Settings
@@ -50,17 +50,19 @@ def mask_url(url: str | None) -> str | None:
         parts = urlsplit(url)
     except ValueError:
         return "***"
-    netloc = parts.netloc
-    if "@" in netloc:
-        creds, host = netloc.rsplit("@", 1)
+    out = url  # edited in place: urlunsplit would rewrite sqlite://// as sqlite://
+    if "@" in parts.netloc:
+        creds, host = parts.netloc.rsplit("@", 1)
         user = creds.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in creds else f"***@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_KEYS) else v)
-                           for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        out = out.replace(parts.netloc, f"{user}:***@{host}" if ":" in creds else f"***@{host}",
+                          1)
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if any(any(s in k.lower() for s in _SECRET_KEYS) for k, _ in pairs):
+            query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_KEYS) else v)
+                               for k, v in pairs], safe="*")
+            out = out.replace("?" + parts.query, "?" + query, 1)
+    return out
 
 
 def _short(exc: BaseException) -> str:
@@ -111,33 +113,62 @@ def check_optuna(url: str) -> Check:
 # ------------------------------------------------------------------------------ MLflow
 
 
-def mlflow_store_identity(uri: str) -> str | None:
-    """What tells one MLflow store from another: a SQLite file's device and inode, or a
-    server's default experiment (created once per backend store). None when unreachable."""
-    uri = normalize_tracking_uri(uri)
-    db = sqlite_path(uri)
-    if db is not None:
-        try:
-            st = db.stat()
-        except OSError:
-            return None
-        return f"sqlite:{st.st_dev}:{st.st_ino}"
-    if uri.startswith(("http://", "https://")):
-        import httpx
+def _server_identity(uri: str) -> str | None:
+    """A server's default experiment: created once per backend store."""
+    import httpx
 
-        try:
-            r = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get",
-                          params={"experiment_id": "0"}, timeout=HTTP_TIMEOUT_S)
-            r.raise_for_status()
-            exp = r.json()["experiment"]
-        except Exception:
-            return None
-        return f"server:{exp.get('creation_time')}:{exp.get('artifact_location')}"
-    return uri
+    try:
+        r = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get",
+                      params={"experiment_id": "0"}, timeout=HTTP_TIMEOUT_S)
+        r.raise_for_status()
+        exp = r.json()["experiment"]
+    except Exception:
+        return None
+    return f"{exp.get('creation_time')}:{exp.get('artifact_location')}"
+
+
+class MlflowStoreWatch:
+    """Remembers which MLflow store the coordinator started with. A SQLite file is held
+    open, so a deleted one is seen (link count 0) and its inode number cannot be reused by a
+    file re-created at the same path; a server is known by its default experiment."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = normalize_tracking_uri(uri)
+        self._db = sqlite_path(self.uri)
+        self._fd: int | None = None
+        self._server: str | None = None
+        self.remember()
+
+    def remember(self) -> None:
+        """Take the baseline if there is none yet (MLflow may have been away at start)."""
+        if self._db is not None and self._fd is None:
+            try:
+                self._fd = os.open(self._db, os.O_RDONLY)
+            except OSError:
+                pass
+        elif self.uri.startswith(("http://", "https://")) and self._server is None:
+            self._server = _server_identity(self.uri)
+
+    def same(self) -> bool:
+        if self._fd is not None:
+            held = os.fstat(self._fd)
+            try:
+                now = os.stat(self._db)
+            except OSError:
+                return False
+            return held.st_nlink > 0 and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        if self._server is not None:
+            return _server_identity(self.uri) in (None, self._server)  # None: unreachable
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def check_mlflow(uri: str, artifacts: Path | None = None,
-                 started_with: str | None = None) -> Check:
+                 started_with: MlflowStoreWatch | None = None) -> Check:
     """The tracking store answers, its version matches ours (major), artifacts are reachable,
     and (inside the server) it is still the store the coordinator started with."""
     import mlflow
@@ -191,8 +222,8 @@ def check_mlflow(uri: str, artifacts: Path | None = None,
                          "start the database server or fix MLFLOW_TRACKING_URI")
         detail = f"{shown} (mlflow {mlflow.__version__})"
     if started_with is not None:
-        now = mlflow_store_identity(uri)
-        if now != started_with:
+        started_with.remember()
+        if not started_with.same():
             return Check("mlflow", False, f"{detail}: not the store the coordinator started "
                          "with (deleted, replaced or re-created)",
                          "restart `hpt serve` so it writes to the store that exists now")
@@ -371,7 +402,7 @@ def _local_checks(settings: Settings) -> list[Check]:
 
 def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = True,
                use_ray: bool = True, engine: Any | None = None,
-               mlflow_started_with: str | None = None,
+               mlflow_started_with: MlflowStoreWatch | None = None,
                extra: Iterable[Callable[[], Check]] = ()) -> list[Check]:
     """Every component's check, in dependency order (`use_ray=False`: an API-only server)."""
     checks = [

@@ -1,0 +1,209 @@
+"""GET /health and `hpt doctor`: one check per component, credentials masked, a deleted
+MLflow store noticed; `hpt serve` stops cleanly on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+
+from hptransfer.api import create_app
+from hptransfer.api.server import free_port
+from hptransfer.cli import main
+from hptransfer.config import get_settings
+from hptransfer.sweeper.health import mask_url
+
+HPT = Path(sys.executable).with_name("hpt")
+
+
+@pytest.mark.parametrize("url,secret", [
+    ("postgresql://hpt:s3cret@db:5432/mlflow", "s3cret"),
+    ("postgresql+psycopg://u:p%40ss@h/x", "p%40ss"),
+    ("http://alice:hunter2@mlflow:5000", "hunter2"),
+    ("http://mlflow:5000/?token=abc123&x=1", "abc123"),
+    ("https://tok3n@mlflow.example.com", "tok3n"),
+])
+def test_mask_url_hides_every_credential(url, secret):
+    masked = mask_url(url)
+    assert secret not in masked and "***" in masked
+    assert masked.split("://")[0] == url.split("://")[0]
+
+
+def test_mask_url_keeps_urls_without_credentials():
+    assert mask_url("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert mask_url("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+
+
+@pytest.fixture
+def api(hpt_home):
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        yield c
+
+
+def _components(body: dict) -> dict:
+    return {c["name"]: c for c in body["components"]}
+
+
+def test_health_reports_every_component(api):
+    r = api.get("/health")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "ok", body
+    comps = _components(body)
+    assert {"database", "optuna", "mlflow", "ray", "dispatcher"} <= set(comps)
+    assert all(c["ok"] for c in comps.values())
+    assert "migrations at head" in comps["database"]["detail"]
+
+
+def test_health_notices_a_deleted_mlflow_store(api, hpt_home):
+    assert api.get("/health").json()["status"] == "ok"
+    db = hpt_home / "mlflow.db"
+    assert db.exists()
+    for path in hpt_home.glob("mlflow.db*"):
+        path.unlink()
+    body = api.get("/health").json()
+    mlflow = _components(body)["mlflow"]
+    assert body["status"] == "degraded"
+    assert not mlflow["ok"] and "gone" in mlflow["detail"] and mlflow["fix"]
+    db.write_bytes(b"")  # re-created by someone else: still not the store it started with
+    mlflow = _components(api.get("/health").json())["mlflow"]
+    assert not mlflow["ok"] and "not the store" in mlflow["detail"]
+
+
+def test_health_masks_the_mlflow_password(hpt_home, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "postgresql://hpt:t0psecret@127.0.0.1:9/mlflow")
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        r = api.get("/health")
+    assert "t0psecret" not in r.text
+    mlflow = _components(r.json())["mlflow"]
+    assert not mlflow["ok"] and "hpt:***@127.0.0.1:9" in mlflow["detail"]
+
+
+def test_health_is_503_naming_the_database_when_it_is_gone(hpt_home, monkeypatch):
+    from hptransfer.sweeper.db.engine import make_engine
+
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        # the server's connection now leads to a database that does not answer (port 9)
+        store = api.app.state.coordinator.store
+        monkeypatch.setattr(store, "engine", make_engine("postgresql://hpt:pw@127.0.0.1:9/hpt"))
+        r = api.get("/health")
+    assert r.status_code == 503
+    assert r.json()["status"] == "down"
+    assert not _components(r.json())["database"]["ok"]
+
+
+def test_doctor_names_the_failing_component_and_exits_nonzero(hpt_home, capsys):
+    # a fresh home: nothing migrated yet
+    assert main(["doctor", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  database" in out and "->" in out
+    # after a coordinator has started once, every check passes
+    with TestClient(create_app(get_settings(), dispatch=False)):
+        pass
+    assert main(["doctor", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert {line.split()[1] for line in out.splitlines() if line.startswith("ok")} >= {
+        "database", "optuna", "mlflow", "ray"}
+
+
+# ----------------------------------------------------------------------- clean shutdown
+
+
+def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "hpt serve did not start"
+        time.sleep(0.5)
+
+
+def _ray_processes(server: psutil.Process) -> list[psutil.Process]:
+    """Every process of the server's in-process Ray cluster: its descendants, plus any that
+    left the tree but name the server's session directory."""
+    procs = {p.pid: p for p in server.children(recursive=True)}
+    sessions = set()
+    for p in procs.values():
+        try:
+            for arg in p.cmdline():
+                if "session_" in arg and "/ray/" in arg:
+                    sessions.add(arg.split("session_", 1)[1].split("/", 1)[0])
+        except psutil.Error:
+            pass
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if any(f"session_{s}" in cmd for s in sessions):
+            procs.setdefault(p.pid, p)
+    return list(procs.values())
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, tmp_path,
+                                                                  tiny_spec):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HPT_HOME": str(hpt_home), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+
+    def serve() -> subprocess.Popen:
+        return subprocess.Popen([str(HPT), "serve", "--port", str(port)], env=env,
+                                stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+    proc = serve()
+    try:
+        _wait_health(url, proc, log)
+        spec = {**tiny_spec, "budget": {"steps": 400, "batch_size": 4}}
+        spec["grid"] = {**spec["grid"], "lrs": [2**-8, 2**-6]}
+        sweep = httpx.post(f"{url}/sweeps", json=spec, timeout=60).json()
+        deadline = time.time() + 180
+        while httpx.get(f"{url}/sweeps/{sweep['id']}", timeout=10).json()["counts"].get(
+                "running", 0) == 0:
+            assert time.time() < deadline, "no trial started"
+            time.sleep(0.5)
+        ray_procs = _ray_processes(psutil.Process(proc.pid))
+        assert any("raylet" in " ".join(p.cmdline()) for p in ray_procs)
+        proc.send_signal(sig)
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "shutdown complete" in text and "Application shutdown complete" in text
+        time.sleep(2)  # give any straggler a moment to show it would survive
+        survivors = [p for p in ray_procs if _alive(p)]
+        assert not survivors, [" ".join(p.cmdline())[:200] for p in survivors]
+        if sig != signal.SIGTERM:
+            return
+        # the trials it had in flight were left for the next start, which finishes them
+        proc = serve()
+        _wait_health(url, proc, log)
+        deadline = time.time() + 400
+        while (s := httpx.get(f"{url}/sweeps/{sweep['id']}", timeout=10).json())[
+                "status"] in ("pending", "running"):
+            assert time.time() < deadline, s
+            time.sleep(1)
+        assert s["status"] == "completed" and s["done"] == s["total"] == 2, s
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
