@@ -1,0 +1,253 @@
+"""The production topology as separate processes (scripts/cluster_up.sh): PostgreSQL, an
+MLflow server with proxied artifacts, a Ray head, a second Ray node, and `hpt serve` joining
+them with a token. Sweeps go through REST; results are read back from PostgreSQL, the MLflow
+server (over HTTP) and the Optuna storage. Then the worker node and the coordinator are
+killed mid-sweep and restarted: nothing is lost and nothing completes twice. Last, `hpt
+doctor` passes and names PostgreSQL, MLflow or the Ray worker when each is stopped.
+
+Slow (a few minutes on 2 cores); it runs in the normal test command.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hptransfer.client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+UP, DOWN = ROOT / "scripts" / "cluster_up.sh", ROOT / "scripts" / "cluster_down.sh"
+HPT = Path(sys.executable).with_name("hpt")
+PG_BIN = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def _script(path: Path, *args: str, env: dict[str, str]) -> str:
+    proc = subprocess.run(["bash", str(path), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{path.name} {args}: {proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not PG_BIN and not shutil.which("initdb"):
+        if os.environ.get("CI") == "true":
+            pytest.fail("PostgreSQL server programs (initdb) missing in CI")
+        pytest.skip("PostgreSQL server programs (initdb) not installed")
+    # under /tmp and world-enterable: as root, PostgreSQL runs as the postgres user
+    folder = Path(tempfile.mkdtemp(prefix="hptcl", dir="/tmp"))
+    folder.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HPT_", "RAY_", "MLFLOW_"))}
+    env.update(PYTHON=sys.executable, HPT_CLUSTER_DIR=str(folder / "c"), OMP_NUM_THREADS="1")
+    try:
+        out = _script(UP, env=env)
+        assert "API" in out and "MLflow server" in out
+        settings = dict(re.findall(r"^export (\w+)=(.*)$", (folder / "c" / "env").read_text(),
+                                   flags=re.M))
+        yield {"dir": folder / "c", "script_env": env, "env": {**env, **settings}, **settings}
+    finally:
+        subprocess.run(["bash", str(DOWN), "--purge"], env=env, capture_output=True,
+                       timeout=300)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _client(cluster) -> Client:
+    return Client(cluster["HPT_URL"], token=cluster["HPT_API_TOKEN"])
+
+
+def _raylet_node_id(cluster, name: str) -> str | None:
+    """The Ray node id of one of the cluster's raylets (found by its node's temp dir)."""
+    state = dict(re.findall(r"^(\w+)=(.*)$", (cluster["dir"] / "state").read_text(), re.M))
+    marker = f"{state['RAY_TMP']}/{name}/"
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "raylet" in (p.info["name"] or "") and marker in cmd:
+            found = re.search(r"--node_id=([0-9a-f]+)", cmd)
+            return found.group(1) if found else None
+    return None
+
+
+def _wait(client: Client, sweep_id: str, timeout: float = 900) -> dict:
+    return client.wait(sweep_id, poll=1.0, timeout=timeout, progress=False)
+
+
+def _store(cluster):
+    from hptransfer.sweeper.db.store import Store
+
+    return Store(cluster["HPT_DATABASE_URL"])
+
+
+def _mlflow(cluster):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=cluster["MLFLOW_TRACKING_URI"])
+
+
+def _artifact_paths(ml, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for f in ml.list_artifacts(run_id, path):
+        out += _artifact_paths(ml, run_id, f.path) if f.is_dir else [f.path]
+    return out
+
+
+def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
+    """Every finished trial has a run on the MLflow server with its status, final metrics
+    and curve; the sweep's run has the fits and the dashboard, behind the artifact proxy;
+    no trial has two finished runs."""
+    ml = _mlflow(cluster)
+    assert ml.tracking_uri.startswith("http://")
+    sweep = _store(cluster).get_sweep(sweep_id)
+    parent = ml.get_run(sweep["mlflow_run_id"])
+    assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
+    runs = ml.search_runs([sweep["mlflow_experiment_id"]], max_results=1000)
+    finished = Counter(r.data.tags.get("hpt.trial_id") for r in runs
+                       if r.info.status == "FINISHED" and r.info.run_id != parent.info.run_id)
+    for row in rows:
+        assert finished[row["id"]] == 1, (row["id"], finished)
+        run = ml.get_run(row["mlflow_run_id"])
+        assert run.info.status == "FINISHED"
+        assert run.data.metrics["final_val_loss"] == pytest.approx(row["final_val_loss"])
+        curve = ml.get_metric_history(run.info.run_id, "train_loss")
+        assert len(curve) >= 2
+    deadline = time.time() + 120  # the sweep's artifacts land just after its status
+    while True:
+        paths = _artifact_paths(ml, parent.info.run_id)
+        if any("fits" in p for p in paths) and any("dashboard" in p for p in paths):
+            break
+        assert time.time() < deadline, paths
+        time.sleep(2)
+    local = ml.download_artifacts(parent.info.run_id, next(p for p in paths if "fits" in p),
+                                  tempfile.mkdtemp(prefix="hptart"))
+    assert Path(local).stat().st_size > 0
+
+
+def _grid_spec(tiny_spec: dict, name: str, steps: int, lrs: list[float]) -> dict:
+    spec = {**tiny_spec, "name": name, "budget": {"steps": steps, "batch_size": 4},
+            "max_concurrent": 2, "retries": 2}
+    spec["grid"] = {**spec["grid"], "lrs": lrs}
+    return spec
+
+
+def test_grid_and_optuna_sweeps_run_across_the_cluster(cluster, tiny_spec):
+    worker = _raylet_node_id(cluster, "ray-worker")
+    head = _raylet_node_id(cluster, "ray-head")
+    assert worker and head and worker != head
+    grid = _grid_spec(tiny_spec, "cluster-grid", 10, [2**-10, 2**-8, 2**-6, 2**-4])
+    optuna = {**_grid_spec(tiny_spec, "cluster-optuna", 10, [2**-10, 2**-4]),
+              "search": {"method": "optuna", "sampler": "tpe", "n_trials": 3}}
+    with _client(cluster) as c:
+        with Client(cluster["HPT_URL"]) as anonymous:  # the token is required
+            with pytest.raises(RuntimeError):
+                anonymous.submit(grid)
+        ids = [c.submit(grid)["id"], c.submit(optuna)["id"]]
+        done = [_wait(c, i) for i in ids]
+    assert [d["status"] for d in done] == ["completed", "completed"], done
+    store = _store(cluster)
+    nodes = set()
+    for sweep_id, total in zip(ids, (4, 3), strict=True):
+        rows = store.trials(sweep_id, limit=None)  # read from PostgreSQL itself
+        assert len(rows) == total
+        assert {r["status"] for r in rows} <= {"completed", "diverged"}
+        assert all(r["result"] and r["final_val_loss"] is not None for r in rows)
+        nodes |= {r["result"]["ray_node_id"] for r in rows}
+        _check_in_mlflow(cluster, sweep_id, rows)
+    assert worker in nodes, (worker, nodes)  # the second node ran trials, not only the head
+    import optuna as optuna_lib
+
+    studies = [n for n in optuna_lib.get_all_study_names(cluster["HPT_OPTUNA_URL"])
+               if ids[1] in n]
+    assert len(studies) == 1
+    study = optuna_lib.load_study(study_name=studies[0], storage=cluster["HPT_OPTUNA_URL"])
+    assert len(study.trials) == 3
+
+
+def _kill_group(cluster, name: str) -> None:
+    pid = int((cluster["dir"] / "pids" / name).read_text())
+    os.killpg(pid, signal.SIGKILL)
+
+
+def _running_on(cluster, name: str, timeout: float = 300) -> None:
+    """Wait until a trial is training on the given Ray node (a task worker of its raylet)."""
+    state = dict(re.findall(r"^(\w+)=(.*)$", (cluster["dir"] / "state").read_text(), re.M))
+    marker = f"{state['RAY_TMP']}/{name}/"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if cmd.startswith("ray::execute_trial"):
+                try:
+                    parent = " ".join(p.parent().cmdline())
+                except (psutil.Error, AttributeError):
+                    continue
+                if marker in parent:
+                    return
+        time.sleep(0.5)
+    raise AssertionError(f"no trial running on {name}")
+
+
+def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
+    spec = _grid_spec(tiny_spec, "cluster-faults", 150,
+                      [2**-10, 2**-9, 2**-8, 2**-7, 2**-6, 2**-5])
+    with _client(cluster) as c:
+        sweep_id = c.submit(spec)["id"]
+        _running_on(cluster, "ray-worker")
+        _kill_group(cluster, "ray-worker")  # the worker host dies mid-trial
+        _script(UP, env=cluster["script_env"])  # and comes back
+        deadline = time.time() + 600
+        while c.get(sweep_id)["counts"].get("running", 0) == 0:
+            assert time.time() < deadline
+            time.sleep(0.5)
+        _kill_group(cluster, "coordinator")  # the coordinator dies mid-sweep
+        _script(UP, env=cluster["script_env"])
+    with _client(cluster) as c:
+        done = _wait(c, sweep_id)
+    assert done["status"] == "completed", done
+    rows = _store(cluster).trials(sweep_id, limit=None)
+    assert len(rows) == 6 and {r["status"] for r in rows} <= {"completed", "diverged"}
+    assert len({r["lr"] for r in rows}) == 6  # every grid point once
+    assert max(r["attempts"] for r in rows) >= 2  # something was really re-run
+    _check_in_mlflow(cluster, sweep_id, rows)
+
+
+def _doctor(cluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(HPT), "doctor", *args], env=cluster["env"], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("component,check", [
+    ("postgres", "database"), ("mlflow", "mlflow"), ("ray-worker", "ray")])
+def test_doctor_passes_and_names_a_stopped_component(cluster, component, check):
+    ok = _doctor(cluster)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "FAIL" not in ok.stdout
+    assert {"database", "optuna", "mlflow", "ray", "workers", "data", "api"} <= {
+        line.split()[1] for line in ok.stdout.splitlines() if line.startswith("ok")}
+    _script(DOWN, component, env=cluster["script_env"])
+    try:
+        deadline = time.time() + 120
+        while True:  # a stopped Ray node takes the head a moment to notice
+            bad = _doctor(cluster, "--quick")
+            if f"FAIL  {check}" in bad.stdout:
+                break
+            assert time.time() < deadline, bad.stdout
+            time.sleep(3)
+        assert bad.returncode == 1
+        assert "->" in bad.stdout  # says what to do
+        assert cluster["HPT_API_TOKEN"] not in bad.stdout
+        assert cluster["HPT_DATABASE_URL"].split("@")[0].split(":")[-1] not in bad.stdout
+    finally:
+        _script(UP, env=cluster["script_env"])
