@@ -117,6 +117,11 @@ wait_for() {  # wait_for NAME DESCRIPTION CHECK...: poll CHECK until it succeeds
     sleep 1
   done
 }
+clear_node() {  # clear_node NAME: what a killed Ray node left behind (found by its temp dir)
+  local pids
+  pids=$(pgrep -f -- "$RAY_TMP/$1/" || true)
+  [ -z "$pids" ] || { say "clearing leftovers of $1"; kill -KILL $pids 2>/dev/null || true; }
+}
 http_ok() { "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1"; }
 log_has() { grep -q "$2" "$DIR/logs/$1.log"; }
 
@@ -181,6 +186,7 @@ export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN
 if alive ray-head; then
   say "ray-head already running"
 else
+  clear_node ray-head
   start_bg ray-head "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
     --num-cpus="$HEAD_CPUS" \
     --num-gpus=0 --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
@@ -194,6 +200,7 @@ wait_for ray-head "a running Ray head" log_has ray-head "Ray runtime started"
 join_ray() {  # join_ray NAME AGENT_PORT ARGS...
   local name=$1 agent=$2; shift 2
   if alive "$name"; then say "$name already running"; return; fi
+  clear_node "$name"
   start_bg "$name" "$BIN/ray" start --address="$RAY_ADDRESS_" --node-ip-address=127.0.0.1 \
     --dashboard-agent-listen-port="$agent" --object-store-memory="$OBJECT_STORE_BYTES" \
     --temp-dir="$RAY_TMP/$name" --disable-usage-stats --block "$@"

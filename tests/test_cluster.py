@@ -120,7 +120,8 @@ def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
         assert finished[row["id"]] == 1, (row["id"], finished)
         run = ml.get_run(row["mlflow_run_id"])
         assert run.info.status == "FINISHED"
-        assert run.data.metrics["final_val_loss"] == pytest.approx(row["final_val_loss"])
+        if row["final_val_loss"] is not None:
+            assert run.data.metrics["final_val_loss"] == pytest.approx(row["final_val_loss"])
         curve = ml.get_metric_history(run.info.run_id, "train_loss")
         assert len(curve) >= 2
     deadline = time.time() + 120  # the sweep's artifacts land just after its status
@@ -146,8 +147,8 @@ def test_grid_and_optuna_sweeps_run_across_the_cluster(cluster, tiny_spec):
     worker = _raylet_node_id(cluster, "ray-worker")
     head = _raylet_node_id(cluster, "ray-head")
     assert worker and head and worker != head
-    grid = _grid_spec(tiny_spec, "cluster-grid", 10, [2**-10, 2**-8, 2**-6, 2**-4])
-    optuna = {**_grid_spec(tiny_spec, "cluster-optuna", 10, [2**-10, 2**-4]),
+    grid = _grid_spec(tiny_spec, "cluster-grid", 10, [2**-10, 2**-9, 2**-8, 2**-7])
+    optuna = {**_grid_spec(tiny_spec, "cluster-optuna", 10, [2**-10, 2**-6]),
               "search": {"method": "optuna", "sampler": "tpe", "n_trials": 3}}
     with _client(cluster) as c:
         with Client(cluster["HPT_URL"]) as anonymous:  # the token is required
@@ -162,7 +163,8 @@ def test_grid_and_optuna_sweeps_run_across_the_cluster(cluster, tiny_spec):
         rows = store.trials(sweep_id, limit=None)  # read from PostgreSQL itself
         assert len(rows) == total
         assert {r["status"] for r in rows} <= {"completed", "diverged"}
-        assert all(r["result"] and r["final_val_loss"] is not None for r in rows)
+        assert all(r["result"] for r in rows)
+        assert all(r["final_val_loss"] is not None for r in rows if r["status"] == "completed")
         nodes |= {r["result"]["ray_node_id"] for r in rows}
         _check_in_mlflow(cluster, sweep_id, rows)
     assert worker in nodes, (worker, nodes)  # the second node ran trials, not only the head
