@@ -13,7 +13,7 @@ import pandas as pd
 import yaml
 
 DEFAULT_URL = "http://127.0.0.1:8600"
-TERMINAL_SWEEP = ("completed", "cancelled", "failed")
+TERMINAL_SWEEP = ("completed", "cancelled", "failed", "stopped")
 
 
 class ApiError(RuntimeError):
