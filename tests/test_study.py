@@ -261,3 +261,68 @@ def test_api_rejects_a_bad_stage_spec_with_the_field(server):
         c.submit(bad)
     assert exc.value.status == 422
     assert [e["field"] for e in exc.value.errors] == ["stages.transfer.shapes[0].width"]
+
+
+# ------------------------------------------------------------------ fits per stage
+
+
+def test_study_report_takes_each_fit_from_its_stage():
+    from hptransfer.analysis.staged import STAGE_SOURCES, study_fit_report, transfer_check
+
+    rows = []
+    centre = {"gpt/sp": -8.0, "gpt/completep": -7.0}
+    moved = {"gpt/sp": -0.4, "gpt/completep": 0.0}  # true shift of η* at the check shape
+
+    def add(stage, arm, w, d, lr, loss, flops=np.nan, params=np.nan):
+        rows.append(dict(trial_id=f"t{len(rows)}", arm=arm, width=w, depth=d, lr=lr,
+                         sigma_base=0.02, seed=0, status="completed", final_val_loss=loss,
+                         stage=stage, flops=flops, tokens=np.nan,
+                         params_non_embedding=params, params_embedding=0.0,
+                         parameterization=arm.split("/")[1]))
+
+    for arm, c in centre.items():
+        for k in range(-10, -4):
+            add("tune", arm, 32, 2, 2.0**k, 3 + 0.02 * (k - c) ** 2)
+        # the ladder: loss = E + A C^-b with a small deterministic wiggle; SP is worse
+        for i, (w, d) in enumerate([(32, 2), (32, 3), (40, 3), (48, 3), (56, 3), (64, 3)]):
+            flops = 1e12 * 2.0**i
+            wig = 1 + 0.002 * (-1) ** i * (1 + i % 3)
+            e = 1.5 if arm == "gpt/sp" else 1.45
+            add("transfer", arm, w, d, 2.0**c, (e + 30 * flops**-0.12) * wig, flops=flops)
+        # check at (64, 3): the centre moved by `moved`; offset 0 is the ladder's trial
+        for off in (-1, 1):
+            k = c + off
+            add("check", arm, 64, 3, 2.0**k, 3 + 0.02 * (k - c - moved[arm]) ** 2)
+        # the ladder's trial at (64, 3) sits on the same bowl at offset 0
+        rows[-3]["final_val_loss"] = 3 + 0.02 * moved[arm] ** 2
+        # aspect ratio: a cubic-ish bowl in log(N/L) with its minimum at N:L = 8
+        for w, d in [(16, 16), (24, 7), (32, 4), (48, 2), (64, 1)]:
+            x = math.log(w / d)
+            add("aspect_ratio", arm, w, d, 2.0**c, 3 + 0.05 * (x - math.log(8)) ** 2,
+                params=50_000.0)
+    df = pd.DataFrame(rows)
+    report = study_fit_report(df, bootstrap=50)
+    assert report.stages == STAGE_SOURCES and not report.failures
+    eta = report.optimal_lr.shapes.set_index("arm")["log2_lr_opt"]
+    for arm, c in centre.items():
+        assert eta[arm] == pytest.approx(c, abs=1e-6)  # exact: the tune curve is a parabola
+    shift = report.transfer_check.table.set_index("arm")["shift_log2"]
+    for arm, m in moved.items():
+        assert shift[arm] == pytest.approx(m, abs=1e-6)
+    assert report.transfer_check.table["reliable"].all()
+    nl = report.aspect_ratio.groups.set_index("arm")["nl_opt"]
+    assert nl.to_numpy() == pytest.approx([8.0, 8.0], rel=0.05)
+    head = report.to_dict()["headline"]
+    assert {r["stage"] for r in head["eta_star"]} == {"tune"}
+    assert {r["stage"] for r in head["transfer_shift"]} == {"tune + check"}
+    assert {r["stage"] for r in head["aspect_ratio"]} == {"aspect_ratio"}
+    text = report.format_text()
+    assert "[from stage: transfer]" in text and "Headline" in text
+    assert "Transfer drift" not in text  # the plain-sweep drift table is not a study's
+    # an optimum that moved past the bracket gives a bound, never a "reliable" shift
+    far = df.copy()
+    sel = (far["arm"] == "gpt/sp") & (far["width"] == 64) & (far["depth"] == 3)
+    far.loc[sel, "final_val_loss"] = [3 + 0.02 * (math.log2(lr) + 8 + 1.5) ** 2
+                                      for lr in far.loc[sel, "lr"]]
+    row = transfer_check(far, bootstrap=0).table.set_index("arm").loc["gpt/sp"]
+    assert not row["reliable"] and "below the bracket" in row["reason"]
