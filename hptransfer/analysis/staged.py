@@ -56,6 +56,8 @@ class TransferCheckResult:
     table: pd.DataFrame
     reason: NotEnoughData | None = None
     warnings: list[str] = field(default_factory=list)
+    # loss vs LR at each check shape (arm, width, depth, lr, mean_loss, n_completed, ...)
+    curves: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def reliable(self) -> bool:
@@ -65,7 +67,7 @@ class TransferCheckResult:
         return self.table.copy()
 
     def to_dict(self) -> dict[str, Any]:
-        return analysis_dict("transfer_check", self, rows=self.table)
+        return analysis_dict("transfer_check", self, rows=self.table, curves=self.curves)
 
 
 _CHECK_COLUMNS = [
@@ -90,7 +92,8 @@ def transfer_check(
     at = df.merge(shapes, on=["arm", "width", "depth"])
     at = at[at["stage"].isin(("transfer", "check"))]
     base = optimal_lr(tune, bootstrap=0).shapes
-    check = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci).shapes
+    check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
+    check = check_fit.shapes
     rows = []
     for _, c in check.iterrows():
         b = base[base["arm"] == c["arm"]]
@@ -122,7 +125,9 @@ def transfer_check(
         rows.append(row)
     table = with_none(pd.DataFrame(rows, columns=_CHECK_COLUMNS), ["reason", "edge"])
     table["reliable"] = table["reliable"].astype(bool)
-    return TransferCheckResult(table)
+    curves = check_fit.curves[["arm", "width", "depth", "lr", "mean_loss", "n_completed",
+                               "n_diverged"]]
+    return TransferCheckResult(table, curves=curves)
 
 
 def _param_of(frame: pd.DataFrame) -> dict[str, str]:
