@@ -333,7 +333,7 @@ def study_frame() -> pd.DataFrame:
     for arm in ("gpt-completep", "gpt-sp"):
         sp = arm.endswith("sp")
 
-        def opt(w):
+        def opt(w, sp=sp):
             return -7.0 - (0.5 * np.log2(w / 64) if sp else 0.0)
 
         for x in range(-10, -3):
