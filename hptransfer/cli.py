@@ -161,6 +161,12 @@ def _print_summary(s: dict) -> None:
           f"[{counts}]{eta}")
     if s.get("waiting_for"):
         print(f"    waiting: {s['waiting_for']}")
+    if s.get("error"):
+        print(f"    {s['status']}: {s['error']}")
+    for st in s.get("stages") or []:  # a study: one line per stage, in order
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(st["counts"].items()) if v)
+        print(f"    stage {st['stage']:<13} {st['state']:<8} {st['done']}/{st['total']}"
+              + (f"  [{counts}]" if counts else ""))
 
 
 @command("serve")
@@ -231,7 +237,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_trials(a: argparse.Namespace) -> int:
     with _client(a) as c:
         df = c.trials(a.id, status=a.status)
-    cols = [k for k in ("id", "arm", "width", "depth", "lr", "seed", "status", "final_val_loss",
+    cols = [k for k in ("id", "stage", "arm", "width", "depth", "lr", "seed", "status",
+                        "final_val_loss",
                         "attempts", "wall_time_s") if k in df.columns]
     if a.csv:
         df.drop(columns=[k for k in ("spec", "result") if k in df.columns]).to_csv(
@@ -359,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
 
-    p = sub.add_parser("demo", help="a small real sweep on the CPU, end to end")
-    p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_small.yaml)")
+    p = sub.add_parser("demo", help="a small real study on the CPU, end to end")
+    p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_study.yaml)")
     p.add_argument("--out", default=None, help="where dashboards go (default $HPT_HOME/demo)")
     return parser
 

@@ -13,7 +13,7 @@ import pandas as pd
 import yaml
 
 DEFAULT_URL = "http://127.0.0.1:8600"
-TERMINAL_SWEEP = ("completed", "cancelled", "failed")
+TERMINAL_SWEEP = ("completed", "cancelled", "failed", "stopped")
 
 
 class ApiError(RuntimeError):
@@ -85,8 +85,9 @@ class Client:
 
     def fits(self, sweep_id: str, bootstrap: int = 100,
              reference_arm: str | None = None) -> dict[str, pd.DataFrame]:
-        """The sweep's fit tables as DataFrames (optimal_lr, transfer, frontier, savings,
-        aspect_ratio, chinchilla); `fits_raw` has the whole report."""
+        """The sweep's fit tables as DataFrames (optimal_lr, transfer, transfer_check,
+        frontier, savings, aspect_ratio, chinchilla); `fits_raw` has the whole report, and
+        for a study its `stages` (the stage each analysis came from) and `headline`."""
         raw = self.fits_raw(sweep_id, bootstrap, reference_arm)
         return {name: pd.DataFrame(rows) for name, rows in raw["tables"].items()}
 

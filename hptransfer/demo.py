@@ -1,5 +1,9 @@
-"""`hpt demo`: a small real sweep on the CPU through the whole path
-(spec -> REST API -> database -> Ray -> trainer -> MLflow), then the fits and dashboards."""
+"""`hpt demo`: a small real study on the CPU through the whole path
+(spec -> REST API -> database -> Ray -> trainer -> MLflow), then the fits and dashboards.
+
+The default is a staged study (examples/cpu_study.yaml): tune η at the base shape per
+parameterization, transfer it up a ladder, check the transfer at the largest shape, vary
+width:depth at fixed size, then fit: η*, transfer shift, frontier, FLOP savings, N:L."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
 
-DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_small.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
 
 
 def best_lr_table(df) -> str:
@@ -50,10 +54,16 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
         df = client.trials(sweep["id"])
         print(f"\nsweep {sweep['status']} in {time.time() - t0:.0f} s: "
               + ", ".join(f"{k} {v}" for k, v in sweep["counts"].items() if v))
-        print("\nbest LR per shape (grid argmin, seeds averaged)\n" + best_lr_table(df))
+        if sweep.get("error"):
+            print(f"{sweep['status']}: {sweep['error']}")
+        if sweep.get("stages"):
+            print("\nstages: " + ", ".join(f"{st['stage']} {st['done']}/{st['total']}"
+                                           for st in sweep["stages"]))
+        else:
+            print("\nbest LR per shape (grid argmin, seeds averaged)\n" + best_lr_table(df))
         _print_fits(client, sweep["id"], out)
     print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`)")
-    return 0 if sweep["status"] == "completed" else 1
+    return 0 if sweep["status"] == "completed" else 1  # "stopped" says why above
 
 
 def _print_fits(client: Client, sweep_id: str, out: Path) -> None:

@@ -303,9 +303,12 @@ def test_frontier_mask_matches_brute_force() -> None:
     assert np.array_equal(frontier_mask(c, loss, groups), expected)
 
 
-def power_law_frame(arms: dict[str, tuple[float, float, float]]) -> pd.DataFrame:
-    """Shapes at a single LR whose loss follows each arm's exact L(C) = E + A*C^-b."""
+def power_law_frame(arms: dict[str, tuple[float, float, float]],
+                    noise: float = 0.0) -> pd.DataFrame:
+    """Shapes at a single LR whose loss follows each arm's L(C) = E + A*C^-b (times a
+    deterministic relative error of about `noise`)."""
     rows = []
+    wiggle = noise * np.array([1, -1, 0.5, -0.5, 1, -1, 0.3, -0.8, 0.6])
     for arm, (E, A, b) in arms.items():
         for i, c in enumerate(np.logspace(17, 21, 9)):
             rows.append(
@@ -315,7 +318,7 @@ def power_law_frame(arms: dict[str, tuple[float, float, float]]) -> pd.DataFrame
                     "depth": 4,
                     "lr": 1e-3,
                     "flops": c,
-                    "final_val_loss": E + A * c**-b,
+                    "final_val_loss": (E + A * c**-b) * (1 + wiggle[i]),
                 }
             )
         # A dominated point (more compute, worse loss) must not enter the fit.
@@ -350,9 +353,25 @@ def test_savings_match_closed_form_inverse() -> None:
     lo = max(frontier.fits[a].loss_range[0] for a in laws)
     hi = min(frontier.fits[a].loss_range[1] for a in laws)
     assert table["loss"].min() == pytest.approx(lo) and table["loss"].max() == pytest.approx(hi)
+    # exact points: every bootstrap refit is the same curve, so no interval (zero width
+    # would read as certainty), the reason is given and the comparison is not `reliable`
+    comp = res.comparisons["completep"]
+    assert table["ci_low"].isna().all() and table["ci_high"].isna().all()
+    assert comp.no_ci and not comp.reliable
+    assert_json_safe(res.to_dict())
+
+
+def test_savings_ci_from_noisy_points_brackets_the_estimate() -> None:
+    laws = {"completep": (1.7, 250.0, 0.11), "mup": (1.75, 260.0, 0.105)}
+    frontier = loss_compute_frontier(power_law_frame(laws, noise=0.003), bootstrap=60, seed=0)
+    comp = flop_savings(frontier, "mup", n_grid=7).comparisons["completep"]
+    assert comp.no_ci is None
+    table = comp.table
+    assert (table["ci_high"] - table["ci_low"] > 1e-4).all()  # a real, non-zero width
     assert (table["ci_low"] <= table["savings"] + 1e-9).all()
     assert (table["savings"] <= table["ci_high"] + 1e-9).all()
-    assert_json_safe(res.to_dict())
+    head = comp.headline()
+    assert head["ci_low"] < head["savings"] < head["ci_high"]
 
 
 def test_savings_refuse_to_extrapolate() -> None:
@@ -515,6 +534,7 @@ def test_empty_frame() -> None:
     assert set(report.tables()) == {
         "optimal_lr",
         "transfer",
+        "transfer_check",
         "frontier",
         "savings",
         "aspect_ratio",
@@ -616,6 +636,7 @@ def test_fit_report_end_to_end() -> None:
     assert list(tables) == [
         "optimal_lr",
         "transfer",
+        "transfer_check",
         "frontier",
         "savings",
         "aspect_ratio",

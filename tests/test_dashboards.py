@@ -308,3 +308,73 @@ def test_dashboards_in_headless_chromium(server, tiny_spec, tmp_path):
     check_page(path.as_uri(), tmp_path / "sweep_offline.png", 1)
     assert set(artifacts) >= {"dashboards/sweep.html", "dashboards/loss_vs_lr.png"}
     assert artifacts["dashboards/loss_vs_lr.png"][:8] == PNG_MAGIC
+
+
+# ---------------------------------------------------------------- a staged study's page
+
+
+def study_frame() -> pd.DataFrame:
+    """A study's frame: tune at 64x2, a ladder, an LR bracket at its top, 5 N:L shapes."""
+    rng = np.random.default_rng(1)
+    rows = []
+
+    def add(stage, arm, w, d, x, opt, sp):
+        n = 12 * w * w * d
+        loss = (2.0 + 40 * n**-0.3 + 0.04 * np.log(w / d / 16) ** 2 + (0.05 if sp else 0.0)
+                + 0.06 * (x - opt) ** 2 + rng.normal(0, 0.003))
+        rows.append({
+            "trial_id": f"{stage}-{arm}-{w}-{d}-{x}", "arm": arm, "arch": "gpt",
+            "parameterization": "sp" if sp else "completep", "width": w, "depth": d,
+            "lr": 2.0**x, "sigma_base": 0.02, "seed": 0, "status": "completed",
+            "final_val_loss": loss, "flops": 6.0 * n * 20 * n, "tokens": 20.0 * n,
+            "params_non_embedding": float(n), "params_embedding": 1e4, "wall_time_s": 1.0,
+            "reused": False, "stage": stage})
+
+    for arm in ("gpt-completep", "gpt-sp"):
+        sp = arm.endswith("sp")
+
+        def opt(w, sp=sp):
+            return -7.0 - (0.5 * np.log2(w / 64) if sp else 0.0)
+
+        for x in range(-10, -3):
+            add("tune", arm, 64, 2, x, opt(64), sp)
+        for w, d in [(64, 2), (96, 3), (128, 4), (192, 6), (256, 8), (384, 12)]:
+            add("transfer", arm, w, d, -7.0, opt(w), sp)
+        for off in (-2, -1, 1):
+            add("check", arm, 384, 12, -7.0 + off, opt(384), sp)
+        for w, d in [(64, 64), (128, 16), (256, 4), (512, 1), (96, 28)]:
+            add("aspect_ratio", arm, w, d, -7.0, opt(64), sp)
+    return pd.DataFrame(rows, columns=list(RESULT_FRAME_COLUMNS))
+
+
+def study_page(**kw) -> str:
+    from hptransfer.analysis.staged import study_fit_report
+
+    frame = study_frame()
+    summary = summary_of(frame)
+    summary["stages"] = [
+        {"stage": s, "state": "done", "planned": True, "done": int(n), "total": int(n),
+         "progress": 1.0, "counts": {"completed": int(n)}}
+        for s, n in frame.groupby("stage", sort=False).size().items()]
+    return render_sweep_html(summary, frame, study_fit_report(frame, bootstrap=30), **kw)
+
+
+def test_study_page_shows_the_stages_in_order():
+    html = study_page()
+    assert_clean(html)
+    order = [html.index(f'<section id="{a}">') for a in ("progress", "headline", "lr", "check",
+                                                          "frontier", "savings", "aspect")]
+    assert order == sorted(order)
+    assert "Transfer drift" not in html  # the plain sweep's section is not a study's
+    for stage in ("tune", "transfer", "check", "aspect_ratio"):
+        assert f"<td>{stage}</td>" in html  # the progress table lists every stage
+    assert "[tune]" in html and "[tune + check]" in html and "[aspect_ratio]" in html
+    assert "η* transferred" in html and "shift (log2)" in html
+
+
+@needs_chromium
+def test_study_page_in_headless_chromium(tmp_path):
+    path = tmp_path / "study.html"
+    path.write_text(study_page(plotly="inline", home=None))
+    # tune curves, transfer check, frontier, savings, N:L: every figure drawn
+    check_page(path.as_uri(), tmp_path / "study_page.png", 5, height=5200)

@@ -436,3 +436,91 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
     (run,) = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[done["id"]]
     assert run.info.status == "FAILED" and "DataError" in run.data.tags["hpt.error"]
+
+
+# ------------------------------------------------------------------ a study killed while planning
+
+
+def study_spec(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = {**spec, "name": name, "max_concurrent": 2, "reuse": False}
+    spec["grid"] = {**spec["grid"], "lrs": {"log2_min": -9, "log2_max": -3, "step": 2}}
+    spec["budget"] = {"steps": 20, "batch_size": 4}
+    spec["stages"] = {"tune": {"extend": 2},
+                      "transfer": {"shapes": [{"width": 32, "depth": 2}]}, "check": {}}
+    return spec
+
+
+def test_study_planning_is_all_or_nothing_and_resumes_once(hpt_home, ray_cluster, tiny_spec):
+    # The windows of a coordinator killed around planning a stage, made deterministic: a
+    # "dead" coordinator runs the tune trials itself (no dispatcher), then
+    #   A: dies before planning (its study waits with every planned trial finished),
+    #   B: its planning transaction fails at commit (as if killed mid-write): nothing of
+    #      the stage may remain; then it plans successfully and dies before running it.
+    # A new coordinator must plan A's next stage exactly once and must not re-plan B's.
+    from sqlalchemy import event
+
+    from hptransfer.sweeper.service import Coordinator
+    from hptransfer.sweeper.spec import SweepSpec
+    from hptransfer.sweeper.study import next_step
+    from hptransfer.workers.remote import execute_trial
+
+    dead = Coordinator(get_settings(), dispatch=False)
+    sweeps = {w: dead.submit(study_spec(tiny_spec, f"study-{w}"))["id"] for w in "AB"}
+    for sid in sweeps.values():
+        for t in dead.store.lease_pending("dead-coordinator", 100, sweep_id=sid):
+            r = execute_trial(t["spec"], t["id"], None, None)
+            dead.store.finish_trial(t["id"], r["status"], r, None, r["worker_node"])
+    tune_rows = {sid: {t["id"]: t for t in dead.store.trials(sid, limit=None)}
+                 for sid in sweeps.values()}
+
+    sid_b = sweeps["B"]
+    sweep_b = dead.store.get_sweep(sid_b)
+    spec_b = SweepSpec.model_validate(sweep_b["spec"])
+    step = next_step(spec_b, sweep_b["study"], dead.store.results_frame(sid_b))
+
+    def killed_at_commit(conn: Any) -> None:
+        raise RuntimeError("coordinator killed while planning")
+
+    event.listen(dead.store.engine, "commit", killed_at_commit)
+    try:
+        with pytest.raises(RuntimeError, match="killed while planning"):
+            dead.store.plan_stage(sid_b, 0, step.state, step.trials)
+    finally:
+        event.remove(dead.store.engine, "commit", killed_at_commit)
+    after_crash = dead.store.get_sweep(sid_b)
+    assert after_crash["study"]["round"] == 0 and after_crash["n_trials"] == len(tune_rows[sid_b])
+    assert set(t["id"] for t in dead.store.trials(sid_b, limit=None)) == set(tune_rows[sid_b])
+    assert dead.store.plan_stage(sid_b, 0, step.state, step.trials)  # planned, then "dies"
+    planned_b = {t["id"]: t for t in dead.store.trials(sid_b, limit=None)}
+
+    live = Coordinator(get_settings())
+    live.start()
+    try:
+        wait_for(lambda: all(live.store.get_sweep(s)["status"] in ("completed", "stopped")
+                             for s in sweeps.values()), 240, "both studies to end")
+    finally:
+        live.stop()
+    for w, sid in sweeps.items():
+        sweep = live.store.get_sweep(sid)
+        rows = live.store.trials(sid, limit=None)
+        # nothing planned twice, nothing lost: one row per content hash, idx dense
+        assert len({t["content_hash"] for t in rows}) == len(rows) == sweep["n_trials"], w
+        assert [t["idx"] for t in rows] == list(range(len(rows)))
+        # the tune trials the dead coordinator finished were never re-run
+        for tid, old in tune_rows[sid].items():
+            new = next(t for t in rows if t["id"] == tid)
+            assert (new["finished_at"], new["attempts"]) == (old["finished_at"], 1)
+        if sweep["status"] == "stopped":
+            assert sweep["error"] and "tune stage gave no η*" in sweep["error"]
+            continue
+        assert sweep["status"] == "completed" and sweep["study"]["done"]
+        assert all(t["status"] in ("completed", "diverged") and t["attempts"] == 1
+                   for t in rows)
+        stages = [t["stage"] for t in rows]
+        assert stages[: len(tune_rows[sid])] == ["tune"] * len(tune_rows[sid])
+    # B's stage, planned before the "death", was taken over as it was: the same rows
+    rows_b = {t["id"] for t in live.store.trials(sid_b, limit=None)}
+    if live.store.get_sweep(sid_b)["status"] == "completed" and step.kind == "plan":
+        later = {tid for tid, t in planned_b.items() if t["stage"] != "tune"}
+        assert later <= rows_b
+    dead.store.close()

@@ -514,7 +514,9 @@ def test_examples_load_and_plan(path):
         plan = [trial_for(spec, shape, math.sqrt(low * high)) for shape in plan_shapes(spec)]
         assert len(plan) * spec.search.n_trials == spec.trial_count()
     assert plan and all(isinstance(p.trial, TrialSpec) for p in plan)
-    if spec.search.method == "grid":
+    if spec.stages is not None:  # a study: its grid is the tune stage; later stages follow
+        assert {p.stage for p in plan} == {"tune"} and len(plan) < spec.trial_count()
+    elif spec.search.method == "grid":
         assert len(plan) == spec.trial_count()
         assert len({p.content_hash for p in plan}) == len(plan)
 

@@ -522,7 +522,7 @@ def test_results_frame(store: Store) -> None:
     assert list(frame.columns) == [
         "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
         "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
-        "params_embedding", "wall_time_s", "reused",
+        "params_embedding", "wall_time_s", "reused", "stage",
     ] == list(RESULT_FRAME_COLUMNS)
     assert len(frame) == 4 and frame["trial_id"].tolist() == trial_ids(store, sid)
     for col in ("trial_id", "arm", "arch", "parameterization", "status"):

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import pandas as pd
 
 from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
@@ -16,6 +17,7 @@ from .frontier import FrontierResult, loss_compute_frontier
 from .optimal_lr import OptimalLRResult, optimal_lr
 from .savings import SavingsResult, flop_savings
 from .serialize import json_safe
+from .staged import TransferCheckResult
 from .stats import single_threaded_blas
 from .transfer import TransferResult, transfer_drift
 from .trials import CORE_COLUMNS, Trials, prepare_trials
@@ -23,6 +25,7 @@ from .trials import CORE_COLUMNS, Trials, prepare_trials
 TABLE_NAMES: tuple[str, ...] = (
     "optimal_lr",
     "transfer",
+    "transfer_check",
     "frontier",
     "savings",
     "aspect_ratio",
@@ -53,6 +56,9 @@ class FitReport:
     savings: SavingsResult | None = None
     aspect_ratio: AspectRatioResult | None = None
     chinchilla: ChinchillaResult | None = None
+    # a staged study's report: the transfer check, and the stage each analysis came from
+    transfer_check: TransferCheckResult | None = None
+    stages: dict[str, str] = field(default_factory=dict)
 
     def results(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in TABLE_NAMES}
@@ -76,6 +82,8 @@ class FitReport:
                 "error": self.error,
                 "warnings": self.warnings,
                 "failures": self.failures,
+                "stages": self.stages,
+                "headline": headline(self) if self.stages else None,
                 "analyses": {
                     name: result.to_dict() if result is not None else None
                     for name, result in self.results().items()
@@ -220,6 +228,17 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "loss_max",
         "reliable",
     ],
+    "transfer_check": [
+        "arm",
+        "width",
+        "depth",
+        "lr_transferred",
+        "lr_check",
+        "shift_log2",
+        "n_lrs",
+        "edge",
+        "reliable",
+    ],
     "savings": ["arm", "reference", "loss", "savings", "ci_low", "ci_high", "reliable"],
     "aspect_ratio": [
         "arm",
@@ -251,6 +270,7 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
 _TITLES = {
     "optimal_lr": "Optimal LR per shape (η* from a quadratic in log2 lr)",
     "transfer": "Transfer drift (slope of log2 η* per doubling; ≈0 means the LR transfers)",
+    "transfer_check": "Transfer check: shift of η* at the largest shape, log2(η*_check/η*_base)",
     "frontier": "Loss vs compute on the frontier: L(C) = E + A·C^-b",
     "savings": "FLOP savings at matched loss: 1 - C_arm/C_ref",
     "aspect_ratio": "Compute-optimal N:L at fixed non-embedding params",
@@ -317,9 +337,15 @@ def _format_report(report: FitReport, max_notes: int) -> str:
     lines += [f"warning: {w}" for w in dict.fromkeys(report.warnings)]
     lines += [f"FAILED {name}: {msg}" for name, msg in report.failures.items()]
     tables = report.tables()
+    if report.stages:
+        lines += ["", "== Headline (each number from the stage in [brackets]) =="]
+        lines += [f"  {line}" for line in headline_lines(report)]
     for name in TABLE_NAMES:
         result = getattr(report, name)
-        lines += ["", f"== {_TITLES[name]} =="]
+        if result is None and (name in report.stages) != bool(report.stages):
+            continue  # study-only analyses in a plain sweep, or the reverse
+        source = f" [from stage: {report.stages[name]}]" if name in report.stages else ""
+        lines += ["", f"== {_TITLES[name]}{source} =="]
         if result is None:
             lines.append("  (not run)")
             continue
@@ -343,6 +369,9 @@ def _format_report(report: FitReport, max_notes: int) -> str:
         lines.append(_render_table(frame, _TEXT_COLUMNS[name]))
         keys = ["arm", "width", "depth", "axis", "params_median"]
         if name == "savings":
+            lines += [f"  * {c.arm} vs {c.reference}: no CI ({c.no_ci})"
+                      for c in result.comparisons.values() if c.no_ci]
+        if name == "savings":
             notes = [
                 f"arm={a}: {c.reason or w}"
                 for a, c in result.comparisons.items()
@@ -352,3 +381,85 @@ def _format_report(report: FitReport, max_notes: int) -> str:
             notes = _notes(frame, keys, max_notes)
         lines += [f"  * {n}" for n in notes]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- study headline
+
+
+def _num(v: Any) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+    return f
+
+
+def headline(report: FitReport) -> dict[str, Any]:
+    """The study's headline numbers, each with the stage it came from and `reliable`."""
+    out: dict[str, Any] = {"eta_star": [], "transfer_shift": [], "frontier": [],
+                           "savings": [], "aspect_ratio": []}
+    if report.optimal_lr is not None and not report.optimal_lr.shapes.empty:
+        shapes = report.optimal_lr.shapes
+        shapes = shapes[np.isfinite(shapes["best_loss"].to_numpy(dtype=float))]
+        for _, r in shapes.sort_values("best_loss").drop_duplicates("arm").iterrows():
+            out["eta_star"].append({
+                "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
+                "sigma_base": r["sigma_base"], "lr": r["lr_opt"], "log2_lr": r["log2_lr_opt"],
+                "reliable": bool(r["reliable"]), "stage": "tune"})
+    if report.transfer_check is not None:
+        for _, r in report.transfer_check.table.iterrows():
+            out["transfer_shift"].append({
+                "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
+                "shift_log2": r["shift_log2"], "reliable": bool(r["reliable"]),
+                "reason": r["reason"], "stage": "tune + check"})
+    if report.frontier is not None:
+        for arm, fit in report.frontier.fits.items():
+            out["frontier"].append({"arm": arm, "E": fit.E, "A": fit.A, "b": fit.b,
+                                    "n_points": int(fit.compute.size),
+                                    "reliable": bool(fit.reliable), "stage": "transfer"})
+    if report.savings is not None:
+        for c in report.savings.comparisons.values():
+            out["savings"].append({**c.headline(), "stage": "transfer"})
+    if report.aspect_ratio is not None and not report.aspect_ratio.groups.empty:
+        g = report.aspect_ratio.groups
+        for _, r in g[g["reason"].isna()].iterrows():
+            out["aspect_ratio"].append({
+                "arm": r["arm"], "params": r["params_median"], "nl_opt": r["nl_opt"],
+                "nl_within_low": r["nl_within_low"], "nl_within_high": r["nl_within_high"],
+                "reliable": bool(r["reliable"]), "stage": "aspect_ratio"})
+    return json_safe(out)
+
+
+def _ok(flag: bool) -> str:
+    return "" if flag else "  (NOT reliable)"
+
+
+def headline_lines(report: FitReport) -> list[str]:
+    h = headline(report)
+    lines = []
+    for r in h["eta_star"]:
+        lines.append(f"η* {r['arm']} at N={r['width']} L={r['depth']}: {_num(r['lr']):.4g} "
+                     f"(log2 {_num(r['log2_lr']):+.2f}) [tune]{_ok(r['reliable'])}")
+    for r in h["transfer_shift"]:
+        why = f": {r['reason']}" if r["reason"] else ""
+        lines.append(f"transfer shift {r['arm']} at N={r['width']} L={r['depth']}: "
+                     f"{_num(r['shift_log2']):+.2f} octaves [tune + check]"
+                     f"{_ok(r['reliable'])}{why}")
+    for r in h["frontier"]:
+        lines.append(f"frontier {r['arm']}: L(C) = {_num(r['E']):.3f} + {_num(r['A']):.3g}"
+                     f"·C^-{_num(r['b']):.3f} ({r['n_points']} points) [transfer]"
+                     f"{_ok(r['reliable'])}")
+    for r in h["savings"]:
+        if r.get("savings") is None:
+            lines.append(f"savings {r['arm']} over {r['reference']}: none "
+                         f"({r.get('reason')}) [transfer]")
+            continue
+        ci = (f"CI [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}]" if r.get("ci_low") is not None
+              else f"no CI: {r.get('no_ci')}")
+        lines.append(f"FLOP savings {r['arm']} over {r['reference']} at loss "
+                     f"{r['loss']:.3f}: {r['savings']:+.1%}, {ci} [transfer]{_ok(r['reliable'])}")
+    for r in h["aspect_ratio"]:
+        lines.append(f"compute-optimal N:L {r['arm']} at ~{_num(r['params']):.3g} params: "
+                     f"{_num(r['nl_opt']):.3g} (within 1%: {_num(r['nl_within_low']):.3g}"
+                     f"-{_num(r['nl_within_high']):.3g}) [aspect_ratio]{_ok(r['reliable'])}")
+    return lines or ["(no results yet)"]

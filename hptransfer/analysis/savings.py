@@ -31,6 +31,19 @@ class SavingsComparison:
     reliable: bool = False
     warnings: list[str] = field(default_factory=list)
     reason: NotEnoughData | None = None
+    no_ci: str | None = None  # why the savings have no confidence interval (never zero width)
+
+    def headline(self) -> dict[str, Any]:
+        """The savings at the middle of the loss range both fits cover, with its CI."""
+        out: dict[str, Any] = {"arm": self.arm, "reference": self.reference,
+                               "reliable": self.reliable, "no_ci": self.no_ci,
+                               "reason": str(self.reason) if self.reason else None}
+        inside = self.table[self.table["savings"].notna()] if not self.table.empty else None
+        if inside is None or inside.empty:
+            return json_safe({**out, "loss": None, "savings": None})
+        row = inside.iloc[len(inside) // 2]
+        return json_safe({**out, **{k: row[k] for k in ("loss", "savings", "ci_low",
+                                                         "ci_high")}})
 
     def to_frame(self) -> pd.DataFrame:
         out = self.table.copy()
@@ -47,6 +60,8 @@ class SavingsComparison:
                 "reliable": self.reliable,
                 "warnings": self.warnings,
                 "reason": self.reason,
+                "no_ci": self.no_ci,
+                "headline": self.headline(),
                 "table": frame_records(self.table),
             }
         )
@@ -108,6 +123,7 @@ def compare_fits(
     boot_ref = ref_fit.boot_compute_for_loss(grid)
     m = min(len(boot_arm), len(boot_ref))
     ci_lo = ci_hi = np.full(grid.shape, np.nan)
+    no_ci = None
     if m > 0:
         # Each arm was resampled independently, so pairing the i-th refits is a valid draw.
         with np.errstate(all="ignore"):
@@ -121,8 +137,14 @@ def compare_fits(
         ci_lo, ci_hi = percentile_ci(samples, ci)
         ci_lo = np.where(inside, ci_lo, np.nan)
         ci_hi = np.where(inside, ci_hi, np.nan)
+        no_ci = _no_ci_reason(samples[:, inside], ci_lo[inside], ci_hi[inside])
     else:
-        warnings.append("no bootstrap refits: savings have no confidence interval")
+        no_ci = ("no bootstrap refits (bootstrap off, or no resample of the frontier points "
+                 "had 3 distinct points)")
+    if no_ci is not None:
+        # an interval of zero width would read as certainty: show none, say why
+        ci_lo = ci_hi = np.full(grid.shape, np.nan)
+        warnings.append(f"savings have no confidence interval: {no_ci}")
     table = pd.DataFrame(
         {
             "loss": grid,
@@ -142,10 +164,29 @@ def compare_fits(
             f"{hi:.4g}]; refusing to extrapolate"
         )
         reason = NotEnoughData(what, because)
-    reliable = reason is None and arm_fit.reliable and ref_fit.reliable
+    # reliable also needs a real CI: a point estimate alone does not say how sure it is
+    reliable = reason is None and arm_fit.reliable and ref_fit.reliable and no_ci is None
     if not (arm_fit.reliable and ref_fit.reliable):
         warnings.append("at least one of the two power-law fits is unreliable")
-    return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason)
+    return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason, no_ci)
+
+
+_MIN_DISTINCT_REFITS = 10
+
+
+def _no_ci_reason(samples: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> str | None:
+    """Why the bootstrap cannot give an interval here (None when it can)."""
+    if samples.size == 0:
+        return "no compared loss lies inside both fits"
+    finite = samples[np.isfinite(samples).all(axis=1)]
+    distinct = np.unique(np.round(finite, 9), axis=0).shape[0] if finite.size else 0
+    if distinct < _MIN_DISTINCT_REFITS:
+        return (f"only {distinct} distinct bootstrap refits (too few frontier points to "
+                "resample; run more shapes or seeds)")
+    width = hi - lo
+    if not np.isfinite(width).any() or np.nanmax(width) <= 1e-9:
+        return "every bootstrap refit gives the same savings: a zero-width interval is not real"
+    return None
 
 
 @dataclass

@@ -49,6 +49,10 @@ class SweepSummary(BaseModel):
     progress: float
     eta_s: float | None = None
     waiting_for: str | None = None  # why pending trials cannot start now, if they cannot
+    # a staged study: each stage in order with its state, done/total and counts
+    stages: list[dict[str, Any]] | None = None
+    study: dict[str, Any] | None = None  # its planner state (transferred HPs, stop reason)
+    error: str | None = None  # e.g. why a study stopped
     mlflow_experiment_id: str | None = None
     mlflow_run_id: str | None = None
 

@@ -44,6 +44,12 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
     summary = {k: v for k, v in sweep.items() if k != "spec"}
     summary.update(counts=counts, total=total, done=done,
                    progress=done / total if total else 0.0, eta_s=None)
+    if sweep.get("study") is not None:  # a study: each stage's progress, as the API has it
+        from hptransfer.sweeper.spec import SweepSpec
+        from hptransfer.sweeper.study import study_progress
+
+        summary["stages"] = study_progress(SweepSpec.model_validate(sweep["spec"]),
+                                           sweep["study"], store.stage_counts(sweep_id))
     return summary
 
 

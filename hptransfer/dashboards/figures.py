@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative, sample_colorscale
 from plotly.subplots import make_subplots
@@ -233,6 +234,41 @@ def aspect_figure(
     fig.update_xaxes(type="log", title_text="aspect ratio N:L (width / depth)")
     fig.update_yaxes(title_text="final validation loss (best LR)")
     fig.update_layout(**LAYOUT, height=440, legend=dict(orientation="v", x=1.01, y=1.0))
+    return fig
+
+
+def check_figure(curves: pd.DataFrame, table: pd.DataFrame, palette: dict[str, str]
+                 ) -> go.Figure:
+    """The transfer check: loss vs LR of the bracket at the check shape, per arm, with the
+    transferred η* as a dashed line and the bracket's own η* as a star."""
+    fig = go.Figure()
+    for _, row in table.iterrows():
+        arm, w, d = row["arm"], row["width"], row["depth"]
+        color = _color(palette, arm)
+        pts = curves[(curves["arm"] == arm) & (curves["width"] == w) & (curves["depth"] == d)]
+        pts = pts.sort_values("lr")
+        label = f"{arm} N={w} L={d}"
+        fig.add_trace(go.Scatter(
+            x=pts["lr"].tolist(), y=pts["mean_loss"].tolist(), mode="lines+markers",
+            name=label, legendgroup=label, line=dict(color=color, width=2)))
+        lr_t = row.get("lr_transferred")
+        if lr_t is not None and math.isfinite(float(lr_t)):
+            fig.add_vline(x=float(lr_t), line=dict(color=color, width=1, dash="dash"))
+            fig.add_trace(go.Scatter(
+                x=[float(lr_t)], y=[float(pts["mean_loss"].min())] if len(pts) else [None],
+                mode="markers", legendgroup=label, name=f"{label}: transferred η*",
+                marker=dict(symbol="line-ns-open", size=14, color=color)))
+        lr_c = row.get("lr_check")
+        if lr_c is not None and math.isfinite(float(lr_c)) and len(pts):
+            fig.add_trace(go.Scatter(
+                x=[float(lr_c)], y=[float(pts["mean_loss"].min())], mode="markers",
+                legendgroup=label,
+                name=f"{label}: η* here (shift {float(row['shift_log2']):+.2f} octaves)",
+                marker=dict(symbol="star" if row["reliable"] else "star-open", size=15,
+                            color=color, line=dict(color="black", width=1))))
+    fig.update_xaxes(type="log", exponentformat="power", title_text="learning rate")
+    fig.update_yaxes(title_text="final validation loss")
+    fig.update_layout(**LAYOUT, height=420, legend=dict(orientation="h", y=-0.25))
     return fig
 
 

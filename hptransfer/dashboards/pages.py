@@ -19,6 +19,10 @@ DEFAULT_REFRESH_S = 5
 _NAV = (("progress", "progress"), ("lr", "loss vs LR"), ("transfer", "transfer drift"),
         ("frontier", "frontier"), ("savings", "FLOP savings"), ("aspect", "N:L"),
         ("coordcheck", "coord checks"))
+# a staged study's page: its stages in order (tune, check, transfer ladder, aspect ratio)
+_STUDY_NAV = (("progress", "progress"), ("headline", "headline"), ("lr", "tune"),
+              ("check", "transfer check"), ("frontier", "frontier (ladder)"),
+              ("savings", "savings (ladder)"), ("aspect", "N:L"))
 
 
 def _guarded(title: str, build: Callable[[], str]) -> str:
@@ -61,13 +65,21 @@ def render_sweep_html(
     Refreshes itself every `refresh_s` seconds while the sweep is pending or running.
     """
     name = str(summary.get("name") or summary.get("id"))
-    nav = " · ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in _NAV)
+    study = report is not None and bool(report.stages)
+    nav = " · ".join(f'<a href="#{a}">{esc(t)}</a>' for a, t in (_STUDY_NAV if study else _NAV))
     parts = [f"<p><b>{esc(name)}</b> <code>{esc(summary.get('id'))}</code> · {nav}</p>"]
     parts.append(_guarded("Progress", lambda: progress_section(summary, trials)))
     if report is not None and (report.warnings or report.failures):
         failed = [f"{k} failed: {v}" for k, v in report.failures.items()]
         parts.append(section("Fit notes", notes([*failed, *report.warnings])))
     builders: list[tuple[str, Callable[[], str]]] = [
+        ("Study headline", lambda: sections.headline_section(report)),
+        ("Tune", lambda: sections.lr_section(report)),
+        ("Transfer check", lambda: sections.check_section(report)),
+        ("Loss vs compute", lambda: sections.frontier_section(report)),
+        ("FLOP savings", lambda: sections.savings_section(report)),
+        ("Compute-optimal N:L", lambda: sections.aspect_section(report)),
+    ] if study else [
         ("Loss vs learning rate", lambda: sections.lr_section(report)),
         ("Transfer drift", lambda: sections.transfer_section(report)),
         ("Loss vs compute", lambda: sections.frontier_section(report)),

@@ -99,6 +99,11 @@ def progress_section(summary: Mapping[str, Any], trials: TrialRows | None) -> st
              f"<p>{status_chips(counts)}</p>"]
     if summary.get("error"):
         parts.append(f'<div class="error">{esc(summary["error"])}</div>')
+    if summary.get("stages"):  # a study: each stage's progress, in order
+        rows = [[esc(st["stage"]), esc(st["state"]), f"{st['done']}/{st['total']}",
+                 status_chips(st["counts"])] for st in summary["stages"]]
+        parts.append('<h3>Stages</h3><div class="stages">'
+                     + table(["stage", "state", "done", "trials"], rows, raw=True) + "</div>")
     records = as_records(trials)
     running = [t for t in records if t.get("status") == "running"]
     if running:

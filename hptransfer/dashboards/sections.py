@@ -19,6 +19,7 @@ _WHAT = {
     "frontier": "the loss-vs-compute frontier",
     "savings": "FLOP savings",
     "aspect_ratio": "the compute-optimal N:L",
+    "transfer_check": "the transfer check",
 }
 
 
@@ -176,7 +177,9 @@ def savings_section(report: FitReport | None) -> str:
     ref = f'<p class="muted">Reference arm: {esc(result.reference if result else "")}.</p>'
     extra = [b.reason for b in bands if b.reason] + [w for b in bands for w in b.warnings]
     fig = figures.savings_figure(bands, _palette(report))
-    body = ref + figures.to_div(fig) + notes(extra)
+    no_ci = [f"{c.arm} vs {c.reference}: no CI because {c.no_ci}"
+             for c in (result.comparisons.values() if result else []) if c.no_ci]
+    body = ref + figures.to_div(fig) + notes(no_ci + extra)
     return section(title, body, "savings")
 
 
@@ -215,3 +218,36 @@ def coordcheck_section(folder: Path | None, limit: int = 6) -> str:
         parts.append(f'<h3>{esc(path.name)}</h3><img class="cc" alt="{esc(path.name)}" '
                      f'src="data:image/png;base64,{data}">')
     return section(title, "".join(parts), "coordcheck")
+
+
+def headline_section(report: FitReport | None) -> str:
+    """A study's headline numbers, each with the stage it came from."""
+    from hptransfer.analysis.report import headline_lines
+
+    title = "Study headline (each number from the stage in [brackets])"
+    if report is None or not report.stages:
+        return section(title, nodata("not enough data for the headline because the fits "
+                                     "were not computed"), "headline")
+    items = "".join(f"<li>{esc(line)}</li>" for line in headline_lines(report))
+    return section(title, f'<ul class="headline">{items}</ul>', "headline")
+
+
+def check_section(report: FitReport | None) -> str:
+    title = "Transfer check [stages tune + check]: the LR bracket at the largest shape"
+    box = _box(report, "transfer_check")
+    result = report.transfer_check if report else None
+    if result is None or result.table.empty:
+        return section(title, box or nodata("not enough data for the transfer check because "
+                                            "no check trial has finished"), "check")
+    intro = ('<p class="muted">Loss vs LR at the check shape; dashed line: η* transferred '
+             "from the base shape; star: η* measured here (hollow = not reliable). Shift = "
+             "log2(η*_here / η*_transferred); 0 means the LR transferred.</p>")
+    fig = figures.check_figure(result.curves, result.table, _palette(report))
+    rows = [[r["arm"], int(r["width"]), int(r["depth"]), fmt(r["lr_transferred"]),
+             fmt(r["lr_check"]), fmt(r["shift_log2"]), "yes" if r["reliable"] else "no",
+             r["reason"] or ""]
+            for _, r in result.table.iterrows()]
+    head = ["arm", "width", "depth", "η* transferred", "η* here", "shift (log2)", "reliable",
+            "why"]
+    return section(title, intro + (box or "") + figures.to_div(fig) + table(head, rows),
+                   "check")

@@ -37,6 +37,7 @@ from .optuna_search import OptunaSearch
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
+from .study import next_step
 
 log = logging.getLogger(__name__)
 
@@ -256,18 +257,24 @@ class Dispatcher:
         if before in ACTIVE and spec.search.method == "optuna" and self._optuna_left(sweep_id,
                                                                                      spec):
             return  # the studies still have trials to ask: not finished yet
+        if before in ACTIVE and sweep.get("study") and not sweep["study"].get("done"):
+            return  # a study with stages to plan: _advance_study (next _fill) decides
         after = self.store.refresh_sweep_status(sweep_id)
         if before in ACTIVE and after not in ACTIVE:
-            sweep = self.store.get_sweep(sweep_id)
-            artifacts: dict[str, str | bytes] = {}
-            if self.on_sweep_finished:
-                try:  # fits and plots for the parent run; never blocks the status change
-                    artifacts = self.on_sweep_finished(sweep_id) or {}
-                except Exception:
-                    log.exception("sweep-finished hook failed for %s", sweep_id)
-            if self.tracker:
-                self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, artifacts,
-                                          sweep_id=sweep_id)
+            self._sweep_ended(sweep_id, after)
+
+    def _sweep_ended(self, sweep_id: str, after: str) -> None:
+        """Fits and plots for the sweep's MLflow parent run, which is closed with `after`."""
+        sweep = self.store.get_sweep(sweep_id)
+        artifacts: dict[str, str | bytes] = {}
+        if self.on_sweep_finished:
+            try:  # fits and plots for the parent run; never blocks the status change
+                artifacts = self.on_sweep_finished(sweep_id) or {}
+            except Exception:
+                log.exception("sweep-finished hook failed for %s", sweep_id)
+        if self.tracker:
+            self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, artifacts,
+                                      sweep_id=sweep_id)
 
     # filling slots -------------------------------------------------------------------
     def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
@@ -295,6 +302,8 @@ class Dispatcher:
         cluster = ray.cluster_resources()
         for sweep in self.store.active_sweeps():
             spec = self._spec(sweep)
+            if sweep.get("study") and self._advance_study(sweep, spec):
+                continue  # the study stopped or finished
             free = self._free_slots(spec, sweep["id"], cluster)
             if free <= 0:
                 continue
@@ -331,6 +340,33 @@ class Dispatcher:
         )
         self.in_flight[trial["id"]] = InFlight(trial, ref, run_id, spec.resources.cpus,
                                                spec.resources.gpus)
+
+    # staged studies (sweeper/study.py) -------------------------------------------------
+    def _advance_study(self, sweep: dict[str, Any], spec: SweepSpec) -> bool:
+        """When every trial of a study planned so far has finished, plan its next stage
+        (or stop it, or finish it) in one transaction. True if the sweep ended."""
+        sid = sweep["id"]
+        if sweep["study"].get("done") or self._in_flight_for(sid):
+            return False
+        if self.store.count_trials(sid, status=list(ACTIVE)):
+            return False
+        if spec.search.method == "optuna" and self._optuna_left(sid, spec) > 0:
+            return False
+        step = next_step(spec, sweep["study"], self.store.results_frame(sid))
+        stop = ("stopped", step.reason) if step.kind == "stop" else None
+        if not self.store.plan_stage(sid, int(sweep["study"].get("round", 0)), step.state,
+                                     step.trials, stop=stop):
+            return False  # planned by someone else in the meantime: next tick sees it
+        log.info("study %s: %s%s", sid, step.kind,
+                 f" ({step.reason})" if step.reason else
+                 f" {len(step.trials)} trials" if step.trials else "")
+        if step.kind == "stop":
+            self._sweep_ended(sid, "stopped")
+            return True
+        if step.kind == "done":
+            self._refresh(sid)
+            return True
+        return False
 
     # optuna --------------------------------------------------------------------------
     def _study_name(self, sweep_id: str, shape: ShapeKey) -> str:

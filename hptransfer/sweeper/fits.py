@@ -13,6 +13,7 @@ from typing import Any
 
 from hptransfer.analysis import FitReport, fit_report
 from hptransfer.analysis.serialize import json_safe
+from hptransfer.analysis.staged import is_study_frame, study_fit_report
 
 from .db.store import Store
 
@@ -30,8 +31,12 @@ def sweep_report(
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-    report = fit_report(store.results_frame(sweep_id), reference_arm=reference_arm,
-                        bootstrap=bootstrap)
+    frame = store.results_frame(sweep_id)
+    if is_study_frame(frame):  # a staged study: each fit from its own stage
+        report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap)
+    else:
+        report = fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
+                            bootstrap=bootstrap)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))

@@ -29,6 +29,7 @@ class PlannedTrial:
     sigma_base: float
     seed: int
     content_hash: str  # trial.content_hash(): identifies the result, for reuse
+    stage: str | None = None  # a study's stage ("tune" for a study's own grid); else None
 
 
 class ShapeKey(NamedTuple):
@@ -102,6 +103,13 @@ def trial_for(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
     return _planned(spec, ShapeKey(*shape), float(lr))
 
 
+def trial_at(spec: SweepSpec, shape: ShapeKey, lr: float, stage: str | None = None
+             ) -> PlannedTrial:
+    """The trial of any shape of a study's arms (a study's later stages leave the grid)."""
+    p = _planned(spec, shape, lr)
+    return p if stage is None else PlannedTrial(**{**p.__dict__, "stage": stage})
+
+
 def _planned(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
     trial = spec.trial_spec(
         spec.arm(shape.arm), shape.width, shape.depth, lr, shape.sigma_base, shape.seed
@@ -115,4 +123,6 @@ def _planned(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
         sigma_base=shape.sigma_base,
         seed=shape.seed,
         content_hash=trial.content_hash(),
+        # a study's grid is its tune stage (later stages are planned by sweeper/study.py)
+        stage="tune" if spec.stages is not None else None,
     )

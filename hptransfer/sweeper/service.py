@@ -16,6 +16,7 @@ from .fits import fits_artifacts, fits_payload, sweep_report
 from .mlflow.tracking import Tracker
 from .plan import plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec
+from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Coordinator:
             name=spec.name, spec=spec.model_dump(mode="json"), spec_hash=spec_hash(spec),
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
+            study=initial_state(spec, len(planned)) if spec.stages else None,
         )
         if self.dispatcher:
             self.dispatcher.wake()
@@ -86,6 +88,11 @@ class Coordinator:
         spec = SweepSpec.model_validate(sweep["spec"])
         if spec.search.method == "optuna":
             total = max(total, self._optuna_total(spec))
+        stages = None
+        if spec.stages is not None:  # a study: progress per stage, unplanned ones expected
+            stages = study_progress(spec, sweep.get("study") or {},
+                                    self.store.stage_counts(sweep_id))
+            total = max(total, sum(st["total"] for st in stages))
         return {
             **{k: v for k, v in sweep.items() if k != "spec"},
             "counts": counts,
@@ -94,6 +101,7 @@ class Coordinator:
             "progress": done / total if total else 0.0,
             "eta_s": self._eta(sweep_id, total - done, spec.max_concurrent),
             "waiting_for": self.dispatcher.waiting.get(sweep_id) if self.dispatcher else None,
+            "stages": stages,
         }
 
     @staticmethod

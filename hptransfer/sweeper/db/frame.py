@@ -14,10 +14,11 @@ from .schema import Trial
 RESULT_FRAME_COLUMNS: tuple[str, ...] = (
     "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
     "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
-    "params_embedding", "wall_time_s", "reused",
+    "params_embedding", "wall_time_s", "reused", "stage",
 )
 _FRAME_DTYPES: dict[str, Any] = {
-    **dict.fromkeys(("trial_id", "arm", "arch", "parameterization", "status"), object),
+    **dict.fromkeys(("trial_id", "arm", "arch", "parameterization", "status", "stage"),
+                   object),
     **dict.fromkeys(("width", "depth", "seed"), "int64"),
     # tokens/params are counts, but float so rows without a result can hold NaN
     **dict.fromkeys(
@@ -36,7 +37,7 @@ def results_query(sweep_id: str) -> Select[Any]:
             Trial.id, Trial.arm, Trial.spec, Trial.width, Trial.depth, Trial.lr,
             Trial.sigma_base, Trial.seed, Trial.status, Trial.final_val_loss, Trial.flops,
             Trial.tokens, Trial.params_non_embedding, Trial.params_embedding,
-            Trial.wall_time_s, Trial.reused_from,
+            Trial.wall_time_s, Trial.reused_from, Trial.stage,
         )
         .where(Trial.sweep_id == sweep_id)
         .order_by(Trial.idx)
@@ -55,7 +56,7 @@ def results_to_frame(rows: Iterable[Row[Any]]) -> pd.DataFrame:
             "status": r.status, "final_val_loss": r.final_val_loss, "flops": r.flops,
             "tokens": r.tokens, "params_non_embedding": r.params_non_embedding,
             "params_embedding": r.params_embedding, "wall_time_s": r.wall_time_s,
-            "reused": r.reused_from is not None,
+            "reused": r.reused_from is not None, "stage": r.stage,
         }
         for name, value in values.items():
             columns[name].append(value)

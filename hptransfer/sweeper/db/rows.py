@@ -109,6 +109,7 @@ def trial_row(
         "attempts": 0,
         "max_attempts": max_attempts,
         "optuna_trial_number": optuna_trial_number,
+        "stage": getattr(p, "stage", None),  # set by a study's planner
         "created_at": now,
         # every row carries the same keys, so the inserts batch into one executemany
         **dict.fromkeys(RESULT_COLUMNS),

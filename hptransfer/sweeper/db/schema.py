@@ -25,7 +25,10 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SWEEP_STATUSES: tuple[str, ...] = ("pending", "running", "completed", "cancelled", "failed")
+# "stopped": a study that ended early on purpose (e.g. no η* to transfer); `error` says why.
+SWEEP_STATUSES: tuple[str, ...] = (
+    "pending", "running", "completed", "cancelled", "failed", "stopped",
+)
 TRIAL_STATUSES: tuple[str, ...] = (
     "pending", "running", "completed", "diverged", "failed", "cancelled", "pruned",
 )
@@ -34,7 +37,7 @@ FINISHED_STATUSES: frozenset[str] = frozenset(TRIAL_STATUSES) - set(ACTIVE_STATU
 # Sweeps whose pending trials may be leased; a failed/cancelled sweep runs nothing more.
 LEASABLE_SWEEP_STATUSES: tuple[str, ...] = ("pending", "running")
 # Sweeps stopped for good: no trial is added, leased or refreshed back to running.
-STOPPED_SWEEP_STATUSES: tuple[str, ...] = ("cancelled", "failed")
+STOPPED_SWEEP_STATUSES: tuple[str, ...] = ("cancelled", "failed", "stopped")
 
 # Result fields copied into their own trial columns (typed, filterable, cheap to read).
 RESULT_FLOATS: tuple[str, ...] = ("final_val_loss", "flops", "wall_time_s")
@@ -103,6 +106,8 @@ class Sweep(Base):
     mlflow_experiment_id: Mapped[str | None] = mapped_column(String(64))
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))  # the parent run
     error: Mapped[str | None] = mapped_column(Text)
+    # A staged study's state (stages planned so far, transferred HPs); None for a plain sweep.
+    study: Mapped[dict[str, Any] | None] = mapped_column(_json())
 
 
 class Trial(Base):
@@ -141,6 +146,7 @@ class Trial(Base):
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     reused_from: Mapped[str | None] = mapped_column(String(32))  # id of the trial that ran
     optuna_trial_number: Mapped[int | None] = mapped_column(Integer)
+    stage: Mapped[str | None] = mapped_column(String(32))  # study stage; None outside a study
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

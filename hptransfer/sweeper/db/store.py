@@ -175,8 +175,12 @@ class Store:
         data_hash: str | None = None,
         reuse: bool = True,
         max_attempts: int = 3,
+        study: Mapping[str, Any] | None = None,
     ) -> str:
         """Insert a sweep and all its planned trials in one transaction; return the sweep id.
+
+        `study`: the initial state of a staged study (see sweeper/study.py); such a sweep is
+        never completed here, since its later stages are still to be planned.
 
         With `reuse` and a `data_hash`, a trial whose content hash already completed on the
         same data is inserted completed, with the earlier result copied and `reused_from` set.
@@ -196,6 +200,7 @@ class Store:
                 id=sweep_id, name=name, spec=dict(spec), spec_hash=spec_hash, status="pending",
                 search=search, data_hash=data_hash, reuse=reuse, max_attempts=max_attempts,
                 n_trials=len(items), created_at=now,
+                study=dict(study) if study is not None else None,
             )
             s.add(sweep)
             s.flush()  # the sweep row first: every trial references it
@@ -205,7 +210,7 @@ class Store:
             ]
             for chunk in chunks(rows):
                 s.execute(insert(Trial), list(chunk))
-            if rows and all(r["status"] == "completed" for r in rows):
+            if study is None and rows and all(r["status"] == "completed" for r in rows):
                 # Everything was reused: nothing will ever be dispatched to finish it.
                 sweep.status, sweep.started_at, sweep.finished_at = "completed", now, now
         return sweep_id
@@ -235,6 +240,57 @@ class Store:
             if row["status"] == "pending" and sweep.status == "completed":
                 sweep.status, sweep.finished_at = "running", None  # more work arrived
         return cast(str, row["id"])
+
+    def plan_stage(
+        self,
+        sweep_id: str,
+        expected_round: int,
+        study: Mapping[str, Any],
+        planned: Iterable[PlannedTrial],
+        stop: tuple[str, str | None] | None = None,
+    ) -> bool:
+        """Record a study's next stage and insert its trials in ONE transaction.
+
+        Restart safety: `expected_round` is the planning round the caller planned from
+        (`study["round"]` before); if another call (or an earlier coordinator) already
+        recorded a newer round, nothing is written and False is returned, so a stage is never
+        planned twice. A kill before commit leaves no trace; the next tick plans again.
+        `stop`: (status, error) to end the sweep with instead (e.g. "stopped", reason).
+        """
+        items = list(planned)
+        now = utcnow()
+        with self._write() as s:
+            sweep = _locked_sweep(s, sweep_id)
+            if sweep.status in STOPPED_SWEEP_STATUSES:
+                return False
+            if int((sweep.study or {}).get("round", 0)) != expected_round:
+                return False
+            last = s.scalar(select(func.max(Trial.idx)).where(Trial.sweep_id == sweep_id))
+            start = 0 if last is None else last + 1
+            donors = (
+                self._donors(s, [p.content_hash for p in items], sweep.data_hash)
+                if sweep.reuse and sweep.data_hash
+                else {}
+            )
+            rows = [
+                trial_row(sweep_id, start + i, p, sweep.data_hash, sweep.max_attempts, now,
+                          donors)
+                for i, p in enumerate(items)
+            ]
+            for chunk in chunks(rows):
+                s.execute(insert(Trial), list(chunk))
+            sweep.n_trials += len(rows)
+            sweep.study = dict(study)
+            if stop is not None:
+                status, reason = stop
+                if status not in SWEEP_STATUSES:
+                    raise ValueError(f"sweep status must be one of {SWEEP_STATUSES}")
+                sweep.status, sweep.error, sweep.finished_at = status, reason, now
+                sweep.started_at = sweep.started_at or now
+            elif any(r["status"] == "pending" for r in rows):
+                sweep.status, sweep.finished_at = "running", None
+                sweep.started_at = sweep.started_at or now
+            return True
 
     @staticmethod
     def _donors(
@@ -295,6 +351,16 @@ class Store:
         """Number of trials in every status (zeros included)."""
         with self._read() as s:
             return self._counts(s, [sweep_id])[sweep_id]
+
+    def stage_counts(self, sweep_id: str) -> dict[str | None, dict[str, int]]:
+        """Trials per study stage and status (stage None: trials outside a study)."""
+        out: dict[str | None, dict[str, int]] = {}
+        stmt = (select(Trial.stage, Trial.status, func.count())
+                .where(Trial.sweep_id == sweep_id).group_by(Trial.stage, Trial.status))
+        with self._read() as s:
+            for stage, status, n in s.execute(stmt):
+                out.setdefault(stage, dict.fromkeys(TRIAL_STATUSES, 0))[status] = int(n)
+        return out
 
     @staticmethod
     def _counts(s: Session, sweep_ids: Sequence[str]) -> dict[str, dict[str, int]]:

@@ -93,7 +93,7 @@ FINAL_METRICS = (
 )
 RUN_STATUS = {
     "completed": "FINISHED", "pruned": "FINISHED", "diverged": "FINISHED",
-    "finished": "FINISHED", "done": "FINISHED",
+    "finished": "FINISHED", "done": "FINISHED", "stopped": "FINISHED",  # a study stopped on purpose
     "failed": "FAILED", "error": "FAILED",
     "cancelled": "KILLED", "canceled": "KILLED", "killed": "KILLED",
 }

@@ -42,6 +42,7 @@ from .sections import (
     SpecModel,
     SweepBudget,
 )
+from .stages import Stages
 
 __all__ = [
     "DEFAULT_MAX_TRIALS",
@@ -57,6 +58,7 @@ __all__ = [
     "Search",
     "SpecError",
     "SweepBudget",
+    "Stages",
     "SweepSpec",
     "default_max_trials",
     "load_spec",
@@ -82,6 +84,8 @@ class SweepSpec(SpecModel):
     retries: int = Field(2, ge=0)
     reuse: bool = True
     tags: dict[str, str] = {}
+    # A staged study (tune at the base shape, then transfer/check/aspect_ratio); see stages.py
+    stages: Stages | None = None
 
     @field_validator("name")
     @classmethod
@@ -174,6 +178,37 @@ class SweepSpec(SpecModel):
             ))
         if self.budget.batch_rule == "scale_with_params":
             problems.extend(self._base_shape_problems())
+        if self.stages is not None:
+            problems.extend(self._stage_problems())
+        return problems
+
+    def _stage_problems(self) -> list[dict[str, str]]:
+        # A study tunes at the base shape: its grid is the tune stage's grid.
+        problems = []
+        f = self.fixed
+        for name, values, base in (("widths", self.grid.widths, f.base_width),
+                                   ("depths", self.grid.depths, f.base_depth)):
+            if list(values) != [base]:
+                problems.append(error(
+                    f"grid.{name}",
+                    f"a study (stages:) tunes at the base shape, so grid.{name} must be "
+                    f"[{base}] (fixed.base_{name[:-1]}); put larger shapes in "
+                    "stages.transfer.shapes",
+                ))
+        if self.search.method == "grid" and len(self.grid.lr_values()) < 3:
+            problems.append(error(
+                "grid.lrs",
+                "a study's tune stage fits a parabola in log2(lr): give at least 3 LRs",
+            ))
+        assert self.stages is not None
+        for stage in self.stages.enabled()[1:]:
+            section = getattr(self.stages, stage)
+            for i, shape in enumerate(section.shapes or []):
+                if shape.width % f.head_dim:
+                    problems.append(error(
+                        f"stages.{stage}.shapes[{i}].width",
+                        f"{shape.width} is not divisible by fixed.head_dim={f.head_dim}",
+                    ))
         return problems
 
     def _base_shape_problems(self) -> list[dict[str, str]]:
@@ -221,7 +256,22 @@ class SweepSpec(SpecModel):
                        f"{'; '.join(shapes)}: {cause}")
                 for cause, shapes in failures.items()
             )
+            for stage, j, shape in self._stage_shapes():
+                try:
+                    self.trial_spec(arm, shape.width, shape.depth, lr, sigma, seed)
+                except ValueError as exc:
+                    problems.append(error(
+                        f"stages.{stage}.shapes[{j}]",
+                        f"arm {arm.name!r} cannot be built at width {shape.width}, depth "
+                        f"{shape.depth}: {plain_message(exc, SweepSpec)}",
+                    ))
         return problems
+
+    def _stage_shapes(self) -> list[tuple[str, int, Any]]:
+        if self.stages is None:
+            return []
+        return [(stage, j, shape) for stage in self.stages.enabled()[1:]
+                for j, shape in enumerate(getattr(self.stages, stage).shapes or [])]
 
     # ---- expansion helpers (used by plan.py) -------------------------------------------
 
@@ -231,8 +281,18 @@ class SweepSpec(SpecModel):
             per_shape = self.search.n_trials or 0
         else:
             per_shape = len(g.lr_values())
-        return (len(self.arms) * len(g.widths) * len(g.depths) * len(g.sigma_bases)
+        tune = (len(self.arms) * len(g.widths) * len(g.depths) * len(g.sigma_bases)
                 * len(g.seeds) * per_shape)
+        if self.stages is None:
+            return tune
+        # the most a study can plan: grid-edge extensions and every later stage's shapes
+        st = self.stages
+        per_arm_seed = st.tune.extend * st.tune.extend_lrs * len(g.sigma_bases)
+        for stage in st.enabled()[1:]:
+            n = len(st.shapes_of(stage))
+            per_arm_seed += n * len(st.check.log2_offsets) if stage == "check" and st.check \
+                else n
+        return tune + len(self.arms) * len(g.seeds) * per_arm_seed
 
     def arm(self, label: str) -> Arm:
         for arm in self.arms:

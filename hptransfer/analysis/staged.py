@@ -1,0 +1,211 @@
+"""Fits of a staged study ("tune small, train large"), each from the stage it belongs to.
+
+The trial frame carries a `stage` column (tune, transfer, check, aspect_ratio):
+
+- η* per arm at the base shape            from tune
+- transfer check: shift of η* (log2)      from tune (η* transferred) + the check bracket at
+                                          its shape(s) (the ladder's trial there is its centre)
+- loss-vs-compute frontier, FLOP savings  from the transfer ladder (each arm at its own
+                                          transferred HPs, untuned)
+- compute-optimal N:L                     from aspect_ratio
+- Chinchilla L(N, D)                      from transfer + aspect_ratio
+
+`STAGE_SOURCES` says which stage each analysis of the report came from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .aspect_ratio import optimal_aspect_ratio
+from .chinchilla import chinchilla_fit
+from .errors import NotEnoughData
+from .frontier import loss_compute_frontier
+from .optimal_lr import optimal_lr
+from .savings import SavingsResult, compare_fits, flop_savings
+from .serialize import analysis_dict, with_none
+from .stats import single_threaded_blas
+from .trials import CORE_COLUMNS, prepare_trials
+
+STAGE_SOURCES: dict[str, str] = {
+    "optimal_lr": "tune",
+    "transfer_check": "tune + check",
+    "frontier": "transfer",
+    "savings": "transfer",
+    "aspect_ratio": "aspect_ratio",
+    "chinchilla": "transfer + aspect_ratio",
+}
+_MUP = frozenset({"mup", "µp", "μp"})
+_SP = frozenset({"sp", "standard"})
+
+
+def is_study_frame(df: pd.DataFrame) -> bool:
+    return "stage" in df.columns and bool(df["stage"].notna().any())
+
+
+@dataclass
+class TransferCheckResult:
+    """Per arm and check shape: η* transferred from the base shape, η* measured by the
+    bracket there, and the shift log2(η*_check / η*_transferred) (0 = the LR transferred)."""
+
+    table: pd.DataFrame
+    reason: NotEnoughData | None = None
+    warnings: list[str] = field(default_factory=list)
+    # loss vs LR at each check shape (arm, width, depth, lr, mean_loss, n_completed, ...)
+    curves: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def reliable(self) -> bool:
+        return self.reason is None and bool(self.table["reliable"].all())
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.table.copy()
+
+    def to_dict(self) -> dict[str, Any]:
+        return analysis_dict("transfer_check", self, rows=self.table, curves=self.curves)
+
+
+_CHECK_COLUMNS = [
+    "arm", "width", "depth", "base_width", "base_depth", "lr_transferred", "lr_check",
+    "shift_log2", "shift_ci_low", "shift_ci_high", "n_lrs", "edge", "reliable", "reason",
+    "warnings",
+]
+
+
+def transfer_check(
+    df: pd.DataFrame, *, bootstrap: int = 200, seed: int | None = 0, ci: float = 0.95
+) -> TransferCheckResult:
+    """The transfer check of a study frame (stages tune, transfer, check)."""
+    what = "the transfer check"
+    tune = df[df["stage"] == "tune"]
+    checked = df[df["stage"] == "check"]
+    if tune.empty or checked.empty:
+        because = "the study has no tune trials" if tune.empty else "no check stage has run"
+        return TransferCheckResult(pd.DataFrame(columns=_CHECK_COLUMNS),
+                                   NotEnoughData(what, because))
+    shapes = checked[["arm", "width", "depth"]].drop_duplicates()
+    at = df.merge(shapes, on=["arm", "width", "depth"])
+    at = at[at["stage"].isin(("transfer", "check"))]
+    base = optimal_lr(tune, bootstrap=0).shapes
+    check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
+    check = check_fit.shapes
+    rows = []
+    for _, c in check.iterrows():
+        b = base[base["arm"] == c["arm"]]
+        b = b[np.isfinite(b["best_loss"].to_numpy(dtype=float))].sort_values("best_loss")
+        row: dict[str, Any] = {k: c[k] for k in ("arm", "width", "depth")}
+        row.update(n_lrs=int(c["n_lrs"]), edge=c["edge"], warnings=list(c["warnings"] or []))
+        if b.empty:
+            row.update(reliable=False, reason=f"arm {c['arm']} has no η* at the base shape")
+            rows.append(row)
+            continue
+        b0 = b.iloc[0]
+        lr_t = float(b0["lr_opt"])
+        row.update(base_width=int(b0["width"]), base_depth=int(b0["depth"]), lr_transferred=lr_t)
+        lr_c = float(c["lr_opt"])
+        if math.isfinite(lr_c):
+            row.update(lr_check=lr_c, shift_log2=math.log2(lr_c) - math.log2(lr_t),
+                       shift_ci_low=float(c["log2_ci_low"]) - math.log2(lr_t),
+                       shift_ci_high=float(c["log2_ci_high"]) - math.log2(lr_t))
+        reason = c["reason"]
+        if isinstance(c["edge"], str):
+            side = "below" if c["edge"] == "low" else "above"
+            reason = (f"the optimum lies {side} the bracket: η* moved more than the bracket "
+                      f"spans (the shift is a bound, not an estimate); widen "
+                      "stages.check.log2_offsets")
+        row["reliable"] = bool(c["reliable"]) and bool(b0["reliable"]) and reason is None
+        if not bool(b0["reliable"]) and reason is None:
+            reason = "η* at the base shape is not reliable"
+        row["reason"] = reason
+        rows.append(row)
+    table = with_none(pd.DataFrame(rows, columns=_CHECK_COLUMNS), ["reason", "edge"])
+    table["reliable"] = table["reliable"].astype(bool)
+    curves = check_fit.curves[["arm", "width", "depth", "lr", "mean_loss", "n_completed",
+                               "n_diverged"]]
+    return TransferCheckResult(table, curves=curves)
+
+
+def _param_of(frame: pd.DataFrame) -> dict[str, str]:
+    if "parameterization" not in frame:
+        return {}
+    pairs = frame[["arm", "parameterization"]].drop_duplicates()
+    return {str(a): str(p).lower() for a, p in pairs.itertuples(index=False)}
+
+
+def study_savings(frontier: Any, reference_arm: str | None, arms_param: dict[str, str],
+                  n_grid: int, ci: float) -> SavingsResult:
+    """Every arm over the reference (default: SP), plus every other arm over µP (the paper's
+    headline, CompleteP over µP), keyed `arm` and `arm|reference`."""
+    if reference_arm is None:
+        sp = [a for a, p in arms_param.items() if p in _SP]
+        reference_arm = sp[0] if len(sp) == 1 else None
+    result = flop_savings(frontier, reference_arm, n_grid=n_grid, ci=ci)
+    mup = [a for a, p in arms_param.items() if p in _MUP]
+    if len(mup) == 1 and mup[0] != result.reference and mup[0] in frontier.fits:
+        for arm, fit in frontier.fits.items():
+            if arm in (mup[0], result.reference):
+                continue
+            result.comparisons[f"{arm}|{mup[0]}"] = compare_fits(
+                fit, frontier.fits[mup[0]], arm=arm, reference=mup[0], n_grid=n_grid, ci=ci)
+    return result
+
+
+def study_fit_report(
+    df: pd.DataFrame,
+    reference_arm: str | None = None,
+    *,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
+    size_tolerance: float = 0.15,
+    within: float = 0.01,
+    n_grid: int = 20,
+) -> Any:
+    """A `FitReport` whose every analysis comes from its stage (see `STAGE_SOURCES`)."""
+    from .report import FitReport  # report imports this module for its table list
+
+    report = FitReport(bootstrap=bootstrap, seed=seed)
+    report.stages = dict(STAGE_SOURCES)
+    try:
+        trials = prepare_trials(df, CORE_COLUMNS)
+    except Exception as exc:
+        report.error = str(exc)
+        report.n_trials = len(df) if isinstance(df, pd.DataFrame) else 0
+        return report
+    report.n_trials = trials.n_input
+    report.status_counts = trials.status_counts
+
+    def part(*stages: str) -> pd.DataFrame:
+        return df[df["stage"].isin(stages)].drop(columns=["stage"])
+
+    def run(name: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # one analysis' bug must not take the report down
+            report.failures[name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    with single_threaded_blas():
+        tune = part("tune")
+        report.optimal_lr = run("optimal_lr", lambda: optimal_lr(
+            tune, bootstrap=bootstrap, seed=seed, ci=ci))
+        report.transfer_check = run("transfer_check", lambda: transfer_check(
+            df, bootstrap=bootstrap, seed=seed, ci=ci))
+        ladder = part("transfer")
+        report.frontier = run("frontier", lambda: loss_compute_frontier(
+            ladder, bootstrap=bootstrap, seed=seed, ci=ci))
+        if report.frontier is not None:
+            report.savings = run("savings", lambda: study_savings(
+                report.frontier, reference_arm, _param_of(df), n_grid, ci))
+            if report.savings is not None:
+                report.reference_arm = report.savings.reference
+        report.aspect_ratio = run("aspect_ratio", lambda: optimal_aspect_ratio(
+            part("aspect_ratio"), tolerance=size_tolerance, within=within))
+        report.chinchilla = run("chinchilla", lambda: chinchilla_fit(
+            part("transfer", "aspect_ratio"), bootstrap=bootstrap, seed=seed, ci=ci))
+    return report

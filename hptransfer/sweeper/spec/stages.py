@@ -1,0 +1,147 @@
+"""The `stages:` section of a SweepSpec: a staged "tune small, train large" study.
+
+A study is one sweep whose stages run in order, each planned from the results of the ones
+before it (see `hptransfer.sweeper.study`):
+
+1. tune          the sweep's own grid (or Optuna search) at the base shape
+                 (fixed.base_width x fixed.base_depth): η* and σ* per arm;
+2. transfer      a ladder of larger shapes at each arm's transferred η*, σ*;
+3. check         at the largest shape(s), a small LR bracket around the transferred η*
+                 (η* x 2^offset): how far the true optimum moved, in log2;
+4. aspect_ratio  shapes of about equal non-embedding size, several width:depth ratios, at
+                 the transferred HPs: the compute-optimal N:L.
+
+Every field is bounded and checked here; checks that need the rest of the spec (head_dim,
+the base shape, the arms) are `SweepSpec`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+
+from .errors import SpecError, error
+from .sections import SpecModel
+
+STAGE_ORDER: tuple[str, ...] = ("tune", "transfer", "check", "aspect_ratio")
+MAX_STAGE_SHAPES = 64  # per stage: a study is a handful of shapes, not a grid
+MAX_EXTEND = 4
+
+
+class Shape(SpecModel):
+    width: int = Field(gt=0, le=1 << 16)
+    depth: int = Field(gt=0, le=1024)
+
+    def key(self) -> tuple[int, int]:
+        return (self.width, self.depth)
+
+
+def _unique_shapes(shapes: list[Shape]) -> list[Shape]:
+    seen: dict[tuple[int, int], int] = {}
+    for i, s in enumerate(shapes):
+        if s.key() in seen:
+            raise ValueError(
+                f"shape {i} (width {s.width}, depth {s.depth}) repeats shape {seen[s.key()]}; "
+                "list each shape once"
+            )
+        seen[s.key()] = i
+    return shapes
+
+
+Shapes = Annotated[list[Shape], Field(min_length=1, max_length=MAX_STAGE_SHAPES)]
+
+
+class TuneStage(SpecModel):
+    """The sweep's grid (or Optuna search) at the base shape. When η* of an arm sits at an
+    edge of the LR range, up to `extend` more rounds add `extend_lrs` LRs beyond that edge
+    (same step); past that the study stops and says why."""
+
+    extend: int = Field(1, ge=0, le=MAX_EXTEND)
+    extend_lrs: int = Field(2, ge=1, le=8)
+
+
+class TransferStage(SpecModel):
+    """The ladder, trained once per arm and seed at the arm's transferred η*, σ*."""
+
+    shapes: Shapes
+
+    @field_validator("shapes")
+    @classmethod
+    def _unique(cls, v: list[Shape]) -> list[Shape]:
+        return _unique_shapes(v)
+
+
+class CheckStage(SpecModel):
+    """LR bracket η* x 2^offset at `shapes` (default: the transfer ladder's largest shape).
+    Offset 0 at a ladder shape is the ladder's own trial, so it is not trained twice."""
+
+    shapes: list[Shape] | None = Field(None, min_length=1, max_length=8)
+    log2_offsets: list[float] = Field(
+        [-1.0, 0.0, 1.0], min_length=3, max_length=9,
+    )
+
+    @field_validator("shapes")
+    @classmethod
+    def _unique(cls, v: list[Shape] | None) -> list[Shape] | None:
+        return None if v is None else _unique_shapes(v)
+
+    @field_validator("log2_offsets")
+    @classmethod
+    def _offsets(cls, v: list[float]) -> list[float]:
+        for x in v:
+            if not -8.0 <= x <= 8.0:
+                raise ValueError(f"offset {x:g} is outside [-8, 8] octaves")
+        if len(set(v)) != len(v):
+            raise ValueError("each offset once, please (a repeat trains the same trial twice)")
+        if 0.0 not in v:
+            raise ValueError("include 0 (the transferred η* itself) so the bracket is centred")
+        if min(v) >= 0 or max(v) <= 0:
+            raise ValueError("give offsets on both sides of 0, or the bracket cannot "
+                             "locate an optimum that moved either way")
+        return sorted(v)
+
+
+class AspectRatioStage(SpecModel):
+    """Shapes of about equal non-embedding parameter count (12·N²·L), at least 4 width:depth
+    ratios (the cubic in log N:L needs 4; a reliable fit needs 5)."""
+
+    shapes: Annotated[list[Shape], Field(min_length=4, max_length=MAX_STAGE_SHAPES)]
+
+    @field_validator("shapes")
+    @classmethod
+    def _unique(cls, v: list[Shape]) -> list[Shape]:
+        v = _unique_shapes(v)
+        ratios = {s.width / s.depth for s in v}
+        if len(ratios) < 4:
+            raise ValueError(f"{len(ratios)} distinct width:depth ratios; the cubic in "
+                             "log(N/L) needs at least 4")
+        return v
+
+
+class Stages(SpecModel):
+    tune: TuneStage = TuneStage()
+    transfer: TransferStage | None = None
+    check: CheckStage | None = None
+    aspect_ratio: AspectRatioStage | None = None
+
+    @model_validator(mode="after")
+    def _needs(self) -> Stages:
+        if self.check is not None and self.check.shapes is None and self.transfer is None:
+            raise SpecError([error(
+                "check.shapes", "check without shapes brackets the transfer ladder's largest "
+                "shape; add a transfer stage or give check.shapes")])
+        return self
+
+    def enabled(self) -> list[str]:
+        """Stage names in the order they run."""
+        return [name for name in STAGE_ORDER if name == "tune" or getattr(self, name)]
+
+    def shapes_of(self, stage: str) -> list[Shape]:
+        """The shapes a later stage trains (check defaults to the largest ladder shape,
+        by 12·N²·L)."""
+        if stage == "check" and self.check is not None and self.check.shapes is None:
+            assert self.transfer is not None
+            return [max(self.transfer.shapes, key=lambda s: (s.width**2 * s.depth, s.width))]
+        section: Any = getattr(self, stage)
+        return list(section.shapes) if section is not None else []

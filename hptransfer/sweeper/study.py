@@ -1,0 +1,251 @@
+"""The study planner: given a study's spec, its state and the finished trials so far, the
+next step — the next stage's trials, a stop with its reason, or done.
+
+Pure: reads the spec and a results frame (`Store.results_frame`, with its `stage` column),
+calls the analysis package's fits, never Ray or the database. The dispatcher records what
+it returns in one transaction (`Store.plan_stage`), so planning is restart-safe: planning the
+same inputs again gives the same trials with the same content hashes.
+
+Rounds: round 0 is the tune stage (the sweep's own grid, stored at submit); a tune round
+whose η* of some arm sits at an edge of the LR range adds LRs beyond that edge (up to
+`stages.tune.extend` times); once every arm has a reliable η*, ONE round plans every later
+stage (transfer, check, aspect_ratio: they all depend on the tune stage only), each trial
+tagged with its stage and planned in stage order, so they lease in that order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from hptransfer.analysis import optimal_lr
+
+from .plan import PlannedTrial, ShapeKey, trial_at
+from .spec import SweepSpec
+from .spec.stages import STAGE_ORDER
+
+TUNE = "tune"
+StepKind = Literal["plan", "stop", "done"]
+
+
+@dataclass
+class StudyStep:
+    kind: StepKind
+    state: dict[str, Any]
+    trials: list[PlannedTrial] = field(default_factory=list)
+    reason: str | None = None  # why the study stops (kind == "stop")
+
+
+def initial_state(spec: SweepSpec, n_tune: int) -> dict[str, Any]:
+    """The state stored with a new study: round 0 is the tune stage (its own grid)."""
+    return {
+        "round": 0,
+        "stages": [{"name": TUNE, "round": 0, "n_trials": n_tune}],
+        "hps": {},
+        "extensions": {},
+        "done": False,
+        "stop_reason": None,
+    }
+
+
+def stage_names(spec: SweepSpec) -> list[str]:
+    return spec.stages.enabled() if spec.stages is not None else []
+
+
+def expected_trials(spec: SweepSpec, stage: str) -> int:
+    """Trials a later stage will plan (without grid-edge extensions): for progress bars."""
+    st = spec.stages
+    if st is None or stage == TUNE:
+        return 0
+    n_seeds, n_arms = len(spec.grid.seeds), len(spec.arms)
+    if stage == "check":
+        assert st.check is not None
+        n = 0
+        ladder = {s.key() for s in st.transfer.shapes} if st.transfer else set()
+        for shape in st.shapes_of("check"):
+            n += sum(1 for o in st.check.log2_offsets if not (o == 0 and shape.key() in ladder))
+        return n * n_arms * n_seeds
+    return len(st.shapes_of(stage)) * n_arms * n_seeds
+
+
+def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> StudyStep:
+    """What the study does now that every trial planned so far has finished."""
+    if spec.stages is None:
+        raise ValueError("not a study: the spec has no stages section")
+    state = _copy(state)
+    planned = {s["name"] for s in state["stages"]}
+    if planned - {TUNE}:  # the later stages were planned (and have all finished)
+        state["done"] = True
+        state["round"] += 1
+        return StudyStep("done", state)
+    tune = frame[frame["stage"] == TUNE] if "stage" in frame else frame.iloc[:0]
+    decisions, extend, stops = _tune_decisions(spec, state, tune)
+    if stops:
+        reason = "tune stage gave no η* to transfer: " + "; ".join(stops)
+        state.update(stop_reason=reason, round=state["round"] + 1)
+        return StudyStep("stop", state, reason=reason)
+    state["round"] += 1
+    if extend:
+        trials = []
+        for arm, lrs in extend.items():
+            state["extensions"][arm] = state["extensions"].get(arm, 0) + 1
+            trials += _tune_trials(spec, arm, lrs)
+        state["stages"].append({"name": TUNE, "round": state["round"], "n_trials": len(trials),
+                                "extends": {a: [float(x) for x in v] for a, v in extend.items()}})
+        return StudyStep("plan", state, trials)
+    state["hps"] = decisions
+    trials = []
+    for stage in stage_names(spec)[1:]:
+        stage_trials = _stage_trials(spec, stage, decisions)
+        state["stages"].append({"name": stage, "round": state["round"],
+                                "n_trials": len(stage_trials)})
+        trials += stage_trials
+    if not trials:  # a study with only a tune stage
+        state["done"] = True
+        return StudyStep("done", state)
+    return StudyStep("plan", state, trials)
+
+
+_TERMINAL = ("completed", "diverged", "failed", "cancelled", "pruned")
+
+
+def study_progress(
+    spec: SweepSpec, state: dict[str, Any], counts: dict[str | None, dict[str, int]]
+) -> list[dict[str, Any]]:
+    """One entry per stage, in order: planned or not, trial counts, done/total, progress.
+
+    `counts` is `Store.stage_counts` (stage -> status -> n). A stage not planned yet counts
+    the trials it is expected to plan, so a study's total does not jump at each stage."""
+    planned = {s["name"] for s in state.get("stages", [])}
+    out = []
+    for name in stage_names(spec):
+        c = {k: v for k, v in counts.get(name, {}).items() if v}
+        n = sum(c.values())
+        done = sum(c.get(k, 0) for k in _TERMINAL)
+        is_planned = name in planned
+        total = n if is_planned else expected_trials(spec, name)
+        if name == TUNE and spec.search.method == "optuna":
+            total = max(n, _optuna_tune_total(spec))
+        out.append({
+            "stage": name,
+            "planned": is_planned,
+            "counts": c,
+            "done": done,
+            "total": total,
+            "progress": done / total if total else 0.0,
+            "state": ("stopped" if state.get("stop_reason") and name == TUNE else
+                      "done" if is_planned and total and done >= total else
+                      "running" if is_planned else "waiting"),
+        })
+    return out
+
+
+def _optuna_tune_total(spec: SweepSpec) -> int:
+    g = spec.grid
+    return (len(spec.arms) * len(g.widths) * len(g.depths) * len(g.sigma_bases)
+            * len(g.seeds) * (spec.search.n_trials or 0))
+
+
+# ---------------------------------------------------------------- tune
+
+
+def _tune_decisions(
+    spec: SweepSpec, state: dict[str, Any], tune: pd.DataFrame
+) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], list[str]]:
+    """Per arm: the transferred HPs, or LRs to add beyond the grid edge, or why it stops."""
+    assert spec.stages is not None
+    opt = optimal_lr(tune, bootstrap=0) if len(tune) else None
+    decisions: dict[str, dict[str, float]] = {}
+    extend: dict[str, list[float]] = {}
+    stops: list[str] = []
+    for arm in (a.name for a in spec.arms):
+        rows = tune[tune["arm"] == arm]
+        finished = rows[rows["status"].isin(("completed", "diverged"))]
+        if finished.empty or not (finished["status"] == "completed").any():
+            n_div = int((rows["status"] == "diverged").sum())
+            stops.append(f"arm {arm}: every tune trial diverged or failed "
+                         f"({n_div} diverged of {len(rows)}); lower the LR range")
+            continue
+        assert opt is not None
+        shapes = opt.shapes[opt.shapes["arm"] == arm]
+        shapes = shapes[np.isfinite(shapes["best_loss"].to_numpy(dtype=float))]
+        best = shapes.sort_values("best_loss", kind="stable").iloc[0]  # best σ
+        edge = best["edge"]
+        if isinstance(edge, str):
+            used = state["extensions"].get(arm, 0)
+            if used < spec.stages.tune.extend:
+                extend[arm] = _beyond_edge(spec, rows, edge)
+                continue
+            stops.append(
+                f"arm {arm}: the best LR {best['best_lr']:.4g} is at the {edge} edge of the "
+                f"LR range after {used} extension(s); widen grid.lrs or raise "
+                "stages.tune.extend")
+            continue
+        if not bool(best["reliable"]):
+            why = best["reason"] or "; ".join(best["warnings"] or []) or "the fit is unreliable"
+            stops.append(f"arm {arm}: no reliable η* at the base shape ({why})")
+            continue
+        decisions[arm] = {"lr": _round_lr(float(best["lr_opt"])),
+                          "sigma_base": float(best["sigma_base"]),
+                          "best_grid_lr": float(best["best_lr"]),
+                          "loss": float(best["best_loss"])}
+    return decisions, extend, stops
+
+
+def _round_lr(lr: float) -> float:
+    # 1e-6 octave: exact enough, and identical on every machine for reuse by content hash
+    return 2.0 ** round(math.log2(lr), 6)
+
+
+def _beyond_edge(spec: SweepSpec, rows: pd.DataFrame, edge: str) -> list[float]:
+    assert spec.stages is not None
+    log2 = np.log2(np.sort(rows["lr"].unique().astype(float)))
+    step = float(np.min(np.diff(log2))) if log2.size > 1 else 1.0
+    n = spec.stages.tune.extend_lrs
+    if edge == "low":
+        return [float(2.0 ** round(log2[0] - k * step, 12)) for k in range(1, n + 1)]
+    return [float(2.0 ** round(log2[-1] + k * step, 12)) for k in range(1, n + 1)]
+
+
+def _tune_trials(spec: SweepSpec, arm: str, lrs: list[float]) -> list[PlannedTrial]:
+    f = spec.fixed
+    return [
+        trial_at(spec, ShapeKey(arm, f.base_width, f.base_depth, sigma, seed), lr)
+        for sigma in spec.grid.sigma_bases for lr in lrs for seed in spec.grid.seeds
+    ]
+
+
+# ---------------------------------------------------------------- later stages
+
+
+def _stage_trials(
+    spec: SweepSpec, stage: str, hps: dict[str, dict[str, float]]
+) -> list[PlannedTrial]:
+    assert spec.stages is not None and stage in STAGE_ORDER
+    st = spec.stages
+    ladder = {s.key() for s in st.transfer.shapes} if st.transfer else set()
+    out = []
+    for arm in (a.name for a in spec.arms):
+        lr, sigma = hps[arm]["lr"], hps[arm]["sigma_base"]
+        for shape in st.shapes_of(stage):
+            offsets = [0.0]
+            if stage == "check":
+                assert st.check is not None
+                # offset 0 at a ladder shape is the ladder's own trial
+                offsets = [o for o in st.check.log2_offsets
+                           if not (o == 0 and shape.key() in ladder)]
+            for offset in offsets:
+                for seed in spec.grid.seeds:
+                    key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
+                    out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage))
+    return out
+
+
+def _copy(state: dict[str, Any]) -> dict[str, Any]:
+    import copy
+
+    return copy.deepcopy(state)

@@ -1,0 +1,349 @@
+"""Staged studies: the `stages:` spec section, the pure planner (sweeper/study.py), the store's
+one-transaction stage planning, and a real study through the API (real Ray, real training)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import TINY_SPEC
+
+from hptransfer.api.server import serve_in_thread
+from hptransfer.client import ApiError, Client
+from hptransfer.config import get_settings
+from hptransfer.sweeper.db.store import Store
+from hptransfer.sweeper.plan import plan_sweep
+from hptransfer.sweeper.spec import SpecError, load_spec
+from hptransfer.sweeper.study import initial_state, next_step
+
+LRS = [2.0**k for k in range(-10, -5)]  # 2^-10 ... 2^-6
+
+
+def study_dict(**stages) -> dict:
+    spec = copy.deepcopy(TINY_SPEC)
+    spec["name"] = "study"
+    spec["arms"] = [{"arch": "gpt", "parameterization": "sp"},
+                    {"arch": "gpt", "parameterization": "completep"}]
+    spec["grid"]["lrs"] = list(LRS)
+    spec["stages"] = stages or {
+        "transfer": {"shapes": [{"width": 32, "depth": 2}, {"width": 64, "depth": 2}]},
+        "check": {},
+        "aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
+                                    {"width": 96, "depth": 1}, {"width": 128, "depth": 1}]},
+    }
+    return spec
+
+
+def frame_of(planned, loss_of) -> pd.DataFrame:
+    """A results frame as Store.results_frame gives it, with losses from `loss_of(p)`."""
+    rows = []
+    for i, p in enumerate(planned):
+        loss = loss_of(p)
+        rows.append(dict(
+            trial_id=f"t{i}", arm=p.arm, width=p.width, depth=p.depth, lr=p.lr,
+            sigma_base=p.sigma_base, seed=p.seed, stage=p.stage,
+            status="diverged" if loss is None else "completed",
+            final_val_loss=np.nan if loss is None else loss,
+        ))
+    return pd.DataFrame(rows)
+
+
+def bowl(centre_log2: float):
+    return lambda p: 3.0 + 0.01 * (math.log2(p.lr) - centre_log2) ** 2
+
+
+# ------------------------------------------------------------------ spec
+
+
+@pytest.mark.parametrize("stages, field", [
+    ({"transfer": {"shapes": [{"width": 33, "depth": 2}]}}, "stages.transfer.shapes[0].width"),
+    ({"transfer": {"shapes": [{"width": 32, "depth": 0}]}}, "stages.transfer.shapes[0].depth"),
+    ({"transfer": {"shapes": []}}, "stages.transfer.shapes"),
+    ({"transfer": {"shapes": [{"width": 32, "depth": 2}, {"width": 32, "depth": 2}]}},
+     "stages.transfer.shapes"),
+    ({"check": {}}, "stages.check.shapes"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "log2_offsets": [0, 1, 2]}},
+     "stages.check.log2_offsets"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "log2_offsets": [-1, 1, 2]}},
+     "stages.check.log2_offsets"),
+    ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}]}}, "stages.aspect_ratio.shapes"),
+    ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}, {"width": 64, "depth": 2},
+                                  {"width": 96, "depth": 3}, {"width": 128, "depth": 4}]}},
+     "stages.aspect_ratio.shapes"),  # four shapes but one width:depth ratio
+    ({"tune": {"extend": 9}}, "stages.tune.extend"),
+    ({"transfr": {}}, "stages.transfr"),
+])
+def test_bad_stage_specs_name_the_field(stages, field):
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**stages))
+    assert field in [e["field"] for e in exc.value.errors], exc.value.errors
+
+
+def test_a_study_tunes_at_the_base_shape():
+    spec = study_dict()
+    spec["grid"]["widths"] = [32, 64]
+    with pytest.raises(SpecError) as exc:
+        load_spec(spec)
+    assert [e["field"] for e in exc.value.errors] == ["grid.widths"]
+    spec = study_dict()
+    spec["grid"]["lrs"] = LRS[:2]
+    with pytest.raises(SpecError) as exc:
+        load_spec(spec)
+    assert [e["field"] for e in exc.value.errors] == ["grid.lrs"]
+
+
+def test_trial_cap_counts_every_stage():
+    spec = load_spec(study_dict())
+    # the most it can plan: tune 2 arms x 5 LRs; per arm an extension of 2 LRs, transfer 2,
+    # check 3 offsets (an upper bound: offset 0 is the ladder's own trial), aspect ratio 4
+    assert spec.trial_count() == 10 + 2 * (2 + 2 + 3 + 4)
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(), max_trials=25)
+    assert exc.value.errors[0]["field"] == "grid"
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_planner_transfers_the_tuned_lr_to_every_later_stage():
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    assert {p.stage for p in tune} == {"tune"} and len(tune) == 10
+    centre = {"gpt/sp": -8.3, "gpt/completep": -7.6}
+    step = next_step(spec, initial_state(spec, 10), frame_of(tune, lambda p: bowl(
+        centre[p.arm])(p)))
+    assert step.kind == "plan" and step.reason is None
+    assert [s["name"] for s in step.state["stages"]] == [
+        "tune", "transfer", "check", "aspect_ratio"]
+    for arm, c in centre.items():
+        # the parabola through the best LR and its neighbours finds the bowl's centre
+        assert math.log2(step.state["hps"][arm]["lr"]) == pytest.approx(c, abs=1e-6)
+    by_stage: dict[str, list] = {}
+    for p in step.trials:
+        by_stage.setdefault(p.stage, []).append(p)
+    # stage order is plan order, so trials lease stage by stage
+    assert [p.stage for p in step.trials] == sorted(
+        (p.stage for p in step.trials), key=["transfer", "check", "aspect_ratio"].index)
+    assert len(by_stage["transfer"]) == 4 and len(by_stage["aspect_ratio"]) == 8
+    check = by_stage["check"]  # the largest ladder shape, at η*·2^-1 and η*·2^+1
+    assert {(p.width, p.depth) for p in check} == {(64, 2)}
+    for p in check:
+        shift = math.log2(p.lr) - centre[p.arm]
+        assert shift == pytest.approx(-1, abs=1e-5) or shift == pytest.approx(1, abs=1e-5)
+    for p in by_stage["transfer"] + by_stage["aspect_ratio"]:
+        assert math.log2(p.lr) == pytest.approx(centre[p.arm], abs=1e-5)
+    # deterministic: planning the same inputs again gives the same trials (restart safety)
+    again = next_step(spec, initial_state(spec, 10), frame_of(tune, lambda p: bowl(
+        centre[p.arm])(p)))
+    assert [p.content_hash for p in again.trials] == [p.content_hash for p in step.trials]
+    # once the later stages have run, the study is done
+    done = next_step(spec, step.state, frame_of(tune + step.trials, bowl(-8)))
+    assert done.kind == "done" and done.state["done"] and not done.trials
+
+
+def test_grid_edge_extends_then_stops_with_the_reason():
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    edge = bowl(-4.0)  # optimum above the grid (2^-6 is the largest LR)
+    step = next_step(spec, initial_state(spec, 10), frame_of(tune, edge))
+    assert step.kind == "plan" and {p.stage for p in step.trials} == {"tune"}
+    assert sorted({p.lr for p in step.trials}) == [2.0**-5, 2.0**-4]  # two octaves beyond
+    assert step.state["extensions"] == {"gpt/sp": 1, "gpt/completep": 1}
+    # the extension found the optimum (interior now): the study moves on
+    moved = next_step(spec, step.state, frame_of(tune + step.trials, bowl(-4.6)))
+    assert moved.kind == "plan" and "transfer" in {p.stage for p in moved.trials}
+    # still at the edge after the one allowed extension: stop, saying why
+    stop = next_step(spec, step.state, frame_of(tune + step.trials, bowl(0.0)))
+    assert stop.kind == "stop" and not stop.trials
+    assert "high edge" in stop.reason and "stages.tune.extend" in stop.reason
+    assert stop.state["stop_reason"] == stop.reason
+
+
+def test_all_diverged_stops_with_the_reason():
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, 10), frame_of(
+        tune, lambda p: None if p.arm == "gpt/sp" else bowl(-8)(p)))
+    assert step.kind == "stop" and not step.trials
+    assert "arm gpt/sp: every tune trial diverged" in step.reason
+    assert "completep" not in step.reason
+
+
+# ------------------------------------------------------------------ store
+
+
+def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    store = Store(f"sqlite:///{tmp_path}/hpt.db")
+    store.migrate()
+    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
+                             study=initial_state(spec, len(tune)))
+    for t in store.lease_pending("me", 100, sweep_id=sid):  # all tune trials finish
+        store.finish_trial(t["id"], "completed", {"final_val_loss": bowl(-8)(
+            type("P", (), {"lr": t["lr"]})())})
+    assert store.get_sweep(sid)["status"] == "running"  # a study is not completed by this
+    step = next_step(spec, store.get_sweep(sid)["study"], store.results_frame(sid))
+    assert store.plan_stage(sid, 0, step.state, step.trials)
+    # a second planner working from the same (now stale) round writes nothing
+    assert not store.plan_stage(sid, 0, step.state, step.trials)
+    trials = store.trials(sid, limit=None)
+    assert len(trials) == 10 + len(step.trials) == store.get_sweep(sid)["n_trials"]
+    assert [t["idx"] for t in trials] == list(range(len(trials)))
+    assert store.get_sweep(sid)["study"]["round"] == 1
+    counts = store.stage_counts(sid)
+    assert counts["tune"]["completed"] == 10 and counts["check"]["pending"] == 4
+    # a stop records the reason with the status, in the same transaction
+    stop_state = dict(step.state, round=2, stop_reason="why")
+    assert store.plan_stage(sid, 1, stop_state, [], stop=("stopped", "why"))
+    sweep = store.get_sweep(sid)
+    assert sweep["status"] == "stopped" and sweep["error"] == "why"
+    store.close()
+
+
+# ------------------------------------------------------------------ through the service
+
+
+@pytest.fixture
+def server(hpt_home, ray_cluster):
+    settings = get_settings()
+    with serve_in_thread(settings) as url:
+        yield url, settings
+
+
+def small_study(name: str) -> dict:
+    spec = copy.deepcopy(TINY_SPEC)
+    spec.update(name=name, max_concurrent=2)
+    spec["grid"]["lrs"] = {"log2_min": -9, "log2_max": -3, "step": 2}
+    spec["budget"] = {"steps": 30, "batch_size": 4}
+    spec["fixed"]["eval_every"] = 30
+    spec["stages"] = {"tune": {"extend": 2},
+                      "transfer": {"shapes": [{"width": 32, "depth": 2}]}, "check": {}}
+    return spec
+
+
+def test_study_runs_its_stages_in_order_and_reuses_across_studies(server):
+    url, _ = server
+    with Client(url) as c:
+        first = c.submit(small_study("study-a"))
+        assert [st["stage"] for st in first["stages"]] == ["tune", "transfer", "check"]
+        assert first["stages"][1]["planned"] is False and first["total"] == 4 + 1 + 2
+        done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
+        df = c.trials(first["id"])
+        fits = c.fits(first["id"]) if done["status"] == "completed" else None
+        second = c.submit(small_study("study-b"))
+        again = c.wait(second["id"], poll=0.3, timeout=300, progress=False)
+        df2 = c.trials(second["id"])
+    assert done["status"] in ("completed", "stopped"), done
+    if done["status"] == "stopped":  # a legitimate outcome; it must say why
+        assert done["error"] and "tune stage gave no η*" in done["error"]
+    else:
+        assert [st["state"] for st in done["stages"]] == ["done"] * 3
+        assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
+        assert (df["idx"].diff().dropna() > 0).all()
+        assert fits is not None
+    # planned exactly once: no content hash twice in the study
+    assert df["content_hash"].is_unique
+    # the second, identical study trains nothing: every trial is reused by content hash
+    assert again["status"] == done["status"]
+    assert len(df2) == len(df) and df2["reused"].all()
+    assert list(df2["stage"]) == list(df["stage"])
+
+
+def test_api_rejects_a_bad_stage_spec_with_the_field(server):
+    url, _ = server
+    bad = small_study("bad")
+    bad["stages"]["transfer"]["shapes"][0]["width"] = 48
+    with Client(url) as c, pytest.raises(ApiError) as exc:
+        c.submit(bad)
+    assert exc.value.status == 422
+    assert [e["field"] for e in exc.value.errors] == ["stages.transfer.shapes[0].width"]
+
+
+# ------------------------------------------------------------------ fits per stage
+
+
+def test_study_report_takes_each_fit_from_its_stage():
+    from hptransfer.analysis.staged import STAGE_SOURCES, study_fit_report, transfer_check
+
+    rows = []
+    centre = {"gpt/sp": -8.0, "gpt/completep": -7.0}
+    moved = {"gpt/sp": -0.4, "gpt/completep": 0.0}  # true shift of η* at the check shape
+
+    def add(stage, arm, w, d, lr, loss, flops=np.nan, params=np.nan):
+        rows.append(dict(trial_id=f"t{len(rows)}", arm=arm, width=w, depth=d, lr=lr,
+                         sigma_base=0.02, seed=0, status="completed", final_val_loss=loss,
+                         stage=stage, flops=flops, tokens=np.nan,
+                         params_non_embedding=params, params_embedding=0.0,
+                         parameterization=arm.split("/")[1]))
+
+    for arm, c in centre.items():
+        for k in range(-10, -4):
+            add("tune", arm, 32, 2, 2.0**k, 3 + 0.02 * (k - c) ** 2)
+        # the ladder: loss = E + A C^-b with a small deterministic wiggle; SP is worse
+        for i, (w, d) in enumerate([(32, 2), (32, 3), (40, 3), (48, 3), (56, 3), (64, 3)]):
+            flops = 1e12 * 2.0**i
+            wig = 1 + 0.002 * (-1) ** i * (1 + i % 3)
+            e = 1.5 if arm == "gpt/sp" else 1.45
+            add("transfer", arm, w, d, 2.0**c, (e + 30 * flops**-0.12) * wig, flops=flops)
+        # check at (64, 3): the centre moved by `moved`; offset 0 is the ladder's trial
+        for off in (-1, 1):
+            k = c + off
+            add("check", arm, 64, 3, 2.0**k, 3 + 0.02 * (k - c - moved[arm]) ** 2)
+        # the ladder's trial at (64, 3) sits on the same bowl at offset 0
+        rows[-3]["final_val_loss"] = 3 + 0.02 * moved[arm] ** 2
+        # aspect ratio: a cubic-ish bowl in log(N/L) with its minimum at N:L = 8
+        for w, d in [(16, 16), (24, 7), (32, 4), (48, 2), (64, 1)]:
+            x = math.log(w / d)
+            add("aspect_ratio", arm, w, d, 2.0**c, 3 + 0.05 * (x - math.log(8)) ** 2,
+                params=50_000.0)
+    df = pd.DataFrame(rows)
+    report = study_fit_report(df, bootstrap=50)
+    assert report.stages == STAGE_SOURCES and not report.failures
+    eta = report.optimal_lr.shapes.set_index("arm")["log2_lr_opt"]
+    for arm, c in centre.items():
+        assert eta[arm] == pytest.approx(c, abs=1e-6)  # exact: the tune curve is a parabola
+    shift = report.transfer_check.table.set_index("arm")["shift_log2"]
+    for arm, m in moved.items():
+        assert shift[arm] == pytest.approx(m, abs=1e-6)
+    assert report.transfer_check.table["reliable"].all()
+    nl = report.aspect_ratio.groups.set_index("arm")["nl_opt"]
+    assert nl.to_numpy() == pytest.approx([8.0, 8.0], rel=0.05)
+    head = report.to_dict()["headline"]
+    assert {r["stage"] for r in head["eta_star"]} == {"tune"}
+    assert {r["stage"] for r in head["transfer_shift"]} == {"tune + check"}
+    assert {r["stage"] for r in head["aspect_ratio"]} == {"aspect_ratio"}
+    text = report.format_text()
+    assert "[from stage: transfer]" in text and "Headline" in text
+    assert "Transfer drift" not in text  # the plain-sweep drift table is not a study's
+    # an optimum that moved past the bracket gives a bound, never a "reliable" shift
+    far = df.copy()
+    sel = (far["arm"] == "gpt/sp") & (far["width"] == 64) & (far["depth"] == 3)
+    far.loc[sel, "final_val_loss"] = [3 + 0.02 * (math.log2(lr) + 8 + 1.5) ** 2
+                                      for lr in far.loc[sel, "lr"]]
+    row = transfer_check(far, bootstrap=0).table.set_index("arm").loc["gpt/sp"]
+    assert not row["reliable"] and "below the bracket" in row["reason"]
+
+
+def test_optuna_drives_the_tune_stage(server):
+    url, _ = server
+    spec = small_study("study-optuna")
+    spec["arms"] = [{"arch": "gpt", "parameterization": "completep"}]
+    spec["search"] = {"method": "optuna", "sampler": "qmc", "pruner": "none", "n_trials": 5}
+    spec["grid"]["lrs"] = [2.0**-10, 2.0**-2]  # the range Optuna samples from
+    with Client(url) as c:
+        first = c.submit(spec)
+        assert first["stages"][0]["total"] == 5
+        done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
+        df = c.trials(first["id"])
+    tune = df[df["stage"] == "tune"]
+    assert len(tune) >= 5 and tune["optuna_trial_number"].notna().sum() == 5
+    assert done["status"] in ("completed", "stopped"), done
+    if done["status"] == "completed":
+        assert {"transfer", "check"} <= set(df["stage"])
+        assert df["content_hash"].is_unique
+    else:
+        assert "tune stage gave no η*" in done["error"]
