@@ -100,7 +100,7 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
         axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=sizes,
         fixed=a.fixed, steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len,
         seed=a.seed, head_dim=a.head_dim, base_width=a.base_width, base_depth=a.base_depth,
-        sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a),
+        sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a), data=a.data,
     )
     plot = a.plot or str(_default_coordcheck_plot(a, p))
     save_plot(result, plot)
@@ -308,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    # checked by run_coordcheck (coordcheck.DATA_SOURCES), which is not imported at start-up
+    p.add_argument("--data", default="corpus",
+                   help="the fixed batch: 'corpus' (the stdlib corpus; an error if it cannot "
+                        "load) or 'random' (deterministic random tokens)")
     p.add_argument("--plot", default=None,
                    help="PNG path (default $HPT_HOME/coordcheck/ARCH-PARAM-AXIS.png, which the "
                         "dashboards show)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx
@@ -32,6 +33,15 @@ def test_submit_run_and_track_a_sweep(server, tiny_spec):
     assert len(df) == 3 and set(df["lr"]) == {2**-8, 2**-6, 2**-4}
     finished = df[df["status"] == "completed"]
     assert (finished["final_val_loss"] < 5.6).all()
+    # something was learned: the best trial ends well below an untrained model (uniform over
+    # the byte vocabulary, ln 256 = 5.55) and below its own loss before the first update
+    # (the first curve point, step 1, holds the loss of the forward pass at initialisation)
+    best = finished.loc[finished["final_val_loss"].idxmin()]
+    first = best["result"]["curve"][0]
+    assert first["step"] == 1
+    initial, final = first["train_loss"], best["final_val_loss"]
+    assert final < math.log(256) - 1.0, (initial, final)
+    assert final < initial - 1.0, (initial, final)
     # one nested MLflow run per trial under the sweep's parent run, curves logged
     ml = MlflowClient(settings.mlflow_uri)
     runs = ml.search_runs([done["mlflow_experiment_id"]])

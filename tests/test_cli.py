@@ -53,19 +53,31 @@ def test_flops_json_matches_library():
     assert json.loads(out.stdout) == json.loads(json.dumps(expected))
 
 
-def test_coordcheck_cli(tmp_path):
+@pytest.mark.parametrize(("param", "passed"), [("sp", False), ("completep", True)])
+def test_coordcheck_cli_verdicts(tmp_path, param, passed):
+    # the library test's physics, smaller: SP's final residual grows with depth (seen: median
+    # slope +0.92 per doubling, threshold 0.4), CompleteP's stays flat (seen: -0.20)
     png = tmp_path / "cc.png"
-    out = run("coordcheck", "--axis", "depth", "--param", "completep", "--sizes", "2,4",
-              "--fixed", "64", "--head-dim", "32", "--steps", "3", "--plot", str(png), "--json")
-    assert out.returncode == 0, out.stderr
+    out = run("coordcheck", "--axis", "depth", "--param", param, "--sizes", "2,4,8,16",
+              "--fixed", "64", "--head-dim", "32", "--steps", "8", "--data", "corpus",
+              "--strict", "--plot", str(png), "--json")
+    assert out.returncode == (0 if passed else 1), out.stderr  # --strict: 1 on a failed check
     result = json.loads(out.stdout)
-    assert result["axis"] == "depth" and "verdict" in result
+    assert result["axis"] == "depth" and result["data_source"] == "corpus"
+    assert result["verdict"]["passed"] is passed, result["verdict"]["reasons"]
+    assert result["verdict"]["modules"]["final_residual"] == ("stable" if passed else "grows")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_coordcheck_cli_bad_data_source():
+    out = run("coordcheck", "--axis", "depth", "--sizes", "2,4", "--data", "auto")
+    assert out.returncode == 2
+    assert "data must be one of" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_coordcheck_plot_defaults_to_the_dashboards_folder(hpt_home):
     out = run("coordcheck", "--axis", "width", "--param", "mup", "--sizes", "64,128",
-              "--head-dim", "32", "--steps", "2")
+              "--head-dim", "32", "--steps", "2", "--data", "random")
     assert out.returncode == 0, out.stderr
     png = hpt_home / "coordcheck" / "gpt-mup-width.png"
     assert png.exists() and str(png) in out.stdout

@@ -33,12 +33,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DEPTHS = [2, 4, 8, 16]
 DEPTH_RUN = dict(
     axis="depth", sizes=DEPTHS, fixed=128, head_dim=32, steps=10, lr=1e-3, batch_size=8,
-    seq_len=64, seed=0,
+    seq_len=64, seed=0, data="corpus",
 )
 WIDTHS = [64, 128, 256, 512]
 WIDTH_RUN = dict(
     axis="width", sizes=WIDTHS, fixed=2, head_dim=32, steps=10, lr=1e-3, batch_size=4,
-    seq_len=32, seed=0,
+    seq_len=32, seed=0, data="corpus",
 )
 HIDDEN = ("attn_out", "mlp_out", "final_residual")
 
@@ -131,7 +131,7 @@ def test_width_axis_mup_flat_sp_grows(width_runs):
 
 def test_rows_cover_every_size_step_and_module(depth_runs):
     run = depth_runs["completep"]
-    assert run.data_source in ("corpus", "random")
+    assert run.data_source == "corpus"  # the physics above ran on the real corpus
     assert len(run.rows) == len(DEPTHS) * 10 * len(MODULES)
     assert {r["module"] for r in run.rows} == set(MODULES)
     assert all(np.isfinite(r["mean_abs"]) and r["mean_abs"] > 0 for r in run.rows)
@@ -162,7 +162,8 @@ def test_format_table_and_png(depth_runs, tmp_path):
 
 
 def test_ngpt_runs_on_both_axes_and_plots(data_dir, tmp_path):
-    small = dict(steps=3, batch_size=2, seq_len=16, head_dim=32, data_cache_dir=data_dir)
+    small = dict(steps=3, batch_size=2, seq_len=16, head_dim=32, data="corpus",
+                 data_cache_dir=data_dir)
     w = run_coordcheck("width", arch="ngpt", parameterization="ngpt", sizes=[64, 128], **small)
     d = run_coordcheck(
         "depth", arch="ngpt", parameterization="ngpt", sizes=[1, 2], fixed=64, **small
@@ -193,8 +194,9 @@ def test_every_gpt_parameterization_runs(data_dir, parameterization, alpha, opti
     run = run_coordcheck(
         "depth", parameterization=parameterization, alpha=alpha, sizes=[2, 4], fixed=64,
         head_dim=32, steps=2, batch_size=2, seq_len=16, arch_options=options,
-        data_cache_dir=data_dir,
+        data="corpus", data_cache_dir=data_dir,
     )
+    assert run.data_source == "corpus"
     assert len(run.rows) == 2 * 2 * len(MODULES)
     assert all(np.isfinite(r["mean_abs"]) for r in run.rows)
     if alpha is not None:
@@ -204,15 +206,31 @@ def test_every_gpt_parameterization_runs(data_dir, parameterization, alpha, opti
 # --- data --------------------------------------------------------------------------------------
 
 
-def test_falls_back_to_random_tokens_without_the_data_package(monkeypatch):
+def test_without_the_data_package_corpus_is_an_error_and_random_must_be_asked(monkeypatch):
     monkeypatch.setitem(sys.modules, "hptransfer.data", None)  # import now raises ImportError
     kw = dict(sizes=[64, 128], head_dim=32, steps=2, batch_size=2, seq_len=16)
-    run = run_coordcheck("width", parameterization="mup", **kw)
-    assert run.data_source == "random"
-    again = run_coordcheck("width", parameterization="mup", **kw)
-    assert again.rows == run.rows  # the fallback batch is deterministic
-    with pytest.raises(CoordCheckError, match="corpus data requested"):
+    with pytest.raises(CoordCheckError, match="corpus data unavailable.*hptransfer.data"):
         run_coordcheck("width", parameterization="mup", data="corpus", **kw)
+    run = run_coordcheck("width", parameterization="mup", data="random", **kw)
+    assert run.data_source == "random"
+    again = run_coordcheck("width", parameterization="mup", data="random", **kw)
+    assert again.rows == run.rows  # the random batch is deterministic
+
+
+def test_corpus_that_cannot_load_is_an_error(tmp_path):
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("a file where the cache directory should be")
+    with pytest.raises(CoordCheckError, match="corpus data unavailable"):
+        run_coordcheck("width", parameterization="mup", sizes=[64, 128], head_dim=32, steps=1,
+                       batch_size=2, seq_len=16, data="corpus", data_cache_dir=str(not_a_dir))
+
+
+def test_data_source_is_explicit_and_checked():
+    kw = dict(sizes=[64, 128], head_dim=32, steps=1, batch_size=2, seq_len=16)
+    with pytest.raises(TypeError, match="data"):
+        run_coordcheck("width", **kw)  # no default: every caller says what it trains on
+    with pytest.raises(CoordCheckError, match="data must be one of"):
+        run_coordcheck("width", data="auto", **kw)
 
 
 def test_explicit_random_data(data_dir):
@@ -228,7 +246,7 @@ def test_explicit_random_data(data_dir):
 
 def test_rejects_bad_settings():
     with pytest.raises(CoordCheckError, match="axis"):
-        run_coordcheck("height")
+        run_coordcheck("height", data="random")
     with pytest.raises(CoordCheckError, match="head_dim"):
         run_coordcheck("width", sizes=[96, 128], head_dim=64, data="random")
     with pytest.raises(CoordCheckError, match="head_dim"):

@@ -20,7 +20,7 @@ Layout: `check` runs the check, `result` holds what it measured, `training` trai
 with the hooks, `verdict` fits slopes and judges them, `table` and `plot` render a result.
 """
 
-from .check import AXES, DEFAULT_FIXED, DEFAULT_SIZES, FALLBACK_VOCAB, run_coordcheck
+from .check import AXES, DATA_SOURCES, DEFAULT_FIXED, DEFAULT_SIZES, RANDOM_VOCAB, run_coordcheck
 from .plot import save_plot
 from .result import CoordCheckError, CoordCheckResult
 from .table import format_table
@@ -29,11 +29,12 @@ from .verdict import DEFAULT_THRESHOLD, Verdict, exemption, expected_slope, judg
 
 __all__ = [
     "AXES",
+    "DATA_SOURCES",
     "DEFAULT_FIXED",
     "DEFAULT_SIZES",
     "DEFAULT_THRESHOLD",
-    "FALLBACK_VOCAB",
     "MODULES",
+    "RANDOM_VOCAB",
     "CoordCheckError",
     "CoordCheckResult",
     "Verdict",

@@ -22,7 +22,8 @@ from .verdict import (
 AXES = ("width", "depth")
 DEFAULT_SIZES = {"width": [64, 128, 256, 512], "depth": [2, 4, 8, 16, 32]}
 DEFAULT_FIXED = {"width": 2, "depth": 256}  # the depth on the width axis, the width on depth
-FALLBACK_VOCAB = 256
+DATA_SOURCES = ("corpus", "random")
+RANDOM_VOCAB = 256  # vocabulary of the random-token batch
 
 
 def run_coordcheck(
@@ -47,23 +48,24 @@ def run_coordcheck(
     eps: float = 1e-12,
     threshold: float = DEFAULT_THRESHOLD,
     min_step: int = 2,
-    data: str = "auto",
+    data: str,
     data_cache_dir: str | None = None,
 ) -> CoordCheckResult:
     """Train every size ``steps`` steps on one fixed batch and judge the activation scaling.
 
     ``lr`` is eta_base; the parameterization scales it per parameter group. ``fixed`` is the
     width on the depth axis (default 256) and the depth on the width axis (default 2).
-    ``data``: "auto" uses the embedded corpus when ``hptransfer.data`` loads and falls back to
-    deterministic random tokens otherwise; "corpus" requires the corpus; "random" never loads it.
+    ``data`` (required, so a run always says what it trains on): "corpus" is the embedded
+    stdlib corpus, and a failure to load it is a `CoordCheckError`, never a silent switch;
+    "random" is deterministic random tokens and never loads the corpus.
     """
     started = time.perf_counter()
     if axis not in AXES:
         raise CoordCheckError(f"axis must be one of {AXES}, got {axis!r}")
     if steps < 1:
         raise CoordCheckError(f"steps must be >= 1, got {steps}")
-    if data not in ("auto", "corpus", "random"):
-        raise CoordCheckError(f"data must be 'auto', 'corpus' or 'random', got {data!r}")
+    if data not in DATA_SOURCES:
+        raise CoordCheckError(f"data must be one of {DATA_SOURCES}, got {data!r}")
     sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES[axis])})
     if len(sizes) < 2 or sizes[0] < 1:
         raise CoordCheckError(f"need at least two positive sizes, got {sizes}")
@@ -122,23 +124,30 @@ _DATASET_CACHE: dict[Any, Any] = {}
 def _fixed_batch(
     data: str, batch_size: int, seq_len: int, seed: int, cache_dir: str | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, str]:
-    """(x, y, vocab_size, source): the batch reused at every step."""
-    if data != "random":
-        try:
-            from hptransfer.data import DataSpec, load_dataset
+    """(x, y, vocab_size, source): the batch reused at every step, from ``data`` only."""
+    if data == "random":
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, RANDOM_VOCAB, (batch_size, seq_len + 1), generator=g)
+        return tokens[:, :-1].clone(), tokens[:, 1:].clone(), RANDOM_VOCAB, "random"
+    try:
+        from hptransfer.data import DataError, DataSpec, load_dataset
+    except ImportError as exc:
+        raise CoordCheckError(_corpus_unavailable(exc)) from exc
+    try:
+        if cache_dir not in _DATASET_CACHE:
+            spec = DataSpec()
+            _DATASET_CACHE[cache_dir] = (
+                load_dataset(spec, cache_dir) if cache_dir else load_dataset(spec)
+            )
+    except (DataError, OSError) as exc:
+        raise CoordCheckError(_corpus_unavailable(exc)) from exc
+    ds = _DATASET_CACHE[cache_dir]
+    x, y = ds.train_batch(0, batch_size, seq_len, seed)
+    return x.long(), y.long(), int(ds.vocab_size), "corpus"
 
-            key = cache_dir
-            if key not in _DATASET_CACHE:
-                spec = DataSpec()
-                _DATASET_CACHE[key] = (
-                    load_dataset(spec, cache_dir) if cache_dir else load_dataset(spec)
-                )
-            ds = _DATASET_CACHE[key]
-            x, y = ds.train_batch(0, batch_size, seq_len, seed)
-            return x.long(), y.long(), int(ds.vocab_size), "corpus"
-        except Exception as exc:  # ImportError, DataError, OSError: fall back, say so
-            if data == "corpus":
-                raise CoordCheckError(f"corpus data requested but unavailable: {exc}") from exc
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, FALLBACK_VOCAB, (batch_size, seq_len + 1), generator=g)
-    return tokens[:, :-1].clone(), tokens[:, 1:].clone(), FALLBACK_VOCAB, "random"
+
+def _corpus_unavailable(exc: Exception) -> str:
+    return (
+        f"corpus data unavailable ({type(exc).__name__}: {exc}); pass data='random' "
+        "(hpt coordcheck --data random) to run on random tokens instead"
+    )
