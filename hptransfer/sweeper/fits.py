@@ -30,8 +30,11 @@ def sweep_report(
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
+    sweep = store.get_sweep(sweep_id) or {}
+    # a search's LRs are dense near η* and sparse far away: fit on the nearest neighbours
+    neighbours = 1 if sweep.get("search") == "optuna" else 2
     report = fit_report(store.results_frame(sweep_id), reference_arm=reference_arm,
-                        bootstrap=bootstrap)
+                        bootstrap=bootstrap, neighbours=neighbours)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
