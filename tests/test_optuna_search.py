@@ -453,7 +453,7 @@ def test_report_and_dashboard_mark_pruned_trials_and_their_step():
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("n_startup", 7, "more than n_trials (6)"),
+    ("n_startup", 8, "more than n_trials (7)"),
     ("n_startup", 1, "greater than or equal to 2"),
     ("n_startup", "3", "valid integer"),
     ("n_trials", True, "valid integer"),
