@@ -35,6 +35,20 @@ def best_lr_table(df) -> str:
         .to_string(index=False)
 
 
+def search_cost(df, spec_path: str) -> str:
+    """What an Optuna sweep trained, against the full grid over the same LR range."""
+    from hptransfer.sweeper.spec import load_spec
+
+    n_lrs = len(load_spec(spec_path).grid.lr_values())
+    shape = ["arm", "width", "depth", "sigma_base", "seed"]
+    full = df.groupby(shape)["tokens"].max()  # a completed trial's tokens: the full budget
+    grid = float(full.sum()) * n_lrs
+    trained = float(df["tokens"].sum())
+    pruned = df[df["status"] == "pruned"]
+    return (f"tokens trained: {trained:.4g} = {trained / grid:.3f} of the full grid "
+            f"({n_lrs} LRs x {len(full)} shapes = {grid:.4g}); {len(pruned)} trials pruned")
+
+
 def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     # the demo's output is the sweep; Ray's start-up chatter is not
     for noisy in ("ray", "mlflow", "alembic"):
@@ -60,7 +74,10 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
             print("\nstages: " + ", ".join(f"{st['stage']} {st['done']}/{st['total']}"
                                            for st in sweep["stages"]))
         else:
-            print("\nbest LR per shape (grid argmin, seeds averaged)\n" + best_lr_table(df))
+            print("\nbest LR per shape (lowest completed loss, seeds averaged)\n"
+                  + best_lr_table(df))
+        if "optuna_trial_number" in df and df["optuna_trial_number"].notna().any():
+            print("\n" + search_cost(df, spec_path))
         _print_fits(client, sweep["id"], out)
     print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`)")
     return 0 if sweep["status"] == "completed" else 1  # "stopped" says why above

@@ -1,15 +1,18 @@
 """Optuna LR search through the real service, against the full grid it replaces.
 
 Real local Ray, real SQLite app and Optuna databases, real training. The Optuna sweep runs one
-trial at a time: its TPE sampler is seeded with the shape's seed (grid.seeds), so with a fixed
-ask/tell order the LRs it proposes, and the pruner's decisions on the (deterministic, single
-thread) validation losses, are the same on every run.
+trial at a time: each study's sampler is seeded from its own name and its first batch from its
+shape, so with a fixed ask/tell order the LRs it proposes, and the pruner's decisions on the
+(deterministic, single thread) validation losses, are the same on every run.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -22,28 +25,39 @@ from hptransfer.api.app import create_app
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.optuna_search import OptunaSearch
+from hptransfer.sweeper.optuna_search import (
+    OptunaSearch,
+    decision_step,
+    first_batch,
+    refinement,
+    stable_seed,
+)
 from hptransfer.sweeper.service import Coordinator
+from hptransfer.sweeper.spec import Search
+from hptransfer.sweeper.spec.sections import MIN_FULL_BUDGET
+from hptransfer.workers.trial import Budget, TrialSpec
 
 TERMINAL_TRIAL = {"completed", "pruned", "diverged", "failed", "cancelled"}
-LOG2_LRS = range(-10, -2)  # 2^-10 .. 2^-3: 8 LRs, one log2 step apart
-STEPS, BATCH, SEQ = 60, 8, 64
-N_TRIALS = 6
+LOG2_LRS = range(-13, -2)  # 2^-13 .. 2^-3: 11 LRs, one log2 step apart (the grid step)
+STEPS, BATCH, SEQ = 100, 8, 64
+N_TRIALS = 7  # 4 covering the range, 2 around the best of them, 1 from TPE
+PRUNE_AFTER = 0.5
 
-# One shape, enough steps for a clear LR optimum (2^-6 here, 2^-7 and 2^-5 clearly worse),
-# and an evaluation every 10 steps so the pruner sees intermediate validation losses.
+# Like examples/optuna_lr.yaml, scaled down for a CPU test: SP and CompleteP at two widths,
+# a wide LR range (10 octaves), an evaluation every 10 steps so the pruner sees losses;
+# 100 steps, not fewer: at 60 the loss is flat over 3 octaves around the grid argmin; widths
+# 64 and 128, not 32: with 1-2 heads the final loss above 2^-5 jumps from LR to LR.
 COMPARISON_SPEC: dict[str, Any] = {
     "name": "lr-search",
-    "arms": [{"arch": "gpt", "parameterization": "completep"}],
+    "arms": [{"arch": "gpt", "parameterization": "sp"},
+             {"arch": "gpt", "parameterization": "completep"}],
     "grid": {
-        "widths": [64],
-        "depths": [2],
+        "widths": [64, 128],
+        "depths": [1],
         "lrs": {"log2_min": LOG2_LRS[0], "log2_max": LOG2_LRS[-1], "step": 1},
-        # also the TPE sampler's seed; 5 starts it far from the optimum (2^-8.45, 2^-3.9,
-        # 2^-8.55), so the optimum must come from TPE itself, not from a lucky first draw
-        "seeds": [5],
+        "seeds": [0],
     },
-    "fixed": {"head_dim": 32, "seq_len": SEQ, "base_width": 32, "base_depth": 1,
+    "fixed": {"head_dim": 32, "seq_len": SEQ, "base_width": 64, "base_depth": 1,
               "device": "cpu", "eval_every": 10},
     "budget": {"steps": STEPS, "batch_size": BATCH},
     "data": {"source": "stdlib", "val_tokens": 4096, "max_corpus_bytes": 400000},
@@ -51,20 +65,23 @@ COMPARISON_SPEC: dict[str, Any] = {
     "max_concurrent": 2,
     "retries": 1,
 }
+N_SHAPES = 4
 
-OPTUNA_SEARCH = {"method": "optuna", "sampler": "tpe", "pruner": "successive_halving",
-                 "n_trials": N_TRIALS}
+OPTUNA_SEARCH = {"method": "optuna", "sampler": "tpe", "pruner": "rank",
+                 "n_trials": N_TRIALS, "n_startup": 4, "prune_after": PRUNE_AFTER,
+                 "keep_top": 3}
+SHAPE = ["arm", "width", "depth"]
 
 
 def _optuna_spec(base: dict[str, Any], **search: Any) -> dict[str, Any]:
     spec = copy.deepcopy(base)
     spec["name"] = base["name"] + "-optuna"
     spec["search"] = {**OPTUNA_SEARCH, **search}
-    spec["max_concurrent"] = 1  # a fixed ask/tell order: the seeded sampler repeats itself
+    spec["max_concurrent"] = 1  # a fixed ask/tell order: the seeded samplers repeat themselves
     return spec
 
 
-def _watch(client: Client, sweep_id: str, timeout: float = 300) -> list[dict[str, Any]]:
+def _watch(client: Client, sweep_id: str, timeout: float = 600) -> list[dict[str, Any]]:
     """Poll GET /sweeps/{id} until the sweep ends; every summary seen, in order."""
     seen = []
     deadline = time.time() + timeout
@@ -74,17 +91,16 @@ def _watch(client: Client, sweep_id: str, timeout: float = 300) -> list[dict[str
         if summary["status"] in ("completed", "cancelled", "failed"):
             return seen
         assert time.time() < deadline, f"sweep still {summary['status']}: {summary['counts']}"
-        time.sleep(0.1)
+        time.sleep(0.2)
 
 
-def _study(settings, sweep_id: str) -> optuna.Study:
-    names = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
-    assert len(names) == 1, names  # one shape, one study
-    return optuna.load_study(study_name=names[0], storage=settings.optuna_url)
+def _studies(settings, sweep_id: str) -> list[optuna.Study]:
+    return [optuna.load_study(study_name=n, storage=settings.optuna_url)
+            for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
 
 
 def _check_study_matches(study: optuna.Study, trials: pd.DataFrame) -> None:
-    """Every trial we ran is an Optuna trial with the same LR, told with the same outcome."""
+    """The shape's trials are exactly the study's, with the same LRs and outcomes."""
     by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
     assert set(by_number) == set(trials["optuna_trial_number"].astype(int))
     states = {"completed": optuna.trial.TrialState.COMPLETE,
@@ -97,12 +113,12 @@ def _check_study_matches(study: optuna.Study, trials: pd.DataFrame) -> None:
         if row.status == "completed":
             assert frozen.value == pytest.approx(row.final_val_loss, rel=1e-9)
         if row.status == "pruned":
-            # stopped on the pruner's word after at least one reported validation loss
-            assert frozen.intermediate_values
+            # stopped on the pruner's word, never before PRUNE_AFTER of the budget
+            assert max(frozen.intermediate_values) >= PRUNE_AFTER * STEPS
 
 
-def test_optuna_finds_the_grid_optimum_with_fewer_tokens(hpt_home, ray_cluster,
-                                                         record_property):
+def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(hpt_home, ray_cluster,
+                                                              record_property):
     settings = get_settings()
     full_tokens = STEPS * BATCH * SEQ
     with serve_in_thread(settings) as url, Client(url) as client:
@@ -112,46 +128,159 @@ def test_optuna_finds_the_grid_optimum_with_fewer_tokens(hpt_home, ray_cluster,
         optuna_id = client.submit(_optuna_spec(COMPARISON_SPEC))["id"]
         seen = _watch(client, optuna_id)
         found = client.trials(optuna_id)
+        fits = client.fits_raw(optuna_id, bootstrap=0)
 
-    # the grid: every LR ran to its budget, with an interior optimum
-    assert len(grid) == len(LOG2_LRS) and set(grid["status"]) == {"completed"}
-    assert (grid["tokens"] == full_tokens).all()
-    grid_best = grid.loc[grid["final_val_loss"].idxmin()]
-    grid_log2 = math.log2(grid_best["lr"])
-    assert LOG2_LRS[0] < grid_log2 < LOG2_LRS[-1], grid[["lr", "final_val_loss"]]
+    # the grid: every LR ran to its budget; each shape's argmin is inside the range
+    assert len(grid) == N_SHAPES * len(LOG2_LRS) and (grid["tokens"] == full_tokens).all()
+    ok = grid[grid["status"] == "completed"]
+    argmin = ok.loc[ok.groupby(SHAPE)["final_val_loss"].idxmin()].set_index(SHAPE)
+    grid_log2 = argmin["lr"].map(math.log2)
+    assert grid_log2.between(LOG2_LRS[0] + 1, LOG2_LRS[-1] - 1).all(), grid_log2
 
-    # the search: n_trials LRs in the grid's range, each finished, the sweep completed
-    assert seen[-1]["status"] == "completed" and seen[-1]["done"] == N_TRIALS
-    assert len(found) == N_TRIALS and set(found["status"]) <= {"completed", "pruned", "diverged"}
+    # the search: n_trials LRs per shape in the grid's range, the sweep completed
+    assert seen[-1]["status"] == "completed" and seen[-1]["done"] == N_SHAPES * N_TRIALS
+    assert all(s["total"] == N_SHAPES * N_TRIALS for s in seen)
+    assert all(s["status"] in ("pending", "running") for s in seen[:-1])
+    assert set(found["status"]) <= {"completed", "pruned", "diverged"}
     assert found["lr"].between(2.0 ** LOG2_LRS[0], 2.0 ** LOG2_LRS[-1]).all()
     completed = found[found["status"] == "completed"]
     pruned = found[found["status"] == "pruned"]
     assert (completed["tokens"] == full_tokens).all()
-    assert ((pruned["tokens"] > 0) & (pruned["tokens"] < full_tokens)).all()
-    assert len(pruned) >= 1, found[["lr", "status", "tokens", "final_val_loss"]]
+    assert ((pruned["tokens"] >= PRUNE_AFTER * full_tokens)
+            & (pruned["tokens"] < full_tokens)).all(), pruned
+    assert len(pruned) >= 1, found[["arm", "width", "lr", "status", "tokens"]]
+    # at least MIN_FULL_BUDGET trials of every shape trained to the full budget
+    assert (completed.groupby(SHAPE).size() >= MIN_FULL_BUDGET).all()
 
-    # Optuna's answer is within one grid step of the grid's, for fewer tokens
-    best = completed.loc[completed["final_val_loss"].idxmin()]
-    assert abs(math.log2(best["lr"]) - grid_log2) <= 1.0, (best["lr"], grid_best["lr"])
+    # shapes do not share a proposal sequence: no LR is proposed in two shapes
+    sequences = {k: [lr for _, lr in sorted(zip(g["optuna_trial_number"], g["lr"],
+                                                strict=True))]
+                 for k, g in found.groupby(SHAPE)}
+    assert len(sequences) == N_SHAPES
+    all_lrs = [lr for seq in sequences.values() for lr in seq]
+    assert len(set(all_lrs)) == len(all_lrs), sequences
+    # each began with a first batch that covers the range: one LR in each quarter of it
+    span = LOG2_LRS[-1] - LOG2_LRS[0]
+    for seq in sequences.values():
+        quarters = [int((math.log2(lr) - LOG2_LRS[0]) / span * 4) for lr in seq[:4]]
+        assert sorted(quarters) == [0, 1, 2, 3], [math.log2(lr) for lr in seq]
+
+    # every shape has a fitted η* (quadratic in log2 LR, as for grids) within one grid step
+    # of the full grid's argmin, and the report lists its pruned trials with their steps
+    shapes = pd.DataFrame(fits["tables"]["optimal_lr"]).set_index(SHAPE)
+    assert len(shapes) == N_SHAPES
+    lines = []
+    for key, log2_grid in grid_log2.items():
+        row = shapes.loc[key]
+        assert row["log2_lr_opt"] is not None, (key, row["reason"])
+        lines.append(f"  {key}: grid argmin 2^{log2_grid:.0f}, optuna η* "
+                     f"2^{row['log2_lr_opt']:.2f} ({int(row['n_completed'])} completed, "
+                     f"{int(row['n_pruned'])} pruned)")
+        stopped = pruned[(pruned["arm"] == key[0]) & (pruned["width"] == key[1])]
+        assert sorted((p["lr"], p["step"]) for p in row["pruned"]) == sorted(
+            zip(stopped["lr"], (stopped["tokens"] // (BATCH * SEQ)).astype(int), strict=True))
+    print("\n" + "\n".join(lines))
+    for line, (key, log2_grid) in zip(lines, grid_log2.items(), strict=True):
+        assert abs(shapes.loc[key]["log2_lr_opt"] - log2_grid) <= 1.0, line
+    assert "pruned trials (stopped early, so not in the fit)" in fits["text"]
+
+    # the real bound: without pruning the search costs N_TRIALS / len(LOG2_LRS) of the
+    # grid's tokens; pruning must have saved tokens on top of that
     ratio = found["tokens"].sum() / grid["tokens"].sum()
     record_property("optuna_grid_token_ratio", round(float(ratio), 4))
-    print(
-        f"\ngrid argmin lr 2^{grid_log2:.0f} (val {grid_best['final_val_loss']:.4f}); "
-        f"optuna best lr 2^{math.log2(best['lr']):.2f} (val {best['final_val_loss']:.4f}); "
-        f"{len(completed)} completed, {len(pruned)} pruned; "
-        f"tokens optuna/grid = {found['tokens'].sum()}/{grid['tokens'].sum()} = {ratio:.3f}"
-    )
-    for row in found.sort_values("optuna_trial_number").itertuples():
-        print(f"  optuna #{row.optuna_trial_number}: lr 2^{math.log2(row.lr):.2f} "
-              f"{row.status} tokens {row.tokens} val {row.final_val_loss:.4f}")
-    assert ratio < 1.0
+    print(f"tokens optuna/grid = {found['tokens'].sum()}/{grid['tokens'].sum()} = "
+          f"{ratio:.3f} (bound without pruning {N_TRIALS / len(LOG2_LRS):.3f}); "
+          f"{len(completed)} completed, {len(pruned)} pruned")
+    assert ratio < N_TRIALS / len(LOG2_LRS)
 
-    # the study in Optuna's own storage holds exactly these trials, told the same outcomes
-    _check_study_matches(_study(settings, optuna_id), found)
+    # each study in Optuna's own storage holds exactly its shape's trials
+    studies = _studies(settings, optuna_id)
+    assert len(studies) == N_SHAPES
+    for study in studies:
+        lrs = {t.params["lr"] for t in study.get_trials(deepcopy=False)}
+        _check_study_matches(study, found[found["lr"].isin(lrs)])
 
-    # while it ran, GET /sweeps/{id} counted shapes x n_trials and never said completed early
-    assert all(s["total"] == N_TRIALS for s in seen)
-    assert all(s["status"] in ("pending", "running") for s in seen[:-1])
+
+def test_seeds_and_first_batches_are_stable_and_per_shape():
+    """Seeds are the same in a fresh interpreter with another hash seed (not hash()), and
+    each shape gets its own stratified first batch over the whole range."""
+    names = ["hpt-a-gpt/sp-N64-L2-s0.02-seed0", "hpt-a-gpt/sp-N128-L2-s0.02-seed0"]
+    code = ("from hptransfer.sweeper.optuna_search import stable_seed; "
+            f"print([stable_seed(n) for n in {names!r}])")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == str([stable_seed(n) for n in names])
+    assert stable_seed(names[0]) != stable_seed(names[1])
+    a, b = (first_batch(n, 2.0**-12, 2.0**-4, 4) for n in names)
+    assert a != b
+    for batch in (a, b):
+        logs = [math.log2(x) for x in batch]
+        # one LR in each 2-octave slice of [-12, -4], from the middle out
+        assert [int((v + 12) // 2) for v in logs] == [2, 1, 3, 0], logs
+
+
+def test_pruning_waits_for_the_budget_fraction_and_three_full_runs(tmp_path):
+    """The gate: no decision before prune_after of the budget (and the warmup), none while
+    fewer than MIN_FULL_BUDGET trials completed without diverging, never on the refinement
+    around the best; then the rank pruner stops a trial only when keep_top others were
+    better at the same step, and reports after a prune do not reach the pruner."""
+    spec = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
+                     batch_size=4, seq_len=16, budget=Budget(steps=100))
+    assert decision_step(spec, 0.5) == 50
+    assert decision_step(spec, 0.0) == 10  # the warmup (10 % of 100 steps) still counts
+    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
+    config = Search(method="optuna", n_trials=8, n_startup=3, pruner="rank", keep_top=2)
+    study = search.study("gate", config, "shape", 1e-4, 1e-1)
+
+    def start(name: str) -> int:
+        number, _ = search.ask(study, 1e-4, 1e-1)
+        search.bind(name, study, number, spec)
+        return number
+
+    def end(name: str, number: int, status: str, value: float) -> None:
+        search.forget(name)
+        search.tell(study, number, status, value, 256)
+
+    # the enqueued first batch comes first, then the sampler
+    asked = [(start(f"t{i}"), i) for i in range(3)]
+    assert [study.get_trials(deepcopy=False)[n].params["lr"] for n, _ in asked] == \
+        pytest.approx(first_batch("shape", 1e-4, 1e-1, 3), rel=1e-12)
+    # far worse than the others at step 50, yet fewer than 3 runs have completed: kept
+    for (number, i), (loss50, final) in zip(asked, [(3.0, 2.0), (3.1, 2.1), (9.0, 9.0)],
+                                            strict=True):
+        assert not search.should_prune(f"t{i}", 50, loss50)
+        end(f"t{i}", number, "diverged" if i == 2 else "completed", final)
+    assert search.full_budget_count(study) == 2  # a diverged run is no full-budget run
+
+    # then the refinement: half a slice (of 3) either side of the best LR so far (t0's);
+    # never pruned, however bad, since it gives the fit its neighbours around η*
+    best_lr = study.get_trials(deepcopy=False)[asked[0][0]].params["lr"]
+    refined = [start("t3"), start("t4")]
+    assert [study.get_trials(deepcopy=False)[n].params["lr"] for n in refined] == \
+        pytest.approx(refinement(best_lr, 1e-4, 1e-1, 3), rel=1e-12)
+    assert not search.should_prune("t3", 50, 8.0)  # also: only 2 full-budget runs so far
+    end("t3", refined[0], "completed", 2.5)
+    assert search.full_budget_count(study) == MIN_FULL_BUDGET
+    assert not search.should_prune("t4", 50, 9.5)  # 3.0, 3.1 and 8.0 were better: kept
+    end("t4", refined[1], "completed", 2.9)
+
+    number = start("t5")  # from the sampler: prunable
+    assert not search.should_prune("t5", 40, 50.0)  # before the decision step
+    assert not search.should_prune("t5", 50, 3.05)  # one better at step 50 (3.0): kept
+    # worse than every value seen at step 50, but no other trial reported step 60: kept
+    assert not search.should_prune("t5", 60, 3.2)
+    assert not search.should_prune("t5", 100, 99.0)  # the last report is never pruned
+    end("t5", number, "completed", 2.4)
+
+    number = start("t6")
+    assert search.should_prune("t6", 50, 3.5)  # 3.0, 3.05, 3.1 were better at step 50
+    assert search.should_prune("t6", 60, 1.0)  # a late report: still pruned, not heard
+    frozen = study.get_trials(deepcopy=False)[number]
+    assert frozen.intermediate_values == {50: 3.5}
+    end("t6", number, "pruned", 3.5)
+    frozen = study.get_trials(deepcopy=False)[number]
+    assert frozen.state == optuna.trial.TrialState.PRUNED and frozen.value == 3.5
 
 
 LIFECYCLE_SPEC: dict[str, Any] = {
@@ -274,30 +403,93 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
     first_run, second_run = trials
     assert any(active == 0 for sid, _, _, active in refreshed[:-1] if sid == sweep_ids[0])
     assert not any(t["reused"] for t in first_run)
-    # the seeded sampler asked the same LRs again; each reused the first sweep's result
+    # each shape's first batch (placed by the shape, not the sweep) was asked again, and each
+    # of its trials reused the first sweep's result
     assert all(t["reused"] for t in second_run)
     assert sorted(t["lr"] for t in second_run) == sorted(t["lr"] for t in first_run)
 
 
-def test_reports_after_a_prune_do_not_reach_the_pruner(tmp_path):
-    """The worker sees a stop request late and may report again; those later values must not
-    fill higher successive-halving rungs (timing-dependent, later-step competitors)."""
-    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
-    study = search.study("rungs", "tpe", "successive_halving", seed=0)
-    number, _ = search.ask(study, 1e-4, 1e-1)
-    search.bind("first", study, number)
-    assert not search.should_prune("first", 10, 4.0)  # alone at its rungs: promoted
-    search.forget("first")
-    search.tell(study, number, "completed", 3.0, 256)
-    number, _ = search.ask(study, 1e-4, 1e-1)
-    search.bind("second", study, number)
-    assert search.should_prune("second", 10, 5.0)  # worse than the first at rung 0
-    assert search.should_prune("second", 20, 3.5)  # a late report: still pruned, not heard
-    frozen = study.get_trials(deepcopy=False)[number]
-    assert frozen.intermediate_values == {10: 5.0}
-    assert [k for k in frozen.system_attrs if k.startswith("completed_rung")] == [
-        "completed_rung_0"]
-    search.forget("second")
-    search.tell(study, number, "pruned", 5.0, 256)
-    frozen = study.get_trials(deepcopy=False)[number]
-    assert frozen.state == optuna.trial.TrialState.PRUNED and frozen.value == 5.0
+
+
+def test_report_and_dashboard_mark_pruned_trials_and_their_step():
+    """A search's frame: η* and drift come from the completed trials only; the fit report
+    and the dashboard list every pruned trial with the step it stopped at."""
+    from hptransfer.analysis import fit_report
+    from hptransfer.dashboards import render_sweep_html
+    from hptransfer.sweeper.db.store import RESULT_FRAME_COLUMNS
+
+    rows = []
+    for width, opt in ((64, -7.0), (128, -8.0), (256, -9.0)):  # SP-like: η* halves per doubling
+        for i, x in enumerate([-11.3, -9.3, -7.3, -5.3, opt - 0.4, opt + 0.5]):
+            stopped = i == 3  # the high-LR start is pruned at step 80 of 160
+            rows.append({
+                "trial_id": f"w{width}-{i}", "arm": "gpt/sp", "arch": "gpt",
+                "parameterization": "sp", "width": width, "depth": 2, "lr": 2.0**x,
+                "sigma_base": 0.02, "seed": 0, "status": "pruned" if stopped else "completed",
+                "final_val_loss": 3.0 + 0.05 * (x - opt) ** 2, "flops": 1e12,
+                "tokens": 80 * 512 if stopped else 160 * 512, "params_non_embedding": 1e5,
+                "params_embedding": 1e4, "wall_time_s": 1.0, "reused": False,
+                "steps": 80 if stopped else 160,
+            })
+    frame = pd.DataFrame(rows, columns=list(RESULT_FRAME_COLUMNS))
+    report = fit_report(frame, bootstrap=0)
+    shapes = report.optimal_lr.shapes.set_index("width")
+    assert (shapes["n_pruned"] == 1).all() and (shapes["n_completed"] == 5).all()
+    for width, opt in ((64, -7.0), (128, -8.0), (256, -9.0)):
+        assert shapes.loc[width, "pruned"] == [
+            {"lr": 2.0**-5.3, "step": 80, "trial_id": f"w{width}-3"}]
+        assert shapes.loc[width, "log2_lr_opt"] == pytest.approx(opt, abs=1e-6)
+    width_drift = report.transfer.slopes.set_index("axis").loc["width"]
+    assert width_drift["slope"] == pytest.approx(-1.0, abs=1e-6)
+    text = report.format_text()
+    assert "n_pruned" in text and "pruned trials (stopped early, so not in the fit)" in text
+    assert "gpt/sp width=64 depth=2: 2^-5.30 @ 80" in text
+    summary = {"id": "s1", "name": "search", "status": "completed",
+               "counts": frame["status"].value_counts().to_dict(), "total": len(frame),
+               "done": len(frame), "progress": 1.0, "eta_s": None}
+    html = render_sweep_html(summary, frame, report)
+    assert "pruned: LR @ step (not fitted)" in html and "@ 80" in html
+    assert "pruned at step 80" in html  # the LR figure's ▽ marks, on hover
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("n_startup", 8, "more than n_trials (7)"),
+    ("n_startup", 1, "greater than or equal to 2"),
+    ("n_startup", "3", "valid integer"),
+    ("n_trials", True, "valid integer"),
+    ("prune_after", True, "valid number"),
+    ("prune_after", 1.5, "less than or equal to 1"),
+    ("prune_after", float("nan"), "finite number"),
+    ("keep_top", 0, "greater than or equal to 1"),
+    ("pruner", "hyperband", "'rank'"),
+])
+def test_search_fields_are_checked_and_named(field, value, message):
+    from pathlib import Path
+
+    import yaml
+
+    from hptransfer.sweeper.spec import SpecError, load_spec
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "optuna_lr.yaml"
+    spec = yaml.safe_load(example.read_text())
+    assert load_spec(spec).search.startup_count() == 4  # the example itself is valid
+    spec["search"][field] = value
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    problems = info.value.errors
+    assert [p["field"] for p in problems] == [f"search.{field}"], problems
+    assert message in problems[0]["message"], problems
+
+
+def test_a_best_lr_at_the_edge_still_gets_three_points_with_one_neighbour():
+    """Searches fit with neighbours=1; a best LR with no completed LR on one side takes
+    the next one on the other, like a grid's edge fit with neighbours=2."""
+    from hptransfer.analysis.optimal_lr import fit_lr_parabola
+
+    lrs = [2.0**x for x in (-9.0, -8.0, -7.0, -6.0)]
+    losses = [3.0, 3.1, 3.3, 3.6]
+    one, two = (fit_lr_parabola(lrs, losses, neighbours=n) for n in (1, 2))
+    assert one["fit_ok"] and one["n_fit_points"] == 3 and one["clamped"]
+    assert one["log2_lr_opt"] == two["log2_lr_opt"] == -9.0  # clamped to the edge
+    inner = fit_lr_parabola(lrs, [3.3, 3.0, 3.1, 3.6], neighbours=1)
+    assert inner["n_fit_points"] == 3 and -9.0 < inner["log2_lr_opt"] < -7.0

@@ -93,7 +93,12 @@ def _fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> _ParabolaFi
     rows = np.arange(len(y))
     # Neighbours are counted among LRs that have a loss, so a diverged LR in between is skipped.
     rank = np.cumsum(valid, axis=1) - 1
-    window = valid & (np.abs(rank - rank[rows, best][:, None]) <= neighbours)
+    distance = np.abs(rank - rank[rows, best][:, None])
+    window = valid & (distance <= neighbours)
+    # With neighbours=1 a best LR at the edge has one neighbour: take the next one too, so
+    # the quadratic has its 3 points (neighbours >= 2 always has them when 3 LRs have data).
+    short = (window.sum(axis=1) < 3)[:, None]
+    window |= short & valid & (distance <= neighbours + 1)
     n_fit = window.sum(axis=1)
     x_best, y_best = x[rows, best], y[rows, best]
     # Centring on the best point keeps the 3x3 normal equations well conditioned.
@@ -383,6 +388,8 @@ _SHAPE_COLUMNS = (
     *POINT_COLUMNS,
     "best_trial_ids",
     "trial_ids",
+    "n_pruned",
+    "pruned",
 )
 _CURVE_COLUMNS = (
     "lr",
@@ -394,6 +401,31 @@ _CURVE_COLUMNS = (
     "in_fit",
     "residual",
 )
+
+
+def _pruned_by_shape(
+    frame: pd.DataFrame, key_frame: pd.DataFrame, keys: tuple[str, ...]
+) -> list[list[dict[str, Any]]]:
+    """Per shape (rows of key_frame): its pruned trials as {lr, step, trial_id}, by LR.
+
+    Pruned trials stopped early, so they are not in the fit (their loss is at another
+    step); they are listed so a search's report shows what was stopped, and when.
+    """
+    out: list[list[dict[str, Any]]] = [[] for _ in range(len(key_frame))]
+    pruned = frame[frame["status"].to_numpy() == "pruned"]
+    if pruned.empty:
+        return out
+    index = key_frame.assign(shape_row=np.arange(len(key_frame)))
+    matched = pruned[[*keys, "lr", "steps", "trial_id"]].astype(
+        {k: index[k].dtype for k in keys}
+    ).merge(index, on=list(keys), how="inner").sort_values(["shape_row", "lr"], kind="stable")
+    for row in matched.itertuples(index=False):
+        step = float(row.steps)
+        out[int(row.shape_row)].append(
+            {"lr": float(row.lr), "step": int(step) if np.isfinite(step) else None,
+             "trial_id": str(row.trial_id)}
+        )
+    return out
 
 
 def optimal_lr(
@@ -537,6 +569,9 @@ def optimal_lr(
         shapes[col] = np.where(has, cells.point_means[col][best_cell], np.nan)
     shapes["best_trial_ids"] = pd.Series(best_ids, dtype=object)
     shapes["trial_ids"] = pd.Series([a.tolist() for a in cells.ok_ids_by_shape], dtype=object)
+    pruned = _pruned_by_shape(trials.frame, cells.key_frame, keys)
+    shapes["n_pruned"] = np.array([len(p) for p in pruned], dtype=np.int64)
+    shapes["pruned"] = pd.Series(pruned, dtype=object)
 
     curves = cells.key_frame.iloc[cells.cell_sid].reset_index(drop=True)
     curves["lr"] = cells.lr

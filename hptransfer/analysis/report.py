@@ -123,11 +123,15 @@ def fit_report(
     size_tolerance: float = 0.15,
     within: float = 0.01,
     n_grid: int = 20,
+    neighbours: int = 2,
 ) -> FitReport:
     """Run every analysis. Never raises on bad data: problems become reasons and warnings.
 
     `bootstrap` resamples (0 turns all bootstraps off) and `seed` make the CIs reproducible.
     `reference_arm` defaults to the arm whose parameterization is µP, else SP, else the first arm.
+    `neighbours`: completed LRs each side of the best in η*'s quadratic (2 for grids; 1 for
+    searches, whose LRs crowd around η* and thin out far away, where a wider window lets the
+    far, asymmetric tail pull the vertex).
     """
     report = FitReport(bootstrap=bootstrap, seed=seed)
     try:
@@ -154,7 +158,8 @@ def fit_report(
         opt = run(
             "optimal_lr",
             lambda: optimal_lr(
-                trials, bootstrap=bootstrap, seed=seed, ci=ci, extra_keys=extra_keys
+                trials, bootstrap=bootstrap, seed=seed, ci=ci, extra_keys=extra_keys,
+                neighbours=neighbours,
             ),
         )
         report.optimal_lr = opt
@@ -327,6 +332,24 @@ def _notes(frame: pd.DataFrame, keys: list[str], max_notes: int) -> list[str]:
     return out
 
 
+def _any_pruned(frame: pd.DataFrame) -> bool:
+    return "n_pruned" in frame and bool((frame["n_pruned"].fillna(0) > 0).any())
+
+
+def _pruned_lines(frame: pd.DataFrame) -> list[str]:
+    """One line per shape with pruned trials: each one's LR and the step it stopped at."""
+    if not _any_pruned(frame):
+        return []
+    lines = ["  pruned trials (stopped early, so not in the fit): LR @ step"]
+    for _, row in frame[frame["n_pruned"] > 0].iterrows():
+        stops = ", ".join(
+            f"2^{math.log2(p['lr']):.2f} @ {p['step'] if p['step'] is not None else '?'}"
+            for p in row["pruned"]
+        )
+        lines.append(f"    {row['arm']} width={row['width']} depth={row['depth']}: {stops}")
+    return lines
+
+
 def _format_report(report: FitReport, max_notes: int) -> str:
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(report.status_counts.items()))
     lines = [f"hptransfer fit report: {report.n_trials} trials ({counts or 'none'})"]
@@ -366,7 +389,12 @@ def _format_report(report: FitReport, max_notes: int) -> str:
             frame = frame[~unfitted]
         if getattr(result, "reason", None) is not None:
             lines.append(f"  {result.reason}")
-        lines.append(_render_table(frame, _TEXT_COLUMNS[name]))
+        columns = _TEXT_COLUMNS[name]
+        if name == "optimal_lr" and _any_pruned(frame):
+            columns = [*columns[:6], "n_pruned", *columns[6:]]
+        lines.append(_render_table(frame, columns))
+        if name == "optimal_lr":
+            lines += _pruned_lines(frame)
         keys = ["arm", "width", "depth", "axis", "params_median"]
         if name == "savings":
             lines += [f"  * {c.arm} vs {c.reference}: no CI ({c.no_ci})"

@@ -32,6 +32,7 @@ NUMERIC_COLUMNS: tuple[str, ...] = (
     "tokens",
     "params_non_embedding",
     "params_embedding",
+    "steps",
 )
 TEXT_COLUMNS: tuple[str, ...] = ("trial_id", "arm", "arch", "parameterization", "status")
 ALL_COLUMNS: tuple[str, ...] = (
@@ -42,6 +43,7 @@ ALL_COLUMNS: tuple[str, ...] = (
     "tokens",
     "params_non_embedding",
     "params_embedding",
+    "steps",  # optimizer steps trained: where a pruned trial stopped
 )
 STATUSES = frozenset(
     {"completed", "diverged", "failed", "pending", "running", "cancelled", "pruned"}

@@ -38,13 +38,14 @@ def _finite(values: list[float]) -> list[float]:
 
 
 def _y_range(panel: LRPanel) -> tuple[float, float, float, float]:
-    """Axis range with headroom above the curves, where fully diverged LRs are marked: one
-    row of ✕ per curve (base height + index * step), so coinciding ✕ stay visible."""
+    """Axis range with headroom above the curves, where fully diverged LRs (✕) and pruned
+    trials (▽) are marked: one row per curve and kind (base height + index * step), so
+    coinciding marks stay visible."""
     ys = [y for c in panel.curves for y in _finite(c.y)]
     ys += [c.eta.loss for c in panel.curves if c.eta and math.isfinite(c.eta.loss)]
     lo, hi = (min(ys), max(ys)) if ys else (0.0, 1.0)
     pad = 0.08 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
-    rows = sum(1 for c in panel.curves if c.diverged_x)
+    rows = sum(1 for c in panel.curves if c.diverged_x) + sum(1 for c in panel.curves if c.pruned)
     step = 0.35 * pad
     top = hi + 1.2 * pad
     return lo - pad, top + max(rows, 1) * step + 0.6 * pad, top, step
@@ -96,6 +97,19 @@ def _add_panel(fig: go.Figure, panel: LRPanel, col: int) -> None:
                     marker=dict(symbol="x", size=10, color=color, line=dict(width=1)),
                     hovertext=[f"{curve.label}: every run diverged at lr=2^{x:.2f}"
                                for x in curve.diverged_x],
+                    hoverinfo="text",
+                ),
+                row=1, col=col,
+            )
+            stack += 1
+        if curve.pruned:
+            fig.add_trace(
+                go.Scatter(
+                    x=[x for x, _ in curve.pruned], y=[top + stack * step] * len(curve.pruned),
+                    mode="markers", showlegend=False, legendgroup=group, legend=legend,
+                    marker=dict(symbol="triangle-down-open", size=10, color=color),
+                    hovertext=[f"{curve.label}: pruned at step {s} (lr=2^{x:.2f}); "
+                               "not in the fit" for x, s in curve.pruned],
                     hoverinfo="text",
                 ),
                 row=1, col=col,

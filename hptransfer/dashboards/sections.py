@@ -81,9 +81,12 @@ def lr_section(report: FitReport | None) -> str:
             continue
         parts.append(figures.to_div(figures.lr_figure(arm)))
         dead = any(c.diverged_x for p in (arm.by_depth, arm.by_width) for c in p.curves)
+        cut = any(c.pruned for p in (arm.by_depth, arm.by_width) for c in p.curves)
         parts.append(notes([arm.sigma_note or "", arm.by_depth.note or "",
                             arm.by_width.note or "",
-                            "✕ above the curves: every run at that LR diverged" if dead else ""]))
+                            "✕ above the curves: every run at that LR diverged" if dead else "",
+                            "▽ above the curves: a trial the search pruned (hover: its step); "
+                            "not in the fit" if cut else ""]))
     shape_notes = [
         f"{r['arm']} N={r['width']} L={r['depth']}: {r['reason']}"
         for _, r in opt.shapes.iterrows() if isinstance(r.get("reason"), str)
@@ -102,13 +105,21 @@ def _eta_table(report: FitReport) -> str:
         [r["arm"], int(r["width"]), int(r["depth"]), float(r["sigma_base"]),
          int(r["n_completed"]), int(r["n_diverged"]), float(r["best_lr"]), float(r["lr_opt"]),
          f"[{fmt(r['lr_ci_low'])}, {fmt(r['lr_ci_high'])}]", r["edge"] or "",
-         bool(r["reliable"])]
+         bool(r["reliable"]), _pruned_cell(r.get("pruned"))]
         for _, r in shapes.iterrows()
     ]
     head = ["arm", "width", "depth", "σ_base", "completed", "diverged", "best lr", "η*",
-            "η* CI", "edge", "reliable"]
+            "η* CI", "edge", "reliable", "pruned: LR @ step (not fitted)"]
     return f"<details><summary>η* per shape ({len(rows)} shapes)</summary>{table(head, rows)}" \
         "</details>"
+
+
+def _pruned_cell(pruned: Any) -> str:
+    """A search's stopped trials: each one's LR and the step it was pruned at."""
+    if not isinstance(pruned, list) or not pruned:
+        return ""
+    return ", ".join(f"{fmt(p['lr'])} @ {p['step'] if p['step'] is not None else '?'}"
+                     for p in pruned)
 
 
 def transfer_section(report: FitReport | None) -> str:

@@ -39,6 +39,8 @@ class Curve:
     hover: list[str]
     diverged_x: list[float]
     eta: Eta | None
+    # trials a search pruned (stopped early, not in the curve): log2 LR and the step
+    pruned: list[tuple[float, int | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -128,7 +130,15 @@ def _curve(cells: pd.DataFrame, shape: pd.Series | None, label: str, level: int)
         hover=hover,
         diverged_x=cells.loc[dead, "log2_lr"].astype(float).tolist(),
         eta=_eta(shape),
+        pruned=_pruned(shape),
     )
+
+
+def _pruned(shape: pd.Series | None) -> list[tuple[float, int | None]]:
+    stops = shape.get("pruned") if shape is not None else None
+    if not isinstance(stops, list):
+        return []
+    return [(math.log2(p["lr"]), p["step"]) for p in stops]
 
 
 def _panel(

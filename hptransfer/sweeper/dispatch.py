@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import optuna
 import ray
 from ray.exceptions import (
     NodeDiedError,
@@ -373,10 +374,16 @@ class Dispatcher:
         return (f"hpt-{sweep_id}-{shape.arm}-N{shape.width}-L{shape.depth}"
                 f"-s{shape.sigma_base:g}-seed{shape.seed}")
 
+    def _study(self, sweep_id: str, spec: SweepSpec, shape: ShapeKey) -> optuna.Study:
+        low, high = spec.grid.lr_bounds()
+        # the study name seeds its sampler; the shape alone places its first batch
+        return self.optuna.study(self._study_name(sweep_id, shape), spec.search,
+                                 self._study_name("", shape), low, high)
+
     def _ask_optuna(self, sweep: dict[str, Any], spec: SweepSpec, free: int) -> None:
         if self.store.count_trials(sweep["id"], status="pending"):
             return
-        lrs = spec.grid.lr_values()
+        low, high = spec.grid.lr_bounds()
         asked = 0
         for shape in plan_shapes(spec):
             if asked >= free:
@@ -386,12 +393,11 @@ class Dispatcher:
                                            seed=shape.seed)
             if have >= spec.search.n_trials:
                 continue
-            study = self.optuna.study(self._study_name(sweep["id"], shape), spec.search.sampler,
-                                      spec.search.pruner, seed=shape.seed)
-            number, lr = self.optuna.ask(study, min(lrs), max(lrs))
-            trial_id = self.store.add_trial(sweep["id"], trial_for(spec, shape, lr),
-                                            optuna_trial_number=number)
-            self.optuna.bind(trial_id, study, number)
+            study = self._study(sweep["id"], spec, shape)
+            number, lr = self.optuna.ask(study, low, high)
+            planned = trial_for(spec, shape, lr)
+            trial_id = self.store.add_trial(sweep["id"], planned, optuna_trial_number=number)
+            self.optuna.bind(trial_id, study, number, planned.trial)
             asked += 1
             added = self.store.get_trial(trial_id)
             if added is not None and added["status"] != "pending":
@@ -409,8 +415,7 @@ class Dispatcher:
         spec = self._spec(sweep)
         shape = ShapeKey(trial["arm"], trial["width"], trial["depth"], trial["sigma_base"],
                          trial["seed"])
-        study = self.optuna.study(self._study_name(sweep["id"], shape), spec.search.sampler,
-                                  spec.search.pruner, seed=shape.seed)
+        study = self._study(sweep["id"], spec, shape)
         value = (result or {}).get("final_val_loss")
         vocab = 256
         if result and result.get("param_table"):

@@ -35,8 +35,11 @@ def sweep_report(
     if is_study_frame(frame):  # a staged study: each fit from its own stage
         report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap)
     else:
+        sweep = store.get_sweep(sweep_id) or {}
+        # a search's LRs are dense near η* and sparse far away: fit on the nearest neighbours
+        neighbours = 1 if sweep.get("search") == "optuna" else 2
         report = fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
-                            bootstrap=bootstrap)
+                            bootstrap=bootstrap, neighbours=neighbours)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))

@@ -3,36 +3,144 @@
 Ask-and-tell from the coordinator only (Optuna advises against parallel SQLite writers);
 workers report intermediate validation losses through the progress board and the pruner
 decides here. Heartbeats do not work with ask-and-tell, so dead trials are told FAIL by us.
+
+What makes a study find η* rather than its first sample:
+- its sampler is seeded from a stable hash of the study's own name (sweep, arm, shape, sigma,
+  seed), so shapes never replay one proposal sequence;
+- it starts with `Search.startup_count()` log-spaced LRs shifted by a per-shape offset
+  (stratified over the whole range), enqueued before the sampler takes over; the offset
+  hashes the shape without the sweep, so resubmitting a sweep reuses that batch's results;
+  then two LRs half a slice either side of the best completed one (`refinement`, never
+  pruned), so the quadratic fit has near neighbours; then the sampler (TPE by default);
+- pruning (`_Gate`) never decides before the trial's warmup and `prune_after` of its budget
+  are trained, nor before MIN_FULL_BUDGET trials of the study completed without diverging
+  (so a quadratic in log2 LR can always be fitted); the default `rank` pruner compares
+  trials at the same step only and keeps `keep_top` of them alive at every step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
+
+from hptransfer.models import param_counts
+from hptransfer.workers.trial import TrialSpec
+
+from .spec import Search
+from .spec.sections import MIN_FULL_BUDGET
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 # a diverged trial is a real observation ("too high"); tell it a loss worse than uniform
 # over the vocabulary so the sampler moves away, rather than FAIL, which TPE ignores
 DIVERGED_PENALTY = 2.0
+DIVERGED_ATTR = "hpt_diverged"  # user attr: a COMPLETE trial whose value is the penalty
+# study user attr: the numbers of the refinement trials (set once they are enqueued)
+REFINED_ATTR = "hpt_refined"
 
 
-def _sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
+def stable_seed(key: str) -> int:
+    """A 32-bit seed from `key` that is the same in every process (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big")
+
+
+def first_batch(key: str, lr_min: float, lr_max: float, n: int) -> list[float]:
+    """`n` LRs, one in each of n equal log2 slices of [lr_min, lr_max], at an offset
+    into its slice that depends on `key`: the range is covered and shapes differ. Ordered
+    from the middle out (upper first): the first MIN_FULL_BUDGET, which always train to
+    the full budget, are the likeliest to be near η*, and the lowest LR, the worst at any
+    step in practice, is left to the pruner."""
+    lo, hi = math.log2(lr_min), math.log2(lr_max)
+    offset = stable_seed(f"first-batch:{key}") / 2.0**32  # in [0, 1)
+    order = sorted(range(n), key=lambda i: (abs(i - (n - 1) / 2), -i))
+    return [2.0 ** (lo + (i + offset) * (hi - lo) / n) for i in order]
+
+
+def refinement(best_lr: float, lr_min: float, lr_max: float, n_startup: int) -> list[float]:
+    """The LRs half a first-batch slice either side of the best so far (inside the range):
+    with them the points around η* are as dense as the first batch's slices allow, so the
+    quadratic has local neighbours whatever the sampler does next."""
+    half = (math.log2(lr_max) - math.log2(lr_min)) / n_startup / 2
+    return [lr for lr in (best_lr * 2.0**-half, best_lr * 2.0**half) if lr_min <= lr <= lr_max]
+
+
+def total_steps(spec: TrialSpec) -> int:
+    """Optimizer steps of the trial's full budget (as the trainer counts them)."""
+    # non-embedding parameters only depend on the vocabulary for nGPT's logit scale
+    cfg = spec.model_config_obj(vocab_size=spec.data.vocab_size or 256)
+    return spec.budget.steps_for(spec.batch_size * spec.seq_len, param_counts(cfg).non_embedding)
+
+
+def decision_step(spec: TrialSpec, prune_after: float) -> int:
+    """The first step at which the trial may be pruned: warmup over and `prune_after` of
+    the budget trained (the short-horizon bias is worst early, while the LR ramps up)."""
+    total = total_steps(spec)
+    return max(1, spec.schedule.warmup_steps(total), math.ceil(prune_after * total))
+
+
+def _diverged(trial: optuna.trial.FrozenTrial) -> bool:
+    return bool(trial.user_attrs.get(DIVERGED_ATTR))
+
+
+class RankPruner(optuna.pruners.BasePruner):
+    """Stop a trial once `keep_top` other trials had a lower validation loss at the same
+    step. Compares equal steps only, never a late report against an early one, and keeps
+    the best `keep_top` alive at every step whatever the number of trials."""
+
+    def __init__(self, keep_top: int) -> None:
+        self.keep_top = keep_top
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        if step is None:
+            return False
+        value = trial.intermediate_values[step]
+        if not math.isfinite(value):
+            return True
+        better = 0
+        for other in study.get_trials(deepcopy=False):
+            if other.number == trial.number or _diverged(other):
+                continue  # a run that diverged later is no yardstick, however good early
+            seen = other.intermediate_values.get(step)
+            if seen is not None and seen < value:
+                better += 1
+        return better >= self.keep_top
+
+
+def _sampler(name: str, seed: int, n_startup: int) -> optuna.samplers.BaseSampler:
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "qmc":
         return optuna.samplers.QMCSampler(seed=seed, scramble=True)
-    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=3)
+    # the enqueued first batch is TPE's start-up; constant_liar keeps two concurrent asks
+    # from proposing the same LR
+    return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(n_startup, 3),
+                                      constant_liar=True)
 
 
-def _pruner(name: str) -> optuna.pruners.BasePruner:
-    if name == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+def _pruner(search: Search) -> optuna.pruners.BasePruner:
+    # every pruner only sees decisions the gate allows (after decision_step, with
+    # MIN_FULL_BUDGET trials completed), so the first value it gets is at the same step
+    # for every trial of a study
+    if search.pruner == "rank":
+        return RankPruner(search.keep_top)
+    if search.pruner == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+    if search.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=MIN_FULL_BUDGET, n_warmup_steps=0)
     return optuna.pruners.NopPruner()
+
+
+@dataclass
+class _Live:
+    trial: optuna.trial.Trial
+    study: optuna.Study
+    decide_from: int  # no pruning decision before this step
+    total: int  # the full budget's steps: the last report is never pruned
 
 
 class OptunaSearch:
@@ -42,43 +150,93 @@ class OptunaSearch:
             if storage_url.startswith("sqlite") else {},
         )
         self._studies: dict[str, optuna.Study] = {}
-        self._live: dict[str, optuna.trial.Trial] = {}  # our trial id -> asked Optuna trial
+        self._search: dict[str, Search] = {}
+        self._live: dict[str, _Live] = {}  # our trial id -> asked Optuna trial
         self._asked: dict[tuple[int, str], optuna.trial.Trial] = {}
         # trials the pruner stopped: the worker sees the stop late, and its later reports
-        # must not reach the pruner (they would fill higher rungs with later-step values)
+        # must not reach the pruner (they would be compared with later-step values)
         self._pruned: set[str] = set()
 
-    def study(self, name: str, sampler: str, pruner: str, seed: int) -> optuna.Study:
+    def study(
+        self, name: str, search: Search, shape: str, lr_min: float, lr_max: float
+    ) -> optuna.Study:
+        """The study `name` (created, with its first batch enqueued, if new). `shape` names
+        the shape without the sweep: it places the first batch."""
         if name not in self._studies:
-            self._studies[name] = optuna.create_study(
+            n_startup = search.startup_count()
+            study = optuna.create_study(
                 study_name=name, storage=self.storage, load_if_exists=True,
-                direction="minimize", sampler=_sampler(sampler, seed), pruner=_pruner(pruner),
+                direction="minimize", sampler=_sampler(search.sampler, stable_seed(name),
+                                                       n_startup),
+                pruner=_pruner(search),
             )
+            if not study.get_trials(deepcopy=False):  # new (a restart finds its trials)
+                for lr in first_batch(shape, lr_min, lr_max, n_startup):
+                    study.enqueue_trial({"lr": lr})
+            self._studies[name] = study
+            self._search[name] = search
         return self._studies[name]
 
     def ask(self, study: optuna.Study, lr_min: float, lr_max: float) -> tuple[int, float]:
+        self._refine(study, lr_min, lr_max)
         trial = study.ask()
         lr = trial.suggest_float("lr", lr_min, lr_max, log=True)
         self._asked[trial.number, study.study_name] = trial
         return trial.number, lr
 
-    def bind(self, trial_id: str, study: optuna.Study, number: int) -> None:
+    def _refine(self, study: optuna.Study, lr_min: float, lr_max: float) -> None:
+        """Once the first batch is asked and one of it completed: enqueue `refinement`
+        around the best completed LR (once per study; the mark survives a restart)."""
+        if REFINED_ATTR in study.user_attrs:
+            return
+        trials = study.get_trials(deepcopy=False)
+        n_startup = self._search[study.study_name].startup_count()
+        if len(trials) < n_startup or any(
+                t.state == optuna.trial.TrialState.WAITING for t in trials):
+            return  # the first batch is still being asked
+        done = [t for t in trials
+                if t.state == optuna.trial.TrialState.COMPLETE and not _diverged(t)]
+        if not done:
+            return  # nothing to refine around yet: the sampler proposes meanwhile
+        best = min(done, key=lambda t: t.value)
+        lrs = refinement(best.params["lr"], lr_min, lr_max, n_startup)
+        for lr in lrs:
+            study.enqueue_trial({"lr": lr})
+        # an enqueued trial gets its number at once: these are the refinement's numbers
+        study.set_user_attr(REFINED_ATTR, list(range(len(trials), len(trials) + len(lrs))))
+
+    def bind(self, trial_id: str, study: optuna.Study, number: int, spec: TrialSpec) -> None:
         """Remember an asked trial under our trial id, for pruning reports."""
         trial = self._asked.pop((number, study.study_name), None)
         if trial is not None:
-            self._live[trial_id] = trial
+            search = self._search[study.study_name]
+            # the refinement is never pruned: it gives the fit its neighbours around η*
+            protected = number in study.user_attrs.get(REFINED_ATTR, [])
+            total = total_steps(spec)
+            decide_from = total if protected else decision_step(spec, search.prune_after)
+            self._live[trial_id] = _Live(trial, study, decide_from, total)
 
     def should_prune(self, trial_id: str, step: int, val_loss: float) -> bool:
-        trial = self._live.get(trial_id)
-        if trial is None or not math.isfinite(val_loss):
+        live = self._live.get(trial_id)
+        if live is None or not math.isfinite(val_loss):
             return False  # after a coordinator restart the re-run is not pruned, only told
         if trial_id in self._pruned:
             return True
-        trial.report(val_loss, step)
-        if trial.should_prune():
+        live.trial.report(val_loss, step)  # every step: later trials compare against it
+        if step < live.decide_from or step >= live.total:
+            return False
+        if self.full_budget_count(live.study) < MIN_FULL_BUDGET:
+            return False
+        if live.trial.should_prune():
             self._pruned.add(trial_id)
             return True
         return False
+
+    @staticmethod
+    def full_budget_count(study: optuna.Study) -> int:
+        """Trials of the study that completed their budget without diverging."""
+        done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        return sum(1 for t in done if not _diverged(t))
 
     def tell(
         self, study: optuna.Study, number: int, status: str, value: float | None, vocab: int
@@ -87,7 +245,13 @@ class OptunaSearch:
         if status == "completed" and value is not None and math.isfinite(value):
             study.tell(number, value)
         elif status == "diverged":
-            study.tell(number, DIVERGED_PENALTY * math.log(vocab))
+            # marked first, so neither the gate nor the rank pruner counts it as a yardstick;
+            # the storage API because after a restart no Trial object is at hand
+            storage = study._storage
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+            if storage.get_trial(trial_id).state == optuna.trial.TrialState.RUNNING:
+                storage.set_trial_user_attr(trial_id, DIVERGED_ATTR, True)
+                study.tell(number, DIVERGED_PENALTY * math.log(vocab))
         else:
             state = (optuna.trial.TrialState.PRUNED if status == "pruned"
                      else optuna.trial.TrialState.FAIL)

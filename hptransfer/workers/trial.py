@@ -51,9 +51,13 @@ class Schedule(BaseModel):
     wsd_decay_fraction: float = Field(0.2, gt=0, le=1)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
+    def warmup_steps(self, total: int) -> int:
+        """Optimizer steps of linear warmup in a run of `total` steps."""
+        return int(round(self.warmup_fraction * total))
+
     def factor(self, step: int, total: int, warmup: bool = True) -> float:
         """LR multiplier for optimizer step `step` (0-based) of `total`."""
-        warm = int(round(self.warmup_fraction * total)) if warmup else 0
+        warm = self.warmup_steps(total) if warmup else 0
         if step < warm:
             return (step + 1) / warm
         if self.decay == "constant":

@@ -14,7 +14,7 @@ from .schema import Trial
 RESULT_FRAME_COLUMNS: tuple[str, ...] = (
     "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
     "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
-    "params_embedding", "wall_time_s", "reused", "stage",
+    "params_embedding", "wall_time_s", "reused", "stage", "steps",
 )
 _FRAME_DTYPES: dict[str, Any] = {
     **dict.fromkeys(("trial_id", "arm", "arch", "parameterization", "status", "stage"),
@@ -23,7 +23,7 @@ _FRAME_DTYPES: dict[str, Any] = {
     # tokens/params are counts, but float so rows without a result can hold NaN
     **dict.fromkeys(
         ("lr", "sigma_base", "final_val_loss", "flops", "tokens", "params_non_embedding",
-         "params_embedding", "wall_time_s"),
+         "params_embedding", "wall_time_s", "steps"),
         "float64",
     ),
     "reused": bool,
@@ -44,6 +44,12 @@ def results_query(sweep_id: str) -> Select[Any]:
     )
 
 
+def _steps(tokens: int | None, spec: dict[str, Any]) -> int | None:
+    """Optimizer steps trained (where a pruned trial stopped): tokens per step is fixed."""
+    per_step = (spec.get("batch_size") or 0) * (spec.get("seq_len") or 0)
+    return tokens // per_step if tokens is not None and per_step else None
+
+
 def results_to_frame(rows: Iterable[Row[Any]]) -> pd.DataFrame:
     """The frame of `results_query`'s rows, typed per column even when there are none."""
     columns: dict[str, list[Any]] = {c: [] for c in RESULT_FRAME_COLUMNS}
@@ -57,6 +63,7 @@ def results_to_frame(rows: Iterable[Row[Any]]) -> pd.DataFrame:
             "tokens": r.tokens, "params_non_embedding": r.params_non_embedding,
             "params_embedding": r.params_embedding, "wall_time_s": r.wall_time_s,
             "reused": r.reused_from is not None, "stage": r.stage,
+            "steps": _steps(r.tokens, spec),
         }
         for name, value in values.items():
             columns[name].append(value)

@@ -163,6 +163,12 @@ class SweepSpec(SpecModel):
                     f"optuna search needs n_trials >= 2 (learning rates tried per shape), "
                     f"got {n}",
                 ))
+            if n is not None and self.search.n_startup is not None and self.search.n_startup > n:
+                problems.append(error(
+                    "search.n_startup",
+                    f"n_startup ({self.search.n_startup}) is more than n_trials ({n}); the "
+                    "first batch is part of the trials of each shape",
+                ))
             low, high = self.grid.lr_bounds()
             if not high > low:
                 problems.append(error(

@@ -165,11 +165,33 @@ class SweepBudget(Budget):
         return Budget(tokens=self.tokens, steps=self.steps, tokens_per_param=self.tokens_per_param)
 
 
+# Optuna search defaults (see hptransfer/sweeper/optuna_search.py for how each is used).
+DEFAULT_N_STARTUP = 4  # range-covering LRs asked before the sampler takes over
+MIN_FULL_BUDGET = 3  # trials per study trained to the full budget before any pruning
+
+
 class Search(SpecModel):
+    """How LRs are chosen per shape: the full grid, or an Optuna study over the grid's range.
+
+    Optuna: `n_startup` log-spaced LRs (shifted per shape) cover the range first; then the
+    sampler proposes. Pruning never decides before `prune_after` of a trial's budget (and its
+    warmup) is trained, compares trials at equal steps only, and starts only once
+    MIN_FULL_BUDGET trials of the study completed, so η* can always be fitted.
+    """
+
     method: Literal["grid", "optuna"] = "grid"
     sampler: Literal["tpe", "random", "qmc"] = "tpe"
-    pruner: Literal["successive_halving", "median", "none"] = "successive_halving"
-    n_trials: int | None = Field(None, gt=0)  # LRs tried per shape (optuna only)
+    # rank: stop a trial once `keep_top` others had a lower validation loss at the same step
+    pruner: Literal["rank", "successive_halving", "median", "none"] = "rank"
+    n_trials: int | None = Field(None, gt=0, le=1000, strict=True)  # LRs tried per shape
+    n_startup: int | None = Field(None, ge=2, le=1000, strict=True)  # default min(4, n_trials)
+    prune_after: float = Field(0.5, ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
+    keep_top: int = Field(3, ge=1, le=1000, strict=True)
+
+    def startup_count(self) -> int:
+        """LRs of the range-covering first batch of every study."""
+        n = self.n_trials or 0
+        return min(self.n_startup or DEFAULT_N_STARTUP, n)
 
 
 class Resources(SpecModel):
