@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
+# the package's one NaN->None scrubber (analysis/ may not import upwards, so it lives there)
+from hptransfer.analysis.serialize import json_safe
 
 from .training import ordered_modules
 from .verdict import Verdict
@@ -62,7 +61,7 @@ class CoordCheckResult:
         return ordered_modules(r["module"] for r in self.rows)
 
     def to_dict(self) -> dict:
-        return _json_safe(
+        return json_safe(
             {
                 "axis": self.axis,
                 "arch": self.arch,
@@ -85,14 +84,3 @@ class CoordCheckResult:
             }
         )
 
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _json_safe(obj.item())
-    return obj

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 ARCHES = ("gpt", "ngpt")
 ACTIVATIONS = ("relu2", "gelu")
@@ -40,7 +40,6 @@ class ModelConfig:
     # value embeddings: k tables, table j feeds the values of block j and block L-1-j
     value_embeddings: int = 0
     rope_base: float = 10000.0
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,6 +80,4 @@ class ModelConfig:
         return self.width // self.head_dim
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        return asdict(self)

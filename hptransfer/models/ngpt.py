@@ -29,10 +29,6 @@ class ScaleVector(nn.Module):
         self.init, self.scale = init, scale
         self.weight = nn.Parameter(torch.full((size,), scale))
 
-    def reset(self) -> None:
-        with torch.no_grad():
-            self.weight.fill_(self.scale)
-
     def forward(self) -> torch.Tensor:
         return self.weight * (self.init / self.scale)
 
@@ -114,11 +110,6 @@ class NGPT(nn.Module):
         for block in self.blocks:
             h = block(h, self.rotary)
         return self.s_z() * self.unembed(h)  # no final norm: h is already on the sphere
-
-    def reset_scales(self) -> None:
-        for m in self.modules():
-            if isinstance(m, ScaleVector):
-                m.reset()
 
     @torch.no_grad()
     def normalize_matrices(self) -> None:

@@ -10,16 +10,15 @@ transactions that need IMMEDIATE.
 from __future__ import annotations
 
 import json
-import math
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.pool import StaticPool
+
+from hptransfer.analysis.serialize import json_safe
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _IMMEDIATE = "hpt_sqlite_immediate"  # execution option marking a write transaction
@@ -29,21 +28,9 @@ MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 _MIGRATE_LOCK = threading.Lock()
 
 
-def _finite(obj: Any) -> Any:
-    """Replace NaN/inf (anywhere in a JSON-able value) by None: PostgreSQL's json rejects them."""
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _json_dumps(obj: Any) -> str:
-    return json.dumps(_finite(obj), allow_nan=False)
+    # NaN/inf become None: PostgreSQL's json rejects them
+    return json.dumps(json_safe(obj), allow_nan=False)
 
 
 def normalize_url(url: str | URL) -> URL:
