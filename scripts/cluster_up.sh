@@ -90,6 +90,7 @@ export HPT_API_TOKEN=$API_TOKEN
 export HPT_URL=http://127.0.0.1:$API_PORT
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN=$RAY_TOKEN
+export HPT_RAY_REQUIRE=hpt_worker
 EOF
 umask 022
 
