@@ -20,12 +20,17 @@ if [ ! -d "$DIR" ]; then echo "cluster_down: nothing at $DIR" >&2; exit 0; fi
 # shellcheck disable=SC1091
 [ -f "$DIR/state" ] && source "$DIR/state"
 
+running() {  # running PID: exists and is not a zombie
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}
 stop_group() {  # stop_group NAME: SIGTERM its session, SIGKILL what is left after 20 s
   local name=$1 pid
   pid=$(cat "$DIR/pids/$name" 2>/dev/null) || return 0
-  if kill -0 "$pid" 2>/dev/null; then
+  if running "$pid"; then
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    for _ in $(seq 1 40); do running "$pid" || break; sleep 0.5; done
     kill -KILL -- "-$pid" 2>/dev/null || true
     echo "cluster_down: stopped $name" >&2
   fi

@@ -90,14 +90,20 @@ export HPT_API_TOKEN=$API_TOKEN
 export HPT_URL=http://127.0.0.1:$API_PORT
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN=$RAY_TOKEN
+export HPT_RAY_REQUIRE=hpt_worker
 EOF
 umask 022
 
 # ---------------------------------------------------------------- process helpers
+running() {  # running PID: exists and is not a zombie (a killed, not yet reaped, process)
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}
 alive() {  # alive NAME: its recorded process (group leader) runs
   local pid
   pid=$(cat "$DIR/pids/$1" 2>/dev/null) || return 1
-  kill -0 "$pid" 2>/dev/null
+  running "$pid"
 }
 start_bg() {  # start_bg NAME CMD...: in a session of its own, so cluster_down stops it whole
   local name=$1; shift

@@ -182,24 +182,32 @@ def _kill_group(cluster, name: str) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
-def _running(client: Client, sweep_id: str, n: int, timeout: float = 600) -> None:
+def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
+    """Wait until n trials are really training: their MLflow runs show live train_loss
+    points (a leased task that has not started yet would just be rescheduled by Ray)."""
+    ml, store = _mlflow(cluster), _store(cluster)
     deadline = time.time() + timeout
-    while client.get(sweep_id)["counts"].get("running", 0) < n:
-        assert time.time() < deadline, client.get(sweep_id)
+    while True:
+        rows = store.trials(sweep_id, status="running", limit=None)
+        live = [r for r in rows if r.get("mlflow_run_id")
+                and ml.get_metric_history(r["mlflow_run_id"], "train_loss")]
+        if len(live) >= n:
+            return
+        assert time.time() < deadline, rows
         time.sleep(0.5)
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    spec = _grid_spec(tiny_spec, "cluster-faults", 150,
+    spec = _grid_spec(tiny_spec, "cluster-faults", 2000,
                       [2**-10, 2**-9, 2**-8, 2**-7, 2**-6, 2**-5])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
         # leases only what fits): one of them is on the worker node
-        _running(c, sweep_id, 2)
+        _training(cluster, sweep_id, 2)
         _kill_group(cluster, "ray-worker")  # the worker host dies mid-trial
         _script(UP, env=cluster["script_env"])  # and comes back
-        _running(c, sweep_id, 1)
+        _training(cluster, sweep_id, 1)
         _kill_group(cluster, "coordinator")  # the coordinator dies mid-sweep
         _script(UP, env=cluster["script_env"])
     with _client(cluster) as c:
