@@ -111,15 +111,24 @@ class NGPT(nn.Module):
             h = block(h, self.rotary)
         return self.s_z() * self.unembed(h)  # no final norm: h is already on the sphere
 
+    def unit_norm_axes(self) -> dict[str, int]:
+        """Parameter name -> the d_model axis that matrix is kept unit-norm along.
+
+        (vocab, d_model) tables and (out, d_model) input projections: rows (axis 1);
+        (d_model, in) output projections: columns (axis 0). Packed training stacks members on
+        a new leading axis and normalises along axis + 1.
+        """
+        axes = {"embed.weight": 1, "unembed.weight": 1}
+        for i in range(len(self.blocks)):
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.up_u", "mlp.up_v"):
+                axes[f"blocks.{i}.{name}.weight"] = 1
+            for name in ("attn.proj", "mlp.down"):
+                axes[f"blocks.{i}.{name}.weight"] = 0
+        return axes
+
     @torch.no_grad()
     def normalize_matrices(self) -> None:
         """Project every matrix back to unit norm along its d_model axis."""
-        # (vocab, d_model) tables and (out, d_model) input projections: normalise rows
-        self.embed.weight.copy_(unit(self.embed.weight, dim=1))
-        self.unembed.weight.copy_(unit(self.unembed.weight, dim=1))
-        for block in self.blocks:
-            for lin in (block.attn.q, block.attn.k, block.attn.v, block.mlp.up_u, block.mlp.up_v):
-                lin.weight.copy_(unit(lin.weight, dim=1))
-            # (d_model, in) output projections: normalise columns
-            for lin in (block.attn.proj, block.mlp.down):
-                lin.weight.copy_(unit(lin.weight, dim=0))
+        params = dict(self.named_parameters())
+        for name, axis in self.unit_norm_axes().items():
+            params[name].copy_(unit(params[name], dim=axis))

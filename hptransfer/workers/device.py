@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,3 +43,34 @@ def peak_flops(device: torch.device) -> float | None:
         if key in name:
             return peak
     return None
+
+
+def compile_wanted(device: torch.device) -> bool:
+    """torch.compile on CUDA by default (HPT_COMPILE=0 turns it off); never on the CPU, where
+    the eager kernels are the reference and compiling costs more than it saves on short runs."""
+    return device.type == "cuda" and os.environ.get("HPT_COMPILE", "1") != "0"
+
+
+class Compiled:
+    """`fn` under torch.compile where wanted, falling back to eager (with a note) if compiling
+    or the first compiled call fails; results are the same either way."""
+
+    def __init__(self, fn: Callable, device: torch.device, notes: list[str], what: str):
+        self.eager, self.notes, self.what = fn, notes, what
+        self.fn = torch.compile(fn) if compile_wanted(device) else fn
+        self.checked = self.fn is fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.checked:
+            return self.fn(*args)
+        try:
+            out = self.fn(*args)
+        except Exception as exc:  # compiler/backend missing or unsupported op: run eager
+            self.notes.append(
+                f"torch.compile failed for the {self.what} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); ran eager"
+            )
+            self.fn = self.eager
+            out = self.fn(*args)
+        self.checked = True
+        return out

@@ -1,0 +1,166 @@
+"""What run_trial and run_trials share: a trial's plan (steps, schedule, curve and evaluation
+points, FLOPs), its curve points, the divergence rule and how a TrialResult is assembled.
+
+Both trainers read training losses back from the device only at "sync" steps (curve points,
+evaluations and every DIVERGENCE_CHECK_EVERY steps), never every step; the divergence rule is
+then applied to the buffered per-step losses in order, so the outcome (status, steps, curve)
+is the same as checking after every step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hptransfer.data import DataSpec, TokenDataset, load_dataset
+from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTable
+from hptransfer.models.flops import flops_per_token, param_counts
+
+from .device import peak_flops
+from .trial import TrialResult, TrialSpec
+
+CURVE_POINTS = 50
+# at most this many optimizer steps between two host reads of the losses (divergence check)
+DIVERGENCE_CHECK_EVERY = 32
+
+
+def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:
+    return load_dataset(DataSpec(**spec.data.model_dump()), cache_dir=cache_dir)
+
+
+@dataclass
+class TrialPlan:
+    """Everything about a trial's run that follows from its spec and data alone."""
+
+    spec: TrialSpec
+    data: TokenDataset
+    cfg: ModelConfig
+    counts: ParamCounts
+    flops: FlopBreakdown
+    tokens_per_step: int
+    total_steps: int
+    warmup: bool  # nGPT trains without warmup
+    eval_every: int
+    curve_every: int
+    notes: list[str] = field(default_factory=list)
+
+    def factor(self, step: int) -> float:
+        return self.spec.schedule.factor(step, self.total_steps, warmup=self.warmup)
+
+    def is_curve_step(self, done: int) -> bool:
+        return done % self.curve_every == 0 or done == self.total_steps
+
+    def is_eval_step(self, done: int) -> bool:
+        return done % self.eval_every == 0 or done == self.total_steps
+
+    def is_sync_step(self, done: int) -> bool:
+        """Steps after which losses are read back to the host (nothing is read in between)."""
+        return (self.is_curve_step(done) or self.is_eval_step(done)
+                or done % DIVERGENCE_CHECK_EVERY == 0)
+
+    def point(self, step: int, loss: float) -> dict[str, Any]:
+        """Curve point after optimizer step `step` (0-based) with that step's train loss."""
+        return {
+            "step": step + 1,
+            "tokens": (step + 1) * self.tokens_per_step,
+            "train_loss": loss if math.isfinite(loss) else None,
+            "lr": self.spec.lr * self.factor(step),
+        }
+
+    def diverged(self, loss: float, initial: float) -> bool:
+        return not math.isfinite(loss) or loss > self.spec.divergence_factor * initial
+
+
+def plan_trial(spec: TrialSpec, data: TokenDataset, device: torch.device) -> TrialPlan:
+    cfg = spec.model_config_obj(vocab_size=data.vocab_size)
+    counts = param_counts(cfg)
+    tokens_per_step = spec.batch_size * spec.seq_len
+    total_steps = spec.budget.steps_for(tokens_per_step, counts.non_embedding)
+    notes: list[str] = []
+    if spec.precision == "bf16" and device.type != "cuda":
+        notes.append(f"bf16 autocast is CUDA-only; this trial ran fp32 on {device}")
+    warmup = spec.arch != "ngpt"
+    if not warmup and spec.schedule.warmup_fraction > 0:
+        notes.append("ngpt: warmup disabled (nGPT trains without warmup)")
+    return TrialPlan(
+        spec=spec, data=data, cfg=cfg, counts=counts,
+        flops=flops_per_token(cfg, spec.seq_len),
+        tokens_per_step=tokens_per_step, total_steps=total_steps, warmup=warmup,
+        eval_every=spec.eval_every or max(1, total_steps // 10),
+        curve_every=max(1, total_steps // CURVE_POINTS),
+        notes=notes,
+    )
+
+
+@dataclass
+class Progress:
+    """One trial's running outcome, filled in by a trainer as it reads losses back."""
+
+    status: str = "completed"
+    steps_done: int = 0  # optimizer steps actually taken (tokens and FLOPs spent)
+    initial_loss: float | None = None
+    train_loss: float = float("nan")
+    val_loss: float | None = None
+    curve: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.status == "completed"
+
+    def absorb(self, plan: TrialPlan, steps: list[int], losses: list[float]) -> None:
+        """Apply the divergence rule to buffered (step, loss) pairs in step order."""
+        for step, loss in zip(steps, losses, strict=True):
+            if not self.running:
+                return
+            self.train_loss = loss
+            self.initial_loss = loss if self.initial_loss is None else self.initial_loss
+            if plan.diverged(loss, self.initial_loss):
+                self.status = "diverged"
+                self.curve.append(plan.point(step, loss))
+                return
+            self.steps_done = step + 1
+
+
+def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable, device: torch.device,
+                 train_time: float, started: float, notes: list[str]) -> TrialResult:
+    spec, status = plan.spec, progress.status
+    tokens = progress.steps_done * plan.tokens_per_step
+    tokens_per_s = tokens / train_time if train_time > 0 else 0.0
+    fpt = plan.flops.training
+    peak = peak_flops(device)
+    return TrialResult(
+        status=status,
+        final_val_loss=progress.val_loss if status in ("completed", "pruned") else None,
+        final_train_loss=progress.train_loss if math.isfinite(progress.train_loss) else None,
+        curve=progress.curve,
+        steps=progress.steps_done,
+        tokens=tokens,
+        flops=fpt * tokens,
+        flops_per_token=fpt,
+        flops_convention=plan.flops.convention,
+        params_embedding=plan.counts.embedding,
+        params_non_embedding=plan.counts.non_embedding,
+        wall_time_s=time.perf_counter() - started,
+        tokens_per_s=tokens_per_s,
+        mfu=(fpt * tokens_per_s / peak) if peak else None,
+        device=str(device),
+        param_table=table.to_dict(),
+        data_hash=plan.data.content_hash,
+        spec_hash=spec.content_hash(),
+        notes=plan.notes + notes,
+    )
+
+
+def failed_result(spec: Any, exc: BaseException, started: float) -> TrialResult:
+    """A failed trial is a result the coordinator stores, not an exception."""
+    return TrialResult(
+        status="failed",
+        error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+        wall_time_s=time.perf_counter() - started,
+        spec_hash=spec.content_hash() if isinstance(spec, TrialSpec) else None,
+    )

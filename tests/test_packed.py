@@ -1,0 +1,127 @@
+"""run_trials: every packed member gives run_trial's result for its spec alone (fp32 rounding
+apart), for each arch x parameterization; divergence and pruning stop one member only."""
+
+import math
+
+import pytest
+
+from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trial import TrialSpec
+
+# tiny and off the base shape (m_N = m_L = 2) so every width/depth multiplier is exercised
+TINY = dict(width=64, depth=2, head_dim=32, base_width=32, base_depth=1, batch_size=4,
+            seq_len=32, data={"val_tokens": 1024, "max_corpus_bytes": 300_000},
+            budget={"steps": 60}, eval_every=20)
+# members differ in everything a pack allows: lr, sigma, seed, weight decay, eps, schedule
+MEMBERS = [
+    dict(lr=2**-8, seed=0),
+    dict(lr=2**-7, seed=1, sigma_base=0.03, schedule={"decay": "cosine"}),
+    dict(lr=2**-9, seed=2, weight_decay=0.1, eps=1e-10,
+         schedule={"warmup_fraction": 0.0, "decay": "wsd"}),
+]
+CASES = {
+    "gpt-sp": dict(arch="gpt", parameterization="sp", lr_scale=0.5),  # SP: unstable at 2^-7
+    "gpt-mup": dict(arch="gpt", parameterization="mup"),
+    "gpt-depth_mup": dict(arch="gpt", parameterization="depth_mup"),
+    "gpt-completep": dict(arch="gpt", parameterization="completep"),
+    "gpt-alpha": dict(arch="gpt", parameterization="depth_alpha", alpha=0.75),
+    "gpt-x0-ve": dict(arch="gpt", parameterization="completep",
+                      arch_options={"x0_mixing": True, "extra_embeddings": 1,
+                                    "value_embeddings": 1}),
+    "gpt-alibi-bias": dict(arch="gpt", parameterization="mup",
+                           arch_options={"position": "alibi", "bias": True,
+                                         "activation": "gelu"}),
+    "ngpt": dict(arch="ngpt", parameterization="ngpt", lr_scale=2),
+}
+
+
+def specs_for(case: dict, members=MEMBERS) -> list[TrialSpec]:
+    case = dict(case)
+    scale = case.pop("lr_scale", 1)  # into each arm's stable range: chaotic runs amplify rounding
+    return [TrialSpec(**{**TINY, **case, **m, "lr": m["lr"] * scale}) for m in members]
+
+
+def assert_same_result(packed, solo):
+    assert packed.status == solo.status, (packed.error, solo.error)
+    assert packed.steps == solo.steps and packed.tokens == solo.tokens
+    assert packed.flops == solo.flops and packed.spec_hash == solo.spec_hash
+    assert packed.param_table == solo.param_table
+    assert [p["step"] for p in packed.curve] == [p["step"] for p in solo.curve]
+    assert [p["lr"] for p in packed.curve] == [p["lr"] for p in solo.curve]
+    assert [("val_loss" in p) for p in packed.curve] == [("val_loss" in p) for p in solo.curve]
+    # same init and data order: the first loss agrees to fp32 rounding
+    assert packed.curve[0]["train_loss"] == pytest.approx(solo.curve[0]["train_loss"], rel=1e-6)
+    if solo.final_val_loss is None:
+        assert packed.final_val_loss is None
+    else:
+        assert packed.final_val_loss == pytest.approx(solo.final_val_loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_members_match_run_trial(name, tmp_path):
+    specs = specs_for(CASES[name])
+    packed = run_trials(specs, cache_dir=str(tmp_path))
+    for spec, result in zip(specs, packed, strict=True):
+        solo = run_trial(spec, cache_dir=str(tmp_path))
+        assert solo.status == "completed", solo.error
+        assert_same_result(result, solo)
+        assert result.final_val_loss < math.log(256) - 0.5  # they learned something
+        assert any("packed" in note for note in result.notes)
+
+
+def test_diverging_member_stops_alone(tmp_path):
+    members = [MEMBERS[0], dict(lr=50.0, seed=5), MEMBERS[1]]
+    specs = specs_for(CASES["gpt-completep"], members)
+    packed = run_trials(specs, cache_dir=str(tmp_path))
+    solo = [run_trial(s, cache_dir=str(tmp_path)) for s in specs]
+    assert [r.status for r in packed] == ["completed", "diverged", "completed"]
+    assert packed[1].steps < 60 and packed[1].error is None
+    for p, s in zip(packed, solo, strict=True):
+        assert_same_result(p, s)
+
+
+def test_reporter_prunes_one_member(tmp_path):
+    specs = specs_for(CASES["gpt-mup"])
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def packed_reporter(member, metrics):
+        seen[member].append(metrics["step"])
+        return member == 1 and "val_loss" in metrics and metrics["step"] >= 20
+
+    packed = run_trials(specs, reporter=packed_reporter, cache_dir=str(tmp_path))
+    assert [r.status for r in packed] == ["completed", "pruned", "completed"]
+    solo_seen: list[int] = []
+
+    def solo_reporter(metrics):
+        solo_seen.append(metrics["step"])
+        return "val_loss" in metrics and metrics["step"] >= 20
+
+    solo = run_trial(specs[1], reporter=solo_reporter, cache_dir=str(tmp_path))
+    assert solo.status == "pruned" and solo.steps == 20
+    assert_same_result(packed[1], solo)
+    assert seen[1] == solo_seen  # the member saw exactly the points a solo trial reports
+    assert seen[0] == seen[2] == list(range(1, 61))
+    assert_same_result(packed[0], run_trial(specs[0], cache_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(width=128), "width"),
+        (dict(arch="ngpt", parameterization="ngpt"), "arch"),
+        (dict(budget={"steps": 61}), "budget"),
+        (dict(batch_size=8), "batch_size"),
+        (dict(beta2=0.99), "beta2"),
+    ],
+)
+def test_unpackable_specs_name_the_field(change, field):
+    a = TrialSpec(**TINY)
+    b = TrialSpec(**{**TINY, **change})
+    with pytest.raises(ValueError, match=f"field '{field}' differs"):
+        run_trials([a, b])
+
+
+def test_single_member_pack_and_dict_specs(tmp_path):
+    spec = specs_for(CASES["gpt-sp"])[0]
+    [packed] = run_trials([spec.model_dump()], cache_dir=str(tmp_path))
+    assert_same_result(packed, run_trial(spec, cache_dir=str(tmp_path)))
