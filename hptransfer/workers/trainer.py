@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hptransfer.data import DataSpec, TokenDataset, load_dataset
+from hptransfer.data import TokenDataset, load_dataset
 from hptransfer.models.build import BuiltModel, build_from_config
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.models.parameterization import optimizer_groups
@@ -31,7 +31,7 @@ _CURVE_POINTS = 50
 
 
 def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:
-    return load_dataset(DataSpec(**spec.data.model_dump()), cache_dir=cache_dir)
+    return load_dataset(spec.data, cache_dir=cache_dir)
 
 
 @torch.no_grad()
