@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
+from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.workers.trainer import load_trial_data, run_trial
-from hptransfer.workers.trial import ArchOptions, Budget, DataSource, TrialSpec
+from hptransfer.workers.trial import ArchOptions, Budget, TrialSpec
 
 SEQ_LEN, BATCH = 128, 8
 NOISY = 1.25  # median step over best step: flagged as disturbed
@@ -78,7 +79,7 @@ def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str,
         width=width, depth=depth, head_dim=64, base_width=128, base_depth=2,
         lr=2.0**-7, batch_size=BATCH, seq_len=SEQ_LEN, budget=Budget(steps=steps),
         eval_every=10**9,  # only the final step evaluates; it is left out of the timing
-        data=DataSource(source="stdlib", val_tokens=2048, max_corpus_bytes=2_000_000),
+        data=DataSpec(source="stdlib", val_tokens=2048, max_corpus_bytes=2_000_000),
         device="cpu", precision="fp32", num_threads=threads,
         divergence_factor=1e9,  # a timing run must not stop early
     )

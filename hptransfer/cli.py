@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
@@ -10,9 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hptransfer.models import ModelConfig, Parameterization
+from hptransfer.models.config import ACTIVATIONS, ARCHES, POSITIONS
 from hptransfer.models.parameterization import PRESETS
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+_MODEL = ModelConfig()  # the CLI's model defaults are the model's own
 
 
 def command(name: str):
@@ -24,18 +27,18 @@ def command(name: str):
 
 
 def _add_model_args(p: argparse.ArgumentParser, with_shape: bool = True) -> None:
-    p.add_argument("--arch", default="gpt", choices=["gpt", "ngpt"])
+    p.add_argument("--arch", default=_MODEL.arch, choices=ARCHES)
     if with_shape:
-        p.add_argument("--width", type=int, default=256)
-        p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
-    p.add_argument("--activation", default="relu2", choices=["relu2", "gelu"])
-    p.add_argument("--position", default="rope", choices=["rope", "alibi"])
+        p.add_argument("--width", type=int, default=_MODEL.width)
+        p.add_argument("--depth", type=int, default=_MODEL.depth)
+    p.add_argument("--head-dim", type=int, default=_MODEL.head_dim)
+    p.add_argument("--vocab", type=int, default=_MODEL.vocab_size, help="vocabulary size")
+    p.add_argument("--activation", default=_MODEL.activation, choices=ACTIVATIONS)
+    p.add_argument("--position", default=_MODEL.position, choices=POSITIONS)
     p.add_argument("--bias", action="store_true", help="linear biases in the blocks")
     p.add_argument("--x0-mixing", action="store_true")
-    p.add_argument("--extra-embeddings", type=int, default=0)
-    p.add_argument("--value-embeddings", type=int, default=0)
+    p.add_argument("--extra-embeddings", type=int, default=_MODEL.extra_embeddings)
+    p.add_argument("--value-embeddings", type=int, default=_MODEL.value_embeddings)
 
 
 def _add_param_args(p: argparse.ArgumentParser) -> None:
@@ -169,6 +172,16 @@ def _print_summary(s: dict) -> None:
               + (f"  [{counts}]" if counts else ""))
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 @command("serve")
 def cmd_serve(a: argparse.Namespace) -> int:
     from hptransfer.api.server import serve_forever
@@ -176,8 +189,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     settings = get_settings()
     host, port = a.host or settings.host, a.port or settings.port
-    if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_token:
-        print("warning: serving on a non-loopback address without HPT_API_TOKEN", file=sys.stderr)
+    if not is_loopback(host) and not settings.api_token:
+        if not a.insecure:
+            print(f"hpt serve: refusing to serve on {host} without HPT_API_TOKEN: anyone who "
+                  "can reach it could submit and cancel sweeps. Set HPT_API_TOKEN, or pass "
+                  "--insecure to serve unauthenticated anyway.", file=sys.stderr)
+            return 2
+        print(f"warning: serving on {host} without HPT_API_TOKEN (--insecure)", file=sys.stderr)
     print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)")
     serve_forever(settings, host, port, a.log_level)
     return 0
@@ -331,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without HPT_API_TOKEN (unauthenticated)")
 
     p = sub.add_parser("doctor", help="check every component the coordinator's settings name: "
                        "databases, MLflow, Ray nodes, package version and data on each node")

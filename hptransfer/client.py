@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Any
 import httpx
 import pandas as pd
 import yaml
+
+from hptransfer.config import client_token, client_url
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 TERMINAL_SWEEP = ("completed", "cancelled", "failed", "stopped")
@@ -27,8 +28,8 @@ class ApiError(RuntimeError):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None,
                  timeout: float = 60.0) -> None:
-        self.url = (url or os.environ.get("HPT_URL") or DEFAULT_URL).rstrip("/")
-        token = token if token is not None else os.environ.get("HPT_API_TOKEN")
+        self.url = (url or client_url(DEFAULT_URL)).rstrip("/")
+        token = token if token is not None else client_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -66,7 +67,8 @@ class Client:
         return self._call("GET", "/sweeps", params={"limit": limit, "offset": offset})
 
     def cancel(self, sweep_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/sweeps/{sweep_id}/cancel")
+        # JSON content type: the server refuses mutations a cross-site form could send.
+        return self._call("POST", f"/sweeps/{sweep_id}/cancel", json={})
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/health")

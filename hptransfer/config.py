@@ -24,6 +24,19 @@ def _env(name: str) -> str | None:
     return value or None
 
 
+def _env_float(name: str, default: float | None) -> float | None:
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise SettingsError(f"{name} must be a positive finite number, got {raw!r}")
+    return value
+
+
 def _env_int(name: str, default: int, minimum: int = 1, maximum: int | None = None) -> int:
     raw = _env(name)
     if raw is None:
@@ -52,6 +65,12 @@ class Settings:
     port: int
     max_trials: int
     cache_dir: Path
+    # Where `data.source` paths may point (resolved); see `data_roots_from`.
+    data_roots: tuple[Path, ...] = ()
+    max_request_bytes: int = 1 << 20
+    # Admission caps per trial; None leaves only the memory of the largest worker.
+    max_trial_flops: float | None = None
+    max_trial_memory_gb: float | None = None
 
     def ensure_dirs(self) -> Settings:
         """Create the data directory and its sub-folders (call before using the defaults)."""
@@ -67,10 +86,38 @@ class Settings:
         return out
 
 
+def home_dir() -> Path:
+    """$HPT_HOME, else ./.hpt; absolute, so URLs and caches do not depend on a later working
+    directory (Ray workers may run elsewhere)."""
+    return Path(_env("HPT_HOME") or ".hpt").expanduser().resolve()
+
+
+def data_roots_from(home: Path) -> tuple[Path, ...]:
+    """`$HPT_HOME/data` plus every directory in $HPT_DATA_ROOTS (os.pathsep-separated),
+    resolved. The embedded corpus (source 'stdlib') is always allowed besides these."""
+    roots = [home / "data"]
+    for part in (_env("HPT_DATA_ROOTS") or "").split(os.pathsep):
+        if part.strip():
+            path = Path(part.strip())
+            if not path.is_absolute():
+                raise SettingsError(f"HPT_DATA_ROOTS entries must be absolute paths, got {part!r}")
+            roots.append(path)
+    return tuple(dict.fromkeys(r.resolve() for r in roots))
+
+
+def client_url(default: str) -> str:
+    """$HPT_URL (the API the Python client and the CLI talk to), else `default`."""
+    return _env("HPT_URL") or default
+
+
+def client_token() -> str | None:
+    """$HPT_API_TOKEN as the client sends it."""
+    return _env("HPT_API_TOKEN")
+
+
 def get_settings() -> Settings:
     """Read the settings from the environment now (no caching, so tests can monkeypatch it)."""
-    # Absolute so the sqlite:/// URLs below do not depend on a later working directory.
-    home = Path(_env("HPT_HOME") or ".hpt").expanduser().resolve()
+    home = home_dir()
     return Settings(
         home=home,
         database_url=_env("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
@@ -83,6 +130,10 @@ def get_settings() -> Settings:
         port=_env_int("HPT_PORT", 8600, maximum=65535),
         max_trials=_env_int("HPT_MAX_TRIALS", 5000),
         cache_dir=home / "cache",
+        data_roots=data_roots_from(home),
+        max_request_bytes=_env_int("HPT_MAX_REQUEST_BYTES", 1 << 20, minimum=1024),
+        max_trial_flops=_env_float("HPT_MAX_TRIAL_FLOPS", None),
+        max_trial_memory_gb=_env_float("HPT_MAX_TRIAL_MEMORY_GB", None),
     )
 
 

@@ -89,7 +89,7 @@ def test_unknown_ids_and_bad_queries(server):
     url, _ = server
     r = httpx.get(f"{url}/sweeps/nope")
     assert r.status_code == 404 and "nope" in r.json()["error"]
-    assert httpx.post(f"{url}/sweeps/nope/cancel").status_code == 404
+    assert httpx.post(f"{url}/sweeps/nope/cancel", json={}).status_code == 404
     r = httpx.get(f"{url}/sweeps/nope/trials", params={"status": "weird"})
     assert r.status_code == 422 and "status" in r.json()["error"]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"

@@ -116,7 +116,8 @@ def test_ngpt_hidden_state_on_sphere():
     "kwargs, message",
     [
         (dict(width=100), "not divisible by head_dim"),
-        (dict(depth=0), "depth must be positive"),
+        (dict(depth=0), r"depth must be in \[1, 1024\]"),
+        (dict(width=1 << 30, head_dim=64), r"width must be in \[1, 65536\]"),
         (dict(extra_embeddings=1), "needs x0_mixing"),
         (dict(activation="swish"), "activation must be one of"),
     ],

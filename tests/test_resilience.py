@@ -416,7 +416,9 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
     url, settings = server
     # 5% of 400k tokens is the validation split, starting at 380000; its first 1024 tokens
     # are the validation set, so token 380500 is in it
-    shard = corrupt_shard(tmp_path / "corrupt_000.bin")
+    data_root = settings.home / "data"  # the default data root: sources must be inside one
+    data_root.mkdir(parents=True, exist_ok=True)
+    shard = corrupt_shard(data_root / "corrupt_000.bin")
     spec = one_trial_spec(tiny_spec, "corrupt-shard", steps=20, retries=2)
     spec["data"] = {"source": str(shard), "vocab_size": 256, "val_tokens": 1024,
                     "val_fraction": 0.05}

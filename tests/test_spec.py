@@ -250,7 +250,7 @@ def test_trial_cap(monkeypatch):
     monkeypatch.setenv("HPT_MAX_TRIALS", "150")
     one_error(d, "grid", "cap of 150")
     monkeypatch.setenv("HPT_MAX_TRIALS", "many")
-    one_error(d, "", "HPT_MAX_TRIALS must be a positive integer")
+    one_error(d, "", "HPT_MAX_TRIALS must be an integer")
     monkeypatch.delenv("HPT_MAX_TRIALS")
     load_spec(d)  # default cap 5000
     # re-reading a stored spec (no context) does not re-apply the submission cap
@@ -467,10 +467,13 @@ name: flow
 arms: [{arch: gpt, parameterization: sp}]
 grid: {widths: [64], depths: [2], lrs: [1e-3, 3e-3]}
 fixed: {head_dim: 32}
-budget: {tokens: 1e6}
+budget: {tokens_per_param: 2e1}
 """
-    spec = load_spec(text)  # YAML 1.1 would read 1e-3 and 1e6 as strings
-    assert spec.grid.lrs == [1e-3, 3e-3] and spec.budget.tokens == 1_000_000
+    spec = load_spec(text)  # YAML 1.1 would read 1e-3 and 2e1 as strings
+    assert spec.grid.lrs == [1e-3, 3e-3] and spec.budget.tokens_per_param == 20.0
+    # 1e6 is a float: an integer field takes integers only (strict), and says how to write it
+    one_error(text.replace("tokens_per_param: 2e1", "tokens: 1e6"), "budget.tokens",
+              "must be an integer", "1000000")
 
 
 def test_load_errors():

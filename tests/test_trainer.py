@@ -137,12 +137,11 @@ def test_trains_on_modded_nanogpt_shards(tmp_path):
     assert r.final_val_loss < math.log(300) + 0.2  # random tokens: nothing to learn, no blow-up
 
 
-def test_trial_data_fields_mirror_the_data_layer():
-    # TrialSpec validates data fields with pydantic (field-named errors at submit); the data
-    # layer keeps a plain dataclass. The two must not drift apart.
-    import dataclasses
-
+def test_trial_and_sweep_data_sections_are_the_data_layer_spec():
+    # One definition: the sweep's and the trial's data sections are DataSpec itself.
     from hptransfer.data import DataSpec
-    from hptransfer.workers.trial import DataSource
+    from hptransfer.sweeper.spec import SweepSpec
+    from hptransfer.workers.trial import TrialSpec
 
-    assert set(DataSource.model_fields) == {f.name for f in dataclasses.fields(DataSpec)}
+    assert TrialSpec.model_fields["data"].annotation is DataSpec
+    assert SweepSpec.model_fields["data"].annotation is DataSpec

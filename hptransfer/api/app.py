@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hptransfer.config import Settings
+from hptransfer.config import Settings, get_settings
 from hptransfer.sweeper.service import Coordinator, NotFound
 from hptransfer.sweeper.spec import SpecError
 
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastAPI:
+    settings = settings or get_settings()
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.coordinator = Coordinator(settings, dispatch=dispatch)
@@ -39,6 +40,8 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
         version="0.1.0",
         description="Hyper-parameter transfer sweeps: submit, watch, cancel; fits and dashboards.",
         lifespan=lifespan,
+        # 413 past this: a 50 MB description or 200k tags never reach the parser.
+        max_body_size=settings.max_request_bytes,
     )
     app.include_router(router)
     app.include_router(dashboards_router)
@@ -48,6 +51,12 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
 
 def _error(status: int, message: str, errors: list[dict] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": message, "errors": errors or []})
+
+
+def _detail(err: dict) -> str:
+    # A JSON syntax error carries its reason in ctx; "JSON decode error" alone says little.
+    cause = (err.get("ctx") or {}).get("error")
+    return f"{err['msg']}: {cause}" if isinstance(cause, str) else err["msg"]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -68,7 +77,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]}
+        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": _detail(e)}
                   for e in exc.errors()]
         return _error(422, "invalid request: " + "; ".join(
             f"{e['field']}: {e['message']}" for e in errors), errors)

@@ -6,12 +6,19 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request
 
+from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
+
 from .auth import require_token
+from .guards import StrictJSONRoute, require_json
 from .schemas import EXAMPLE_SPEC, ErrorResponse, Health, SweepSummary, TrialPage
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-          404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
+          404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+          415: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
+# Paging past this is never meaningful, and SQLite overflows past 2**63 (a 500 before).
+MAX_OFFSET = 10**9
+MUTATION = [Depends(require_token), Depends(require_json)]
 TRIAL_STATUSES = "pending|running|completed|diverged|failed|cancelled|pruned"
 
 
@@ -32,13 +39,16 @@ def health(request: Request, deep: bool = False) -> Any:
 
 
 @router.post("/sweeps", status_code=201, response_model=SweepSummary, responses=ERRORS,
-             dependencies=[Depends(require_token)], tags=["sweeps"])
+             dependencies=MUTATION, tags=["sweeps"])
 def submit_sweep(
     request: Request,
     spec: Annotated[dict[str, Any], Body(openapi_examples={"cpu-small": {
         "summary": "A small CPU sweep: SP vs CompleteP", "value": EXAMPLE_SPEC}})],
 ) -> dict[str, Any]:
-    """Validate a sweep spec (JSON body), expand it and store every trial in one transaction."""
+    """Validate a sweep spec (JSON body), expand it and store every trial in one transaction.
+
+    A sync route, so FastAPI runs it in its threadpool: loading the data (hashing shards,
+    tokenizing the corpus) never blocks the event loop."""
     return coordinator(request).submit(spec)
 
 
@@ -46,7 +56,7 @@ def submit_sweep(
 def list_sweeps(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> list[dict[str, Any]]:
     c = coordinator(request)
     return [c.summary(s["id"]) for s in c.store.list_sweeps(limit=limit, offset=offset)]
@@ -65,10 +75,10 @@ def list_trials(
     sweep_id: str,
     status: Annotated[str | None, Query(pattern=f"^({TRIAL_STATUSES})$")] = None,
     arm: str | None = None,
-    width: Annotated[int | None, Query(gt=0)] = None,
-    depth: Annotated[int | None, Query(gt=0)] = None,
+    width: Annotated[int | None, Query(gt=0, le=MAX_WIDTH)] = None,
+    depth: Annotated[int | None, Query(gt=0, le=MAX_DEPTH)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> dict[str, Any]:
     c = coordinator(request)
     c.summary(sweep_id)  # 404 for an unknown sweep
@@ -82,7 +92,7 @@ def list_trials(
 
 
 @router.post("/sweeps/{sweep_id}/cancel", response_model=SweepSummary, responses=ERRORS,
-             dependencies=[Depends(require_token)], tags=["sweeps"])
+             dependencies=MUTATION, tags=["sweeps"])
 def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
     """Pending trials never start; running ones are cancelled."""
     return coordinator(request).cancel(sweep_id)

@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +20,20 @@ from .tokenizer import ByteTokenizer, Tokenizer
 
 
 def load_dataset(
-    spec: DataSpec, cache_dir: str | os.PathLike | None = None, *, full_check: bool = False
+    spec: DataSpec,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    full_check: bool = False,
+    roots: Sequence[Path] | None = None,
 ) -> TokenDataset:
     """Load the data `spec` describes. Shards get a sampled token-range check here (and every
-    served batch is checked); `full_check=True` also scans every token up front."""
+    served batch is checked); `full_check=True` also scans every token up front. With
+    `roots` (the server's data roots), a shard source outside them is refused."""
     if spec.is_stdlib:
         cache = Path(cache_dir) if cache_dir is not None else cache_dir_default()
         dataset = _load_stdlib(spec, ensure_dir(cache))
     else:
-        dataset = _load_shards(spec)
+        dataset = _load_shards(spec, roots)
     if full_check:
         dataset.verify_tokens()
     return dataset
@@ -85,7 +91,7 @@ def _cached_tokens(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> np.ndarr
     return tokens
 
 
-def _load_shards(spec: DataSpec) -> TokenDataset:
+def _load_shards(spec: DataSpec, roots: Sequence[Path] | None) -> TokenDataset:
     if spec.vocab_size is None:
         raise DataError(
             f"vocab_size is required for shard source {spec.source!r}: set DataSpec.vocab_size "
@@ -96,7 +102,7 @@ def _load_shards(spec: DataSpec) -> TokenDataset:
             f"tokenizer={spec.tokenizer!r} applies only to source='stdlib'; shards are already "
             "tokenized, so leave tokenizer at its default"
         )
-    shards = open_shards(spec.source, spec.shard_format)
+    shards = open_shards(spec.source, spec.shard_format, roots)
     parts = [s.tokens() for s in shards]
     for shard, tokens in zip(shards, parts, strict=True):
         bad = first_out_of_range(tokens, spec.vocab_size, sample=True)

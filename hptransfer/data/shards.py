@@ -7,15 +7,16 @@ on any re-tokenization, truncation or header edit. A change confined to the midd
 larger than 2 MiB is not detected by it.
 """
 
-import glob
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .errors import DataError
+from .paths import absolute, bounded_glob, check_inside, has_glob
 
 MODDED_MAGIC = 20240520
 MODDED_VERSION = 1
@@ -38,19 +39,18 @@ class Shard:
         )
 
 
-def _has_glob(source: str) -> bool:
-    return any(ch in source for ch in "*?[")
+def resolve_shard_paths(source: str, roots: Sequence[Path] | None = None) -> list[Path]:
+    """A .bin file, every .bin file in a directory, or every file a glob matches; sorted.
 
-
-def resolve_shard_paths(source: str) -> list[Path]:
-    """A .bin file, every .bin file in a directory, or every file a glob matches; sorted."""
-    expanded = os.path.expanduser(source)
-    if _has_glob(source) and not os.path.exists(expanded):
-        matches = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+    With `roots`, every path must resolve inside one of them (see `paths`); `~` is never
+    expanded."""
+    if has_glob(source) and not os.path.exists(source):
+        matches = bounded_glob(source, roots)
         if not matches:
             raise DataError(f"glob {source!r} matched no files; check the pattern and directory")
-        return [Path(p) for p in matches]
-    path = Path(expanded)
+        return matches
+    path = absolute(source)
+    check_inside(source, [path], roots)  # before anything that tells whether it exists
     if not path.exists():
         raise DataError(
             f"data source {source!r} does not exist; use 'stdlib' for the embedded corpus or a "
@@ -60,6 +60,7 @@ def resolve_shard_paths(source: str) -> list[Path]:
         files = sorted(p for p in path.iterdir() if p.suffix == ".bin" and p.is_file())
         if not files:
             raise DataError(f"directory {path} contains no .bin shards")
+        check_inside(source, files, roots)  # a symlinked shard must not lead out
         return files
     return [path]
 
@@ -113,8 +114,10 @@ def _modded_shard(path: Path, size: int, head: bytes, first: int | None) -> Shar
     return Shard(path=path, format="modded", offset=HEADER_BYTES, n_tokens=n_tokens)
 
 
-def open_shards(source: str, shard_format: str) -> list[Shard]:
-    return [inspect_shard(p, shard_format) for p in resolve_shard_paths(source)]
+def open_shards(
+    source: str, shard_format: str, roots: Sequence[Path] | None = None
+) -> list[Shard]:
+    return [inspect_shard(p, shard_format) for p in resolve_shard_paths(source, roots)]
 
 
 def shards_hash(shards: list[Shard], vocab_size: int) -> str:

@@ -1,61 +1,50 @@
-"""DataSpec: what data a sweep trains on, validated when constructed (no I/O)."""
+"""DataSpec: what data a sweep trains on, validated when constructed (no I/O).
+
+The one definition of a sweep's `data` section: the sweep spec and the trial spec embed this
+model, so its field errors carry their full path there (``data.val_tokens``). A bad value
+raises pydantic's ValidationError (a ValueError) naming the field.
+"""
+
+from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
 
-from .errors import DataError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from hptransfer.config import home_dir
 
 STDLIB_SOURCE = "stdlib"
-TOKENIZER_NAMES = ("byte", "bpe")
-SHARD_FORMATS = ("auto", "nanogpt", "modded")
+Tokenizer = Literal["byte", "bpe"]
+ShardFormat = Literal["auto", "nanogpt", "modded"]
+TOKENIZER_NAMES: tuple[str, ...] = get_args(Tokenizer)
+SHARD_FORMATS: tuple[str, ...] = get_args(ShardFormat)
 # Tokens are stored as uint16 everywhere, so no vocabulary can exceed this.
 MAX_VOCAB = 1 << 16
+MAX_SOURCE_CHARS = 4096
+MAX_VAL_TOKENS = 1 << 30
+MAX_CORPUS_BYTES = 1 << 32
 
 
-@dataclass(frozen=True)
-class DataSpec:
-    source: str = STDLIB_SOURCE
-    tokenizer: str = "byte"
-    bpe_vocab_size: int = 4096
-    shard_format: str = "auto"
-    vocab_size: int | None = None
-    val_fraction: float = 0.05
-    val_tokens: int = 65536
-    max_corpus_bytes: int | None = 8_000_000
+class DataSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.source, os.PathLike):
-            # Accept Path objects but store a str so the spec stays hashable and serialisable.
-            object.__setattr__(self, "source", os.fspath(self.source))
-        if not isinstance(self.source, str) or not self.source:
-            raise DataError(
-                "DataSpec.source must be 'stdlib' or a path to a .bin file, a directory of .bin "
-                "shards, or a glob"
-            )
-        if self.tokenizer not in TOKENIZER_NAMES:
-            raise DataError(
-                f"unknown tokenizer {self.tokenizer!r}; use one of {', '.join(TOKENIZER_NAMES)}"
-            )
-        if self.shard_format not in SHARD_FORMATS:
-            raise DataError(
-                f"unknown shard_format {self.shard_format!r}; use one of {', '.join(SHARD_FORMATS)}"
-            )
-        if self.tokenizer == "bpe" and not 256 < self.bpe_vocab_size <= MAX_VOCAB:
-            raise DataError(
-                f"bpe_vocab_size={self.bpe_vocab_size} must be in (256, {MAX_VOCAB}] "
-                "(256 byte symbols plus merges, stored as uint16)"
-            )
-        if self.vocab_size is not None and not 1 <= self.vocab_size <= MAX_VOCAB:
-            raise DataError(
-                f"vocab_size={self.vocab_size} must be in [1, {MAX_VOCAB}] (tokens are uint16)"
-            )
-        if not 0.0 < self.val_fraction < 1.0:
-            raise DataError(f"val_fraction={self.val_fraction} must be strictly between 0 and 1")
-        if self.val_tokens < 2:
-            raise DataError(f"val_tokens={self.val_tokens} must be at least 2 (input + target)")
-        if self.max_corpus_bytes is not None and self.max_corpus_bytes < 1:
-            raise DataError(f"max_corpus_bytes={self.max_corpus_bytes} must be positive or None")
+    source: Annotated[str, Field(min_length=1, max_length=MAX_SOURCE_CHARS)] = STDLIB_SOURCE
+    tokenizer: Tokenizer = "byte"
+    # 256 byte symbols plus at least one merge, stored as uint16.
+    bpe_vocab_size: Annotated[int, Field(gt=256, le=MAX_VOCAB)] = 4096
+    shard_format: ShardFormat = "auto"
+    vocab_size: Annotated[int, Field(ge=1, le=MAX_VOCAB)] | None = None
+    val_fraction: Annotated[float, Field(gt=0, lt=0.5)] = 0.05
+    val_tokens: Annotated[int, Field(ge=2, le=MAX_VAL_TOKENS)] = 16384  # input + target
+    max_corpus_bytes: Annotated[int, Field(ge=1, le=MAX_CORPUS_BYTES)] | None = 8_000_000
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        # Accept Path objects but store a str so the spec stays hashable and serialisable.
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @property
     def is_stdlib(self) -> bool:
@@ -65,7 +54,4 @@ class DataSpec:
 def cache_dir_default() -> Path:
     """`$HPT_HOME/cache` if HPT_HOME is set, else `./.hpt/cache` (made absolute now, since Ray
     workers may later run with a different working directory)."""
-    home = os.environ.get("HPT_HOME")
-    if home:
-        return Path(home).expanduser() / "cache"
-    return Path.cwd() / ".hpt" / "cache"
+    return home_dir() / "cache"

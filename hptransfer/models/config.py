@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal, get_args
 
-ARCHES = ("gpt", "ngpt")
-ACTIVATIONS = ("relu2", "gelu")
-POSITIONS = ("rope", "alibi")
+# The model's choices, defined once: the sweep spec, the CLI and build_model use these.
+Arch = Literal["gpt", "ngpt"]
+Activation = Literal["relu2", "gelu"]
+Position = Literal["rope", "alibi"]
+ARCHES: tuple[str, ...] = get_args(Arch)
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+POSITIONS: tuple[str, ...] = get_args(Position)
+
+# Upper bounds of the model's sizes: far past anything a sweep of this service trains, and
+# small enough that parameter and FLOP arithmetic never overflows a float.
+MAX_WIDTH = 65536
+MAX_DEPTH = 1024
+MAX_HEAD_DIM = 4096
+MAX_SEQ_LEN = 1 << 20
+MAX_MLP_RATIO = 64
+MAX_VOCAB_SIZE = 1 << 16  # tokens are stored as uint16
+MAX_EXTRA_EMBEDDINGS = 16
+BOUNDS = {
+    "width": MAX_WIDTH, "depth": MAX_DEPTH, "head_dim": MAX_HEAD_DIM,
+    "vocab_size": MAX_VOCAB_SIZE, "max_seq_len": MAX_SEQ_LEN, "mlp_ratio": MAX_MLP_RATIO,
+}
 
 
 class ModelConfigError(ValueError):
@@ -45,9 +64,9 @@ class ModelConfig:
         problems = []
         if self.arch not in ARCHES:
             problems.append(f"arch must be one of {ARCHES}, got {self.arch!r}")
-        for name in ("width", "depth", "head_dim", "vocab_size", "max_seq_len", "mlp_ratio"):
-            if int(getattr(self, name)) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name, bound in BOUNDS.items():
+            if not 0 < int(getattr(self, name)) <= bound:
+                problems.append(f"{name} must be in [1, {bound}], got {getattr(self, name)}")
         if self.head_dim > 0 and self.width % self.head_dim:
             problems.append(
                 f"width {self.width} is not divisible by head_dim {self.head_dim}; "
@@ -59,6 +78,9 @@ class ModelConfig:
             problems.append(f"position must be one of {POSITIONS}, got {self.position!r}")
         if self.extra_embeddings < 0 or self.value_embeddings < 0:
             problems.append("extra_embeddings and value_embeddings must be >= 0")
+        if self.extra_embeddings > MAX_EXTRA_EMBEDDINGS:
+            problems.append(f"extra_embeddings must be <= {MAX_EXTRA_EMBEDDINGS}, "
+                            f"got {self.extra_embeddings}")
         if self.extra_embeddings > 0 and not self.x0_mixing:
             problems.append("extra_embeddings > 0 needs x0_mixing: true (they are mixed by it)")
         if self.value_embeddings > self.depth:

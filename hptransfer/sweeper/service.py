@@ -8,14 +8,15 @@ import time
 from typing import Any
 
 from hptransfer.config import Settings, get_settings
-from hptransfer.data import DataError, DataSpec, load_dataset
+from hptransfer.data import DataError, load_dataset
 
+from .admission import admit
 from .db.store import Store
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .mlflow.tracking import Tracker
 from .plan import plan_sweep, spec_hash
-from .spec import SpecError, SweepSpec, load_spec
+from .spec import SpecError, SweepSpec, load_spec, storable
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,16 @@ class Coordinator:
 
     # operations ----------------------------------------------------------------------
     def submit(self, source: SweepSpec | dict | str) -> dict[str, Any]:
-        """Validate, plan and store a sweep (all trials in one transaction)."""
+        """Validate, admit, plan and store a sweep. Everything that can refuse it runs before
+        the one transaction that stores the sweep with all its trials, so a refused (or
+        failing) submission leaves nothing behind."""
         spec = load_spec(source, max_trials=self.settings.max_trials)
+        admit(spec, self.settings)
+        stored_spec = storable(spec)
         data_hash = self._data_hash(spec)
         planned = [] if spec.search.method == "optuna" else plan_sweep(spec)
         sweep_id = self.store.create_sweep(
-            name=spec.name, spec=spec.model_dump(mode="json"), spec_hash=spec_hash(spec),
+            name=spec.name, spec=stored_spec, spec_hash=spec_hash(spec),
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
             study=initial_state(spec, len(planned)) if spec.stages else None,
@@ -73,9 +78,11 @@ class Coordinator:
 
     def _data_hash(self, spec: SweepSpec) -> str:
         try:
-            ds = load_dataset(DataSpec(**spec.data.model_dump()), cache_dir=self.settings.cache_dir)
+            ds = load_dataset(spec.data, cache_dir=self.settings.cache_dir,
+                              roots=self.settings.data_roots)
         except DataError as exc:
-            raise SpecError([{"field": "data", "message": str(exc)}]) from exc
+            field = "data" if spec.data.is_stdlib else "data.source"
+            raise SpecError([{"field": field, "message": str(exc)}]) from None
         return ds.content_hash
 
     def summary(self, sweep_id: str) -> dict[str, Any]:

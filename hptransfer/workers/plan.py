@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hptransfer.data import DataSpec, TokenDataset, load_dataset
+from hptransfer.data import TokenDataset, load_dataset
 from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTable
 from hptransfer.models.flops import flops_per_token, param_counts
 
@@ -30,7 +30,7 @@ DIVERGENCE_CHECK_EVERY = 32
 
 
 def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:
-    return load_dataset(DataSpec(**spec.data.model_dump()), cache_dir=cache_dir)
+    return load_dataset(spec.data, cache_dir=cache_dir)
 
 
 @dataclass

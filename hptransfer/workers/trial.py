@@ -13,38 +13,57 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hptransfer.data.spec import DataSpec
 from hptransfer.models import ModelConfig, Parameterization
+from hptransfer.models.config import (
+    MAX_DEPTH,
+    MAX_EXTRA_EMBEDDINGS,
+    MAX_HEAD_DIM,
+    MAX_MLP_RATIO,
+    MAX_SEQ_LEN,
+    MAX_WIDTH,
+    Activation,
+    Arch,
+    Position,
+)
 
+# Frozen, no unknown keys, no coercion (a bool is not a number, 64.0 is not an int, "1" is
+# not 1) and no infinities or NaNs: what every spec model and trial model validates with.
+STRICT = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-class DataSource(BaseModel):
-    """Mirror of hptransfer.data.DataSpec (validated here so specs fail before dispatch)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    source: str = "stdlib"
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    bpe_vocab_size: int = Field(4096, ge=260, le=65535)
-    shard_format: Literal["auto", "nanogpt", "modded"] = "auto"
-    vocab_size: int | None = Field(None, gt=0, le=65536)
-    val_fraction: float = Field(0.05, gt=0, lt=0.5)
-    val_tokens: int = Field(16384, gt=0)
-    max_corpus_bytes: int | None = Field(8_000_000, gt=0)
+# Upper bounds of the training settings (the model's sizes are bounded in models/config.py):
+# far past what this service trains, and small enough that a trial's cost stays a float.
+MAX_BATCH_SIZE = 1 << 20
+MAX_STEPS = 10**9
+MAX_TOKENS = 10**15
+MAX_TOKENS_PER_PARAM = 1e6
+MAX_LR = 1024.0
+MAX_SIGMA = 100.0
+MAX_WEIGHT_DECAY = 100.0
+MAX_EPS = 1.0
+MAX_GRAD_CLIP = 1e6
+MAX_DIVERGENCE_FACTOR = 1e12
+MAX_SEED = 2**32 - 1  # numpy's seed range
+MAX_THREADS = 1024
+_MODEL = ModelConfig()
 
 
 class ArchOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """The model options a sweep arm may set: ModelConfig's fields, with its defaults."""
 
-    activation: Literal["relu2", "gelu"] = "relu2"
-    position: Literal["rope", "alibi"] = "rope"
-    bias: bool = False
-    mlp_ratio: int = Field(4, gt=0)
-    x0_mixing: bool = False
-    extra_embeddings: int = Field(0, ge=0, le=16)
-    value_embeddings: int = Field(0, ge=0)
+    model_config = STRICT
+
+    activation: Activation = _MODEL.activation
+    position: Position = _MODEL.position
+    bias: bool = _MODEL.bias
+    mlp_ratio: int = Field(_MODEL.mlp_ratio, gt=0, le=MAX_MLP_RATIO)
+    x0_mixing: bool = _MODEL.x0_mixing
+    extra_embeddings: int = Field(_MODEL.extra_embeddings, ge=0, le=MAX_EXTRA_EMBEDDINGS)
+    value_embeddings: int = Field(_MODEL.value_embeddings, ge=0, le=MAX_DEPTH)
 
 
 class Schedule(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     decay: Literal["cosine", "linear", "wsd", "constant"] = "linear"
@@ -79,11 +98,11 @@ class Schedule(BaseModel):
 class Budget(BaseModel):
     """Exactly one of tokens, steps, tokens_per_param (non-embedding params, as the paper)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    tokens: int | None = Field(None, gt=0)
-    steps: int | None = Field(None, gt=0)
-    tokens_per_param: float | None = Field(None, gt=0)
+    tokens: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    steps: int | None = Field(None, gt=0, le=MAX_STEPS)
+    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Budget:
@@ -103,35 +122,36 @@ class Budget(BaseModel):
 
 
 class TrialSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = STRICT
 
-    arch: Literal["gpt", "ngpt"] = "gpt"
+    arch: Arch = "gpt"
     arch_options: ArchOptions = ArchOptions()
-    parameterization: str = "completep"
+    parameterization: str = Field("completep", max_length=100)
     alpha: float | None = None
-    width: int = Field(256, gt=0)
-    depth: int = Field(2, gt=0)
-    head_dim: int = Field(64, gt=0)
-    base_width: int = Field(256, gt=0)
-    base_depth: int = Field(2, gt=0)
-    lr: float = Field(2.0**-8, gt=0)  # eta_base
-    sigma_base: float = Field(0.02, gt=0)
-    weight_decay: float = Field(0.0, ge=0)  # lambda_base
-    eps: float = Field(1e-12, gt=0)  # epsilon_base
+    width: int = Field(256, gt=0, le=MAX_WIDTH)
+    depth: int = Field(2, gt=0, le=MAX_DEPTH)
+    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM)
+    base_width: int = Field(256, gt=0, le=MAX_WIDTH)
+    base_depth: int = Field(2, gt=0, le=MAX_DEPTH)
+    lr: float = Field(2.0**-8, gt=0, le=MAX_LR)  # eta_base
+    sigma_base: float = Field(0.02, gt=0, le=MAX_SIGMA)
+    weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)  # lambda_base
+    eps: float = Field(1e-12, gt=0, le=MAX_EPS)  # epsilon_base
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    batch_size: int = Field(16, gt=0)
-    seq_len: int = Field(128, gt=1)
+    batch_size: int = Field(16, gt=0, le=MAX_BATCH_SIZE)
+    seq_len: int = Field(128, gt=1, le=MAX_SEQ_LEN)
     budget: Budget = Budget(steps=100)
     schedule: Schedule = Schedule()
-    grad_clip: float | None = Field(1.0, gt=0)
-    seed: int = Field(0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0, le=MAX_GRAD_CLIP)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
-    data: DataSource = DataSource()
-    eval_every: int | None = Field(None, gt=0)  # default: ~10 evaluations per run
-    divergence_factor: float = Field(2.0, gt=1)  # train loss above this x initial = diverged
-    num_threads: int | None = Field(None, gt=0)
+    data: DataSpec = DataSpec()
+    eval_every: int | None = Field(None, gt=0, le=MAX_STEPS)  # default: ~10 evaluations
+    # train loss above this x initial = diverged
+    divergence_factor: float = Field(2.0, gt=1, le=MAX_DIVERGENCE_FACTOR)
+    num_threads: int | None = Field(None, gt=0, le=MAX_THREADS)
 
     @model_validator(mode="after")
     def _buildable(self) -> TrialSpec:

@@ -14,8 +14,8 @@ from .model import (
     SpecError,
     SweepBudget,
     SweepSpec,
-    default_max_trials,
     load_spec,
+    storable,
 )
 
 __all__ = [
@@ -31,6 +31,6 @@ __all__ = [
     "SpecError",
     "SweepBudget",
     "SweepSpec",
-    "default_max_trials",
     "load_spec",
+    "storable",
 ]

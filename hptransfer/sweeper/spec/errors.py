@@ -8,9 +8,26 @@ boilerplate.
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
+
+
+class NonFiniteJSON:
+    """What strict JSON parsing puts where a document says Infinity, -Infinity or NaN: no
+    field accepts it, so the error names the field (Python's json would give a float)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def is_non_finite_json(value: Any) -> bool:
+    return isinstance(value, NonFiniteJSON)
+
 
 # Tags of the grid.lrs union; they appear in pydantic's error locations and are dropped there.
 LRS_LIST, LRS_RANGE = "lr_list", "lr_log_range"
@@ -60,6 +77,8 @@ def convert_errors(exc: ValidationError, root: type[BaseModel]) -> list[dict[str
             out.append(error(field, "required field is missing"))
         elif kind in ("value_error", "assertion_error") and cause is not None:
             out.append(error(field, str(cause)))
+        elif kind in _TYPE_HINTS and _TYPE_HINTS[kind](err.get("input")):
+            out.append(error(field, _type_message(kind, err.get("input"))))
         elif kind == "too_short" and err.get("input") in ([], {}, ""):
             out.append(error(field, "must not be empty"))
         else:
@@ -118,6 +137,26 @@ def _unknown_field_message(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
     close = difflib.get_close_matches(name, allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown field {name!r}{hint} (allowed: {', '.join(allowed)})"
+
+
+# Strict types: say why a value that looks like a number is refused, and how to write it.
+_TYPE_HINTS = {
+    "int_type": lambda v: isinstance(v, (bool, float, str)) or is_non_finite_json(v),
+    "float_type": lambda v: isinstance(v, (bool, str)) or is_non_finite_json(v),
+}
+
+
+def _type_message(kind: str, value: Any) -> str:
+    want = "an integer" if kind == "int_type" else "a number"
+    if is_non_finite_json(value):
+        return f"must be {want}, got {value!r}: JSON Infinity and NaN are not allowed"
+    if isinstance(value, bool):
+        return f"must be {want}, got the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"must be {want}, got the string {value[:40]!r} (write it without quotes)"
+    if math.isfinite(value) and value == int(value):
+        return f"must be an integer, got {value!r} (write {int(value)})"
+    return f"must be an integer, got {value!r}"
 
 
 def _with_input(msg: str, value: Any) -> str:

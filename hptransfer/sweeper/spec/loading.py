@@ -15,7 +15,13 @@ from typing import Any
 
 import yaml
 
-from .errors import SpecError, error
+from .errors import NonFiniteJSON, SpecError, error
+
+
+def strict_json_loads(text: str | bytes) -> Any:
+    """json.loads, but Infinity/-Infinity/NaN (which Python accepts, JSON does not) become
+    values no spec field accepts, so they are refused with the field's path."""
+    return json.loads(text, parse_constant=NonFiniteJSON)
 
 
 def read_spec_data(source: dict | str | os.PathLike) -> dict:
@@ -72,7 +78,7 @@ def _parse_text(text: str, where: str) -> Any:
 
 def _parse_json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        return strict_json_loads(text)
     except json.JSONDecodeError as exc:
         raise SpecError([error(
             "", f"invalid JSON{where} at line {exc.lineno}, column {exc.colno}: {exc.msg}"

@@ -18,18 +18,22 @@ errors in `spec_errors`; every public name is importable from here.
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hptransfer.data.spec import DataSpec
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
-from hptransfer.workers.trial import DataSource, Schedule, TrialSpec
+from hptransfer.workers.trial import Schedule, TrialSpec
 
 from .errors import SpecError, convert_errors, error, plain_message
 from .loading import read_spec_data
 from .sections import (
+    MAX_ARMS,
     Arm,
     Fixed,
     Grid,
@@ -45,8 +49,6 @@ from .sections import (
 from .stages import Stages
 
 __all__ = [
-    "DEFAULT_MAX_TRIALS",
-    "MAX_TRIALS_ENV",
     "Arm",
     "Fixed",
     "Grid",
@@ -60,30 +62,37 @@ __all__ = [
     "SweepBudget",
     "Stages",
     "SweepSpec",
-    "default_max_trials",
     "load_spec",
+    "storable",
 ]
 
-DEFAULT_MAX_TRIALS = 5000
-MAX_TRIALS_ENV = "HPT_MAX_TRIALS"
+MAX_NAME_CHARS = 100
+MAX_DESCRIPTION_CHARS = 10_000
+MAX_TAGS = 64
+MAX_TAG_KEY_CHARS = 128
+MAX_TAG_VALUE_CHARS = 1024
+MAX_CONCURRENT = 1024
+MAX_RETRIES = 100
+TagKey = Annotated[str, Field(min_length=1, max_length=MAX_TAG_KEY_CHARS)]
+TagValue = Annotated[str, Field(max_length=MAX_TAG_VALUE_CHARS)]
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.- ")
 
 
 class SweepSpec(SpecModel):
-    name: str = Field(min_length=1, max_length=100)
-    description: str = ""
-    arms: list[Arm] = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    description: str = Field("", max_length=MAX_DESCRIPTION_CHARS)
+    arms: list[Arm] = Field(min_length=1, max_length=MAX_ARMS)
     grid: Grid
     fixed: Fixed = Fixed()
     budget: SweepBudget
-    data: DataSource = DataSource()
+    data: DataSpec = DataSpec()
     schedule: Schedule = Schedule()
     search: Search = Search()
     resources: Resources = Resources()
-    max_concurrent: int = Field(2, ge=1)
-    retries: int = Field(2, ge=0)
+    max_concurrent: int = Field(2, ge=1, le=MAX_CONCURRENT)
+    retries: int = Field(2, ge=0, le=MAX_RETRIES)
     reuse: bool = True
-    tags: dict[str, str] = {}
+    tags: dict[TagKey, TagValue] = Field({}, max_length=MAX_TAGS)
     # A staged study (tune at the base shape, then transfer/check/aspect_ratio); see stages.py
     stages: Stages | None = None
 
@@ -104,7 +113,7 @@ class SweepSpec(SpecModel):
         # YAML reads `version: 2` as an int; tags are labels, so keep them as text.
         if isinstance(value, dict):
             return {
-                str(k): str(v) if isinstance(v, (int, float, bool)) else v
+                str(k): str(v) if isinstance(v, (int, bool)) or _finite_float(v) else v
                 for k, v in value.items()
             }
         return value
@@ -239,7 +248,7 @@ class SweepSpec(SpecModel):
         return [error(
             "grid",
             f"grid has {total} trials, more than the cap of {cap}; "
-            f"shrink the grid or raise {MAX_TRIALS_ENV}",
+            "shrink the grid or raise HPT_MAX_TRIALS",
         )]
 
     def _build_problems(self) -> list[dict[str, str]]:
@@ -306,8 +315,9 @@ class SweepSpec(SpecModel):
                 return arm
         raise KeyError(f"no arm labelled {label!r}; arms: {[a.name for a in self.arms]}")
 
-    def _vocab_size(self) -> int:
-        # Only nGPT's logit scale has vocab-many non-embedding entries; this is close enough.
+    def model_vocab_size(self) -> int:
+        """The vocabulary the models are built with: data.vocab_size, else the tokenizer's
+        (for shards, vocab_size is required). Used for parameter counts and admission."""
         if self.data.vocab_size:
             return self.data.vocab_size
         return self.data.bpe_vocab_size if self.data.tokenizer == "bpe" else 256
@@ -315,7 +325,7 @@ class SweepSpec(SpecModel):
     def _non_embedding_params(self, arm: Arm, width: int, depth: int, head_dim: int) -> int:
         cfg = ModelConfig(
             arch=arm.arch, width=width, depth=depth, head_dim=head_dim,
-            vocab_size=self._vocab_size(), max_seq_len=self.fixed.seq_len,
+            vocab_size=self.model_vocab_size(), max_seq_len=self.fixed.seq_len,
             **arm.arch_options.model_dump(),
         )
         return param_counts(cfg).non_embedding
@@ -358,21 +368,11 @@ class SweepSpec(SpecModel):
         )
 
 
+def _finite_float(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
 # ---- loading ---------------------------------------------------------------------------
-
-
-def default_max_trials() -> int:
-    """$HPT_MAX_TRIALS, else 5000."""
-    raw = os.environ.get(MAX_TRIALS_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_MAX_TRIALS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise SpecError([error("", f"{MAX_TRIALS_ENV} must be a positive integer, got {raw!r}")])
-    return value
 
 
 def load_spec(
@@ -381,11 +381,11 @@ def load_spec(
     """Validate a sweep from a SweepSpec, a dict, a .yaml/.yml/.json path, or YAML/JSON text.
 
     Raises SpecError listing every problem with its field path. `max_trials` caps the number
-    of trials (default: $HPT_MAX_TRIALS, else 5000).
+    of trials (default: the service setting, $HPT_MAX_TRIALS, else 5000).
     """
     if max_trials is not None and max_trials < 1:
         raise SpecError([error("", f"max_trials must be >= 1, got {max_trials}")])
-    cap = max_trials or default_max_trials()
+    cap = max_trials or _settings_max_trials()
     if isinstance(source, SweepSpec):
         data: Any = source.model_dump()  # re-validated: the cap may differ from the first time
     else:
@@ -394,3 +394,26 @@ def load_spec(
         return SweepSpec.model_validate(data, context={"max_trials": cap})
     except ValidationError as exc:
         raise SpecError(convert_errors(exc, SweepSpec)) from None
+
+
+def _settings_max_trials() -> int:
+    from hptransfer.config import SettingsError, get_settings
+
+    try:
+        return get_settings().max_trials
+    except SettingsError as exc:  # e.g. HPT_MAX_TRIALS=abc: say so as a spec-level error
+        raise SpecError([error("", str(exc))]) from None
+
+
+def storable(spec: SweepSpec) -> dict:
+    """The spec as the JSON the store keeps, checked to read back as the same spec (strict
+    JSON: no NaN/Infinity), so a stored sweep can always be listed and dispatched."""
+    data = spec.model_dump(mode="json")
+    try:
+        text = json.dumps(data, allow_nan=False)
+        again = SweepSpec.model_validate(json.loads(text))
+    except (ValueError, ValidationError) as exc:
+        raise SpecError([error("", f"the spec does not survive storage: {exc}")]) from None
+    if again != spec:
+        raise SpecError([error("", "the spec does not read back as given from storage")])
+    return data

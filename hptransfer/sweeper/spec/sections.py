@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -22,12 +21,32 @@ from pydantic import (
 )
 
 from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
+from hptransfer.models.config import MAX_DEPTH, MAX_HEAD_DIM, MAX_SEQ_LEN, MAX_WIDTH, Arch
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
-from hptransfer.workers.trial import ArchOptions, Budget
+from hptransfer.workers.trial import (
+    MAX_BATCH_SIZE,
+    MAX_DIVERGENCE_FACTOR,
+    MAX_EPS,
+    MAX_GRAD_CLIP,
+    MAX_LR,
+    MAX_SEED,
+    MAX_SIGMA,
+    MAX_STEPS,
+    MAX_WEIGHT_DECAY,
+    STRICT,
+    ArchOptions,
+    Budget,
+)
 
 from .errors import LRS_LIST, LRS_RANGE, SpecError, error
 
 _LOG_RANGE_MAX_VALUES = 1000  # a tiny step would otherwise expand into millions of LRs
+MAX_LIST = 64  # values per grid axis (widths, depths, sigma_bases, seeds); LRs: as above
+MAX_ARMS = 64
+MAX_N_TRIALS = 10_000
+MAX_CPUS = 1024.0
+MAX_GPUS = 64.0
+MAX_BATCH_EXPONENT = 4.0
 _FLOAT_TOL = 1e-9
 
 
@@ -46,20 +65,26 @@ def _fmt(x: float) -> str:
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+Depth = Annotated[int, Field(gt=0, le=MAX_DEPTH)]
+Lr = Annotated[float, Field(gt=0, le=MAX_LR)]
+Sigma = Annotated[float, Field(gt=0, le=MAX_SIGMA)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class SpecModel(BaseModel):
-    # Every spec model rejects unknown keys (a typo must not silently fall back to a default).
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every spec model rejects unknown keys (a typo must not silently fall back to a default),
+    # coerces nothing (true is not 1, 64.0 is not 64, "1" is not 1) and takes finite numbers.
+    model_config = STRICT
 
 
 class LogRange(SpecModel):
     """Learning rates 2**k for k = log2_min, log2_min + step, ... up to log2_max inclusive."""
 
     # Bounded so 2**k stays a normal float (and far outside any sane LR anyway).
-    log2_min: float = Field(ge=-100, le=100, allow_inf_nan=False)
-    log2_max: float = Field(ge=-100, le=100, allow_inf_nan=False)
-    step: float = Field(gt=0, allow_inf_nan=False)
+    log2_min: float = Field(ge=-100, le=math.log2(MAX_LR))
+    log2_max: float = Field(ge=-100, le=math.log2(MAX_LR))
+    step: float = Field(gt=0, le=200)
 
     @model_validator(mode="after")
     def _ordered(self) -> LogRange:
@@ -94,7 +119,7 @@ def _lrs_kind(value: Any) -> str | None:
 
 
 LrGrid = Annotated[
-    Annotated[list[PositiveFloat], Tag(LRS_LIST), Field(min_length=1)]
+    Annotated[list[Lr], Tag(LRS_LIST), Field(min_length=1, max_length=_LOG_RANGE_MAX_VALUES)]
     | Annotated[LogRange, Tag(LRS_RANGE)],
     Discriminator(
         _lrs_kind,
@@ -107,11 +132,11 @@ LrGrid = Annotated[
 
 
 class Grid(SpecModel):
-    widths: list[PositiveInt] = Field(min_length=1)
-    depths: list[PositiveInt] = Field(min_length=1)
+    widths: list[Width] = Field(min_length=1, max_length=MAX_LIST)
+    depths: list[Depth] = Field(min_length=1, max_length=MAX_LIST)
     lrs: LrGrid
-    sigma_bases: list[PositiveFloat] = Field([0.02], min_length=1)
-    seeds: list[Annotated[int, Field(ge=0)]] = Field([0], min_length=1)
+    sigma_bases: list[Sigma] = Field([0.02], min_length=1, max_length=MAX_LIST)
+    seeds: list[Seed] = Field([0], min_length=1, max_length=MAX_LIST)
 
     @field_validator("widths", "depths", "sigma_bases", "seeds")
     @classmethod
@@ -138,27 +163,27 @@ class Grid(SpecModel):
 class Fixed(SpecModel):
     """Trial settings shared by the whole sweep; every name is a `TrialSpec` field."""
 
-    head_dim: int = Field(64, gt=0)
-    base_width: int = Field(256, gt=0)
-    base_depth: int = Field(2, gt=0)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
-    eps: float = Field(1e-12, gt=0, allow_inf_nan=False)
+    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM)
+    base_width: int = Field(256, gt=0, le=MAX_WIDTH)
+    base_depth: int = Field(2, gt=0, le=MAX_DEPTH)
+    weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)
+    eps: float = Field(1e-12, gt=0, le=MAX_EPS)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float | None = Field(1.0, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, le=MAX_GRAD_CLIP)
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    divergence_factor: float = Field(2.0, gt=1)
-    eval_every: int | None = Field(None, gt=0)
-    seq_len: int = Field(128, gt=1)
+    divergence_factor: float = Field(2.0, gt=1, le=MAX_DIVERGENCE_FACTOR)
+    eval_every: int | None = Field(None, gt=0, le=MAX_STEPS)
+    seq_len: int = Field(128, gt=1, le=MAX_SEQ_LEN)
 
 
 class SweepBudget(Budget):
     """A trial `Budget` (exactly one of tokens, steps, tokens_per_param) plus batch sizing."""
 
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, le=MAX_BATCH_SIZE)
     batch_rule: Literal["fixed", "scale_with_params"] = "fixed"
-    batch_exponent: float = Field(0.5, allow_inf_nan=False)
+    batch_exponent: float = Field(0.5, ge=-MAX_BATCH_EXPONENT, le=MAX_BATCH_EXPONENT)
 
     def trial_budget(self) -> Budget:
         # A plain Budget, so batch settings never leak into a trial's content hash.
@@ -183,7 +208,7 @@ class Search(SpecModel):
     sampler: Literal["tpe", "random", "qmc"] = "tpe"
     # rank: stop a trial once `keep_top` others had a lower validation loss at the same step
     pruner: Literal["rank", "successive_halving", "median", "none"] = "rank"
-    n_trials: int | None = Field(None, gt=0, le=1000, strict=True)  # LRs tried per shape
+    n_trials: int | None = Field(None, gt=0, le=MAX_N_TRIALS, strict=True)  # LRs tried per shape
     n_startup: int | None = Field(None, ge=2, le=1000, strict=True)  # default min(4, n_trials)
     prune_after: float = Field(0.5, ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
     keep_top: int = Field(3, ge=1, le=1000, strict=True)
@@ -197,18 +222,18 @@ class Search(SpecModel):
 class Resources(SpecModel):
     """Ray resources of one trial; fractions let several trials share a GPU."""
 
-    cpus: float = Field(1.0, gt=0, allow_inf_nan=False)
-    gpus: float = Field(0.0, ge=0, allow_inf_nan=False)
+    cpus: float = Field(1.0, gt=0, le=MAX_CPUS)
+    gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
 
 
 class Arm(SpecModel):
     """One contender: an architecture with its options, under one parameterization."""
 
     label: str | None = Field(None, min_length=1, max_length=100)
-    arch: Literal["gpt", "ngpt"] = "gpt"
+    arch: Arch = "gpt"
     arch_options: ArchOptions = ArchOptions()
-    parameterization: str
-    alpha: float | None = Field(None, allow_inf_nan=False)
+    parameterization: str = Field(max_length=100)
+    alpha: float | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Arm:

@@ -1,0 +1,46 @@
+"""Request guards: strict JSON bodies and a JSON content type on every mutation.
+
+A browser page on another site can send a "simple" cross-site request (form encodings,
+text/plain, or no body) without asking first; requiring `application/json` on every POST
+means such a request never reaches a mutating endpoint, even when no token is configured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.routing import APIRoute
+
+from hptransfer.sweeper.spec.loading import strict_json_loads
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body may not hold Infinity/NaN (Python's json accepts them)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = strict_json_loads(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict_handler
+
+
+def require_json(request: Request) -> None:
+    """Refuse a mutation whose Content-Type is not application/json (415)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise HTTPException(
+            status_code=415,
+            detail="send mutations with 'Content-Type: application/json' (an empty JSON "
+                   "object {} for calls without a body)",
+        )

@@ -1,0 +1,130 @@
+"""Resource admission: refuse, at submit, a sweep with a trial no worker could run.
+
+Each (arm, width, depth) shape is priced before anything is stored:
+
+memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 autocast):
+    16 x params                weights 4 + gradients 4 + AdamW's two moments 8 per parameter
+  + a x B x T x L x N x (9 + 2 r)
+                               activations kept for backward per block (Korthikanti et al.
+                               2022, "Reducing Activation Recomputation", 34 s b h bytes per
+                               layer at 2 bytes each, with the MLP's share as 2 r), a = 4 bytes
+                               (fp32) or 2 (bf16); the T x T attention scores are left out,
+                               since SDPA's fused kernels do not keep them
+  + a x 3 x B x T x V          logits, their softmax and its gradient
+compute: analytic training FLOPs (`models.flops`) x the trial's token budget.
+
+A trial is refused when its memory exceeds the memory of the largest alive Ray node (when
+Ray is initialised; else this host's), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB,
+HPT_MAX_TRIAL_FLOPS). The estimate is deliberately simple: it is there to stop a width 2^16,
+depth 1024 trial from being accepted, not to pack GPUs tightly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hptransfer.config import Settings
+from hptransfer.models.flops import flops_per_token, param_counts
+
+from .spec import SpecError, SweepSpec
+
+GB = 1e9
+_STATE_BYTES_PER_PARAM = 16
+_ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
+_LOGIT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class TrialCost:
+    arm: str
+    width: int
+    depth: int
+    batch_size: int
+    seq_len: int
+    params: int
+    state_bytes: float  # weights, gradients, AdamW moments
+    activation_bytes: float
+    tokens: float
+    flops: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        return (
+            f"arm {self.arm!r} at width {self.width}, depth {self.depth}, batch "
+            f"{self.batch_size} x seq_len {self.seq_len}: {self.params:.3g} parameters, "
+            f"~{self.memory_bytes / GB:.3g} GB ({self.state_bytes / GB:.3g} GB weights, "
+            f"gradients and AdamW state + {self.activation_bytes / GB:.3g} GB activations), "
+            f"{self.flops:.3g} training FLOPs for {self.tokens:.3g} tokens"
+        )
+
+
+def trial_costs(spec: SweepSpec) -> list[TrialCost]:
+    """The cost of every (arm, width, depth) of `spec` (LR, sigma and seed change nothing)."""
+    lr, sigma, seed = spec.grid.lr_values()[0], spec.grid.sigma_bases[0], spec.grid.seeds[0]
+    vocab = spec.model_vocab_size()
+    act_bytes = 2 if spec.fixed.precision == "bf16" else 4
+    costs = []
+    for arm in spec.arms:
+        for depth in spec.grid.depths:
+            for width in spec.grid.widths:
+                trial = spec.trial_spec(arm, width, depth, lr, sigma, seed)
+                cfg = trial.model_config_obj(vocab_size=vocab)
+                counts = param_counts(cfg)
+                b, t = trial.batch_size, trial.seq_len
+                per_block = _ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio
+                activations = act_bytes * b * t * (
+                    cfg.depth * cfg.width * per_block + _LOGIT_COPIES * vocab)
+                steps = trial.budget.steps_for(b * t, counts.non_embedding)
+                tokens = float(steps) * b * t
+                costs.append(TrialCost(
+                    arm=arm.name, width=width, depth=depth, batch_size=b, seq_len=t,
+                    params=counts.total,
+                    state_bytes=float(_STATE_BYTES_PER_PARAM * counts.total),
+                    activation_bytes=float(activations),
+                    tokens=tokens,
+                    flops=tokens * flops_per_token(cfg, t).training,
+                ))
+    return costs
+
+
+def largest_worker_memory() -> tuple[float, str]:
+    """(bytes, where): the memory of the largest alive Ray node when Ray is initialised,
+    else this host's physical memory."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            sizes = [float(n.get("Resources", {}).get("memory", 0))
+                     for n in ray.nodes() if n.get("Alive")]
+            if sizes and max(sizes) > 0:
+                return max(sizes), "the largest Ray worker node"
+    except Exception:  # Ray unreachable: fall back to this host rather than refuse everything
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this host"
+
+
+def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
+    """Raise SpecError (field ``grid``) with the figures for every shape that cannot run."""
+    worker_bytes, where = largest_worker_memory()
+    limits = [(worker_bytes, f"the {worker_bytes / GB:.3g} GB of {where}")]
+    if settings.max_trial_memory_gb is not None:
+        limits.append((settings.max_trial_memory_gb * GB,
+                       f"HPT_MAX_TRIAL_MEMORY_GB={settings.max_trial_memory_gb:g}"))
+    costs = trial_costs(spec)
+    problems = []
+    for cost in costs:
+        for limit, name in limits:
+            if cost.memory_bytes > limit:
+                problems.append(f"{cost.describe()}; needs more memory than {name}")
+                break
+        if settings.max_trial_flops is not None and cost.flops > settings.max_trial_flops:
+            problems.append(f"{cost.describe()}; exceeds "
+                            f"HPT_MAX_TRIAL_FLOPS={settings.max_trial_flops:.3g}")
+    if problems:
+        raise SpecError([{"field": "grid", "message": "trial too large: " + p}
+                         for p in problems[:10]])
+    return costs

@@ -1,0 +1,276 @@
+"""Hostile and careless input (issue 8): each case is refused with a 4xx that says why, and
+nothing is stored. Real app, real SQLite, no dispatcher (nothing here needs to train)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from hptransfer.api import create_app
+from hptransfer.cli import main as hpt_main
+from hptransfer.config import get_settings
+from hptransfer.data import DataError
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+def client(hpt_home):
+    with TestClient(create_app(get_settings(), dispatch=False),
+                    raise_server_exceptions=False) as c:
+        yield c
+
+
+def post_text(client, text: str, headers=JSON):
+    return client.post("/sweeps", content=text, headers=headers)
+
+
+def fields(r) -> list[str]:
+    return [e["field"] for e in r.json()["errors"]]
+
+
+def nothing_stored(client) -> bool:
+    r = client.get("/sweeps")
+    return r.status_code == 200 and r.json() == []
+
+
+# ---- case 1: JSON Infinity is refused, so no unlistable sweep is stored ------------------
+
+def test_case1_infinity_budget_is_422_and_listing_stays_up(client, tiny_spec):
+    tiny_spec["budget"] = {"tokens_per_param": 1.0, "batch_size": 4}
+    text = json.dumps(tiny_spec).replace('"tokens_per_param": 1.0', '"tokens_per_param": Infinity')
+    r = post_text(client, text)
+    assert r.status_code == 422 and fields(r) == ["budget.tokens_per_param"], r.text
+    assert "Infinity" in r.json()["error"]
+    assert nothing_stored(client)
+    assert client.get("/dashboards").status_code == 200
+
+
+@pytest.mark.parametrize("constant", ["NaN", "-Infinity"])
+def test_case1_non_finite_json_anywhere(client, tiny_spec, constant):
+    for path, marker in ((("fixed", "grad_clip"), 0.5), (("grid", "lrs"), [0.5])):
+        spec = json.loads(json.dumps(tiny_spec))
+        spec[path[0]][path[1]] = marker
+        text = json.dumps(spec).replace("0.5", constant)
+        r = post_text(client, text)
+        assert r.status_code == 422, r.text
+        assert fields(r) == [".".join(path) + ("[0]" if path[1] == "lrs" else "")]
+    assert nothing_stored(client)
+
+
+# ---- case 8: sizes without bounds; resource admission -------------------------------------
+
+@pytest.mark.parametrize(("section", "key", "value", "field", "bound"), [
+    ("grid", "widths", [2**30], "grid.widths[0]", "65536"),
+    ("grid", "depths", [10**6], "grid.depths[0]", "1024"),
+    ("fixed", "seq_len", 10**9, "fixed.seq_len", "1048576"),
+    ("budget", "batch_size", 10**9, "budget.batch_size", "1048576"),
+    ("budget", "steps", 10**12, "budget.steps", "1000000000"),
+])
+def test_case8_sizes_have_named_bounds(client, tiny_spec, section, key, value, field, bound):
+    tiny_spec[section][key] = value
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422 and fields(r) == [field], r.text
+    assert bound in r.json()["error"]
+    assert nothing_stored(client)
+
+
+def test_case8_tokens_and_grad_clip(client, tiny_spec):
+    tiny_spec["budget"] = {"tokens": 10**30, "batch_size": 4}
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422 and fields(r) == ["budget.tokens"]
+    tiny_spec["budget"] = {"steps": 10, "batch_size": 4}
+    text = json.dumps({**tiny_spec, "fixed": {**tiny_spec["fixed"], "grad_clip": 1.5}})
+    r = post_text(client, text.replace("1.5", "Infinity"))
+    assert r.status_code == 422 and fields(r) == ["fixed.grad_clip"]
+    assert nothing_stored(client)
+
+
+def test_case8_admission_refuses_a_trial_no_worker_can_hold(client, tiny_spec):
+    # In bounds, but ~52 trillion parameters: 16 bytes each is far past any machine.
+    tiny_spec["grid"].update(widths=[65536], depths=[1024])
+    tiny_spec["fixed"].update(head_dim=64)
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422 and fields(r) == ["grid"], r.text
+    message = r.json()["error"]
+    assert "width 65536, depth 1024" in message and "GB" in message
+    assert "more memory than" in message and "parameters" in message
+    assert nothing_stored(client)
+
+
+def test_admission_caps_from_the_environment(hpt_home, monkeypatch, tiny_spec):
+    monkeypatch.setenv("HPT_MAX_TRIAL_FLOPS", "1e6")
+    monkeypatch.setenv("HPT_MAX_TRIAL_MEMORY_GB", "1e-4")  # 100 kB
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        r = c.post("/sweeps", json=tiny_spec)
+        assert r.status_code == 422 and fields(r) == ["grid", "grid"], r.text
+        message = r.json()["error"]
+        assert "HPT_MAX_TRIAL_FLOPS=1e+06" in message
+        assert "HPT_MAX_TRIAL_MEMORY_GB=0.0001" in message
+        assert c.get("/sweeps").json() == []
+
+
+def test_admission_memory_estimate_against_an_independent_count(tiny_spec):
+    # 16 bytes per parameter, the parameters counted on the real model (torch), not flops.py
+    from hptransfer.models import build_model
+    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.sweeper.spec import load_spec
+
+    spec = load_spec(tiny_spec)
+    (cost,) = trial_costs(spec)
+    built = build_model("gpt", 32, 1, "completep", head_dim=32, vocab_size=256,
+                        max_seq_len=32, base_width=32, base_depth=1)
+    n = sum(p.numel() for p in built.model.parameters())
+    assert cost.params == n and cost.state_bytes == 16 * n
+    # activations: 4 bytes x batch 4 x seq 32 x (depth 1 x width 32 x (9 + 2*4) + 3 x 256)
+    assert cost.activation_bytes == 4 * 4 * 32 * (32 * 17 + 3 * 256)
+    assert cost.tokens == 10 * 4 * 32
+
+
+# ---- case 9: request size, string lengths, tag counts ------------------------------------
+
+def test_case9_body_size_cap(hpt_home, monkeypatch, tiny_spec):
+    monkeypatch.setenv("HPT_MAX_REQUEST_BYTES", "4096")
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        r = c.post("/sweeps", json={**tiny_spec, "description": "x" * 5000})
+        assert r.status_code == 413, r.text
+        assert c.get("/sweeps").json() == []
+        assert c.post("/sweeps", json=tiny_spec).status_code == 201
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"description": "x" * 10_001}, "description"),
+    ({"name": "x" * 101}, "name"),
+    ({"tags": {f"k{i}": "v" for i in range(65)}}, "tags"),
+    ({"tags": {"k": "v" * 1025}}, "tags.k"),
+    ({"tags": {"k" * 129: "v"}}, "tags"),
+])
+def test_case9_string_and_tag_caps(client, tiny_spec, extra, field):
+    r = client.post("/sweeps", json={**tiny_spec, **extra})
+    assert r.status_code == 422, r.text
+    assert any(f == field or f.startswith(field + ".") for f in fields(r)), fields(r)
+    assert nothing_stored(client)
+
+
+# ---- cases 6 and 7: data roots, bounded globs ----------------------------------------------
+
+def write_shard(path: Path, n: int = 50_000) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.random.default_rng(0).integers(0, 256, n).astype("<u2").tofile(path)
+    return path
+
+
+def shard_spec(tiny_spec, source: str) -> dict:
+    return {**tiny_spec, "data": {"source": source, "vocab_size": 256, "val_tokens": 1024}}
+
+
+def test_case6_sources_outside_the_data_roots_reveal_nothing(client, hpt_home, tiny_spec,
+                                                              tmp_path):
+    outside = write_shard(tmp_path / "outside" / "secret.bin")
+    root = hpt_home / "data"
+    write_shard(root / "ok" / "a.bin")
+    (root / "link.bin").symlink_to(outside)
+    (root / "dirlinks").mkdir()
+    (root / "dirlinks" / "x.bin").symlink_to(outside)
+    refused = [
+        str(outside),                                   # exists, outside
+        str(tmp_path / "outside" / "missing.bin"),      # missing, outside
+        "/etc/passwd",
+        str(root / ".." / "data" / ".." / ".." / "outside" / "secret.bin"),  # `..` escape
+        str(root / "link.bin"),                         # symlink out of the root
+        str(root / "dirlinks"),                         # a directory whose shard links out
+        "~/secret.bin",                                 # `~` is not the server's home
+    ]
+    messages = []
+    for source in refused:
+        r = client.post("/sweeps", json=shard_spec(tiny_spec, source))
+        assert r.status_code == 422 and fields(r) == ["data.source"], (source, r.text)
+        messages.append(r.json()["errors"][0]["message"].replace(repr(source), "SOURCE"))
+    assert len(set(messages)) == 1, messages  # existing or not: the same words
+    assert "not inside the server's data roots" in messages[0]
+    assert nothing_stored(client)
+    r = client.post("/sweeps", json=shard_spec(tiny_spec, str(root / "ok" / "a.bin")))
+    assert r.status_code == 201, r.text
+    r = client.post("/sweeps", json=shard_spec(tiny_spec, str(root / "ok" / "*.bin")))
+    assert r.status_code == 201, r.text
+
+
+def test_extra_data_roots_from_the_environment(hpt_home, monkeypatch, tiny_spec, tmp_path):
+    shard = write_shard(tmp_path / "corpora" / "a.bin")
+    monkeypatch.setenv("HPT_DATA_ROOTS", str(tmp_path / "corpora"))
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        assert c.post("/sweeps", json=shard_spec(tiny_spec, str(shard))).status_code == 201
+
+
+def test_case7_recursive_glob_outside_roots_is_refused_without_walking(client, tiny_spec):
+    r = client.post("/sweeps", json=shard_spec(tiny_spec, "/usr/lib/**/*.zzz"))
+    assert r.status_code == 422 and fields(r) == ["data.source"]
+    assert "not inside the server's data roots" in r.json()["error"]
+
+
+def test_bounded_glob_matches_like_glob_and_stops_at_its_caps(tmp_path, monkeypatch):
+    from hptransfer.data import paths as data_paths
+
+    for rel in ("a.bin", "b.txt", "d/c.bin", "d/e/f.bin", ".hidden/g.bin", "d/.h.bin"):
+        write_shard(tmp_path / rel, n=2)
+    for pattern in ("*.bin", "**/*.bin", "d/*.bin", "d/**/*.bin", "*/*.bin", "?.bin"):
+        full = str(tmp_path / pattern)
+        expected = sorted(Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p))
+        assert data_paths.bounded_glob(full, [tmp_path]) == expected, pattern
+    monkeypatch.setattr(data_paths, "MAX_GLOB_MATCHES", 2)
+    with pytest.raises(DataError, match="matches more than 2 files"):
+        data_paths.bounded_glob(str(tmp_path / "**/*.bin"), [tmp_path])
+    monkeypatch.setattr(data_paths, "MAX_GLOB_ENTRIES", 3)
+    with pytest.raises(DataError, match="too many files"):
+        data_paths.bounded_glob(str(tmp_path / "**/*.zzz"), [tmp_path])
+
+
+# ---- cases 11, 12, 13: network safety ------------------------------------------------------
+
+def test_case11_public_bind_without_token_refuses_to_start(hpt_home, capsys):
+    assert hpt_main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "--insecure" in capsys.readouterr().err
+
+
+def test_case12_cross_site_simple_requests_cannot_mutate(client, tiny_spec):
+    sweep = client.post("/sweeps", json=tiny_spec).json()
+    cancel = f"/sweeps/{sweep['id']}/cancel"
+    for headers in ({}, {"content-type": "text/plain"},
+                    {"content-type": "application/x-www-form-urlencoded"}):
+        assert client.post(cancel, headers=headers).status_code == 415
+        r = client.post("/sweeps", content=json.dumps(tiny_spec), headers=headers)
+        assert r.status_code == 415
+    assert client.get(f"/sweeps/{sweep['id']}").json()["counts"].get("cancelled", 0) == 0
+    assert len(client.get("/sweeps").json()) == 1
+    r = client.post(cancel, json={})
+    assert r.status_code == 200 and r.json()["counts"]["cancelled"] == 3
+
+
+def test_case13_non_ascii_token_is_401(hpt_home, monkeypatch, tiny_spec):
+    monkeypatch.setenv("HPT_API_TOKEN", "s3cret")
+    with TestClient(create_app(get_settings(), dispatch=False),
+                    raise_server_exceptions=False) as c:
+        for token in ("Bearer ünïcode".encode(), b"Bearer \xff\xfe", "Bearer s3cret€".encode()):
+            r = c.post("/sweeps", json=tiny_spec, headers={"authorization": token})
+            assert r.status_code == 401, (token, r.text)
+        assert c.post("/sweeps", json=tiny_spec,
+                      headers={"authorization": "Bearer s3cret"}).status_code == 201
+
+
+@pytest.mark.parametrize(("path", "params"), [
+    ("/sweeps", {"offset": 2**63}),
+    ("/sweeps", {"offset": 10**30}),
+    ("/sweeps/x/trials", {"width": 99999999999999999999999}),
+    ("/sweeps/x/trials", {"depth": 2**64}),
+    ("/sweeps/x/trials", {"offset": 2**63}),
+])
+def test_case13_huge_integer_query_parameters_are_422(client, path, params):
+    r = client.get(path, params=params)
+    assert r.status_code == 422, r.text
+    assert list(params)[0] in r.json()["error"]
