@@ -6,13 +6,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request
 
+from hptransfer.status import TrialStatus
+
 from .auth import require_token
 from .schemas import EXAMPLE_SPEC, ErrorResponse, Health, SweepSummary, TrialPage
 
 router = APIRouter()
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
           404: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
-TRIAL_STATUSES = "pending|running|completed|diverged|failed|cancelled|pruned"
+TRIAL_STATUSES = "|".join(TrialStatus)
 
 
 def coordinator(request: Request):
@@ -52,8 +54,7 @@ def list_sweeps(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> list[dict[str, Any]]:
-    c = coordinator(request)
-    return [c.summary(s["id"]) for s in c.store.list_sweeps(limit=limit, offset=offset)]
+    return coordinator(request).summaries(limit=limit, offset=offset)
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=ERRORS, tags=["sweeps"])

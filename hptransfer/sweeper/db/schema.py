@@ -25,16 +25,14 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-SWEEP_STATUSES: tuple[str, ...] = ("pending", "running", "completed", "cancelled", "failed")
-TRIAL_STATUSES: tuple[str, ...] = (
-    "pending", "running", "completed", "diverged", "failed", "cancelled", "pruned",
-)
-ACTIVE_STATUSES: tuple[str, ...] = ("pending", "running")  # of a trial or a sweep
-FINISHED_STATUSES: frozenset[str] = frozenset(TRIAL_STATUSES) - set(ACTIVE_STATUSES)
-# Sweeps whose pending trials may be leased; a failed/cancelled sweep runs nothing more.
-LEASABLE_SWEEP_STATUSES: tuple[str, ...] = ("pending", "running")
+from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
+
+# The vocabulary as SQL values (hptransfer.status defines it).
+SWEEP_STATUSES: tuple[str, ...] = tuple(SweepStatus)
+TRIAL_STATUSES: tuple[str, ...] = tuple(TrialStatus)
+ACTIVE_STATUSES: tuple[str, ...] = tuple(sorted(ACTIVE))  # of a trial or a sweep
 # Sweeps stopped for good: no trial is added, leased or refreshed back to running.
-STOPPED_SWEEP_STATUSES: tuple[str, ...] = ("cancelled", "failed")
+STOPPED_SWEEP_STATUSES: tuple[str, ...] = tuple(s for s in SweepStatus if s.is_stopped())
 
 # Result fields copied into their own trial columns (typed, filterable, cheap to read).
 RESULT_FLOATS: tuple[str, ...] = ("final_val_loss", "flops", "wall_time_s")
@@ -103,6 +101,11 @@ class Sweep(Base):
     mlflow_experiment_id: Mapped[str | None] = mapped_column(String(64))
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))  # the parent run
     error: Mapped[str | None] = mapped_column(Text)
+    # spec-derived numbers stored at submit, so a summary never re-validates the spec
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    planned_total: Mapped[int | None] = mapped_column(Integer)  # trials the sweep will have
+    # the sweep status last copied to MLflow (the mirror's marker; NULL: never)
+    mlflow_synced_status: Mapped[str | None] = mapped_column(String(16))
 
 
 class Trial(Base):
@@ -144,3 +147,23 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Attempt(Base):
+    """One lease of a trial: what its MLflow run mirrors. `seq` counts every lease (also one
+    a dead coordinator left behind), so each attempt has its own deterministic run key."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (Index("ix_attempts_synced", "status", "mlflow_synced_status"),)
+
+    trial_id: Mapped[str] = mapped_column(
+        ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1, 2, ... per trial
+    status: Mapped[str] = mapped_column(String(16))  # running, then the attempt's outcome
+    error: Mapped[str | None] = mapped_column(Text)
+    has_result: Mapped[bool] = mapped_column(Boolean)  # the trial's result is this attempt's
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    # the attempt status last copied to MLflow (the mirror's marker; NULL: never)
+    mlflow_synced_status: Mapped[str | None] = mapped_column(String(16))
