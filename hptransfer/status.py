@@ -34,9 +34,6 @@ class SweepStatus(StrEnum):
     CANCELLED = "cancelled"
     FAILED = "failed"
 
-    def is_finished(self) -> bool:
-        return self not in ACTIVE
-
     def is_stopped(self) -> bool:
         """Stopped for good: no trial is added, leased or refreshed back to running."""
         return self in (SweepStatus.CANCELLED, SweepStatus.FAILED)
@@ -46,4 +43,3 @@ class SweepStatus(StrEnum):
 ACTIVE: frozenset[str] = frozenset({"pending", "running"})
 RESULT_STATUSES: frozenset[TrialStatus] = frozenset(
     {TrialStatus.COMPLETED, TrialStatus.DIVERGED, TrialStatus.FAILED, TrialStatus.PRUNED})
-FINISHED: frozenset[TrialStatus] = frozenset(s for s in TrialStatus if s.is_finished())

@@ -168,7 +168,9 @@ FITS = {"fits/fit.json": json.dumps({"alpha": 0.35}), "fits/frontier.png": b"\x8
 def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
                                            tmp_path: Path) -> None:
     sid = new_sweep(store)
-    mirror = mirror_of(store, mlflow_uri, tmp_path, artifacts=lambda _: FITS)
+    # a hook's artifact outside the run is skipped; the others and the run's end are not
+    mirror = mirror_of(store, mlflow_uri, tmp_path,
+                       artifacts=lambda _: {**FITS, "../escape.txt": "x"})
     mirror.sync()
     sweep = store.get_sweep(sid)
     experiment_id, parent_id = sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]
@@ -194,8 +196,9 @@ def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
     assert parent.data.params["arms.1.parameterization"] == "completep"
     assert len(parent.data.params["notes"]) == MAX_PARAM_VALUE
     assert all(len(k) <= MAX_KEY for k in parent.data.params)
-    assert {"sweep_spec.json", "fits"} <= artifact_paths(client, parent_id)
+    assert artifact_paths(client, parent_id) == {"sweep_spec.json", "fits"}
     assert artifact_paths(client, parent_id, "fits") == {"fits/fit.json", "fits/frontier.png"}
+    assert not (tmp_path / "escape.txt").exists()
     spec_back = json.loads(read_artifact(client, parent_id, "sweep_spec.json", tmp_path))
     assert spec_back["grid"] == SWEEP_SPEC["grid"]
 

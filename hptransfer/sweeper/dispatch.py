@@ -35,7 +35,7 @@ from ray.exceptions import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.config import Settings
-from hptransfer.status import ACTIVE, TrialStatus
+from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial
 
 from .db.store import Store
@@ -200,7 +200,7 @@ class Dispatcher:
 
     def _cancel_cancelled(self) -> None:
         for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
-            if self.store.get_sweep(sweep_id)["status"] in ("cancelled", "failed"):
+            if SweepStatus(self.store.get_sweep(sweep_id)["status"]).is_stopped():
                 for f in self._in_flight_for(sweep_id):
                     if f.outcome is None:
                         ray.cancel(f.ref, force=True)

@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hptransfer.status import ACTIVE
 from hptransfer.sweeper.db.records import AttemptRecord, SweepMirrorRecord
 from hptransfer.sweeper.db.store import Store
 
@@ -163,7 +164,7 @@ class Mirror:
             if sweep.parent_run_id is None:
                 self._guard(f"sweep {sweep.id}", lambda s=sweep: self._create_sweep(s))
                 n += 1
-            if sweep.status in ("pending", "running"):
+            if sweep.status in ACTIVE:
                 self._guard(f"sweep {sweep.id}", lambda s=sweep: self._reopen_sweep(s))
             else:
                 ends.append(sweep.id)
@@ -261,7 +262,7 @@ class Mirror:
         parent = sweep.parent_run_id or self._parent_of(sweep.id)
         if parent is None:
             return
-        if sweep.mlflow_synced_status not in (None, "pending", "running"):
+        if sweep.mlflow_synced_status is not None and sweep.mlflow_synced_status not in ACTIVE:
             self.client().update_run(parent, status="RUNNING")  # more trials arrived
         self._log_batch(parent, tags={"hpt.status": sweep.status})
         self.store.mark_sweep_mirrored(sweep.id, sweep.status)
@@ -282,13 +283,18 @@ class Mirror:
         if files:
             with tempfile.TemporaryDirectory(prefix="hpt-mlflow-") as tmp:
                 for name, content in files.items():
-                    dest = Path(tmp) / _artifact_name(name)
+                    rel = Path(name)
+                    if not name or rel.is_absolute() or ".." in rel.parts:
+                        log.warning("artifact %r skipped: not a relative path", name)
+                        continue
+                    dest = Path(tmp) / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     if isinstance(content, bytes | bytearray):
                         dest.write_bytes(content)
                     else:
                         dest.write_text(str(content), encoding="utf-8")
-                c.log_artifacts(parent, tmp)  # one upload for all of them
+                # one upload for all of them; a rejection must not keep the run open
+                self._tolerant("sweep artifacts", lambda: c.log_artifacts(parent, tmp))
         self._log_batch(parent, tags={"hpt.status": sweep.status})
         c.set_terminated(parent, RUN_STATUS.get(sweep.status, "FINISHED"),
                          end_time=_ms(sweep.finished_at))
@@ -392,10 +398,3 @@ def _curve_metrics(points: list[dict[str, Any]], start_ms: int) -> list[Any]:
             if value is not None:
                 out.append(Metric(key, value, start_ms + step, step))
     return out
-
-
-def _artifact_name(name: str) -> Path:
-    rel = Path(name)
-    if not name or rel.is_absolute() or ".." in rel.parts:
-        raise ValueError(f"artifact name {name!r} must be a relative path inside the run")
-    return rel
