@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +136,7 @@ def run_sweep(client: Client, store: Store, mlflow: MlflowClient, spec: dict[str
               timeout: float = 600) -> tuple[datetime, dict[str, Any], list[dict[str, Any]]]:
     """Submit, wait until the sweep has ended and its MLflow parent run is closed (so the
     sweep-finished hook cannot delay the next measurement); (submit time, sweep, trials)."""
-    t0 = datetime.now(timezone.utc)
+    t0 = datetime.now(UTC)
     sweep_id = client.submit(spec)["id"]
     deadline = time.monotonic() + timeout
     while client.get(sweep_id)["status"] not in ("completed", "failed", "cancelled"):

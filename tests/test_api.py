@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import ApiError, Client
 from hptransfer.config import get_settings
+from hptransfer.sweeper.db.store import Store
 
 
 @pytest.fixture
@@ -42,6 +43,16 @@ def test_submit_run_and_track_a_sweep(server, tiny_spec):
     initial, final = first["train_loss"], best["final_val_loss"]
     assert final < math.log(256) - 1.0, (initial, final)
     assert final < initial - 1.0, (initial, final)
+    # MLflow mirrors the app DB shortly after: wait until it has caught up with the trials
+    store = Store(settings.database_url)
+    deadline = time.time() + 60
+    while store.mirror_backlog(s["id"]) > 1:  # the sweep's own end may come with artifacts
+        assert time.time() < deadline, "the MLflow mirror never caught up"
+        time.sleep(0.2)
+    ids = store.get_sweep(s["id"])  # the experiment may have been created after `done`
+    done.update(mlflow_experiment_id=ids["mlflow_experiment_id"],
+                mlflow_run_id=ids["mlflow_run_id"])
+    store.close()
     # one nested MLflow run per trial under the sweep's parent run, curves logged
     ml = MlflowClient(settings.mlflow_uri)
     runs = ml.search_runs([done["mlflow_experiment_id"]])

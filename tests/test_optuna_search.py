@@ -332,13 +332,12 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
     coordinator.start(background=False)  # this test drives the dispatch loop itself
     dispatcher, store = coordinator.dispatcher, coordinator.store
     finished: list[tuple[str, dict[str, int]]] = []
-    real_hook = dispatcher.on_sweep_finished
 
-    def hook(sweep_id: str) -> dict[str, str | bytes]:
+    def hook(_coordinator: Coordinator, sweep_id: str) -> dict[str, str | bytes]:
         finished.append((sweep_id, store.status_counts(sweep_id)))
-        return real_hook(sweep_id)
+        return {}
 
-    dispatcher.on_sweep_finished = hook
+    coordinator.finished_hooks.append(hook)  # run by the MLflow mirror when a sweep ends
     # (sweep, status, trials asked, trials pending or running) right after every refresh:
     # when a trial has just finished, before the next is asked, no trial is active
     refreshed: list[tuple[str, str, int, int]] = []
@@ -363,6 +362,7 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
                 assert first["done"] == 0 and store.count_trials(sweep_id) == 0
                 sweep_ids.append(sweep_id)
                 ticks.append(_drive(dispatcher, api, sweep_id))
+                coordinator.mirror.sync()  # no mirror thread either: copy to MLflow now
                 page = api.get(f"/sweeps/{sweep_id}/trials", params={"limit": 100}).json()
                 assert page["total"] == total
                 trials.append(page["items"])

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +186,7 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
 
     wait_for(mid_sweep, 180, lambda: f"a completed and a running trial:\n{first.log_tail()}")
     first.kill()
-    killed_at = datetime.now(timezone.utc)
+    killed_at = datetime.now(UTC)
 
     before = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
     done = {tid: t for tid, t in before.items() if t["status"] == "completed"}
@@ -199,7 +199,11 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
     second = servers(hpt_home, port=first.port)  # same home, same port
     with Client(second.url) as c:
         final = c.wait(sweep_id, poll=0.3, timeout=240, progress=False)
+    # MLflow mirrors the app DB shortly after: wait until it has caught up
+    wait_for(lambda: store.mirror_backlog(sweep_id) == 0, 60, "the MLflow mirror",
+             poll=0.2)
     after = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
+    experiment_id = store.get_sweep(sweep_id)["mlflow_experiment_id"]
     store.close()
 
     assert final["status"] == "completed", second.log_tail()
@@ -231,7 +235,7 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
             assert after[tid]["attempts"] == 1 and after[tid]["started_at"] > killed_at
 
     # MLflow: exactly one completed run per trial; the pre-kill trials have no second run
-    runs = trial_runs(f"sqlite:///{hpt_home}/mlflow.db", final["mlflow_experiment_id"])
+    runs = trial_runs(f"sqlite:///{hpt_home}/mlflow.db", experiment_id)
     assert set(runs) == set(after)
     for tid, trial_runs_ in runs.items():
         completed = [r for r in trial_runs_ if r.data.tags.get("hpt.status") == "completed"]
@@ -250,27 +254,41 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
 
 
 def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
-        hpt_home, ray_cluster, tiny_spec):
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
     # The two windows the kill test above can hit only by chance. Trial A: the dead
-    # coordinator stored A's result, then died before finishing A's MLflow run. Trial B: it
-    # leased B and created B's run, then died before the app DB learnt the run id.
+    # coordinator stored A's result, then died before its mirror finished A's MLflow run.
+    # Trial B: it leased B and its mirror created B's run, then died before the app DB learnt
+    # the run id (the kill is a BaseException at that line: nothing after it runs).
     from hptransfer.sweeper.service import Coordinator
     from hptransfer.workers.remote import execute_trial
 
+    class Killed(BaseException):
+        pass
+
     tiny_spec.update(name="died-between-writes", max_concurrent=1, reuse=False)
     tiny_spec["grid"]["lrs"] = [2.0**-8, 2.0**-6]
-    dead = Coordinator(get_settings(), dispatch=False)
+    dead = Coordinator(get_settings())  # never started: this test drives its parts
     sweep = dead.submit(tiny_spec)
-    ids = dead.tracker.start_sweep(sweep["id"], sweep["name"], tiny_spec)
-    assert ids is not None
-    dead.store.set_sweep_mlflow(sweep["id"], *ids)
-    a, b = dead.store.lease_pending("dead-coordinator", 2, sweep_id=sweep["id"])
-    run_a = dead.tracker.start_trial(*ids, a["id"], a["arm"], a["spec"], sweep_id=sweep["id"])
-    dead.store.set_trial_mlflow(a["id"], run_a)
+    (a,) = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
+    dead.mirror.sync()  # the experiment, the parent run, A's run (recorded)
+    experiment_id = dead.store.get_sweep(sweep["id"])["mlflow_experiment_id"]
+    run_a = dead.store.get_trial(a["id"])["mlflow_run_id"]
+    assert run_a
+    (b,) = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
+    real_record = Store.set_attempt_run
+
+    def killed(self, trial_id, seq, run_id):
+        raise Killed
+
+    monkeypatch.setattr(Store, "set_attempt_run", killed)
+    with pytest.raises(Killed):
+        dead.mirror.sync()  # B's run is created; the kill comes before it is recorded
+    monkeypatch.setattr(Store, "set_attempt_run", real_record)
+    (lost_b,) = [r.info.run_id for r in trial_runs(get_settings().mlflow_uri,
+                                                   experiment_id)[b["id"]]]
+    assert dead.store.get_trial(b["id"])["mlflow_run_id"] is None
     result_a = execute_trial(a["spec"], a["id"], None, None)
     dead.store.finish_trial(a["id"], "completed", result_a, None, result_a["worker_node"])
-    lost_b = dead.tracker.start_trial(*ids, b["id"], b["arm"], b["spec"], sweep_id=sweep["id"])
-    assert lost_b and dead.store.get_trial(b["id"])["mlflow_run_id"] is None
     a_before = dead.store.get_trial(a["id"])
 
     second = Coordinator(get_settings())
@@ -279,9 +297,10 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
         wait_for(lambda: second.store.get_sweep(sweep["id"])["status"] == "completed", 120,
                  "the re-queued trial to complete")
     finally:
-        second.stop()
+        second.stop()  # its mirror's last pass
+    assert second.store.mirror_backlog(sweep["id"]) == 0
     runs = {tid: {r.info.run_id: r for r in rs}
-            for tid, rs in trial_runs(get_settings().mlflow_uri, ids[0]).items()}
+            for tid, rs in trial_runs(get_settings().mlflow_uri, experiment_id).items()}
     # A was not re-run; its one run now carries the stored result
     a_after = second.store.get_trial(a["id"])
     assert a_after["finished_at"] == a_before["finished_at"] and a_after["attempts"] == 1
@@ -290,13 +309,16 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
     assert runs[a["id"]][run_a].data.tags["hpt.status"] == "completed"
     assert runs[a["id"]][run_a].data.metrics["final_val_loss"] == pytest.approx(
         result_a["final_val_loss"])
-    # B's lost attempt is closed as KILLED; B ran once more under the new coordinator
+    # B's lost attempt is found by its key and closed as KILLED (not duplicated, not left
+    # RUNNING); B ran once more under the new coordinator
     b_after = second.store.get_trial(b["id"])
     assert set(runs[b["id"]]) == {lost_b, b_after["mlflow_run_id"]}
     assert runs[b["id"]][lost_b].info.status == "KILLED"
     assert runs[b["id"]][lost_b].data.tags["hpt.status"] == "cancelled"
     assert runs[b["id"]][b_after["mlflow_run_id"]].info.status == "FINISHED"
     assert b_after["attempts"] == 1 and b_after["status"] == "completed"
+    assert [x.mlflow_run_id for x in second.store.attempts(b["id"])] == [
+        lost_b, b_after["mlflow_run_id"]]
 
 
 @pytest.fixture
@@ -354,7 +376,10 @@ def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
         assert retry["error"].startswith("WorkerCrashedError"), retry["error"]
         final = c.wait(sweep["id"], poll=0.3, timeout=120, progress=False)
         trials = c.trials(sweep["id"])
+    wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
+    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
     done = store.get_trial(row["id"])
+    attempts = store.attempts(row["id"])
     store.close()
 
     assert final["status"] == "completed" and final["counts"]["completed"] == 1
@@ -366,14 +391,15 @@ def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
     assert trials.loc[0, "attempts"] == 2 and trials.loc[0, "status"] == "completed"
 
     # The killed attempt is its own MLflow run: FAILED, with the worker error as a tag
-    runs = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[row["id"]]
+    runs = trial_runs(settings.mlflow_uri, experiment_id)[row["id"]]
     assert len(runs) == 2
     failed, ok = runs
     assert failed.info.status == "FAILED" and failed.data.tags["hpt.status"] == "failed"
     assert failed.data.tags["hpt.error"].startswith("WorkerCrashedError")
-    assert failed.info.run_id == row["mlflow_run_id"]
+    assert [a.status for a in attempts] == ["failed", "completed"]
+    assert failed.info.run_id == attempts[0].mlflow_run_id
     assert ok.info.status == "FINISHED" and ok.data.tags["hpt.status"] == "completed"
-    assert ok.info.run_id == done["mlflow_run_id"]
+    assert ok.info.run_id == done["mlflow_run_id"] == attempts[1].mlflow_run_id
 
 
 def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
@@ -385,6 +411,8 @@ def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
                                         retries=0))
         row, _ = kill_worker_of_running_trial(store, sweep["id"], busy)
         final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
+    wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
+    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
     done = store.get_trial(row["id"])
     store.close()
 
@@ -393,7 +421,7 @@ def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
     assert done["result"] is None and done["finished_at"] is not None
     # a sweep ends `completed` once nothing is pending or running, whatever its trials did
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
-    run = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[row["id"]]
+    run = trial_runs(settings.mlflow_uri, experiment_id)[row["id"]]
     assert len(run) == 1 and run[0].info.status == "FAILED"
     assert run[0].data.tags["hpt.error"].startswith("WorkerCrashedError")
 
@@ -426,6 +454,8 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
     with Client(url) as c:
         sweep = c.submit(spec)  # accepted: the sampled token check passes
         final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
+    wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
+    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
     (done,) = store.trials(sweep["id"], limit=None)
     store.close()
 
@@ -436,7 +466,7 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
     assert "Traceback (most recent call last)" in error and "in evaluate" in error
     assert done["result"]["status"] == "failed" and done["result"]["error"] == error
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
-    (run,) = trial_runs(settings.mlflow_uri, final["mlflow_experiment_id"])[done["id"]]
+    (run,) = trial_runs(settings.mlflow_uri, experiment_id)[done["id"]]
     assert run.info.status == "FAILED" and "DataError" in run.data.tags["hpt.error"]
 
 

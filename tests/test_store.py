@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import timezone
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +266,7 @@ def test_lease_order_and_sweep_filter(store: Store) -> None:
     assert [(t["sweep_id"], t["idx"]) for t in got] == [(a, 0), (a, 1), (a, 2), (b, 0)]
     for t in got:
         assert t["status"] == "running" and t["attempts"] == 1 and t["lease_owner"] == "c"
-        assert t["started_at"].tzinfo == timezone.utc and t["lease_expires_at"] > t["started_at"]
+        assert t["started_at"].tzinfo == UTC and t["lease_expires_at"] > t["started_at"]
     assert store.get_sweep(a)["status"] == "running"  # type: ignore[index]
     assert store.get_sweep(a)["started_at"] is not None  # type: ignore[index]
     c = new_sweep(store, plan()[:2], data_hash="third")
@@ -439,13 +439,48 @@ def test_sweep_status_transitions_and_mlflow_ids(store: Store) -> None:
         store.set_sweep_status("missing", "running")
 
     store.set_sweep_mlflow(sid, "7", "parent-run")
-    store.set_mlflow_ids(sid, run_id="parent-run-2")  # None leaves the experiment alone
+    store.set_sweep_mlflow(sid, run_id="parent-run-2")  # None leaves the experiment alone
     sweep = store.get_sweep(sid)
     assert sweep is not None
     assert (sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]) == ("7", "parent-run-2")
-    tid = trial_ids(store, sid)[0]
-    store.set_trial_mlflow(tid, "child-run")
-    assert store.get_trial(tid)["mlflow_run_id"] == "child-run"  # type: ignore[index]
+
+
+def test_every_lease_is_an_attempt_the_mirror_tracks(store: Store) -> None:
+    sid = new_sweep(store, plan()[:2], max_attempts=3)
+    assert store.mirror_backlog(sid) == 1  # the sweep: no parent run yet
+    store.set_sweep_mlflow(sid, "7", "parent")
+    store.mark_sweep_mirrored(sid, "pending")
+    assert store.mirror_backlog(sid) == 0 and store.attempts_to_mirror() == []
+    a, b = store.lease_pending("c1", 2)
+    assert store.mirror_backlog(sid) == 3  # the sweep is running now; two new attempts
+    (first,) = store.attempts(a["id"])
+    assert (first.seq, first.status, first.mlflow_run_id) == (1, "running", None)
+    assert first.started_at == a["started_at"] and first.parent_run_id == "parent"
+    store.set_attempt_run(a["id"], 1, "run-a1")
+    store.mark_attempt_mirrored(a["id"], 1, "running")
+    assert store.get_trial(a["id"])["mlflow_run_id"] == "run-a1"  # type: ignore[index]
+    # a lost worker ends the attempt failed; the next lease is attempt 2 with its own run
+    assert store.requeue(a["id"], "WorkerCrashedError: boom") == "pending"
+    (again,) = store.lease_pending("c1", 1)
+    one, two = store.attempts(a["id"])
+    assert (one.status, one.error, two.seq, two.status) == (
+        "failed", "WorkerCrashedError: boom", 2, "running")
+    store.finish_trial(a["id"], "completed", result(2.0))
+    two = store.attempts(a["id"])[1]
+    assert two.status == "completed" and two.result is not None and one.result is None
+    store.set_attempt_run(a["id"], 1, "run-a1")  # an older attempt's run is not the trial's
+    store.set_attempt_run(a["id"], 2, "run-a2")
+    store.set_attempt_run(a["id"], 1, "run-a1")
+    assert store.get_trial(a["id"])["mlflow_run_id"] == "run-a2"  # type: ignore[index]
+    # a dead coordinator's attempt ends cancelled with the reason; re-leasing makes attempt 2
+    assert store.requeue_orphans("c2") == 1
+    (lost,) = store.attempts(b["id"])
+    assert lost.status == "cancelled" and "coordinator died" in (lost.error or "")
+    pending = {(x.trial_id, x.seq) for x in store.attempts_to_mirror()}
+    assert pending == {(a["id"], 1), (a["id"], 2), (b["id"], 1)}
+    for x in store.attempts_to_mirror():
+        store.mark_attempt_mirrored(x.trial_id, x.seq, x.status)
+    assert store.attempts_to_mirror() == []
 
 
 def test_add_trial_for_optuna(store: Store) -> None:

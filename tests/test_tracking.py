@@ -1,63 +1,69 @@
-"""MLflow tracking against a real MLflow with a SQLite store in tmp_path (no mocks of MLflow)."""
+"""The MLflow mirror against a real MLflow (SQLite store in tmp_path) and a real app database.
+
+The app database is the only writer of trial state; these tests check what the mirror copies
+to MLflow, and that copying is idempotent: run twice, MLflow down then back, a kill between
+creating a run and recording it, or mid-way through finishing one, all converge to the same
+MLflow content with no duplicate run, no duplicate metric point and no RUNNING orphan.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from sqlalchemy import text
 
-from hptransfer.sweeper.mlflow.tracking import (
-    MAX_KEY,
-    MAX_PARAM_VALUE,
-    Tracker,
-    flatten,
-    mlflow_key,
-    ui_command,
-)
+from hptransfer.sweeper.db.store import Store
+from hptransfer.sweeper.mlflow.mirror import Mirror
+from hptransfer.sweeper.mlflow.params import MAX_KEY, MAX_PARAM_VALUE, flatten, mlflow_key
+from hptransfer.sweeper.mlflow.tracking import ui_command
 
 SWEEP_SPEC: dict[str, Any] = {
     "name": "demo",
-    "arms": [
-        {"name": "sp", "parameterization": "sp"},
-        {"name": "cp", "parameterization": "completep"},
-    ],
+    "arms": [{"name": "sp", "parameterization": "sp"},
+             {"name": "cp", "parameterization": "completep"}],
     "grid": {"lr": [2**-8, 2**-6], "width": [64, 128]},
+    "tags": {"owner": "tests"},
     "notes": "x" * 7000,  # longer than MLflow's 6000-character param limit
     "k" * 300: 1,  # longer than MLflow's 250-character key limit
 }
 
 
-@pytest.fixture(scope="module")
-def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Creating MLflow's schema takes seconds on two cores; migrate once, copy per test.
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
+class Killed(BaseException):
+    """Stands for a SIGKILL at that line: nothing after it runs, no handler sees it."""
 
 
-@pytest.fixture
-def store(tmp_path: Path, template_db: Path) -> str:
-    db = tmp_path / "mlflow.db"
-    shutil.copy(template_db, db)
-    return f"sqlite:///{db}"
+@dataclass(frozen=True)
+class Planned:
+    arm: str
+    trial: dict[str, Any]
+    width: int
+    depth: int
+    lr: float
+    sigma_base: float
+    seed: int
+    content_hash: str
 
 
-def make_tracker(uri: str, tmp_path: Path, **kw: Any) -> Tracker:
-    return Tracker(uri, str(tmp_path / "artifacts"), outbox_dir=tmp_path / "outbox", **kw)
+def trial_spec(lr: float, width: int = 128, seed: int = 0) -> dict[str, Any]:
+    return {"arch": "gpt", "parameterization": "completep", "width": width, "depth": 2,
+            "lr": lr, "seed": seed, "budget": {"tokens": None, "steps": 40},
+            "arch_options": {"activation": "relu2", "mlp_ratio": 4}}
 
 
 def curve(n: int, val_every: int = 10, start: int = 1) -> list[dict[str, Any]]:
     out = []
     for step in range(start, start + n):
-        point: dict[str, Any] = {
-            "step": step, "tokens": step * 2048, "train_loss": 5.0 - step * 1e-3, "lr": 1e-3,
-        }
+        point: dict[str, Any] = {"step": step, "tokens": step * 2048,
+                                 "train_loss": 5.0 - step * 1e-3, "lr": 1e-3}
         if step % val_every == 0:
             point["val_loss"] = 5.5 - step * 1e-3
         out.append(point)
@@ -69,23 +75,15 @@ def param_table(lr: float) -> dict[str, Any]:
              "weight_decay": 0.1, "eps": 1e-12}
     return {
         "parameterization": "completep", "alpha": 1.0, "m_width": 2.0, "m_depth": 1.0,
-        "groups": [
-            {"name": "embedding", **group, "lr": lr, "params": ["embed.weight"]},
-            {"name": "hidden_weight", **group, "lr": lr / 2},
-        ],
+        "groups": [{"name": "embedding", **group, "lr": lr, "params": ["embed.weight"]},
+                   {"name": "hidden_weight", **group, "lr": lr / 2}],
         "multipliers": {"residual": 1.0, "logits": 0.5, "attn_scale": 0.125},
         "notes": [],
     }
 
 
-def trial_spec(lr: float, width: int = 128, seed: int = 0) -> dict[str, Any]:
-    return {"arch": "gpt", "parameterization": "completep", "width": width, "depth": 2,
-            "lr": lr, "seed": seed, "budget": {"tokens": None, "steps": 40},
-            "arch_options": {"activation": "relu2", "mlp_ratio": 4}}
-
-
-def result(status: str, lr: float, points: list[dict[str, Any]], error: str | None = None,
-           ) -> dict[str, Any]:
+def result(status: str, lr: float, points: list[dict[str, Any]],
+           error: str | None = None) -> dict[str, Any]:
     return {
         "status": status, "final_val_loss": points[-1].get("val_loss"), "final_train_loss": 4.9,
         "curve": points, "steps": points[-1]["step"], "tokens": points[-1]["tokens"],
@@ -95,8 +93,46 @@ def result(status: str, lr: float, points: list[dict[str, Any]], error: str | No
     }
 
 
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Creating MLflow's schema takes seconds on two cores; migrate once, copy per test.
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path: Path, template_db: Path) -> str:
+    db = tmp_path / "mlflow.db"
+    shutil.copy(template_db, db)
+    return f"sqlite:///{db}"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(f"sqlite:///{tmp_path / 'hpt.db'}")
+    s.migrate()
+    yield s
+    s.close()
+
+
+def new_sweep(store: Store, lrs: tuple[float, ...] = (2**-8, 2**-6, 2**-7)) -> str:
+    planned = [Planned("cp", trial_spec(lr), 128, 2, lr, 0.02, 0, f"h{i}")
+               for i, lr in enumerate(lrs)]
+    return store.create_sweep(name="demo", spec=SWEEP_SPEC, spec_hash="h", search="grid",
+                              planned=planned, reuse=False)
+
+
+def mirror_of(store: Store, uri: str, tmp_path: Path, **kw: Any) -> Mirror:
+    return Mirror(store, uri, str(tmp_path / "artifacts"), **kw)
+
+
 def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def trial_runs(client: MlflowClient, experiment_id: str) -> list[Any]:
+    return client.search_runs([experiment_id], "tags.`hpt.role` = 'trial'")
 
 
 def artifact_paths(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
@@ -109,33 +145,50 @@ def read_artifact(client: MlflowClient, run_id: str, path: str, tmp_path: Path) 
     return Path(client.download_artifacts(run_id, path, str(dst))).read_text()
 
 
-def test_full_lifecycle(store: str, tmp_path: Path) -> None:
-    tracker = make_tracker(store, tmp_path)
-    ids = tracker.start_sweep("sw-1", "demo", SWEEP_SPEC, {"owner": "tests"})
-    assert ids is not None
-    experiment_id, parent_id = ids
+def finish_all(store: Store, sweep_id: str, trials: list[dict[str, Any]]) -> dict[str, str]:
+    """completed / failed (an exception in training) / cancelled, one each."""
+    statuses = dict(zip([t["id"] for t in trials], ("completed", "failed", "cancelled"),
+                        strict=True))
+    for t in trials:
+        status = statuses[t["id"]]
+        if status == "cancelled":
+            assert store.mark_cancelled(t["id"])
+            continue
+        error = "Traceback ...\n" + "e" * 5000 + "\nRuntimeError: boom" \
+            if status == "failed" else None
+        assert store.finish_trial(t["id"], status, result(status, t["lr"], curve(40), error),
+                                  error)
+    store.refresh_sweep_status(sweep_id)
+    return statuses
 
-    cases = [("cp", 2**-8, "completed"), ("cp", 2**-6, "failed"), ("sp", 2**-7, "cancelled")]
-    run_ids = {}
-    for i, (arm, lr, status) in enumerate(cases):
-        trial_id = f"trial-{i}"
-        run_id = tracker.start_trial(experiment_id, parent_id, trial_id, arm, trial_spec(lr))
-        assert run_id
-        points = curve(40)
-        assert tracker.log_metrics(run_id, points[:15])  # streamed while training
-        error = None
-        if status == "failed":
-            error = "Traceback ...\n" + "e" * 5000 + "\nRuntimeError: boom"
-        assert tracker.finish_trial(run_id, result(status, lr, points, error), status)
-        run_ids[trial_id] = (run_id, arm, lr, status)
-    fits = {"fits/fit.json": json.dumps({"alpha": 0.35}), "fits/frontier.png": b"\x89PNG\r\n"}
-    assert tracker.finish_sweep(parent_id, "completed", fits)
-    assert tracker.failures == 0 and tracker.pending() == 0
 
-    client = MlflowClient(store)
+FITS = {"fits/fit.json": json.dumps({"alpha": 0.35}), "fits/frontier.png": b"\x89PNG\r\n"}
+
+
+def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
+                                           tmp_path: Path) -> None:
+    sid = new_sweep(store)
+    # a hook's artifact outside the run is skipped; the others and the run's end are not
+    mirror = mirror_of(store, mlflow_uri, tmp_path,
+                       artifacts=lambda _: {**FITS, "../escape.txt": "x"})
+    mirror.sync()
+    sweep = store.get_sweep(sid)
+    experiment_id, parent_id = sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]
+    client = MlflowClient(mlflow_uri)
     exp = client.get_experiment(experiment_id)
-    assert exp.name == "hpt/demo/sw-1"
+    assert exp.name == f"hpt/demo/{sid}" and exp.tags["mlflow.experimentKind"] == \
+        "custom_model_development"
     assert str(tmp_path / "artifacts") in exp.artifact_location
+    assert client.get_run(parent_id).info.status == "RUNNING"
+
+    trials = store.lease_pending("coord", 3)
+    mirror.sync()
+    running = trial_runs(client, experiment_id)
+    assert len(running) == 3 and {r.info.status for r in running} == {"RUNNING"}
+    statuses = finish_all(store, sid, trials)
+    mirror.sync()
+    assert store.mirror_backlog() == 0
+
     parent = client.get_run(parent_id)
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["hpt.status"] == "completed" and parent.data.tags["owner"] == "tests"
@@ -143,40 +196,42 @@ def test_full_lifecycle(store: str, tmp_path: Path) -> None:
     assert parent.data.params["arms.1.parameterization"] == "completep"
     assert len(parent.data.params["notes"]) == MAX_PARAM_VALUE
     assert all(len(k) <= MAX_KEY for k in parent.data.params)
-    assert {"sweep_spec.json", "fits"} <= artifact_paths(client, parent_id)
+    assert artifact_paths(client, parent_id) == {"sweep_spec.json", "fits"}
     assert artifact_paths(client, parent_id, "fits") == {"fits/fit.json", "fits/frontier.png"}
+    assert not (tmp_path / "escape.txt").exists()
     spec_back = json.loads(read_artifact(client, parent_id, "sweep_spec.json", tmp_path))
     assert spec_back["grid"] == SWEEP_SPEC["grid"]
 
-    children = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    assert {r.info.run_id for r in children} == {v[0] for v in run_ids.values()}
-    expected_status = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
-    for trial_id, (run_id, arm, lr, status) in run_ids.items():
-        run = client.get_run(run_id)
+    runs = {r.data.tags["hpt.trial_id"]: r for r in trial_runs(client, experiment_id)}
+    assert set(runs) == set(statuses)
+    expected = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+    for t in trials:
+        run, status = runs[t["id"]], statuses[t["id"]]
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
-        assert run.info.status == expected_status[status]
-        assert run.info.run_name == f"{arm} N=128 L=2 lr={lr:.3g} seed=0"
-        assert tags["hpt.trial_id"] == trial_id and tags["hpt.sweep_id"] == "sw-1"
-        assert tags["hpt.arm"] == arm and tags["hpt.status"] == status
-        assert params["group.embedding.lr"] == str(lr)
-        assert params["group.hidden_weight.lr"] == str(lr / 2)
-        assert params["group.hidden_weight.n_params"] == "2"
-        assert params["group.hidden_weight.weight_decay"] == "0.1"
-        assert params["group.hidden_weight.init_std"] == "0.02"
-        assert params["mult.logits"] == "0.5" and params["mult.attn_scale"] == "0.125"
+        assert run.info.status == expected[status]
+        assert run.info.run_id == store.get_trial(t["id"])["mlflow_run_id"]
+        assert run.info.run_name == f"cp N=128 L=2 lr={t['lr']:.3g} seed=0"
+        assert tags["mlflow.parentRunId"] == parent_id and tags["hpt.attempt"] == "1"
+        assert tags["hpt.sweep_id"] == sid and tags["hpt.arm"] == "cp"
+        assert tags["hpt.status"] == status
         assert params["budget.steps"] == "40" and params["arch_options.mlp_ratio"] == "4"
-        # Streamed points and the final curve overlap: each (metric, step) is logged once.
-        assert history(client, run_id, "val_loss") == [
-            (s, pytest.approx(5.5 - s * 1e-3)) for s in (10, 20, 30, 40)
-        ]
-        assert [s for s, _ in history(client, run_id, "train_loss")] == list(range(1, 41))
-        assert [s for s, _ in history(client, run_id, "tokens")] == list(range(1, 41))
+        if status == "cancelled":  # never produced a result: no table, no curve
+            assert "group.embedding.lr" not in params and metrics == {}
+            continue
+        assert params["group.embedding.lr"] == str(t["lr"])
+        assert params["group.hidden_weight.lr"] == str(t["lr"] / 2)
+        assert params["group.hidden_weight.n_params"] == "2"
+        assert params["mult.logits"] == "0.5" and params["mult.attn_scale"] == "0.125"
+        assert history(client, run.info.run_id, "val_loss") == [
+            (s, pytest.approx(5.5 - s * 1e-3)) for s in (10, 20, 30, 40)]
+        assert [s for s, _ in history(client, run.info.run_id, "train_loss")] == \
+            list(range(1, 41))
+        assert [s for s, _ in history(client, run.info.run_id, "tokens")] == list(range(1, 41))
         assert metrics["final_val_loss"] == pytest.approx(5.46)
         assert metrics["flops"] == 1.5e12 and metrics["params_non_embedding"] == 250_000
         assert metrics["tokens_per_s"] == pytest.approx(6553.6) and "mfu" not in metrics
-        assert artifact_paths(client, run_id) == {"param_table.json"}
-        table = json.loads(read_artifact(client, run_id, "param_table.json", tmp_path))
-        assert table["groups"][1]["lr"] == lr / 2
+        table = json.loads(read_artifact(client, run.info.run_id, "param_table.json", tmp_path))
+        assert table["groups"][1]["lr"] == t["lr"] / 2
         if status == "failed":
             assert tags["hpt.error"].endswith("RuntimeError: boom")
             assert len(tags["hpt.error"]) <= 4000
@@ -184,207 +239,211 @@ def test_full_lifecycle(store: str, tmp_path: Path) -> None:
             assert "hpt.error" not in tags
 
 
-def test_curve_logging_is_batched(store: str, tmp_path: Path, monkeypatch: Any) -> None:
-    calls: dict[str, list[int]] = {"log_batch": [], "log_metric": []}
-    real_batch, real_metric = MlflowClient.log_batch, MlflowClient.log_metric
+def snapshot(client: MlflowClient, experiment_id: str) -> dict[str, Any]:
+    """Everything a user sees of a sweep's trial runs, to compare before/after a re-sync."""
+    out = {}
+    for run in trial_runs(client, experiment_id):
+        rid = run.info.run_id
+        out[rid] = (run.info.status, run.data.tags.get("hpt.status"),
+                    {k: len(client.get_metric_history(rid, k)) for k in run.data.metrics})
+    return out
+
+
+def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, tmp_path: Path,
+                                                monkeypatch: Any) -> None:
+    sizes: list[int] = []
+    real_batch = MlflowClient.log_batch
 
     def log_batch(self: MlflowClient, run_id: str, metrics: Any = (), *a: Any, **kw: Any) -> Any:
-        calls["log_batch"].append(len(metrics))
+        sizes.append(len(metrics))
         return real_batch(self, run_id, metrics, *a, **kw)
 
-    def log_metric(self: MlflowClient, *a: Any, **kw: Any) -> Any:
-        calls["log_metric"].append(1)
-        return real_metric(self, *a, **kw)
-
     monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
-    monkeypatch.setattr(MlflowClient, "log_metric", log_metric)
-    tracker = make_tracker(store, tmp_path)
-    experiment_id, parent_id = tracker.start_sweep("sw-b", "batch", {"n": 1}) or (None, None)
-    run_id = tracker.start_trial(experiment_id, parent_id, "t-b", "cp", trial_spec(1e-3))
-    assert run_id
-
+    sid = new_sweep(store, (2**-8,))
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+    mirror.sync()
+    (t,) = store.lease_pending("coord", 1)
+    mirror.sync()
     points = curve(500, val_every=1)  # 4 metrics x 500 steps = 2000 metrics
-    calls["log_batch"].clear()
-    assert tracker.log_metrics(run_id, points)
-    assert len(calls["log_batch"]) <= 2 and calls["log_metric"] == []
-    assert max(calls["log_batch"]) <= 1000
+    mirror.live(t["id"], t["started_at"], points[:300])  # streamed while training
+    mirror.sync()
+    run_id = store.get_trial(t["id"])["mlflow_run_id"]
+    client = MlflowClient(mlflow_uri)
+    assert [s for s, _ in history(client, run_id, "train_loss")] == list(range(1, 301))
+    store.finish_trial(t["id"], "completed", result("completed", 2**-8, points))
+    store.refresh_sweep_status(sid)
+    sizes.clear()
+    mirror.sync()
+    assert max(sizes) <= 1000  # curves go in log_batch calls of at most 1000 metrics
+    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    first = snapshot(client, experiment_id)
+    for key in ("train_loss", "val_loss", "lr", "tokens"):  # live + final: each point once
+        assert [s for s, _ in history(client, run_id, key)] == list(range(1, 501)), key
 
-    calls["log_batch"].clear()
-    assert tracker.log_metrics(run_id, points)  # a resent curve adds nothing
-    assert calls["log_batch"] == []
-    assert tracker.finish_trial(run_id, result("completed", 1e-3, points), "completed")
-    assert calls["log_metric"] == []
+    # the same rows copied again (their markers reset, as after a lost write): no change
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE attempts SET mlflow_synced_status = NULL, "
+                          "mlflow_run_id = NULL"))
+        conn.execute(text("UPDATE sweeps SET mlflow_synced_status = NULL"))
+    assert store.mirror_backlog() == 2
+    again = mirror_of(store, mlflow_uri, tmp_path)
+    again.sync()
+    again.sync()
+    assert store.mirror_backlog() == 0
+    assert snapshot(client, experiment_id) == first
+    assert store.get_trial(t["id"])["mlflow_run_id"] == run_id
 
-    client = MlflowClient(store)
-    for key in ("train_loss", "val_loss", "lr", "tokens"):
-        assert [s for s, _ in history(client, run_id, key)] == list(range(1, 501))
 
-
-def test_unreachable_mlflow_queues_then_replays(
-    store: str, tmp_path: Path, monkeypatch: Any
-) -> None:
+def test_mlflow_down_loses_nothing_and_catches_up(store: Store, mlflow_uri: str,
+                                                  tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    down = make_tracker("http://127.0.0.1:1", tmp_path)  # nothing listens on port 1
-    points = curve(60)
+    sid = new_sweep(store)
+    trials = store.lease_pending("coord", 3)
+    down = mirror_of(store, "http://127.0.0.1:1", tmp_path)  # nothing listens on port 1
     t0 = time.monotonic()
-    assert down.start_sweep("sw-9", "offline", SWEEP_SPEC, {"owner": "tests"}) is None
-    assert down.start_sweep("sw-9", "offline", SWEEP_SPEC, {"owner": "tests"}) is None  # retry
-    assert down.start_trial(None, None, "t-9", "cp", trial_spec(2**-7), sweep_id="sw-9") is None
-    assert down.log_metrics(None, points[:30], trial_id="t-9") is False
-    assert down.log_metrics(None, points[30:], trial_id="t-9") is False
-    assert down.finish_trial(None, result("completed", 2**-7, points), "completed",
-                             trial_id="t-9") is False
-    assert down.finish_sweep(None, "completed", {"fits/fit.json": "{}"}, sweep_id="sw-9") is False
-    assert time.monotonic() - t0 < 10
-    assert down.failures >= 1 and "127.0.0.1" in (down.last_error or "")
-    assert not down.available
+    with pytest.raises(Exception) as err:
+        down.sync()
+    assert time.monotonic() - t0 < 10 and "127.0.0.1" in str(err.value)
+    statuses = finish_all(store, sid, trials)  # results reach the app DB meanwhile
+    assert {t["id"]: t["status"] for t in store.trials(sid)} == statuses
+    assert store.mirror_backlog() == 4  # the sweep and its three attempts: nothing marked
 
-    # One file per trial plus one for the sweep; the retried start was not queued twice.
-    sweep_file = tmp_path / "outbox" / "sw-9" / "sweep.jsonl"
-    trial_file = tmp_path / "outbox" / "sw-9" / "trial-t-9.jsonl"
-    ops = [json.loads(line)["op"] for line in sweep_file.read_text().splitlines()]
-    assert ops == ["start_sweep", "finish_sweep"]
-    ops = [json.loads(line)["op"] for line in trial_file.read_text().splitlines()]
-    assert ops == ["start_trial", "log_metrics", "log_metrics", "finish_trial"]
-    assert down.pending() == 6
-
-    replay_started = int(time.time() * 1000)
-    up = make_tracker(store, tmp_path)
-    assert up.flush_outbox() == 6
-    assert up.pending() == 0 and not sweep_file.exists() and not trial_file.exists()
-    assert up.flush_outbox() == 0
-
-    client = MlflowClient(store)
-    exp = client.get_experiment_by_name("hpt/offline/sw-9")
-    assert exp is not None
-    parent_id = up.sweep_ids_for("sw-9")[1]  # type: ignore[index]
-    run_id = up.run_id_for("t-9")
-    assert run_id
-    parent, run = client.get_run(parent_id), client.get_run(run_id)
-    assert parent.info.status == "FINISHED" and parent.data.tags["owner"] == "tests"
-    assert "fits" in artifact_paths(client, parent_id)
-    assert run.data.tags["mlflow.parentRunId"] == parent_id
-    assert run.data.tags["hpt.status"] == "completed" and run.info.status == "FINISHED"
-    assert run.info.start_time < replay_started  # replayed with the original timestamps
-    assert run.data.params["group.hidden_weight.lr"] == str(2**-7 / 2)
-    assert history(client, run_id, "val_loss") == [
-        (s, pytest.approx(5.5 - s * 1e-3)) for s in range(10, 61, 10)
-    ]
-    assert [s for s, _ in history(client, run_id, "train_loss")] == list(range(1, 61))
-    assert artifact_paths(client, run_id) == {"param_table.json"}
-
-
-def test_outage_mid_trial_queues_behind_and_recovers(
-    store: str, tmp_path: Path, monkeypatch: Any
-) -> None:
-    outage = {"on": False, "calls": 0}
+    # the same mirror, MLflow away for a while mid-copy: it resumes where it stopped
+    outage = {"on": True}
     real_batch = MlflowClient.log_batch
 
     def flaky_log_batch(self: MlflowClient, *a: Any, **kw: Any) -> Any:
-        outage["calls"] += 1
         if outage["on"]:
             raise ConnectionError("connection refused (simulated)")
         return real_batch(self, *a, **kw)
 
     monkeypatch.setattr(MlflowClient, "log_batch", flaky_log_batch)
-    tracker = make_tracker(store, tmp_path, retry_after_s=1.0)
-    experiment_id, parent_id = tracker.start_sweep("sw-f", "flaky", {"n": 1}) or (None, None)
-    run_id = tracker.start_trial(experiment_id, parent_id, "t-f", "cp", trial_spec(1e-3))
-    assert run_id
-    points = curve(40)
-
-    outage["on"] = True
-    assert tracker.log_metrics(run_id, points[:10]) is False
-    calls = outage["calls"]
-    assert tracker.log_metrics(run_id, points[10:20]) is False  # breaker open: MLflow not called
-    assert outage["calls"] == calls and tracker.pending() == 2
-
+    mirror = mirror_of(store, mlflow_uri, tmp_path, artifacts=lambda _: FITS)
+    with pytest.raises(ConnectionError):
+        mirror.sync()
+    assert store.mirror_backlog() == 4
     outage["on"] = False
-    time.sleep(1.05)  # the breaker closes again
-    # Queued records of this trial are replayed first, then this one goes straight through.
-    assert tracker.log_metrics(run_id, points[20:30]) is True
-    assert tracker.pending() == 0
-    assert tracker.finish_trial(run_id, result("completed", 1e-3, points), "completed")
-    client = MlflowClient(store)
-    assert [s for s, _ in history(client, run_id, "train_loss")] == list(range(1, 41))
-    assert client.get_run(run_id).info.status == "FINISHED"
+    mirror.sync()
+    assert store.mirror_backlog() == 0
+    client = MlflowClient(mlflow_uri)
+    sweep = store.get_sweep(sid)
+    runs = trial_runs(client, sweep["mlflow_experiment_id"])
+    assert len(runs) == 3  # the failed first try left no second run behind
+    by_trial = {r.data.tags["hpt.trial_id"]: r for r in runs}
+    assert {tid: r.data.tags["hpt.status"] for tid, r in by_trial.items()} == statuses
+    done = next(r for tid, r in by_trial.items() if statuses[tid] == "completed")
+    assert [s for s, _ in history(client, done.info.run_id, "train_loss")] == list(range(1, 41))
+    assert done.info.start_time == int(trials[0]["started_at"].timestamp() * 1000)
+    assert client.get_run(sweep["mlflow_run_id"]).info.status == "FINISHED"
+    assert "fits" in artifact_paths(client, sweep["mlflow_run_id"])
 
 
-def test_resume_reuses_experiment_and_parent(store: str, tmp_path: Path) -> None:
-    first = make_tracker(store, tmp_path).start_sweep("sw-r", "resume", {"lr": 1, "a": 2})
-    assert first is not None
-    # A new coordinator process (fresh Tracker), and the spec changed meanwhile.
-    again = make_tracker(store, tmp_path)
-    assert again.start_sweep("sw-r", "resume", {"lr": 2, "b": 3}) == first
-    assert again.failures == 0
-    params = MlflowClient(store).get_run(first[1]).data.params
-    assert params == {"lr": "1", "a": "2", "b": "3"}  # MLflow params are immutable
-    # Trials of the resumed sweep still get their sweep tag (read from the parent run).
-    run_id = again.start_trial(first[0], first[1], "t-r", "cp", trial_spec(1e-3))
-    fresh = make_tracker(store, tmp_path)
-    run_id2 = fresh.start_trial(first[0], first[1], "t-r2", "cp", trial_spec(1e-3))
-    client = MlflowClient(store)
-    for rid in (run_id, run_id2):
-        assert rid and client.get_run(rid).data.tags["hpt.sweep_id"] == "sw-r"
+def test_kill_between_creating_a_run_and_recording_it_converges(
+        store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any) -> None:
+    sid = new_sweep(store)
+    trials = store.lease_pending("coord", 3)
+    real_record = Store.set_attempt_run
+
+    def killed(*_a: Any, **_kw: Any) -> None:
+        raise Killed
+
+    monkeypatch.setattr(Store, "set_attempt_run", killed)
+    with pytest.raises(Killed):
+        mirror_of(store, mlflow_uri, tmp_path).sync()  # the parent and one run created
+    monkeypatch.setattr(Store, "set_attempt_run", real_record)
+    client = MlflowClient(mlflow_uri)
+    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    (orphan,) = trial_runs(client, experiment_id)
+    assert orphan.info.status == "RUNNING" and store.mirror_backlog() == 3
+    finish_all(store, sid, trials)
+
+    # killed again, after the first run's curve and tags but before it is terminated
+    real_end = MlflowClient.set_terminated
+    monkeypatch.setattr(MlflowClient, "set_terminated", killed)
+    with pytest.raises(Killed):
+        mirror_of(store, mlflow_uri, tmp_path).sync()
+    monkeypatch.setattr(MlflowClient, "set_terminated", real_end)
+
+    fresh = mirror_of(store, mlflow_uri, tmp_path)  # a new coordinator process
+    fresh.sync()
+    assert store.mirror_backlog() == 0
+    runs = trial_runs(client, experiment_id)
+    assert len(runs) == 3 and orphan.info.run_id in {r.info.run_id for r in runs}
+    assert "RUNNING" not in {r.info.status for r in runs}
+    for run in runs:
+        assert run.info.run_id == store.get_trial(run.data.tags["hpt.trial_id"])[
+            "mlflow_run_id"]
+        for key in run.data.metrics:  # no point logged twice by the interrupted copies
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+            assert len(steps) == len(set(steps)), key
+    parents = client.search_runs([experiment_id], "tags.`hpt.role` = 'sweep'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
 
 
-def test_open_trial_runs_finds_attempts_the_app_db_never_recorded(store: str,
-                                                                   tmp_path: Path) -> None:
-    # A coordinator created runs, then died before storing their ids: a new process's
-    # Tracker must still find them (only those still RUNNING) so they can be closed.
-    dead = make_tracker(store, tmp_path)
-    experiment_id, parent_id = dead.start_sweep("sw-o", "orphans", {"n": 1}) or (None, None)
-    lost = dead.start_trial(experiment_id, parent_id, "t-o", "cp", trial_spec(1e-3))
-    done = dead.start_trial(experiment_id, parent_id, "t-done", "cp", trial_spec(1e-3))
-    assert dead.finish_trial(done, result("completed", 1e-3, curve(5)), "completed")
+def test_mirror_thread_backs_off_and_logs_one_line_per_outage(
+        store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    calls = {"n": 0, "on": True}
+    real_search = MlflowClient.get_experiment_by_name
 
-    fresh = make_tracker(store, tmp_path)
-    assert fresh.open_trial_runs("sw-o") == {lost: "t-o"}  # not the parent, not `done`
-    assert fresh.open_trial_runs("no-such-sweep") is None
-    assert fresh.finish_trial(lost, {"error": "coordinator died"}, "cancelled", trial_id="t-o")
-    assert MlflowClient(store).get_run(lost).info.status == "KILLED"
-    assert fresh.open_trial_runs("sw-o") == {}
-    assert fresh.failures == 0
-    assert make_tracker("http://127.0.0.1:1", tmp_path / "down").open_trial_runs("sw-o") is None
+    def flaky(self: MlflowClient, *a: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["on"]:
+            raise ConnectionError("connection refused (simulated)")
+        return real_search(self, *a, **kw)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", flaky)
+    new_sweep(store)
+    mirror = mirror_of(store, mlflow_uri, tmp_path, interval=0.01, max_backoff=0.08)
+    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.mlflow.mirror")
+    mirror.start()
+    try:
+        deadline = time.monotonic() + 60
+        while calls["n"] < 6:  # several retries during the outage
+            assert time.monotonic() < deadline
+            mirror.wake()  # wakes are ignored while MLflow is away (back-off)
+            time.sleep(0.01)
+        calls["on"] = False
+        while store.mirror_backlog():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        mirror.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("MLflow mirror paused" in m for m in lines) == 1, lines
+    assert sum("MLflow answers again" in m for m in lines) == 1, lines
+    assert len(lines) == 2, lines
 
 
-def test_bad_input_is_reported_not_raised_or_queued(store: str, tmp_path: Path) -> None:
-    tracker = make_tracker(store, tmp_path)
-    ids = tracker.start_sweep("sw-x", "bad", {"n": 1})
-    assert ids is not None
-    assert tracker.finish_sweep(ids[1], "completed", {"../escape.txt": "x"}) is False
-    assert tracker.log_metrics(None, curve(3)) is False  # no run, no trial: nothing to attach to
-    assert tracker.finish_trial("0" * 32, {}, "completed") is False  # run does not exist
-    assert tracker.failures == 3 and tracker.pending() == 0
-    rejected = (tmp_path / "outbox" / "rejected.jsonl").read_text().splitlines()
-    assert len(rejected) == 1 and json.loads(rejected[0])["record"]["op"] == "finish_trial"
+def test_threads_submitting_live_points_while_the_mirror_runs(
+        store: Store, mlflow_uri: str, tmp_path: Path) -> None:
+    sid = new_sweep(store, (2**-8, 2**-7, 2**-6, 2**-5))
+    mirror = mirror_of(store, mlflow_uri, tmp_path, interval=0.02)
+    mirror.start()
+    try:
+        trials = store.lease_pending("coord", 4)
 
+        def stream(t: dict[str, Any]) -> None:
+            points = curve(30)
+            for j in range(0, 30, 10):
+                mirror.live(t["id"], t["started_at"], points[j:j + 10])
+                time.sleep(0.01)
+            store.finish_trial(t["id"], "completed", result("completed", t["lr"], points))
 
-def test_threads_share_one_tracker(store: str, tmp_path: Path) -> None:
-    tracker = make_tracker(store, tmp_path)
-    experiment_id, parent_id = tracker.start_sweep("sw-t", "threads", {"n": 4}) or (None, None)
-    run_ids: dict[int, str | None] = {}
-
-    def trial(i: int) -> None:
-        rid = tracker.start_trial(experiment_id, parent_id, f"t-{i}", "cp", trial_spec(1e-3))
-        run_ids[i] = rid
-        points = curve(30)
-        for j in range(0, 30, 10):
-            tracker.log_metrics(rid, points[j : j + 10], trial_id=f"t-{i}")
-        tracker.finish_trial(rid, result("completed", 1e-3, points), "completed",
-                             trial_id=f"t-{i}")
-
-    threads = [threading.Thread(target=trial, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    tracker.flush_outbox()  # whatever SQLite contention queued
-    client = MlflowClient(store)
-    for i in range(4):
-        rid = run_ids[i] or tracker.run_id_for(f"t-{i}")
-        assert rid
+        threads = [threading.Thread(target=stream, args=(t,)) for t in trials]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        store.refresh_sweep_status(sid)
+        mirror.wake()
+    finally:
+        mirror.stop()  # its last pass copies what is left
+    assert store.mirror_backlog() == 0
+    client = MlflowClient(mlflow_uri)
+    for t in trials:
+        rid = store.get_trial(t["id"])["mlflow_run_id"]
         assert client.get_run(rid).info.status == "FINISHED"
         assert [s for s, _ in history(client, rid, "train_loss")] == list(range(1, 31))
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from hptransfer.status import TrialStatus
+
 from .errors import AnalysisError
 
 # Columns every analysis needs; the rest are only needed by the fits that use them.
@@ -45,9 +47,7 @@ ALL_COLUMNS: tuple[str, ...] = (
     "params_embedding",
     "steps",  # optimizer steps trained: where a pruned trial stopped
 )
-STATUSES = frozenset(
-    {"completed", "diverged", "failed", "pending", "running", "cancelled", "pruned"}
-)
+STATUSES = frozenset(TrialStatus)
 
 # Outcome codes: only OK rows carry a loss; DIVERGED rows are counted but never averaged.
 OK, DIVERGED, IGNORED = 0, 1, 2
@@ -122,8 +122,8 @@ def prepare_trials(df: object, required: Iterable[str] = CORE_COLUMNS) -> Trials
 
     loss = out["final_val_loss"].to_numpy()
     finite = np.isfinite(loss)
-    completed = (out["status"] == "completed").to_numpy(dtype=bool)
-    diverged = (out["status"] == "diverged").to_numpy(dtype=bool)
+    completed = (out["status"] == TrialStatus.COMPLETED).to_numpy(dtype=bool)
+    diverged = (out["status"] == TrialStatus.DIVERGED).to_numpy(dtype=bool)
     # A completed run whose loss is NaN/inf blew up without being flagged: count it as diverged.
     silent = completed & ~finite
     if silent.any():

@@ -12,7 +12,9 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hptransfer.config import Settings, get_settings
-from hptransfer.sweeper.service import Coordinator, NotFound
+from hptransfer.dashboards import dashboard_artifacts
+from hptransfer.sweeper.db.store import NotFoundError
+from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
@@ -27,6 +29,8 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.coordinator = Coordinator(settings, dispatch=dispatch)
+        # assembled here: the dashboards land on each finished sweep's MLflow parent run
+        app.state.coordinator.finished_hooks.append(dashboard_artifacts)
         app.state.coordinator.start()
         remember_mlflow_store(app)
         try:
@@ -71,8 +75,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         return response
 
-    @app.exception_handler(NotFound)
-    async def not_found(_: Request, exc: NotFound) -> JSONResponse:
+    @app.exception_handler(NotFoundError)
+    async def not_found(_: Request, exc: NotFoundError) -> JSONResponse:
         return _error(404, str(exc))
 
     @app.exception_handler(RequestValidationError)

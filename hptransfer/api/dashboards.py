@@ -28,9 +28,7 @@ _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 def dashboards_index(request: Request) -> HTMLResponse:
     """Every sweep with its status, progress and a link to its dashboard."""
-    c = coordinator(request)
-    summaries = [c.summary(s["id"]) for s in c.store.list_sweeps(limit=INDEX_LIMIT)]
-    return HTMLResponse(render_index_html(summaries))
+    return HTMLResponse(render_index_html(coordinator(request).summaries(limit=INDEX_LIMIT)))
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)

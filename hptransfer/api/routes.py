@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Query, Request
 
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
+from hptransfer.status import TrialStatus
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
@@ -19,7 +20,7 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
 # Paging past this is never meaningful, and SQLite overflows past 2**63 (a 500 before).
 MAX_OFFSET = 10**9
 MUTATION = [Depends(require_token), Depends(require_json)]
-TRIAL_STATUSES = "pending|running|completed|diverged|failed|cancelled|pruned"
+TRIAL_STATUSES = "|".join(TrialStatus)
 
 
 def coordinator(request: Request):
@@ -58,8 +59,7 @@ def list_sweeps(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> list[dict[str, Any]]:
-    c = coordinator(request)
-    return [c.summary(s["id"]) for s in c.store.list_sweeps(limit=limit, offset=offset)]
+    return coordinator(request).summaries(limit=limit, offset=offset)
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=ERRORS, tags=["sweeps"])

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.analysis import FitReport
+from hptransfer.status import TrialStatus
 from hptransfer.sweeper.db.store import NotFoundError, Store
 from hptransfer.sweeper.fits import sweep_report
 
 from .pages import render_sweep_html
 from .pngs import frontier_png, lr_png
 
-TERMINAL = ("completed", "diverged", "failed", "cancelled", "pruned")
 # Enough for the tables (running now + recent failures) without reading a huge sweep.
 NOTABLE_LIMIT = 500
 
@@ -40,7 +40,7 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
         raise NotFoundError(f"no sweep with id {sweep_id!r}")
     counts = sweep.get("counts") or store.status_counts(sweep_id)
     total = sum(counts.values())
-    done = sum(counts.get(s, 0) for s in TERMINAL)
+    done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
     summary = {k: v for k, v in sweep.items() if k != "spec"}
     summary.update(counts=counts, total=total, done=done,
                    progress=done / total if total else 0.0, eta_s=None)

@@ -6,7 +6,7 @@ import html
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .static import plotly_script_tag
@@ -92,8 +92,8 @@ def fmt(value: Any, digits: int = 3) -> str:
 def fmt_time(value: Any) -> str:
     if isinstance(value, datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            value = value.replace(tzinfo=UTC)
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return "-" if value is None else str(value)
 
 
@@ -180,7 +180,7 @@ def page(
     refresh = f'<meta http-equiv="refresh" content="{int(refresh_s)}">' if refresh_s else ""
     script = plotly_script_tag(plotly) if plotly else ""
     link = f'<a href="{esc(home)}">all sweeps</a>' if home else ""
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width,initial-scale=1">{refresh}'

@@ -8,6 +8,8 @@ from typing import Any
 
 import pandas as pd
 
+from hptransfer.status import ACTIVE
+
 from .html import (
     esc,
     fmt,
@@ -21,7 +23,6 @@ from .html import (
     table,
 )
 
-ACTIVE = ("pending", "running")
 TrialRows = Sequence[Mapping[str, Any]] | pd.DataFrame
 
 

@@ -5,6 +5,12 @@ max_retries=0) so every attempt is visible in the trial row: worker death, node 
 OOM kills go back to pending until the sweep's retry limit; a Python exception inside
 training comes back as a `failed` TrialResult and is final. A freed slot is refilled in the
 same tick, so a pruned or finished trial starts the next one immediately.
+
+Trial state is written only to the app database (MLflow mirrors it: `mlflow/mirror.py`). A
+trial leaves the in-flight set only once its outcome is durably written; until then the
+outcome is kept in memory and the write retried. While the database is unreachable the loop
+backs off exponentially (capped) and logs one line when the outage starts and one when it
+ends. A stored sweep whose spec no longer validates is marked failed and skipped.
 """
 
 from __future__ import annotations
@@ -12,8 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +36,11 @@ from ray.exceptions import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.config import Settings
+from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial
 
-from .db.store import FINISHED_STATUSES, Store
-from .mlflow.tracking import Tracker
+from .db.store import Store
+from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
@@ -43,17 +50,30 @@ from .study import next_step
 log = logging.getLogger(__name__)
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
-ACTIVE = ("pending", "running")
+MAX_BACKOFF_S = 30.0  # the longest pause between ticks while the database is unreachable
+
+
+class BadSweep(Exception):
+    """A stored sweep that cannot be dispatched (it has been marked failed)."""
+
+
+@dataclass
+class Outcome:
+    """What came back from Ray for one attempt, kept until the app DB has it."""
+
+    status: str  # a finished TrialStatus, or "lost" (worker died: retried or failed)
+    result: dict[str, Any] | None = None
+    error: str | None = None
 
 
 @dataclass
 class InFlight:
     trial: dict[str, Any]
     ref: ray.ObjectRef
-    run_id: str | None
     cpus: float
     gpus: float
     last_step: int = 0  # the latest step the worker reported: > 0 once training is underway
+    outcome: Outcome | None = None  # set once Ray answered; cleared from in_flight once stored
 
 
 def init_ray(settings: Settings) -> None:
@@ -75,15 +95,13 @@ class Dispatcher:
         self,
         store: Store,
         settings: Settings,
-        tracker: Tracker | None = None,
+        mirror: Mirror | None = None,
         owner: str | None = None,
         poll_interval: float = 0.2,
-        on_sweep_finished: Callable[[str], dict[str, str | bytes]] | None = None,
     ) -> None:
-        self.store, self.settings, self.tracker = store, settings, tracker
+        self.store, self.settings, self.mirror = store, settings, mirror
         self.owner = owner or f"coord-{uuid.uuid4().hex[:10]}"
         self.poll_interval = poll_interval
-        self.on_sweep_finished = on_sweep_finished
         self.in_flight: dict[str, InFlight] = {}
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
@@ -104,39 +122,14 @@ class Dispatcher:
         self._board = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
             ProgressBoard).options(scheduling_strategy=here).remote()
         self._remote = ray.remote(execute_trial)
-        if self.tracker:
-            self.tracker.flush_outbox()  # replay what an MLflow outage left behind
-        self._close_orphan_runs()
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
+        if self.mirror:
+            self.mirror.wake()
         if background:
             self._thread = threading.Thread(target=self._loop, name="hpt-dispatch", daemon=True)
             self._thread.start()
-
-    def _close_orphan_runs(self) -> None:
-        """Bring MLflow in line with the app DB after a coordinator died: the attempts it
-        left running end as KILLED (the re-queued attempt gets a new run), and a finished
-        trial whose run never got its result (killed between the two writes) gets it now."""
-        if not self.tracker:
-            return
-        for sweep in self.store.active_sweeps():
-            rows = {t["id"]: t for t in self.store.trials(sweep["id"], limit=None)}
-            open_runs = self.tracker.open_trial_runs(sweep["id"])
-            if open_runs is None:  # MLflow away: close what the app DB knows (via the outbox)
-                open_runs = {t["mlflow_run_id"]: tid for tid, t in rows.items()
-                             if t["status"] == "running" and t.get("mlflow_run_id")}
-            for run_id, trial_id in sorted(open_runs.items()):
-                t = rows.get(trial_id)
-                if t is None or (t["status"] == "running" and t.get("lease_owner") == self.owner):
-                    continue
-                if t["status"] in FINISHED_STATUSES and t.get("mlflow_run_id") == run_id:
-                    self.tracker.finish_trial(run_id, t.get("result") or {"error": t["error"]},
-                                              t["status"], trial_id=trial_id)
-                else:
-                    self.tracker.finish_trial(
-                        run_id, {"error": "coordinator died during this attempt; re-queued"},
-                        "cancelled", trial_id=trial_id)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -145,14 +138,22 @@ class Dispatcher:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        delay, failing_since = 0.0, None
         while not self._stop.is_set():
             try:
                 busy = self.run_once()
-                self.last_error = None
             except Exception as exc:  # keep dispatching; surface the problem in /health
-                log.exception("dispatch tick failed")
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                busy = False
+                if failing_since is None:  # one line per outage, not one per tick
+                    failing_since = time.monotonic()
+                    log.exception("dispatch failing; retrying with backoff (up to %.0f s)",
+                                  MAX_BACKOFF_S)
+                delay = min(max(2 * delay, self.poll_interval), MAX_BACKOFF_S)
+                self._stop.wait(delay)
+                continue
+            if failing_since is not None:
+                log.warning("dispatch recovered after %.1f s", time.monotonic() - failing_since)
+            delay, failing_since, self.last_error = 0.0, None, None
             if not busy:
                 self._idle_wait()
 
@@ -182,15 +183,29 @@ class Dispatcher:
         return [f for f in self.in_flight.values() if f.trial["sweep_id"] == sweep_id]
 
     def _spec(self, sweep: dict[str, Any]) -> SweepSpec:
+        """The sweep's validated spec; a stored spec that no longer validates fails the
+        sweep with the reason (BadSweep), so it cannot block the others."""
         if sweep["id"] not in self._specs:
-            self._specs[sweep["id"]] = SweepSpec.model_validate(sweep["spec"])
+            try:
+                self._specs[sweep["id"]] = SweepSpec.model_validate(sweep["spec"])
+            except Exception as exc:
+                reason = f"stored spec is invalid: {exc}"
+                log.error("sweep %s failed: %s", sweep["id"], reason)
+                self.store.fail_sweep(sweep["id"], reason[:4000])
+                self._wake_mirror()
+                raise BadSweep(reason) from exc
         return self._specs[sweep["id"]]
+
+    def _wake_mirror(self) -> None:
+        if self.mirror:
+            self.mirror.wake()
 
     def _cancel_cancelled(self) -> None:
         for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
-            if self.store.get_sweep(sweep_id)["status"] == "cancelled":
+            if SweepStatus(self.store.get_sweep(sweep_id)["status"]).is_stopped():
                 for f in self._in_flight_for(sweep_id):
-                    ray.cancel(f.ref, force=True)
+                    if f.outcome is None:
+                        ray.cancel(f.ref, force=True)
 
     def _relay_progress(self) -> None:
         try:
@@ -203,8 +218,8 @@ class Dispatcher:
             if f is None:
                 continue
             f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
-            if self.tracker:
-                self.tracker.log_metrics(f.run_id, points, trial_id=trial_id)
+            if self.mirror:  # best effort: the final curve is mirrored from the app DB
+                self.mirror.live(trial_id, f.trial["started_at"], points)
             if f.trial.get("optuna_trial_number") is not None:
                 for p in points:
                     val = p.get("val_loss")
@@ -213,43 +228,47 @@ class Dispatcher:
                         break
 
     def _collect(self) -> int:
+        """Store the outcome of every attempt Ray has finished. An attempt leaves in_flight
+        only once its outcome is written; a failed write raises (the loop backs off) and is
+        retried next tick from the outcome kept in memory."""
         if not self.in_flight:
             return 0
         refs = [f.ref for f in self.in_flight.values()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         by_ref = {f.ref: tid for tid, f in self.in_flight.items()}
         for ref in ready:
-            self._finish(by_ref[ref], ref)
-        return len(ready)
+            f = self.in_flight[by_ref[ref]]
+            if f.outcome is None:
+                f.outcome = _outcome(ref)
+        done = [tid for tid, f in self.in_flight.items() if f.outcome is not None]
+        for trial_id in done:
+            self._store_outcome(trial_id, self.in_flight[trial_id])
+        return len(done)
 
-    def _finish(self, trial_id: str, ref: ray.ObjectRef) -> None:
-        f = self.in_flight.pop(trial_id)
-        sweep_id = f.trial["sweep_id"]
-        status, result, error = None, None, None
-        try:
-            result = ray.get(ref)
-            status, error = result["status"], result.get("error")
-            self.store.finish_trial(trial_id, status, result, error, result.get("worker_node"))
-        except TaskCancelledError:
-            status = "cancelled"
+    def _store_outcome(self, trial_id: str, f: InFlight) -> None:
+        out = f.outcome
+        assert out is not None
+        status = out.status
+        if status == "lost":
+            status = self.store.requeue(trial_id, out.error)  # "pending" or "failed"
+            log.warning("trial %s lost its worker (%s); now %s", trial_id,
+                        (out.error or "")[:200], status)
+        elif status == TrialStatus.CANCELLED:
             self.store.mark_cancelled(trial_id)
-        except RETRYABLE as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            status = self.store.requeue(trial_id, error)  # "pending" or "failed"
-            log.warning("trial %s lost its worker (%s); now %s", trial_id, error[:200], status)
-        except Exception as exc:  # anything else escaping the task is final
-            status, error = "failed", f"{type(exc).__name__}: {exc}"
-            self.store.finish_trial(trial_id, "failed", None, error)
+        else:
+            node = (out.result or {}).get("worker_node")
+            self.store.finish_trial(trial_id, status, out.result, out.error, node)
+        del self.in_flight[trial_id]  # durably written: the slot is free
         self._board.forget.remote(trial_id)
-        if self.tracker:
-            # a retried attempt gets a fresh run; this one ends as failed with the worker error
-            self.tracker.finish_trial(f.run_id, result or {"error": error},
-                                      "failed" if status == "pending" else status,
-                                      trial_id=trial_id)
-        if f.trial.get("optuna_trial_number") is not None and status != "pending":
-            self._tell_optuna(f.trial, status, result)
-        self.optuna.forget(trial_id)
-        self._refresh(sweep_id)
+        self._wake_mirror()
+        try:
+            if f.trial.get("optuna_trial_number") is not None and status != "pending":
+                self._tell_optuna(f.trial, status, out.result)
+            self._refresh(f.trial["sweep_id"])
+        except BadSweep:
+            pass  # marked failed: nothing more to do for its trials
+        finally:
+            self.optuna.forget(trial_id)
 
     def _refresh(self, sweep_id: str) -> None:
         sweep = self.store.get_sweep(sweep_id)
@@ -260,22 +279,7 @@ class Dispatcher:
             return  # the studies still have trials to ask: not finished yet
         if before in ACTIVE and sweep.get("study") and not sweep["study"].get("done"):
             return  # a study with stages to plan: _advance_study (next _fill) decides
-        after = self.store.refresh_sweep_status(sweep_id)
-        if before in ACTIVE and after not in ACTIVE:
-            self._sweep_ended(sweep_id, after)
-
-    def _sweep_ended(self, sweep_id: str, after: str) -> None:
-        """Fits and plots for the sweep's MLflow parent run, which is closed with `after`."""
-        sweep = self.store.get_sweep(sweep_id)
-        artifacts: dict[str, str | bytes] = {}
-        if self.on_sweep_finished:
-            try:  # fits and plots for the parent run; never blocks the status change
-                artifacts = self.on_sweep_finished(sweep_id) or {}
-            except Exception:
-                log.exception("sweep-finished hook failed for %s", sweep_id)
-        if self.tracker:
-            self.tracker.finish_sweep(sweep.get("mlflow_run_id"), after, artifacts,
-                                      sweep_id=sweep_id)
+        self.store.refresh_sweep_status(sweep_id)
 
     # filling slots -------------------------------------------------------------------
     def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
@@ -302,7 +306,10 @@ class Dispatcher:
         started = 0
         cluster = ray.cluster_resources()
         for sweep in self.store.active_sweeps():
-            spec = self._spec(sweep)
+            try:
+                spec = self._spec(sweep)
+            except BadSweep:
+                continue  # marked failed; the other sweeps go on
             if sweep.get("study") and self._advance_study(sweep, spec):
                 continue  # the study stopped or finished
             free = self._free_slots(spec, sweep["id"], cluster)
@@ -311,26 +318,13 @@ class Dispatcher:
             if spec.search.method == "optuna":
                 self._ask_optuna(sweep, spec, free)
             for trial in self.store.lease_pending(self.owner, free, sweep_id=sweep["id"]):
-                self._submit(sweep, spec, trial)
+                self._submit(spec, trial)
                 started += 1
+        if started:
+            self._wake_mirror()
         return started
 
-    def _submit(self, sweep: dict[str, Any], spec: SweepSpec, trial: dict[str, Any]) -> None:
-        run_id = None
-        if self.tracker:
-            if not sweep.get("mlflow_run_id"):
-                ids = self.tracker.start_sweep(sweep["id"], sweep["name"], sweep["spec"],
-                                               spec.tags)
-                if ids:
-                    self.store.set_sweep_mlflow(sweep["id"], *ids)
-                    sweep.update(mlflow_experiment_id=ids[0], mlflow_run_id=ids[1])
-            # with MLflow down this queues in the tracker's outbox (run_id None)
-            run_id = self.tracker.start_trial(
-                sweep.get("mlflow_experiment_id"), sweep.get("mlflow_run_id"), trial["id"],
-                trial["arm"], trial["spec"], sweep_id=sweep["id"],
-            )
-            if run_id:
-                self.store.set_trial_mlflow(trial["id"], run_id)
+    def _submit(self, spec: SweepSpec, trial: dict[str, Any]) -> None:
         trial_spec = dict(trial["spec"])
         trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
@@ -339,7 +333,7 @@ class Dispatcher:
         ref = self._remote.options(**options).remote(
             trial_spec, trial["id"], self._board, str(self.settings.cache_dir)
         )
-        self.in_flight[trial["id"]] = InFlight(trial, ref, run_id, spec.resources.cpus,
+        self.in_flight[trial["id"]] = InFlight(trial, ref, spec.resources.cpus,
                                                spec.resources.gpus)
 
     # staged studies (sweeper/study.py) -------------------------------------------------
@@ -362,8 +356,7 @@ class Dispatcher:
                  f" ({step.reason})" if step.reason else
                  f" {len(step.trials)} trials" if step.trials else "")
         if step.kind == "stop":
-            self._sweep_ended(sid, "stopped")
-            return True
+            return True  # stored as `stopped` with its reason; the mirror closes the run
         if step.kind == "done":
             self._refresh(sid)
             return True
@@ -421,3 +414,16 @@ class Dispatcher:
         if result and result.get("param_table"):
             vocab = trial["spec"].get("data", {}).get("vocab_size") or 256
         self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)
+
+
+def _outcome(ref: ray.ObjectRef) -> Outcome:
+    """What Ray returned for one attempt (ray.get of a finished task: never blocks)."""
+    try:
+        result = ray.get(ref)
+        return Outcome(result["status"], result, result.get("error"))
+    except TaskCancelledError:
+        return Outcome(TrialStatus.CANCELLED)
+    except RETRYABLE as exc:
+        return Outcome("lost", error=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # anything else escaping the task is final
+        return Outcome(TrialStatus.FAILED, error=f"{type(exc).__name__}: {exc}")

@@ -1,31 +1,33 @@
-"""The coordinator: store + tracker + dispatcher, and the operations the API, the CLI and
-the demo share (submit, summarise, cancel). The API layer only translates HTTP to these."""
+"""The coordinator: store + dispatcher + MLflow mirror, and the operations the API, the CLI
+and the demo share (submit, summarise, cancel). The API layer only translates HTTP to these.
+
+Whoever assembles the application adds its sweep-finished artifact hooks (the dashboards)
+to `finished_hooks`; the coordinator itself knows only the fits."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hptransfer.config import Settings, get_settings
 from hptransfer.data import DataError, load_dataset
+from hptransfer.status import TrialStatus
 
 from .admission import admit
-from .db.store import Store
+from .db.store import NotFoundError, Store
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
-from .mlflow.tracking import Tracker
-from .plan import plan_sweep, spec_hash
+from .mlflow.mirror import Mirror
+from .plan import plan_shapes, plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec, storable
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("completed", "diverged", "failed", "cancelled", "pruned")
-
-
-class NotFound(LookupError):
-    pass
+# hook(coordinator, sweep_id) -> artifacts ({"dashboards/sweep.html": ...}) for the parent run
+FinishedHook = Callable[[Any, str], Mapping[str, str | bytes]]
 
 
 class Coordinator:
@@ -33,28 +35,31 @@ class Coordinator:
         self.settings = (settings or get_settings()).ensure_dirs()
         self.store = Store(self.settings.database_url)
         self.store.migrate()
+        self.finished_hooks: list[FinishedHook] = [_fit_artifacts]
         # an `mlflow server` picks the artifact location itself (proxied: mlflow-artifacts:/);
         # a local path here would bypass it and land on the coordinator's disk
         server = self.settings.mlflow_uri.startswith(("http://", "https://"))
-        self.tracker = Tracker(self.settings.mlflow_uri,
-                               None if server else str(self.settings.mlflow_artifacts),
-                               outbox_dir=str(self.settings.home / "mlflow-outbox"))
-        self.dispatcher = (
-            Dispatcher(self.store, self.settings, self.tracker,
-                       on_sweep_finished=self._sweep_finished)
+        # only the dispatching coordinator mirrors: one writer of MLflow per app database
+        self.mirror = (
+            Mirror(self.store, self.settings.mlflow_uri,
+                   None if server else str(self.settings.mlflow_artifacts),
+                   artifacts=self._sweep_finished)
             if dispatch else None
         )
-        # each hook(coordinator, sweep_id) returns artifacts for the sweep's MLflow run
-        self.finished_hooks: list = [_fit_artifacts, _dashboard_artifacts]
+        self.dispatcher = Dispatcher(self.store, self.settings, self.mirror) if dispatch else None
         self.started_at = time.time()
 
     def start(self, background: bool = True) -> None:
         if self.dispatcher:
             self.dispatcher.start(background=background)
+        if self.mirror and background:
+            self.mirror.start()
 
     def stop(self) -> None:
         if self.dispatcher:
             self.dispatcher.stop()
+        if self.mirror:
+            self.mirror.stop()  # one last pass, so MLflow shows the final state
 
     # operations ----------------------------------------------------------------------
     def submit(self, source: SweepSpec | dict | str) -> dict[str, Any]:
@@ -65,15 +70,20 @@ class Coordinator:
         admit(spec, self.settings)
         stored_spec = storable(spec)
         data_hash = self._data_hash(spec)
-        planned = [] if spec.search.method == "optuna" else plan_sweep(spec)
+        optuna = spec.search.method == "optuna"
+        planned = [] if optuna else plan_sweep(spec)
         sweep_id = self.store.create_sweep(
             name=spec.name, spec=stored_spec, spec_hash=spec_hash(spec),
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
             study=initial_state(spec, len(planned)) if spec.stages else None,
+            max_concurrent=spec.max_concurrent,
+            planned_total=len(plan_shapes(spec)) * spec.search.n_trials if optuna else None,
         )
         if self.dispatcher:
             self.dispatcher.wake()
+        if self.mirror:
+            self.mirror.wake()
         return self.summary(sweep_id)
 
     def _data_hash(self, spec: SweepSpec) -> str:
@@ -88,17 +98,25 @@ class Coordinator:
     def summary(self, sweep_id: str) -> dict[str, Any]:
         sweep = self.store.get_sweep(sweep_id)
         if sweep is None:
-            raise NotFound(f"no sweep with id {sweep_id!r}")
-        counts = self.store.status_counts(sweep_id)
-        total = sum(counts.values())
-        done = sum(counts.get(s, 0) for s in TERMINAL)
-        spec = SweepSpec.model_validate(sweep["spec"])
-        if spec.search.method == "optuna":
-            total = max(total, self._optuna_total(spec))
+            raise NotFoundError(f"no sweep with id {sweep_id!r}")
+        return self._summarise(sweep, self.store.mean_wall_times([sweep_id]).get(sweep_id))
+
+    def summaries(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
+        """Summaries of a page of sweeps, newest first, in a constant number of queries."""
+        sweeps = self.store.list_sweeps(limit=limit, offset=offset)
+        means = self.store.mean_wall_times([s["id"] for s in sweeps])
+        return [self._summarise(s, means.get(s["id"])) for s in sweeps]
+
+    def _summarise(self, sweep: dict[str, Any], mean_wall_s: float | None) -> dict[str, Any]:
+        """Progress from the row's counts and the numbers stored at submit (no spec). The
+        ETA: remaining trials x mean wall time of those that ran / max_concurrent."""
+        counts = sweep["counts"]
+        total = max(sum(counts.values()), sweep.get("planned_total") or 0)
+        done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
         stages = None
-        if spec.stages is not None:  # a study: progress per stage, unplanned ones expected
-            stages = study_progress(spec, sweep.get("study") or {},
-                                    self.store.stage_counts(sweep_id))
+        if sweep.get("study") is not None:  # a study: progress per stage, unplanned ones expected
+            spec = SweepSpec.model_validate(sweep["spec"])
+            stages = study_progress(spec, sweep["study"], self.store.stage_counts(sweep["id"]))
             total = max(total, sum(st["total"] for st in stages))
         return {
             **{k: v for k, v in sweep.items() if k != "spec"},
@@ -106,30 +124,16 @@ class Coordinator:
             "total": total,
             "done": done,
             "progress": done / total if total else 0.0,
-            "eta_s": self._eta(sweep_id, total - done, spec.max_concurrent),
-            "waiting_for": self.dispatcher.waiting.get(sweep_id) if self.dispatcher else None,
+            "eta_s": (0.0 if done >= total else None if mean_wall_s is None
+                      else mean_wall_s * (total - done) / (sweep.get("max_concurrent") or 1)),
+            "waiting_for": (self.dispatcher.waiting.get(sweep["id"]) if self.dispatcher
+                            else None),
             "stages": stages,
         }
 
-    @staticmethod
-    def _optuna_total(spec: SweepSpec) -> int:
-        from .plan import plan_shapes
-
-        return len(plan_shapes(spec)) * spec.search.n_trials
-
-    def _eta(self, sweep_id: str, remaining: int, concurrency: int) -> float | None:
-        if remaining <= 0:
-            return 0.0
-        times = [t["wall_time_s"] for t in self.store.trials(sweep_id, status="completed",
-                                                              limit=200)
-                 if t.get("wall_time_s") and not t.get("reused_from")]
-        if not times:
-            return None
-        return sum(times) / len(times) * remaining / max(1, concurrency)
-
     def cancel(self, sweep_id: str) -> dict[str, Any]:
         if self.store.get_sweep(sweep_id) is None:
-            raise NotFound(f"no sweep with id {sweep_id!r}")
+            raise NotFoundError(f"no sweep with id {sweep_id!r}")
         self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
         if self.dispatcher:
             self.dispatcher.wake()
@@ -138,21 +142,20 @@ class Coordinator:
     def fits(self, sweep_id: str, bootstrap: int = 100,
              reference_arm: str | None = None) -> dict[str, Any]:
         if self.store.get_sweep(sweep_id) is None:
-            raise NotFound(f"no sweep with id {sweep_id!r}")
+            raise NotFoundError(f"no sweep with id {sweep_id!r}")
         return fits_payload(sweep_report(self.store, sweep_id, bootstrap, reference_arm))
 
     def _sweep_finished(self, sweep_id: str) -> dict[str, str | bytes]:
+        """The artifacts of every hook for a finished sweep's parent run (mirror thread)."""
         artifacts: dict[str, str | bytes] = {}
         for hook in self.finished_hooks:
-            artifacts.update(hook(self, sweep_id) or {})
+            try:  # one failing hook does not cost the others' artifacts
+                artifacts.update(hook(self, sweep_id) or {})
+            except Exception:
+                log.exception("sweep-finished hook %s failed for %s",
+                              getattr(hook, "__name__", hook), sweep_id)
         return artifacts
 
 
 def _fit_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str]:
     return fits_artifacts(sweep_report(coordinator.store, sweep_id))
-
-
-def _dashboard_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str | bytes]:
-    from hptransfer.dashboards import dashboard_artifacts  # rendering layer, loaded on use
-
-    return dashboard_artifacts(coordinator, sweep_id)

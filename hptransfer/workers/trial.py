@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hptransfer.data.spec import DataSpec
 from hptransfer.models import ModelConfig, Parameterization
@@ -26,6 +26,7 @@ from hptransfer.models.config import (
     Arch,
     Position,
 )
+from hptransfer.status import TrialStatus
 
 # Frozen, no unknown keys, no coercion (a bool is not a number, 64.0 is not an int, "1" is
 # not 1) and no infinities or NaNs: what every spec model and trial model validates with.
@@ -183,13 +184,10 @@ class TrialSpec(BaseModel):
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-TrialStatus = Literal["completed", "diverged", "failed", "pruned"]
-
-
 class TrialResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    status: TrialStatus
+    status: TrialStatus  # one a worker can produce: TrialStatus.is_result()
     final_val_loss: float | None = None
     final_train_loss: float | None = None
     curve: list[dict[str, Any]] = []  # {step, tokens, train_loss, lr, val_loss?}
@@ -209,3 +207,10 @@ class TrialResult(BaseModel):
     spec_hash: str | None = None
     error: str | None = None
     notes: list[str] = []
+
+    @field_validator("status")
+    @classmethod
+    def _outcome(cls, value: TrialStatus) -> TrialStatus:
+        if not value.is_result():
+            raise ValueError(f"a trial result cannot be {value.value!r}")
+        return value

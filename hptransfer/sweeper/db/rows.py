@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 from sqlalchemy import inspect
@@ -36,7 +36,7 @@ class PlannedTrial(Protocol):
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def new_id(n: int) -> str:

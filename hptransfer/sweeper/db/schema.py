@@ -4,7 +4,7 @@ migrations/versions must describe the same tables (a test compares them)."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -25,19 +25,14 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-# "stopped": a study that ended early on purpose (e.g. no η* to transfer); `error` says why.
-SWEEP_STATUSES: tuple[str, ...] = (
-    "pending", "running", "completed", "cancelled", "failed", "stopped",
-)
-TRIAL_STATUSES: tuple[str, ...] = (
-    "pending", "running", "completed", "diverged", "failed", "cancelled", "pruned",
-)
-ACTIVE_STATUSES: tuple[str, ...] = ("pending", "running")  # of a trial or a sweep
-FINISHED_STATUSES: frozenset[str] = frozenset(TRIAL_STATUSES) - set(ACTIVE_STATUSES)
-# Sweeps whose pending trials may be leased; a failed/cancelled sweep runs nothing more.
-LEASABLE_SWEEP_STATUSES: tuple[str, ...] = ("pending", "running")
+from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
+
+# The vocabulary as SQL values (hptransfer.status defines it).
+SWEEP_STATUSES: tuple[str, ...] = tuple(SweepStatus)
+TRIAL_STATUSES: tuple[str, ...] = tuple(TrialStatus)
+ACTIVE_STATUSES: tuple[str, ...] = tuple(sorted(ACTIVE))  # of a trial or a sweep
 # Sweeps stopped for good: no trial is added, leased or refreshed back to running.
-STOPPED_SWEEP_STATUSES: tuple[str, ...] = ("cancelled", "failed", "stopped")
+STOPPED_SWEEP_STATUSES: tuple[str, ...] = tuple(s for s in SweepStatus if s.is_stopped())
 
 # Result fields copied into their own trial columns (typed, filterable, cheap to read).
 RESULT_FLOATS: tuple[str, ...] = ("final_val_loss", "flops", "wall_time_s")
@@ -55,8 +50,8 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            value = value.replace(tzinfo=timezone.utc)
-        value = value.astimezone(timezone.utc)
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
         # SQLite's DateTime drops the offset silently; make the UTC convention explicit.
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
@@ -64,8 +59,8 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
 
 def _json() -> JSON:
@@ -108,6 +103,11 @@ class Sweep(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # A staged study's state (stages planned so far, transferred HPs); None for a plain sweep.
     study: Mapped[dict[str, Any] | None] = mapped_column(_json())
+    # spec-derived numbers stored at submit, so a summary never re-validates the spec
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    planned_total: Mapped[int | None] = mapped_column(Integer)  # trials the sweep will have
+    # the sweep status last copied to MLflow (the mirror's marker; NULL: never)
+    mlflow_synced_status: Mapped[str | None] = mapped_column(String(16))
 
 
 class Trial(Base):
@@ -150,3 +150,23 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class Attempt(Base):
+    """One lease of a trial: what its MLflow run mirrors. `seq` counts every lease (also one
+    a dead coordinator left behind), so each attempt has its own deterministic run key."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (Index("ix_attempts_synced", "status", "mlflow_synced_status"),)
+
+    trial_id: Mapped[str] = mapped_column(
+        ForeignKey("trials.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)  # 1, 2, ... per trial
+    status: Mapped[str] = mapped_column(String(16))  # running, then the attempt's outcome
+    error: Mapped[str | None] = mapped_column(Text)
+    has_result: Mapped[bool] = mapped_column(Boolean)  # the trial's result is this attempt's
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
+    # the attempt status last copied to MLflow (the mirror's marker; NULL: never)
+    mlflow_synced_status: Mapped[str | None] = mapped_column(String(16))

@@ -28,6 +28,8 @@ from sqlalchemy import case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
+from hptransfer.status import TrialStatus
+
 from .engine import (
     MIGRATIONS_DIR,
     SQLITE_BUSY_TIMEOUT_MS,
@@ -41,6 +43,7 @@ from .engine import (
 )
 from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
 from .query import TrialFilters, bulk_update, chunks
+from .records import AttemptRecord, SweepMirrorRecord
 from .rows import (
     PlannedTrial,
     as_dict,
@@ -53,13 +56,12 @@ from .rows import (
 )
 from .schema import (
     ACTIVE_STATUSES,
-    FINISHED_STATUSES,
-    LEASABLE_SWEEP_STATUSES,
     NAMING_CONVENTION,
     RESULT_COLUMNS,
     STOPPED_SWEEP_STATUSES,
     SWEEP_STATUSES,
     TRIAL_STATUSES,
+    Attempt,
     Base,
     Sweep,
     Trial,
@@ -69,8 +71,6 @@ from .schema import (
 __all__ = [
     "ACTIVE_STATUSES",
     "DEFAULT_LEASE_SECONDS",
-    "FINISHED_STATUSES",
-    "LEASABLE_SWEEP_STATUSES",
     "MIGRATIONS_DIR",
     "NAMING_CONVENTION",
     "RESULT_COLUMNS",
@@ -91,7 +91,8 @@ __all__ = [
     "normalize_url",
 ]
 
-DEFAULT_LEASE_SECONDS = 6 * 3600  # a lease is renewed by its coordinator; this is a backstop
+DEFAULT_LEASE_SECONDS = 6 * 3600  # a backstop for several coordinators (requeue expired_only)
+ORPHANED = "coordinator died during this attempt; re-queued"
 
 
 class StoreError(Exception):
@@ -100,6 +101,26 @@ class StoreError(Exception):
 
 class NotFoundError(StoreError, LookupError):
     """No sweep or trial with that id."""
+
+
+def _end_attempt(s: Session, trial_id: str, status: str, error: str | None,
+                 has_result: bool = False) -> None:
+    """The trial's running attempt ends with the trial's (or the lost worker's) outcome."""
+    bulk_update(s, update(Attempt)
+                .where(Attempt.trial_id == trial_id, Attempt.status == "running")
+                .values(status=status, error=error, has_result=has_result,
+                        finished_at=utcnow()))
+
+
+def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
+                    result: dict[str, Any] | None, experiment_id: str | None,
+                    parent_run_id: str | None) -> AttemptRecord:
+    return AttemptRecord(
+        trial_id=a.trial_id, seq=a.seq, status=a.status, error=a.error,
+        started_at=a.started_at, finished_at=a.finished_at, mlflow_run_id=a.mlflow_run_id,
+        mlflow_synced_status=a.mlflow_synced_status, sweep_id=sweep_id,
+        experiment_id=experiment_id, parent_run_id=parent_run_id, arm=arm, spec=spec,
+        result=result if a.has_result else None)
 
 
 def _locked_sweep(s: Session, sweep_id: str) -> Sweep:
@@ -176,11 +197,15 @@ class Store:
         reuse: bool = True,
         max_attempts: int = 3,
         study: Mapping[str, Any] | None = None,
+        max_concurrent: int | None = None,
+        planned_total: int | None = None,
     ) -> str:
         """Insert a sweep and all its planned trials in one transaction; return the sweep id.
 
         `study`: the initial state of a staged study (see sweeper/study.py); such a sweep is
         never completed here, since its later stages are still to be planned.
+        `max_concurrent` and `planned_total` (the trials the sweep will have; default: the
+        planned ones) are kept so summaries never need the spec.
 
         With `reuse` and a `data_hash`, a trial whose content hash already completed on the
         same data is inserted completed, with the earlier result copied and `reused_from` set.
@@ -199,7 +224,8 @@ class Store:
             sweep = Sweep(
                 id=sweep_id, name=name, spec=dict(spec), spec_hash=spec_hash, status="pending",
                 search=search, data_hash=data_hash, reuse=reuse, max_attempts=max_attempts,
-                n_trials=len(items), created_at=now,
+                n_trials=len(items), created_at=now, max_concurrent=max_concurrent,
+                planned_total=len(items) if planned_total is None else planned_total,
                 study=dict(study) if study is not None else None,
             )
             s.add(sweep)
@@ -375,6 +401,18 @@ class Store:
                 out[sid][status] = int(n)
         return out
 
+    def mean_wall_times(self, sweep_ids: Sequence[str]) -> dict[str, float]:
+        """Mean wall time of the completed trials that ran (not reused), per sweep."""
+        out: dict[str, float] = {}
+        with self._read() as s:
+            for chunk in chunks(list(sweep_ids)):
+                stmt = (select(Trial.sweep_id, func.avg(Trial.wall_time_s))
+                        .where(Trial.sweep_id.in_(list(chunk)), Trial.status == "completed",
+                               Trial.reused_from.is_(None), Trial.wall_time_s > 0)
+                        .group_by(Trial.sweep_id))
+                out.update({sid: float(v) for sid, v in s.execute(stmt) if v is not None})
+        return out
+
     def trials(
         self,
         sweep_id: str,
@@ -439,7 +477,7 @@ class Store:
             stmt = (
                 select(Trial.id)
                 .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Trial.status == "pending", Sweep.status.in_(LEASABLE_SWEEP_STATUSES))
+                .where(Trial.status == "pending", Sweep.status.in_(ACTIVE_STATUSES))
                 .order_by(Sweep.created_at, Sweep.id, Trial.idx)
                 .limit(limit)
             )
@@ -479,6 +517,14 @@ class Store:
                 .where(Sweep.id.in_(to_start))
                 .values(status="running", started_at=now),
             )
+            # every lease is an attempt: seq continues after the trial's earlier leases
+            last_seq = dict(s.execute(
+                select(Attempt.trial_id, func.max(Attempt.seq))
+                .where(Attempt.trial_id.in_(ids)).group_by(Attempt.trial_id)).all())
+            s.execute(insert(Attempt), [
+                {"trial_id": tid, "seq": (last_seq.get(tid) or 0) + 1, "status": "running",
+                 "error": None, "has_result": False, "started_at": now, "finished_at": None,
+                 "mlflow_run_id": None, "mlflow_synced_status": None} for tid in ids])
             leased = s.scalars(
                 select(Trial)
                 .join(Sweep, Sweep.id == Trial.sweep_id)
@@ -486,20 +532,6 @@ class Store:
                 .order_by(Sweep.created_at, Sweep.id, Trial.idx)
             )
             return [trial_dict(t) for t in leased]
-
-    def renew_leases(
-        self,
-        owner: str,
-        lease_seconds: float = DEFAULT_LEASE_SECONDS,
-        trial_ids: Sequence[str] | None = None,
-    ) -> int:
-        """Extend the leases `owner` holds (its heartbeat); returns how many were extended."""
-        stmt = update(Trial).where(Trial.status == "running", Trial.lease_owner == owner)
-        if trial_ids is not None:
-            stmt = stmt.where(Trial.id.in_(list(trial_ids)))
-        stmt = stmt.values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
-        with self._write() as s:
-            return bulk_update(s, stmt)
 
     def finish_trial(
         self,
@@ -515,8 +547,8 @@ class Store:
         A completed or cancelled trial is never overwritten. With `owner`, the write also
         requires that coordinator to still hold the lease.
         """
-        if status not in FINISHED_STATUSES:
-            raise ValueError(f"finish status must be one of {sorted(FINISHED_STATUSES)}")
+        if status not in TRIAL_STATUSES or not TrialStatus(status).is_finished():
+            raise ValueError(f"finish status must be a finished one, got {status!r}")
         values: dict[str, Any] = {
             "status": status, "finished_at": utcnow(), "lease_expires_at": None, "error": error,
         }
@@ -535,7 +567,10 @@ class Store:
         if owner is not None:
             stmt = stmt.where(Trial.lease_owner == owner)
         with self._write() as s:
-            return bulk_update(s, stmt.values(**values)) == 1
+            if bulk_update(s, stmt.values(**values)) != 1:
+                return False
+            _end_attempt(s, trial_id, status, values["error"], result is not None)
+            return True
 
     def requeue(self, trial_id: str, error: str | None) -> str:
         """After a retryable failure: back to pending while attempts < max_attempts, else
@@ -546,6 +581,7 @@ class Store:
                 raise NotFoundError(f"no trial {trial_id!r}")
             if trial.status != "running":
                 return trial.status
+            _end_attempt(s, trial_id, "failed", error)
             trial.error = error
             trial.lease_owner = trial.lease_expires_at = None
             if trial.attempts < trial.max_attempts:
@@ -574,6 +610,13 @@ class Store:
         stopped = select(Sweep.id).where(Sweep.status.in_(STOPPED_SWEEP_STATUSES))
         released = {"lease_owner": None, "lease_expires_at": None}
         with self._write() as s:
+            bulk_update(
+                s,
+                update(Attempt)
+                .where(Attempt.status == "running",
+                       Attempt.trial_id.in_(select(Trial.id).where(*orphan)))
+                .values(status="cancelled", error=ORPHANED, finished_at=now),
+            )
             bulk_update(
                 s,
                 update(Trial)
@@ -609,12 +652,23 @@ class Store:
                 .where(Trial.sweep_id == sweep_id, Trial.status == "pending")
                 .values(status="cancelled", finished_at=now),
             )
-            if sweep.status in LEASABLE_SWEEP_STATUSES:
+            if sweep.status in ACTIVE_STATUSES:
                 sweep.status, sweep.finished_at = "cancelled", now
             running = select(Trial.id).where(
                 Trial.sweep_id == sweep_id, Trial.status == "running"
             )
             return list(s.scalars(running.order_by(Trial.idx)))
+
+    def fail_sweep(self, sweep_id: str, error: str) -> None:
+        """A sweep that cannot run (e.g. its stored spec no longer validates): failed with
+        the reason, its pending trials cancelled; running ones are the dispatcher's."""
+        now = utcnow()
+        with self._write() as s:
+            sweep = _locked_sweep(s, sweep_id)
+            bulk_update(s, update(Trial)
+                        .where(Trial.sweep_id == sweep_id, Trial.status == "pending")
+                        .values(status="cancelled", finished_at=now))
+            sweep.status, sweep.error, sweep.finished_at = "failed", error, now
 
     def mark_cancelled(self, trial_id: str) -> bool:
         """A pending or running trial becomes cancelled; False if it had already finished."""
@@ -624,7 +678,10 @@ class Store:
             .values(status="cancelled", finished_at=utcnow(), lease_expires_at=None)
         )
         with self._write() as s:
-            return bulk_update(s, stmt) == 1
+            if bulk_update(s, stmt) != 1:
+                return False
+            _end_attempt(s, trial_id, "cancelled", None)
+            return True
 
     # ---------------------------------------------------------------- sweep status
 
@@ -681,14 +738,82 @@ class Store:
             if bulk_update(s, stmt) == 0:
                 raise NotFoundError(f"no sweep {sweep_id!r}")
 
-    set_mlflow_ids = set_sweep_mlflow  # the name in the design brief
+    # ---------------------------------------------------------------- MLflow mirror
 
-    def set_trial_mlflow(self, trial_id: str, run_id: str) -> None:
-        """The trial's MLflow run (a child of the sweep's parent run)."""
+    def sweeps_to_mirror(self) -> list[SweepMirrorRecord]:
+        """Sweeps without an MLflow parent run yet, or whose status changed since mirrored."""
+        stmt = (select(Sweep)
+                .where(or_(Sweep.mlflow_run_id.is_(None),
+                           Sweep.mlflow_synced_status.is_distinct_from(Sweep.status)))
+                .order_by(Sweep.created_at, Sweep.id))
+        with self._read() as s:
+            return [SweepMirrorRecord(
+                id=x.id, name=x.name, spec=x.spec, status=x.status, created_at=x.created_at,
+                finished_at=x.finished_at, experiment_id=x.mlflow_experiment_id,
+                parent_run_id=x.mlflow_run_id, mlflow_synced_status=x.mlflow_synced_status,
+            ) for x in s.scalars(stmt)]
+
+    def mark_sweep_mirrored(self, sweep_id: str, status: str) -> None:
         with self._write() as s:
-            stmt = update(Trial).where(Trial.id == trial_id).values(mlflow_run_id=run_id)
-            if bulk_update(s, stmt) == 0:
-                raise NotFoundError(f"no trial {trial_id!r}")
+            bulk_update(s, update(Sweep).where(Sweep.id == sweep_id)
+                        .values(mlflow_synced_status=status))
+
+    def attempts_to_mirror(self, limit: int = 200) -> list[AttemptRecord]:
+        """Attempts whose status differs from the one last copied to MLflow, oldest first
+        (only of sweeps whose parent run exists: a run is created under it)."""
+        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
+                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
+                .join(Trial, Trial.id == Attempt.trial_id)
+                .join(Sweep, Sweep.id == Trial.sweep_id)
+                .where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status),
+                       Sweep.mlflow_run_id.is_not(None))
+                .order_by(Attempt.started_at, Attempt.trial_id, Attempt.seq).limit(limit))
+        with self._read() as s:
+            return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
+                    for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
+
+    def attempts(self, trial_id: str) -> list[AttemptRecord]:
+        """Every lease of a trial, in order."""
+        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
+                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
+                .join(Trial, Trial.id == Attempt.trial_id)
+                .join(Sweep, Sweep.id == Trial.sweep_id)
+                .where(Attempt.trial_id == trial_id).order_by(Attempt.seq))
+        with self._read() as s:
+            return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
+                    for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
+
+    def set_attempt_run(self, trial_id: str, seq: int, run_id: str) -> None:
+        """The attempt's MLflow run; also the trial's while this is its latest attempt."""
+        with self._write() as s:
+            bulk_update(s, update(Attempt)
+                        .where(Attempt.trial_id == trial_id, Attempt.seq == seq)
+                        .values(mlflow_run_id=run_id))
+            latest = select(func.max(Attempt.seq)).where(Attempt.trial_id == trial_id)
+            bulk_update(s, update(Trial)
+                        .where(Trial.id == trial_id, latest.scalar_subquery() == seq)
+                        .values(mlflow_run_id=run_id))
+
+    def mark_attempt_mirrored(self, trial_id: str, seq: int, status: str) -> None:
+        with self._write() as s:
+            bulk_update(s, update(Attempt)
+                        .where(Attempt.trial_id == trial_id, Attempt.seq == seq)
+                        .values(mlflow_synced_status=status))
+
+    def mirror_backlog(self, sweep_id: str | None = None) -> int:
+        """Sweeps and attempts MLflow does not show as they are in this database (0: caught
+        up)."""
+        sweeps = select(func.count()).select_from(Sweep).where(or_(
+            Sweep.mlflow_run_id.is_(None),
+            Sweep.mlflow_synced_status.is_distinct_from(Sweep.status)))
+        attempts = (select(func.count()).select_from(Attempt)
+                    .join(Trial, Trial.id == Attempt.trial_id)
+                    .where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status)))
+        if sweep_id is not None:
+            sweeps = sweeps.where(Sweep.id == sweep_id)
+            attempts = attempts.where(Trial.sweep_id == sweep_id)
+        with self._read() as s:
+            return int(s.scalar(sweeps) or 0) + int(s.scalar(attempts) or 0)
 
     # ---------------------------------------------------------------- analysis
 

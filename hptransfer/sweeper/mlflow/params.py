@@ -1,7 +1,7 @@
 """Values MLflow accepts: tracking-URI normalisation, flattened params, keys and values cut to
 MLflow's limits, and the names runs and files get.
 
-Pure functions with no MLflow import, shared by `tracking` (the Tracker) and `mlflow_outbox`.
+Pure functions with no MLflow import, used by the mirror.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0003_stages"
-down_revision: str | None = "0001"  # the lead re-chains this after 0002_mirror on merge
+down_revision: str | None = "0002_mirror"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

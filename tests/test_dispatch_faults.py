@@ -1,0 +1,136 @@
+"""Faults around the dispatcher with real components: an app database that cannot be written
+while trials finish (`chattr +i` on the SQLite files), and a stored sweep whose spec no
+longer validates. Nothing is dropped, the loop backs off and logs once per outage, and one bad
+sweep never blocks the others."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from hptransfer.config import get_settings
+from hptransfer.sweeper.plan import plan_sweep
+from hptransfer.sweeper.service import Coordinator
+from hptransfer.sweeper.spec import load_spec
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def chattr(flag: str, files: list[Path]) -> bool:
+    done = subprocess.run(["chattr", flag, *map(str, files)], capture_output=True)
+    return done.returncode == 0
+
+
+def immutable_supported(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    if shutil.which("chattr") is None or not chattr("+i", [probe]):
+        return False
+    try:
+        try:
+            probe.write_text("y")
+        except OSError:
+            return True
+        return False
+    finally:
+        chattr("-i", [probe])
+
+
+def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
+        hpt_home, ray_cluster, tiny_spec, tmp_path, caplog, monkeypatch):
+    if not immutable_supported(tmp_path):
+        pytest.skip("needs chattr +i (root on ext4/xfs) to make the database unwritable")
+    tiny_spec.update(name="db-outage", max_concurrent=2, reuse=False)
+    tiny_spec["grid"]["lrs"] = [2.0**-8, 2.0**-6]
+    tiny_spec["budget"] = {"steps": 400, "batch_size": 4}  # seconds: outlives the chattr
+    settings = get_settings()
+    coordinator = Coordinator(settings)
+    dispatcher = coordinator.dispatcher
+    ticks = {"n": 0}
+    real_tick = dispatcher.run_once
+
+    def counted_tick() -> bool:
+        ticks["n"] += 1
+        return real_tick()
+
+    monkeypatch.setattr(dispatcher, "run_once", counted_tick)
+    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+    db_files = [Path(settings.home) / name for name in ("hpt.db", "hpt.db-wal", "hpt.db-shm")]
+    coordinator.start()
+    locked = False
+    try:
+        sweep = coordinator.submit(tiny_spec)
+        wait_for(lambda: len(dispatcher.in_flight) == 2 and all(
+            f.last_step > 0 for f in dispatcher.in_flight.values()), 120,
+            "both trials to be training")
+        refs = [f.ref for f in dispatcher.in_flight.values()]
+        caplog.clear()
+        assert chattr("+i", [f for f in db_files if f.exists()])
+        locked = True
+        ticks_before = ticks["n"]
+        ray.wait(refs, num_returns=2, timeout=120)  # both trials finish during the outage
+        wait_for(lambda: dispatcher.last_error, 60, "a failed database write")
+        wait_for(lambda: ticks["n"] >= ticks_before + 4, 60, "retries during the outage")
+        outage_ticks = ticks["n"] - ticks_before
+        # the outcomes are kept, not dropped: both trials are still in flight
+        assert len(dispatcher.in_flight) == 2
+        assert all(f.outcome is None or f.outcome.status == "completed"
+                   for f in dispatcher.in_flight.values())
+        assert chattr("-i", [f for f in db_files if f.exists()])
+        locked = False
+        wait_for(lambda: coordinator.store.get_sweep(sweep["id"])["status"] == "completed",
+                 120, "the sweep to complete once the database is writable")
+    finally:
+        if locked:
+            chattr("-i", [f for f in db_files if f.exists()])
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep["id"], limit=None)
+    assert [r["status"] for r in rows] == ["completed", "completed"]
+    assert all(r["result"] and r["final_val_loss"] is not None and r["attempts"] == 1
+               for r in rows)
+    # one log line when the outage starts, one when it ends; not one per tick
+    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.sweeper.dispatch"]
+    assert outage_ticks >= 4
+    assert sum("dispatch failing" in m for m in lines) == 1, lines
+    assert sum("dispatch recovered" in m for m in lines) == 1, lines
+    assert len(lines) == 2, lines
+
+
+def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
+        hpt_home, ray_cluster, tiny_spec):
+    coordinator = Coordinator(get_settings())
+    good = dict(tiny_spec, name="good")
+    # stored as an older version (or a direct write) left it: trials planned, spec invalid now
+    bad_spec = load_spec(dict(tiny_spec, name="bad"))
+    stored = bad_spec.model_dump(mode="json")
+    stored["grid"]["widths"] = [48]  # not a multiple of head_dim 32
+    bad_id = coordinator.store.create_sweep(
+        name="bad", spec=stored, spec_hash="x", search="grid", planned=plan_sweep(bad_spec),
+        reuse=False, max_concurrent=2)
+    coordinator.start()
+    try:
+        good_id = coordinator.submit(good)["id"]
+        wait_for(lambda: coordinator.store.get_sweep(good_id)["status"] == "completed", 180,
+                 "the good sweep to complete")
+    finally:
+        coordinator.stop()
+    bad = coordinator.store.get_sweep(bad_id)
+    assert bad["status"] == "failed"
+    assert "stored spec is invalid" in bad["error"] and "grid.widths" in bad["error"]
+    assert set(coordinator.store.status_counts(bad_id).items()) >= {("cancelled", 3)}
+    summary = coordinator.summary(bad_id)  # the listing still answers for it
+    assert summary["done"] == summary["total"] == 3
