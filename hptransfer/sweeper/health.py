@@ -181,7 +181,7 @@ def check_mlflow(uri: str, artifacts: Path | None = None,
         if not db.exists():
             return Check("mlflow", False, f"{shown}: the database file is gone",
                          "restore the file from a backup or restart `hpt serve` to start a "
-                         "new store (records since then are in HPT_HOME/mlflow-outbox)")
+                         "new store (the app DB keeps every result; the mirror copies them again)")
         detail = f"{shown} (SQLite, mlflow {mlflow.__version__})"
         root = artifacts or db.parent / "mlartifacts"
         if not os.access(root if root.exists() else root.parent, os.W_OK):
