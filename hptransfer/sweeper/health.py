@@ -96,15 +96,20 @@ def check_database(url: str, engine: Any | None = None) -> Check:
     return Check("database", True, f"{shown} (migrations at head {head})")
 
 
+def _ping(url: str) -> None:
+    """One round trip to a database URL; raises when it cannot be reached."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    finally:
+        engine.dispose()
+
+
 def check_optuna(url: str) -> Check:
     shown = mask_url(url)
     try:
-        engine = make_engine(url)
-        try:
-            with engine.connect() as conn:
-                conn.exec_driver_sql("SELECT 1")
-        finally:
-            engine.dispose()
+        _ping(url)
     except Exception as exc:
         return Check("optuna", False, f"{shown} unreachable ({_short(exc)})",
                      "start the database server or fix HPT_OPTUNA_URL")
@@ -212,12 +217,7 @@ def check_mlflow(uri: str, artifacts: Path | None = None,
         detail = f"{shown} (server mlflow {server}, artifacts proxied)"
     else:  # a database URL: MLflow opens it itself
         try:
-            engine = make_engine(uri)
-            try:
-                with engine.connect() as conn:
-                    conn.exec_driver_sql("SELECT 1")
-            finally:
-                engine.dispose()
+            _ping(uri)
         except Exception as exc:
             return Check("mlflow", False, f"{shown} unreachable ({_short(exc)})",
                          "start the database server or fix MLFLOW_TRACKING_URI")
