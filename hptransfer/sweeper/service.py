@@ -20,6 +20,7 @@ from .db.store import NotFoundError, Store
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .mlflow.mirror import Mirror
+from .mlflow.tracking import prepare_sqlite_store
 from .plan import plan_shapes, plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec, storable
 from .study import initial_state, study_progress
@@ -36,6 +37,10 @@ class Coordinator:
         self.store = Store(self.settings.database_url)
         self.store.migrate()
         self.finished_hooks: list[FinishedHook] = [_fit_artifacts]
+        try:  # the local MLflow store exists from the start (mlflow ui and /health open it)
+            prepare_sqlite_store(self.settings.mlflow_uri)
+        except ConnectionError as exc:
+            log.warning("MLflow store not ready: %s", exc)
         # an `mlflow server` picks the artifact location itself (proxied: mlflow-artifacts:/);
         # a local path here would bypass it and land on the coordinator's disk
         server = self.settings.mlflow_uri.startswith(("http://", "https://"))

@@ -22,6 +22,20 @@ from .params import normalize_tracking_uri, sqlite_path
 log = logging.getLogger(__name__)
 
 
+def prepare_sqlite_store(tracking_uri: str) -> None:
+    """Create a local SQLite tracking store now, in WAL mode: readers (mlflow ui) no longer
+    block sweep writes, and the file /health watches exists from the start. No-op for others."""
+    db = sqlite_path(normalize_tracking_uri(tracking_uri))
+    if db is None:
+        return
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.closing(sqlite3.connect(db, timeout=10)) as con:
+            con.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as exc:
+        raise ConnectionError(f"cannot open {db}: {exc}") from exc
+
+
 def open_client(tracking_uri: str) -> Any:
     """An `MlflowClient` of its own (MLflow's global fluent state is never touched)."""
     from mlflow.tracking import MlflowClient  # heavy import, only when mirroring
@@ -30,15 +44,7 @@ def open_client(tracking_uri: str) -> Any:
     if uri.startswith(("http://", "https://")):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    db = sqlite_path(uri)
-    if db is not None:
-        try:
-            db.parent.mkdir(parents=True, exist_ok=True)
-            # WAL persists in the file: readers (mlflow ui) no longer block sweep writes
-            with contextlib.closing(sqlite3.connect(db, timeout=10)) as con:
-                con.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.Error as exc:
-            raise ConnectionError(f"cannot open {db}: {exc}") from exc
+    prepare_sqlite_store(uri)
     try:
         return MlflowClient(uri)
     except Exception as exc:  # a store that cannot be opened is "away": retried later

@@ -1,0 +1,116 @@
+"""Listing latency under concurrent clients: GET /sweeps and /dashboards with many stored sweeps.
+
+A real `hpt serve` (uvicorn, SQLite app DB, no dispatcher work: every sweep is cancelled so
+nothing trains) runs as a subprocess in a scratch HPT_HOME holding `--sweeps` sweeps (each 4
+trials). `--clients` concurrent clients then issue `--requests` requests each against:
+
+* baseline: GET /health?deep=false — the cheapest route of the same server, same run;
+* GET /sweeps (a page of 100 summaries) and GET /dashboards (the HTML index of every sweep).
+
+It prints p50/p99 per route and the ratio of each route's p50/p99 to the baseline's, so the
+figures survive a noisy, shared machine.
+
+    .venv/bin/python benchmarks/listing_latency.py [--sweeps 200] [--clients 50] [--requests 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from hptransfer.api.server import free_port
+from hptransfer.client import Client
+
+
+def tiny_spec(i: int) -> dict:
+    return {
+        "name": f"listing-{i}",
+        "arms": [{"arch": "gpt", "parameterization": "sp"}],
+        "grid": {"widths": [32], "depths": [1], "lrs": [0.001, 0.002, 0.004, 0.008],
+                 "sigma_bases": [0.02], "seeds": [0]},
+        "fixed": {"head_dim": 32, "seq_len": 16, "batch_size": 2, "device": "cpu"},
+        "budget": {"steps": 2},
+        "max_concurrent": 1,
+        "reuse": False,
+    }
+
+
+async def hammer(url: str, path: str, clients: int, requests: int) -> np.ndarray:
+    times: list[float] = []
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        async def one_client() -> None:
+            for _ in range(requests):
+                t0 = time.perf_counter()
+                r = await http.get(path)
+                times.append(time.perf_counter() - t0)
+                r.raise_for_status()
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    return np.array(times) * 1000.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweeps", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("--requests", type=int, default=10)
+    a = ap.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="hpt-listing-"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "HPT_DATABASE_URL", "MLFLOW_TRACKING_URI", "HPT_API_TOKEN")}
+    env.update(HPT_HOME=str(home), HPT_PORT=str(port))
+    server = subprocess.Popen([sys.executable, "-m", "hptransfer.cli", "serve"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("server did not start")
+            time.sleep(0.5)
+        with Client(url) as c:
+            for i in range(a.sweeps):
+                sid = c.submit(tiny_spec(i))["id"]
+                c.cancel(sid)  # stored, listed, never trained
+        rows = {}
+        for name, path in (("baseline /health", "/health"), ("GET /sweeps", "/sweeps?limit=100"),
+                           ("GET /dashboards", "/dashboards")):
+            asyncio.run(hammer(url, path, 4, 2))  # warm up
+            rows[name] = asyncio.run(hammer(url, path, a.clients, a.requests))
+        base = rows["baseline /health"]
+        b50, b99 = np.percentile(base, 50), np.percentile(base, 99)
+        print(f"{a.sweeps} sweeps stored, {a.clients} concurrent clients x {a.requests} requests")
+        print(f"{'route':<18} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}")
+        for name, t in rows.items():
+            p50, p99 = np.percentile(t, 50), np.percentile(t, 99)
+            print(f"{name:<18} {p50:8.1f} {p99:8.1f} {p50 / b50:9.2f} {p99 / b99:9.2f}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
