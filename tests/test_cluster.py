@@ -110,15 +110,22 @@ def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
     no trial has two finished runs."""
     ml = _mlflow(cluster)
     assert ml.tracking_uri.startswith("http://")
-    sweep = _store(cluster).get_sweep(sweep_id)
+    store = _store(cluster)
+    deadline = time.time() + 120  # MLflow mirrors the app DB shortly after
+    while store.mirror_backlog(sweep_id) > 1:  # the sweep's own end may come with artifacts
+        assert time.time() < deadline, "the MLflow mirror never caught up"
+        time.sleep(0.5)
+    sweep = store.get_sweep(sweep_id)
     parent = ml.get_run(sweep["mlflow_run_id"])
     assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
     runs = ml.search_runs([sweep["mlflow_experiment_id"]], max_results=1000)
-    finished = Counter(r.data.tags.get("hpt.trial_id") for r in runs
-                       if r.info.status == "FINISHED" and r.info.run_id != parent.info.run_id)
+    finished_runs = [r for r in runs
+                     if r.info.status == "FINISHED" and r.info.run_id != parent.info.run_id]
+    finished = Counter(r.data.tags.get("hpt.trial_id") for r in finished_runs)
+    run_of = {r.data.tags.get("hpt.trial_id"): r.info.run_id for r in finished_runs}
     for row in rows:
         assert finished[row["id"]] == 1, (row["id"], finished)
-        run = ml.get_run(row["mlflow_run_id"])
+        run = ml.get_run(run_of[row["id"]])
         assert run.info.status == "FINISHED"
         if row["final_val_loss"] is not None:
             assert run.data.metrics["final_val_loss"] == pytest.approx(row["final_val_loss"])
@@ -189,8 +196,9 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while True:
         rows = store.trials(sweep_id, status="running", limit=None)
-        live = [r for r in rows if r.get("mlflow_run_id")
-                and ml.get_metric_history(r["mlflow_run_id"], "train_loss")]
+        # each attempt has its own run (MLflow mirrors the app DB's attempts)
+        runs = [a.mlflow_run_id for r in rows for a in store.attempts(r["id"])[-1:]]
+        live = [run for run in runs if run and ml.get_metric_history(run, "train_loss")]
         if len(live) >= n:
             return
         assert time.time() < deadline, rows

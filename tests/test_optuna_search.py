@@ -455,9 +455,9 @@ def test_report_and_dashboard_mark_pruned_trials_and_their_step():
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("n_startup", 8, "more than n_trials (7)"),
     ("n_startup", 1, "greater than or equal to 2"),
-    ("n_startup", "3", "valid integer"),
-    ("n_trials", True, "valid integer"),
-    ("prune_after", True, "valid number"),
+    ("n_startup", "3", "must be an integer, got the string"),
+    ("n_trials", True, "must be an integer, got the boolean"),
+    ("prune_after", True, "must be a number, got the boolean"),
     ("prune_after", 1.5, "less than or equal to 1"),
     ("prune_after", float("nan"), "finite number"),
     ("keep_top", 0, "greater than or equal to 1"),

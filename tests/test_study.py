@@ -328,22 +328,3 @@ def test_study_report_takes_each_fit_from_its_stage():
     assert not row["reliable"] and "below the bracket" in row["reason"]
 
 
-def test_optuna_drives_the_tune_stage(server):
-    url, _ = server
-    spec = small_study("study-optuna")
-    spec["arms"] = [{"arch": "gpt", "parameterization": "completep"}]
-    spec["search"] = {"method": "optuna", "sampler": "qmc", "pruner": "none", "n_trials": 5}
-    spec["grid"]["lrs"] = [2.0**-10, 2.0**-2]  # the range Optuna samples from
-    with Client(url) as c:
-        first = c.submit(spec)
-        assert first["stages"][0]["total"] == 5
-        done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
-        df = c.trials(first["id"])
-    tune = df[df["stage"] == "tune"]
-    assert len(tune) >= 5 and tune["optuna_trial_number"].notna().sum() == 5
-    assert done["status"] in ("completed", "stopped"), done
-    if done["status"] == "completed":
-        assert {"transfer", "check"} <= set(df["stage"])
-        assert df["content_hash"].is_unique
-    else:
-        assert "tune stage gave no η*" in done["error"]
