@@ -39,8 +39,8 @@ def tiny_spec(i: int) -> dict:
         "arms": [{"arch": "gpt", "parameterization": "sp"}],
         "grid": {"widths": [32], "depths": [1], "lrs": [0.001, 0.002, 0.004, 0.008],
                  "sigma_bases": [0.02], "seeds": [0]},
-        "fixed": {"head_dim": 32, "seq_len": 16, "batch_size": 2, "device": "cpu"},
-        "budget": {"steps": 2},
+        "fixed": {"head_dim": 32, "seq_len": 16, "device": "cpu"},
+        "budget": {"steps": 2, "batch_size": 2},
         "max_concurrent": 1,
         "reuse": False,
     }
