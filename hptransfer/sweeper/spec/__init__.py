@@ -1,36 +1,5 @@
-"""The sweep spec: pydantic models (`model`, `sections`), loading from YAML/JSON/paths
-(`loading`) and field-named errors (`errors`)."""
+"""The sweep spec: pydantic models (`model`, `sections`, `stages`), loading from YAML/JSON/paths
+(`loading`) and field-named errors (`errors`). The public names are `model.__all__`."""
 
-from .model import (
-    Arm,
-    Fixed,
-    Grid,
-    LogRange,
-    LrGrid,
-    PositiveFloat,
-    PositiveInt,
-    Resources,
-    Search,
-    SpecError,
-    SweepBudget,
-    SweepSpec,
-    load_spec,
-    storable,
-)
-
-__all__ = [
-    "Arm",
-    "Fixed",
-    "Grid",
-    "LogRange",
-    "LrGrid",
-    "PositiveFloat",
-    "PositiveInt",
-    "Resources",
-    "Search",
-    "SpecError",
-    "SweepBudget",
-    "SweepSpec",
-    "load_spec",
-    "storable",
-]
+from .model import *  # noqa: F403
+from .model import __all__  # noqa: F401
