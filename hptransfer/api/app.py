@@ -19,6 +19,7 @@ from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
 from .health import remember_mlflow_store
+from .listing import ListingCache
 from .routes import router
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True) -> FastA
         # assembled here: the dashboards land on each finished sweep's MLflow parent run
         app.state.coordinator.finished_hooks.append(dashboard_artifacts)
         app.state.coordinator.start()
+        app.state.listings = ListingCache(app.state.coordinator.listing_version)
         remember_mlflow_store(app)
         try:
             yield

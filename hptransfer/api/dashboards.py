@@ -26,9 +26,15 @@ _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
 
 @router.get("", response_class=HTMLResponse)
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-def dashboards_index(request: Request) -> HTMLResponse:
-    """Every sweep with its status, progress and a link to its dashboard."""
-    return HTMLResponse(render_index_html(coordinator(request).summaries(limit=INDEX_LIMIT)))
+async def dashboards_index(request: Request) -> HTMLResponse:
+    """Every sweep with its status, progress and a link to its dashboard (rendered once per
+    change: see `hptransfer.api.listing`)."""
+    c = coordinator(request)
+
+    def build() -> bytes:
+        return render_index_html(c.summaries(limit=INDEX_LIMIT)).encode()
+
+    return HTMLResponse(await request.app.state.listings.get(("dashboards",), build))
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)

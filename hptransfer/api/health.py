@@ -8,12 +8,19 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from hptransfer.sweeper.health import Check, MlflowStoreWatch, mask_url, run_checks
+from hptransfer.sweeper.health import (
+    Check,
+    MlflowStoreWatch,
+    ProbeCache,
+    mask_url,
+    run_checks,
+)
 
 
 def remember_mlflow_store(app: FastAPI) -> None:
     """Note which MLflow store the coordinator started with (after it opened it)."""
     app.state.mlflow_store = MlflowStoreWatch(app.state.coordinator.settings.mlflow_uri)
+    app.state.health_probes = ProbeCache()
 
 
 def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
@@ -34,7 +41,8 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
 
     checks = run_checks(c.settings, deep=deep, connect_ray=False,
                         use_ray=c.dispatcher is not None, engine=c.store.engine,
-                        mlflow_started_with=app.state.mlflow_store, extra=[dispatcher])
+                        mlflow_started_with=app.state.mlflow_store, extra=[dispatcher],
+                        probes=app.state.health_probes)
     db_ok = checks[0].ok
     ray_on = ray.is_initialized()
     body: dict[str, Any] = {

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from pydantic import TypeAdapter
 
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.status import TrialStatus
@@ -21,6 +22,7 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
 MAX_OFFSET = 10**9
 MUTATION = [Depends(require_token), Depends(require_json)]
 TRIAL_STATUSES = "|".join(TrialStatus)
+_SUMMARIES = TypeAdapter(list[SweepSummary])
 
 
 def coordinator(request: Request):
@@ -54,12 +56,21 @@ def submit_sweep(
 
 
 @router.get("/sweeps", response_model=list[SweepSummary], tags=["sweeps"])
-def list_sweeps(
+async def list_sweeps(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
-) -> list[dict[str, Any]]:
-    return coordinator(request).summaries(limit=limit, offset=offset)
+) -> Response:
+    """A page of sweep summaries, newest first. Served from the listing cache while nothing
+    changed (see `hptransfer.api.listing`): the same JSON, validated against the model once."""
+    c = coordinator(request)
+
+    def build() -> bytes:
+        return _SUMMARIES.dump_json(_SUMMARIES.validate_python(
+            c.summaries(limit=limit, offset=offset)))
+
+    body = await request.app.state.listings.get(("sweeps", limit, offset), build)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=ERRORS, tags=["sweeps"])

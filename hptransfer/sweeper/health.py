@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from .db.engine import current_revision, make_engine, packaged_head
 from .mlflow.params import normalize_tracking_uri, sqlite_path
 
 HTTP_TIMEOUT_S = 5.0
+PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
 PROBE_TIMEOUT_S = 60.0  # a busy node needs a few seconds to start a worker process
 REQUIRE_ENV = "HPT_RAY_REQUIRE"  # resource labels some alive node must carry, e.g. hpt_worker
 _SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
@@ -409,16 +412,59 @@ def _local_checks(settings: Settings) -> list[Check]:
                   None if ok else "create the data roots / fix their permissions")]
 
 
+class ProbeCache:
+    """The results of probes of external components (Optuna storage, an MLflow server or
+    database, the Ray cluster) reused for `ttl_s` seconds: a /health polled by many clients
+    costs one round trip per component per interval, not one per request. Concurrent
+    misses of one probe wait for a single run of it."""
+
+    def __init__(self, ttl_s: float = PROBE_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._results: dict[str, tuple[float, list[Check]]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def __call__(self, name: str, probe: Callable[[], list[Check]]) -> list[Check]:
+        with self._guard:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            hit = self._results.get(name)
+            if hit is not None and time.monotonic() - hit[0] <= self.ttl_s:
+                return hit[1]
+            checks = probe()
+            self._results[name] = (time.monotonic(), checks)
+            return checks
+
+
+def _uncached(_name: str, probe: Callable[[], list[Check]]) -> list[Check]:
+    return probe()
+
+
 def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = True,
                use_ray: bool = True, engine: Any | None = None,
                mlflow_started_with: MlflowStoreWatch | None = None,
-               extra: Iterable[Callable[[], Check]] = ()) -> list[Check]:
-    """Every component's check, in dependency order (`use_ray=False`: an API-only server)."""
+               extra: Iterable[Callable[[], Check]] = (),
+               probes: ProbeCache | None = None) -> list[Check]:
+    """Every component's check, in dependency order (`use_ray=False`: an API-only server).
+
+    With `probes`, the checks that go over the network (Optuna, MLflow unless it is a local
+    SQLite file, Ray without `deep`) may come from its cache; the app database, a local
+    MLflow file and the `extra` checks always run now."""
+    cached = probes or _uncached
+    local_mlflow = sqlite_path(normalize_tracking_uri(settings.mlflow_uri)) is not None
+
+    def mlflow() -> list[Check]:
+        return [check_mlflow(settings.mlflow_uri, settings.mlflow_artifacts,
+                             mlflow_started_with)]
+
+    def ray_checks() -> list[Check]:
+        return _ray_checks(settings, deep, connect_ray)
+
     checks = [
         check_database(settings.database_url, engine),
-        check_optuna(settings.optuna_url),
-        check_mlflow(settings.mlflow_uri, settings.mlflow_artifacts, mlflow_started_with),
-        *(_ray_checks(settings, deep, connect_ray) if use_ray
+        *cached("optuna", lambda: [check_optuna(settings.optuna_url)]),
+        *(mlflow() if local_mlflow else cached("mlflow", mlflow)),
+        *((ray_checks() if deep else cached("ray", ray_checks)) if use_ray
           else [Check("ray", True, "not used (no dispatcher)")]),
     ]
     checks += [fn() for fn in extra]

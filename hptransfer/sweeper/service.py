@@ -16,6 +16,7 @@ from hptransfer.data import DataError, load_dataset
 from hptransfer.status import TrialStatus
 
 from .admission import admit
+from .db.changes import CommitCounter
 from .db.store import NotFoundError, Store
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
@@ -36,6 +37,7 @@ class Coordinator:
         self.settings = (settings or get_settings()).ensure_dirs()
         self.store = Store(self.settings.database_url)
         self.store.migrate()
+        self.changes = CommitCounter(self.store.engine)  # the listings' cache key
         self.finished_hooks: list[FinishedHook] = [_fit_artifacts]
         try:  # the local MLflow store exists from the start (mlflow ui and /health open it)
             prepare_sqlite_store(self.settings.mlflow_uri)
@@ -111,6 +113,12 @@ class Coordinator:
         sweeps = self.store.list_sweeps(limit=limit, offset=offset)
         means = self.store.mean_wall_times([s["id"] for s in sweeps])
         return [self._summarise(s, means.get(s["id"])) for s in sweeps]
+
+    def listing_version(self) -> tuple[int, tuple[tuple[str, str], ...]]:
+        """Changes whenever `summaries` could: a commit to the app database through this
+        process, or the dispatcher's reasons why sweeps wait (kept in memory, not stored)."""
+        waiting = dict(self.dispatcher.waiting) if self.dispatcher else {}  # a copy: atomic
+        return self.changes.value, tuple(sorted(waiting.items()))
 
     def _summarise(self, sweep: dict[str, Any], mean_wall_s: float | None) -> dict[str, Any]:
         """Progress from the row's counts and the numbers stored at submit (no spec). The
