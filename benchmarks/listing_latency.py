@@ -10,7 +10,10 @@ concurrent clients then issue `--requests` requests each against:
 * baseline: GET /docs — FastAPI's Swagger page: the same server's HTTP stack, no database and
   no checks (a small HTML string built per request), measured in the same run;
 * GET /health (the component checks), GET /sweeps (a page of 100 summaries) and
-  GET /dashboards (the HTML index of every sweep).
+  GET /dashboards (the HTML index of every sweep);
+* the two listings again while the app database changes `--churn` times a second (a cancel
+  of a cancelled sweep: one commit each), so the listings are rebuilt as they are while
+  sweeps run, not only served from the listing cache.
 
 It prints p50/p99 per route and the ratio of each route's p50/p99 to the baseline's, so the
 figures survive a noisy, shared machine.
@@ -52,9 +55,12 @@ def tiny_spec(i: int) -> dict:
     }
 
 
-async def hammer(url: str, path: str, clients: int, requests: int) -> np.ndarray:
+async def hammer(url: str, path: str, clients: int, requests: int,
+                 churn: tuple[str, float] | None = None) -> np.ndarray:
+    """Latencies (ms) of `clients` x `requests` GETs of `path`; with `churn` (a path, a
+    rate), a POST to that path at that rate meanwhile (not timed)."""
     times: list[float] = []
-    limits = httpx.Limits(max_connections=clients)
+    limits = httpx.Limits(max_connections=clients + 1)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
         async def one_client() -> None:
             for _ in range(requests):
@@ -63,7 +69,17 @@ async def hammer(url: str, path: str, clients: int, requests: int) -> np.ndarray
                 times.append(time.perf_counter() - t0)
                 r.raise_for_status()
 
-        await asyncio.gather(*(one_client() for _ in range(clients)))
+        async def writer(post: str, rate: float) -> None:
+            while True:
+                (await http.post(post, json={})).raise_for_status()
+                await asyncio.sleep(1.0 / rate)
+
+        task = asyncio.create_task(writer(*churn)) if churn else None
+        try:
+            await asyncio.gather(*(one_client() for _ in range(clients)))
+        finally:
+            if task:
+                task.cancel()
     return np.array(times) * 1000.0
 
 
@@ -83,6 +99,8 @@ def main() -> None:
     ap.add_argument("--sweeps", type=int, default=200)
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--requests", type=int, default=10)
+    ap.add_argument("--churn", type=float, default=10.0,
+                    help="commits a second during the second round of listings")
     ap.add_argument("--settle", type=float, default=300.0,
                     help="seconds to wait at most for the MLflow mirror to catch up")
     a = ap.parse_args()
@@ -110,21 +128,26 @@ def main() -> None:
             for i in range(a.sweeps):
                 sid = c.submit(tiny_spec(i))["id"]
                 c.cancel(sid)  # stored, listed, never trained
+        churn = (f"/sweeps/{sid}/cancel", a.churn)
         settled = wait_for_mirror(home, a.settle)
         rows = {}
-        for name, path in (("baseline /docs", "/docs"), ("GET /health", "/health"),
-                           ("GET /sweeps", "/sweeps?limit=100"),
-                           ("GET /dashboards", "/dashboards")):
+        writes = f"{a.churn:g} commits/s"
+        for name, path, writing in (
+            ("baseline /docs", "/docs", None), ("GET /health", "/health", None),
+            ("GET /sweeps", "/sweeps?limit=100", None), ("GET /dashboards", "/dashboards", None),
+            (f"GET /sweeps, {writes}", "/sweeps?limit=100", churn),
+            (f"GET /dashboards, {writes}", "/dashboards", churn),
+        ):
             asyncio.run(hammer(url, path, 4, 2))  # warm up
-            rows[name] = asyncio.run(hammer(url, path, a.clients, a.requests))
+            rows[name] = asyncio.run(hammer(url, path, a.clients, a.requests, writing))
         base = rows["baseline /docs"]
         b50, b99 = np.percentile(base, 50), np.percentile(base, 99)
         print(f"{a.sweeps} sweeps stored, {a.clients} concurrent clients x {a.requests} requests"
               f"; {settled}")
-        print(f"{'route':<18} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}")
+        print(f"{'route':<32} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}")
         for name, t in rows.items():
             p50, p99 = np.percentile(t, 50), np.percentile(t, 99)
-            print(f"{name:<18} {p50:8.1f} {p99:8.1f} {p50 / b50:9.2f} {p99 / b99:9.2f}")
+            print(f"{name:<32} {p50:8.1f} {p99:8.1f} {p50 / b50:9.2f} {p99 / b99:9.2f}")
     finally:
         server.send_signal(signal.SIGTERM)
         try:
