@@ -48,3 +48,22 @@ def test_listing_200_sweeps_takes_as_many_queries_as_listing_5(hpt_home, tiny_sp
         assert len(api.get("/sweeps", params={"limit": 1000}).json()) == 200
     assert few == many, (few, many)
     assert many <= 10  # sweeps, their counts and mean wall times, per endpoint
+
+
+def test_an_unchanged_listing_runs_no_query_and_a_commit_shows_at_once(hpt_home, tiny_spec):
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        store = api.app.state.coordinator.store
+        add_sweeps(store, 3, tiny_spec)
+        first = api.get("/sweeps").json()
+        page = api.get("/dashboards").text
+
+        def again() -> None:
+            assert api.get("/sweeps").json() == first
+            assert api.get("/dashboards").text == page
+
+        assert statements(store.engine, again) == 0  # served from the listing cache
+        add_sweeps(store, 1, tiny_spec)  # a commit: the next listing is rebuilt
+        assert [s["name"] for s in api.get("/sweeps").json()] == ["s0", "s2", "s1", "s0"]
+        assert api.get("/dashboards").text.count("/dashboards/sweeps/") == 4
+        # other pages and offsets are their own entries, rebuilt from the same state
+        assert len(api.get("/sweeps", params={"limit": 2, "offset": 3}).json()) == 1

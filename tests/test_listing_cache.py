@@ -1,0 +1,112 @@
+"""The listing cache's invalidation: the app database's commit counter (a real SQLite
+engine), the time limit, one build per key; and /health's probe cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from sqlalchemy import text
+
+from hptransfer.api.listing import ListingCache
+from hptransfer.sweeper.db.changes import CommitCounter
+from hptransfer.sweeper.db.engine import for_writing, make_engine
+from hptransfer.sweeper.health import Check, ProbeCache
+
+
+def test_commits_move_the_counter_and_reads_do_not(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'c.db'}")
+    counter = CommitCounter(engine)
+    with for_writing(engine).begin() as conn:
+        conn.execute(text("CREATE TABLE t (x INTEGER)"))
+    after_ddl = counter.value
+    assert after_ddl > 0
+    with engine.connect() as conn:
+        conn.execute(text("SELECT * FROM t")).all()
+    assert counter.value == after_ddl
+    with for_writing(engine).begin() as conn:
+        conn.execute(text("INSERT INTO t VALUES (1)"))
+    assert counter.value > after_ddl
+    with for_writing(engine).begin() as conn:  # a failed write commits nothing
+        conn.execute(text("INSERT INTO t VALUES (2)"))
+        conn.rollback()
+    before = counter.value
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM t")).scalar() == 1
+    assert counter.value == before
+    engine.dispose()
+
+
+def test_the_cache_rebuilds_on_a_new_version_or_after_its_time_limit():
+    version, builds = [0], []
+
+    def build() -> bytes:
+        builds.append(version[0])
+        return f"v{version[0]}".encode()
+
+    async def run() -> None:
+        cache = ListingCache(lambda: version[0], ttl_s=0.2)
+        assert await cache.get("k", build) == b"v0"
+        assert await cache.get("k", build) == b"v0"
+        assert builds == [0]
+        version[0] = 1
+        assert await cache.get("k", build) == b"v1"
+        assert await cache.get("other", build) == b"v1"
+        assert builds == [0, 1, 1]
+        time.sleep(0.3)  # writers in other processes: bounded by the time limit
+        assert await cache.get("k", build) == b"v1"
+        assert builds == [0, 1, 1, 1]
+
+    asyncio.run(run())
+
+
+def test_a_commit_during_a_build_makes_that_entry_stale():
+    version = [0]
+
+    def build() -> bytes:
+        body = f"v{version[0]}".encode()
+        version[0] += 1  # a writer commits while the listing is being built
+        return body
+
+    async def run() -> None:
+        cache = ListingCache(lambda: version[0], ttl_s=60)
+        assert await cache.get("k", build) == b"v0"
+        assert await cache.get("k", build) == b"v1"  # rebuilt, not served stale
+
+    asyncio.run(run())
+
+
+def test_concurrent_misses_build_once():
+    started, release, builds = threading.Event(), threading.Event(), []
+
+    def build() -> bytes:
+        builds.append(1)
+        started.set()
+        release.wait(5)
+        return b"x"
+
+    async def run() -> list[bytes]:
+        cache = ListingCache(lambda: 0)
+        tasks = [asyncio.create_task(cache.get("k", build)) for _ in range(8)]
+        await asyncio.to_thread(started.wait, 5)
+        await asyncio.sleep(0.1)
+        release.set()
+        return await asyncio.gather(*tasks)
+
+    assert asyncio.run(run()) == [b"x"] * 8
+    assert builds == [1]
+
+
+def test_probe_cache_reuses_a_probe_within_its_time_limit():
+    calls = []
+
+    def probe() -> list[Check]:
+        calls.append(1)
+        return [Check("optuna", True, f"call {len(calls)}")]
+
+    cache = ProbeCache(ttl_s=0.2)
+    assert cache("optuna", probe)[0].detail == "call 1"
+    assert cache("optuna", probe)[0].detail == "call 1"
+    time.sleep(0.3)
+    assert cache("optuna", probe)[0].detail == "call 2"
