@@ -203,19 +203,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 @command("doctor")
 def cmd_doctor(a: argparse.Namespace) -> int:
+    import ray
+
     from hptransfer.config import get_settings
     from hptransfer.sweeper.health import check_api, run_checks
 
     settings = get_settings()
+    ours = not ray.is_initialized()  # a connection doctor opened itself, closed again below
     try:
         checks = run_checks(settings, deep=not a.quick)
         url = a.url or os.environ.get("HPT_URL")
         if url:
             checks.append(check_api(url))
     finally:
-        import ray
-
-        if ray.is_initialized():
+        if ours and ray.is_initialized():
             ray.shutdown()
     if a.json:
         print(json.dumps([c.to_dict() for c in checks], indent=2))

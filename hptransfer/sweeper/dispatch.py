@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -77,7 +78,43 @@ class InFlight:
 
 
 def init_ray(settings: Settings) -> None:
-    """Join RAY_ADDRESS when set, else start an in-process local cluster."""
+    """Join RAY_ADDRESS when set, else start an in-process local cluster.
+
+    Off the main thread (a server's start-up in a thread, TestClient's portal) the work is
+    done by a daemon thread that lives as long as the process: Ray ties the daemons it starts
+    to the life of the starting *thread* (PR_SET_PDEATHSIG), so a cluster started by a
+    short-lived thread is killed when it ends, and the process with it a minute later."""
+    with _RAY_INIT_LOCK:
+        if threading.current_thread() is threading.main_thread():
+            _init_ray(settings)
+        else:
+            _init_ray_in_owner_thread(settings)
+
+
+_RAY_INIT_LOCK = threading.Lock()
+
+
+def _init_ray_in_owner_thread(settings: Settings) -> None:
+    if ray.is_initialized():
+        return
+    done: queue.Queue[BaseException | None] = queue.Queue()
+
+    def own_ray() -> None:
+        try:
+            _init_ray(settings)
+        except BaseException as exc:  # handed to the caller below
+            done.put(exc)
+            return
+        done.put(None)
+        threading.Event().wait()  # never returns: the cluster lives while the process does
+
+    threading.Thread(target=own_ray, name="ray-owner", daemon=True).start()
+    error = done.get()
+    if error is not None:
+        raise error
+
+
+def _init_ray(settings: Settings) -> None:
     if ray.is_initialized():
         return
     if settings.ray_address:
