@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import optuna
+import psutil
 import pytest
 from fastapi.testclient import TestClient
 
@@ -180,3 +183,75 @@ def test_cancelling_a_packed_sweep_cancels_every_member(hpt_home, ray_cluster, t
     assert [r["status"] for r in rows] == ["cancelled"] * 8
     for r in rows:
         assert [a.status for a in coordinator.store.attempts(r["id"])] == ["cancelled"]
+
+
+def _ray_workers(title: str) -> list[psutil.Process]:
+    """Ray workers below this process whose title says they run `title` now."""
+    found = []
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith(title):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
+                                                                 tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)
+    spec.update(max_concurrent=1, retries=1)
+    spec["grid"]["seeds"] = [0]
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    busy = {p.pid for p in _ray_workers("ray::execute_trials")}
+    coordinator.start()
+    try:
+        sweep_id = coordinator.submit(spec)["id"]
+        wait_for(lambda: len(dispatcher.in_flight) == 4 and all(
+            f.last_step > 0 for f in dispatcher.in_flight.values()), 120, "the pack to train")
+        workers = [p for p in _ray_workers("ray::execute_trials") if p.pid not in busy]
+        assert len(workers) == 1
+        workers[0].kill()
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 180,
+                 "the sweep to complete after the retry")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["attempts"] == 2 and r["status"] in ("completed", "diverged"), r["status"]
+        attempts = coordinator.store.attempts(r["id"])
+        assert [a.status for a in attempts] == ["failed", r["status"]]
+        assert attempts[0].error.startswith("WorkerCrashedError"), attempts[0].error
+        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])
+
+
+def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray_cluster,
+                                                                     tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-optuna", 4)
+    spec["grid"]["seeds"] = [0]
+    spec.update(max_concurrent=1, search={"method": "optuna", "n_trials": 5, "n_startup": 3,
+                                          "pruner": "none"})
+    settings = get_settings()
+    coordinator = Coordinator(settings)
+    coordinator.start()
+    try:
+        sweep_id = coordinator.submit(spec)["id"]
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 120,
+                 "the search to complete")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert sorted(r["optuna_trial_number"] for r in rows) == [0, 1, 2, 3, 4]
+    packs = {r["optuna_trial_number"]: [n for n in r["result"]["notes"] if n.startswith(PACKED)]
+             for r in rows}
+    assert all(packs[i] == [PACKED + "3 trials in one batched model"] for i in (0, 1, 2))
+    assert packs[3] == packs[4] == []
+    # every member was told to its study, with its own loss
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
+    told = {t.number: t.value for t in study.get_trials(deepcopy=False)}
+    for r in rows:
+        if r["status"] == "completed":
+            assert told[r["optuna_trial_number"]] == pytest.approx(r["final_val_loss"], rel=1e-9)

@@ -420,7 +420,9 @@ class Dispatcher:
         if self.store.count_trials(sweep["id"], status="pending"):
             return
         low, high = spec.grid.lr_bounds()
-        asked = 0  # tasks' worth: a shape that packs is asked a pack's worth at once
+        # tasks' worth: a shape that packs asks its first batch (fixed LRs that need no
+        # results) a pack at a time; every later ask learns from the results, so one by one
+        asked = 0
         for shape in plan_shapes(spec):
             if asked >= free:
                 return
@@ -430,7 +432,8 @@ class Dispatcher:
             if have >= spec.search.n_trials:
                 continue
             study = self._study(sweep["id"], spec, shape)
-            for _ in range(min(pack_size(spec, shape.width), spec.search.n_trials - have)):
+            batch = min(pack_size(spec, shape.width), spec.search.startup_count() - have)
+            for _ in range(max(1, batch)):
                 self._ask_one(sweep["id"], spec, shape, study, low, high)
             asked += 1
 
