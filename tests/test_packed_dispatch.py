@@ -15,6 +15,7 @@ from typing import Any
 import optuna
 import psutil
 import pytest
+import ray
 from fastapi.testclient import TestClient
 
 from hptransfer.api import create_app
@@ -255,3 +256,30 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
     for r in rows:
         if r["status"] == "completed":
             assert told[r["optuna_trial_number"]] == pytest.approx(r["final_val_loss"], rel=1e-9)
+
+
+def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
+        hpt_home, ray_cluster, tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=400)
+    spec.update(max_concurrent=1)
+    spec["grid"]["seeds"] = [0]
+    first = Coordinator(get_settings())
+    first.start()
+    sweep_id = first.submit(spec)["id"]
+    wait_for(lambda: len(first.dispatcher.in_flight) == 4 and all(
+        f.last_step > 0 for f in first.dispatcher.in_flight.values()), 120, "the pack to train")
+    first.stop()
+    for ref in {f.ref for f in first.dispatcher.in_flight.values()}:
+        ray.cancel(ref, force=True)  # its task dies with it (as an in-process cluster would)
+    second = Coordinator(get_settings())  # a new owner: the pack's leases are orphans
+    second.start()
+    try:
+        wait_for(lambda: second.store.get_sweep(sweep_id)["status"] == "completed", 180,
+                 "the sweep to complete under the new coordinator")
+    finally:
+        second.stop()
+    for r in second.store.trials(sweep_id, limit=None):
+        # the interrupted attempt is not counted against the trial's retries
+        assert r["attempts"] == 1 and r["status"] in ("completed", "diverged"), r
+        assert [a.status for a in second.store.attempts(r["id"])] == ["cancelled", r["status"]]
+        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])
