@@ -18,9 +18,10 @@ from hptransfer.workers.packed import PACKABLE_FIELDS
 
 from .spec import SweepSpec
 
-# `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads).
-# CPU: 1.15-1.24x at widths 64 and 128, but 0.93x at 32 (vmap has no batching rule for the
-# CPU attention kernel, so small widths lose) and 0.97x at 256: pack only 64..128 wide.
+# `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads, on
+# a shared 2-core machine, so noisy): 1.15x at widths 64 and 128 but 0.97x at 256 (K=8);
+# 1.24x at 64 and 0.93x at 32 (K=6, one thread); 0.98-1.11x at the demo's 32x2 and 56x3
+# (vmap has no batching rule for the CPU attention kernel). So the CPU packs 64..128 only.
 CPU_PACK_WIDTHS = (64, 128)
 CPU_PACK = 8
 CPU_GAIN = 1.15  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
