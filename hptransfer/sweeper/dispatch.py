@@ -298,9 +298,10 @@ class Dispatcher:
 
     # filling slots -------------------------------------------------------------------
     def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
-        """Trials of this sweep that can start now: within its max_concurrent and within the
-        cluster's CPUs/GPUs not taken by trials already in flight (of any sweep), so a
-        leased trial is really running, not waiting in Ray's queue."""
+        """Tasks (a trial, or a pack of them) of this sweep that can start now: within its
+        max_concurrent and within the cluster's CPUs/GPUs not taken by tasks already in
+        flight (of any sweep), so a leased trial is really running, not waiting in Ray's
+        queue."""
         res = spec.resources
         if res.gpus and not cluster.get("GPU"):
             # leasing now would leave the trial 'running' in Ray's queue forever
@@ -310,9 +311,8 @@ class Dispatcher:
         self.waiting.pop(sweep_id, None)
         used_cpu = sum(f.cpus for f in self._tasks())
         used_gpu = sum(f.gpus for f in self._tasks())
-        fits = math.floor((cluster.get("CPU", 0.0) - used_cpu) / res.cpus + 1e-9)
-        if res.gpus:
-            fits = min(fits, math.floor((cluster.get("GPU", 0.0) - used_gpu) / res.gpus + 1e-9))
+        fits = _tasks_fitting(spec, cluster.get("CPU", 0.0) - used_cpu,
+                              cluster.get("GPU", 0.0) - used_gpu)
         if not self.in_flight:
             fits = max(fits, 1)  # larger than the cluster today: let Ray queue (or autoscale)
         return min(spec.max_concurrent - len(self._tasks(sweep_id)), fits)
@@ -346,8 +346,8 @@ class Dispatcher:
         if spec.resources.pack == 1:
             return [[t] for t in self.store.lease_pending(self.owner, free, sweep_id=sweep_id)]
         # every task slot this sweep may fill at once, for balancing the packs
-        slots = min(spec.max_concurrent,
-                    max(1, math.floor(cluster.get("CPU", 0.0) / spec.resources.cpus + 1e-9)))
+        fits = _tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
+        slots = min(spec.max_concurrent, max(1, fits))
         pending = self.store.trials(sweep_id, status="pending",
                                     limit=min(_MAX_PEEK, slots * MAX_PACK))
         gpu = on_gpu(spec)
@@ -465,6 +465,15 @@ class Dispatcher:
         if result and result.get("param_table"):
             vocab = trial["spec"].get("data", {}).get("vocab_size") or 256
         self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)
+
+
+def _tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:
+    """How many of the sweep's tasks fit in these CPUs and GPUs."""
+    res = spec.resources
+    fits = math.floor(cpus / res.cpus + 1e-9)
+    if res.gpus:
+        fits = min(fits, math.floor(gpus / res.gpus + 1e-9))
+    return fits
 
 
 def _outcome(ref: ray.ObjectRef, member: int | None = None) -> Outcome:
