@@ -328,3 +328,36 @@ def test_study_report_takes_each_fit_from_its_stage():
     assert not row["reliable"] and "below the bracket" in row["reason"]
 
 
+
+
+def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
+    """An Optuna-driven tune stage completes, and the later stages are planned at its η*
+    (the study used to hang: the dispatcher read the negative "trials left to ask" of a
+    study whose later stages outnumber the Optuna budget as "some left")."""
+    from hptransfer.analysis import optimal_lr
+    from hptransfer.sweeper.study import _round_lr
+
+    url, _ = server
+    spec = small_study("study-optuna")
+    spec["search"] = {"method": "optuna", "sampler": "qmc", "pruner": "none", "n_trials": 6}
+    spec["grid"]["lrs"] = [2.0**-11, 2.0**-1]  # the range Optuna samples from
+    with Client(url) as c:
+        first = c.submit(spec)
+        assert first["stages"][0]["total"] == 6
+        done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
+        df = c.trials(first["id"])
+    assert done["status"] == "completed", done
+    assert [st["state"] for st in done["stages"]] == ["done"] * 3
+    tune = df[df["stage"] == "tune"]
+    assert tune["optuna_trial_number"].notna().sum() == 6
+    assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
+    # η* fitted here from the tune trials is the LR the later stages were planned at
+    frame = tune.drop(columns=["stage"]).rename(columns={"id": "trial_id"})
+    best = optimal_lr(frame, bootstrap=0).shapes.iloc[0]
+    eta = _round_lr(float(best["lr_opt"]))
+    assert done["study"]["hps"]["gpt/completep"]["lr"] == pytest.approx(eta, rel=1e-12)
+    transfer = df[df["stage"] == "transfer"]
+    assert len(transfer) == 1 and transfer["lr"].iloc[0] == pytest.approx(eta, rel=1e-12)
+    check = df[df["stage"] == "check"]
+    assert sorted(check["lr"] / eta) == pytest.approx([0.5, 2.0], rel=1e-5)
+    assert df["content_hash"].is_unique
