@@ -233,6 +233,7 @@ def test_study_runs_its_stages_in_order_and_reuses_across_studies(server):
         assert first["stages"][1]["planned"] is False and first["total"] == 4 + 1 + 2
         done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
         df = c.trials(first["id"])
+        by_stage = {st: c.trials(first["id"], stage=st) for st in ("tune", "check")}
         fits = c.fits(first["id"]) if done["status"] == "completed" else None
         second = c.submit(small_study("study-b"))
         again = c.wait(second["id"], poll=0.3, timeout=300, progress=False)
@@ -245,6 +246,9 @@ def test_study_runs_its_stages_in_order_and_reuses_across_studies(server):
         assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
         assert (df["idx"].diff().dropna() > 0).all()
         assert fits is not None
+    # ?stage= returns exactly that stage's trials, in plan order
+    for st, part in by_stage.items():
+        assert list(part.get("id", [])) == list(df.loc[df["stage"] == st, "id"])
     # planned exactly once: no content hash twice in the study
     assert df["content_hash"].is_unique
     # the second, identical study trains nothing: every trial is reused by content hash
@@ -261,6 +265,12 @@ def test_api_rejects_a_bad_stage_spec_with_the_field(server):
         c.submit(bad)
     assert exc.value.status == 422
     assert [e["field"] for e in exc.value.errors] == ["stages.transfer.shapes[0].width"]
+    # an unknown stage in the trial filter: 422 naming the parameter, never an empty page
+    # (the query is checked before the sweep is looked up: a 422, not the id's 404)
+    with Client(url) as c, pytest.raises(ApiError) as exc:
+        c.trials("no-such-sweep", stage="tunes")
+    assert exc.value.status == 422
+    assert "stage" in str(exc.value) and "tune|transfer|check|aspect_ratio" in str(exc.value)
 
 
 # ------------------------------------------------------------------ fits per stage
