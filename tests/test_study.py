@@ -162,6 +162,23 @@ def test_grid_edge_extends_then_stops_with_the_reason():
     assert stop.state["stop_reason"] == stop.reason
 
 
+def test_optuna_tune_at_the_edge_extends_by_one_first_batch_slice():
+    # sampled LRs are irregular (the refinement is half a slice): the extension steps by a
+    # slice of the first batch, log2(hi/lo)/n_startup, not by the closest pair of samples
+    from hptransfer.sweeper.plan import ShapeKey, plan_shapes, trial_for
+
+    d = study_dict()
+    d["search"] = {"method": "optuna", "n_trials": 8, "n_startup": 5}
+    d["grid"]["lrs"] = [2.0**-11, 2.0**-6]  # 5 slices of one octave
+    spec = load_spec(d)
+    lrs = [2.0**-10.7, 2.0**-9.5, 2.0**-8.4, 2.0**-7.6, 2.0**-6.5, 2.0**-6.25, 2.0**-6.1]
+    tune = [trial_for(spec, ShapeKey(*s), lr) for s in plan_shapes(spec) for lr in lrs]
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(-3.0)))
+    assert step.kind == "plan" and {p.stage for p in step.trials} == {"tune"}
+    got = sorted({math.log2(p.lr) for p in step.trials})
+    assert got == pytest.approx([-5.1, -4.1], abs=1e-9)
+
+
 def test_all_diverged_stops_with_the_reason():
     spec = load_spec(study_dict())
     tune = plan_sweep(spec)
