@@ -177,3 +177,16 @@ def test_savings_headline_with_unusable_ci_is_not_reliable() -> None:
     assert not comp.reliable and not head["reliable"]
     assert head["ci_low"] is None and "unbounded" in head["note"]
     assert any("headline savings' CI is not usable" in w for w in comp.warnings)
+
+
+def test_savings_frame_of_a_comparison_without_rows() -> None:
+    from hptransfer.analysis.savings import SavingsResult
+
+    c = np.logspace(17, 21, 9)
+    far = fit_power_law(c, 5.0 + 250.0 * c**-0.11, bootstrap=0)
+    near = fit_power_law(c, 1.75 + 260.0 * c**-0.105, bootstrap=0)
+    comp = compare_fits(far, near, arm="far", reference="near")
+    assert comp.table.empty and comp.reason is not None
+    frame = SavingsResult("near", {"far": comp}).to_frame()
+    assert list(frame["arm"]) == ["far"] and frame["reliable"].tolist() == [False]
+    assert "do not overlap" in frame["reason"].iloc[0]

@@ -269,7 +269,7 @@ class SavingsResult:
             frame = comp.to_frame()
             if frame.empty:
                 frame = pd.DataFrame([{"arm": comp.arm, "reference": comp.reference}])
-            if frame["reliable"].isna().all():  # no table: the comparison's own flag
+            if "reliable" not in frame or frame["reliable"].isna().all():  # no table
                 frame["reliable"] = comp.reliable
             frame["reliable"] = frame["reliable"].astype(bool)
             frame["reason"] = str(comp.reason) if comp.reason else None
