@@ -255,7 +255,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 @command("trials")
 def cmd_trials(a: argparse.Namespace) -> int:
     with _client(a) as c:
-        df = c.trials(a.id, status=a.status)
+        df = c.trials(a.id, status=a.status, stage=a.stage)
     cols = [k for k in ("id", "stage", "arm", "width", "depth", "lr", "seed", "status",
                         "final_val_loss",
                         "attempts", "wall_time_s") if k in df.columns]
@@ -373,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trials", help="the trials of a sweep")
     p.add_argument("id")
     p.add_argument("--status", default=None)
+    p.add_argument("--stage", default=None, help="a study's stage (tune, transfer, ...)")
     p.add_argument("--csv", action="store_true")
     client_args(p)
 

@@ -488,8 +488,10 @@ class Dispatcher:
             self._refresh(sweep_id)
 
     def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
+        """Trials the Optuna studies still have to ask (never negative: a study's later
+        stages add trials beyond them, and a negative count would read as "some left")."""
         asked = self.store.count_trials(sweep_id)
-        return len(plan_shapes(spec)) * spec.search.n_trials - asked
+        return max(0, len(plan_shapes(spec)) * spec.search.n_trials - asked)
 
     def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
         sweep = self.store.get_sweep(trial["sweep_id"])

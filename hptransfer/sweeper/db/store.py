@@ -424,9 +424,10 @@ class Store:
         offset: int = 0,
         sigma_base: float | None = None,
         seed: int | None = None,
+        stage: str | None = None,
     ) -> list[dict[str, Any]]:
         """A page of a sweep's trials in plan order (idx), optionally filtered."""
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed).apply(
+        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
         )
         stmt = stmt.order_by(Trial.idx).offset(offset)
@@ -444,8 +445,9 @@ class Store:
         depth: int | None = None,
         sigma_base: float | None = None,
         seed: int | None = None,
+        stage: str | None = None,
     ) -> int:
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed).apply(
+        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id)
         )
         with self._read() as s:
