@@ -203,19 +203,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 @command("doctor")
 def cmd_doctor(a: argparse.Namespace) -> int:
+    import ray
+
     from hptransfer.config import get_settings
     from hptransfer.sweeper.health import check_api, run_checks
 
     settings = get_settings()
+    ours = not ray.is_initialized()  # a connection doctor opened itself, closed again below
     try:
         checks = run_checks(settings, deep=not a.quick)
         url = a.url or os.environ.get("HPT_URL")
         if url:
             checks.append(check_api(url))
     finally:
-        import ray
-
-        if ray.is_initialized():
+        if ours and ray.is_initialized():
             ray.shutdown()
     if a.json:
         print(json.dumps([c.to_dict() for c in checks], indent=2))
@@ -254,7 +255,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 @command("trials")
 def cmd_trials(a: argparse.Namespace) -> int:
     with _client(a) as c:
-        df = c.trials(a.id, status=a.status)
+        df = c.trials(a.id, status=a.status, stage=a.stage)
     cols = [k for k in ("id", "stage", "arm", "width", "depth", "lr", "seed", "status",
                         "final_val_loss",
                         "attempts", "wall_time_s") if k in df.columns]
@@ -372,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trials", help="the trials of a sweep")
     p.add_argument("id")
     p.add_argument("--status", default=None)
+    p.add_argument("--stage", default=None, help="a study's stage (tune, transfer, ...)")
     p.add_argument("--csv", action="store_true")
     client_args(p)
 

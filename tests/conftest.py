@@ -27,8 +27,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster():
+    """One local cluster for the whole run, started from the main thread (Ray kills the
+    daemons a thread started when that thread ends) and started again if a test shut it."""
     import ray
 
     if not ray.is_initialized():

@@ -4,6 +4,7 @@ MLflow store noticed; `hpt serve` stops cleanly on SIGTERM and SIGINT."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,16 +137,17 @@ def _ray_processes(server: psutil.Process) -> list[psutil.Process]:
     left the tree but name the server's session directory."""
     procs = {p.pid: p for p in server.children(recursive=True)}
     sessions = set()
-    for p in procs.values():
+    for p in server.children():  # its own node's daemons are its direct children
         try:
-            for arg in p.cmdline():
-                if "session_" in arg and "/ray/" in arg:
-                    sessions.add(arg.split("session_", 1)[1].split("/", 1)[0])
+            if p.name() not in ("gcs_server", "raylet"):
+                continue
+            sessions.update(re.findall(r"/ray/(session_[0-9_-]+)", " ".join(p.cmdline())))
         except psutil.Error:
             pass
+    assert sessions, "no Ray session found under the server"
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if any(f"session_{s}" in cmd for s in sessions):
+        if any(f"/{s}/" in cmd for s in sessions):
             procs.setdefault(p.pid, p)
     return list(procs.values())
 
@@ -186,8 +188,10 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
         assert proc.wait(120) == 0, log.read_text()[-3000:]
         text = log.read_text()
         assert "shutdown complete" in text and "Application shutdown complete" in text
-        time.sleep(2)  # give any straggler a moment to show it would survive
-        survivors = [p for p in ray_procs if _alive(p)]
+        # a loaded machine may take a few seconds to reap them; a survivor stays
+        deadline = time.time() + 30
+        while (survivors := [p for p in ray_procs if _alive(p)]) and time.time() < deadline:
+            time.sleep(0.5)
         assert not survivors, [" ".join(p.cmdline())[:200] for p in survivors]
         if sig != signal.SIGTERM:
             return

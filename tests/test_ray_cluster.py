@@ -95,3 +95,27 @@ def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
     finally:
         _kill(server)
         log.close()
+
+
+THREAD_SCRIPT = """
+import threading, time, ray
+from hptransfer.config import get_settings
+from hptransfer.sweeper.dispatch import init_ray
+
+# a short-lived thread starts the cluster (a server thread's start-up, TestClient's portal)
+t = threading.Thread(target=init_ray, args=(get_settings(),))
+t.start(); t.join()
+time.sleep(3)  # the starting thread is gone; Ray kills what a dead thread started
+gcs = [p for p in ray._private.worker._global_node.all_processes["gcs_server"]]
+assert all(p.process.poll() is None for p in gcs), "GCS died with its starting thread"
+print("OK", ray.get(ray.remote(lambda: 41 + 1).remote()))
+ray.shutdown()
+"""
+
+
+def test_a_cluster_started_off_the_main_thread_outlives_that_thread(tmp_path):
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt")}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", THREAD_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0 and "OK 42" in out.stdout, out.stderr[-3000:]

@@ -162,6 +162,23 @@ def test_grid_edge_extends_then_stops_with_the_reason():
     assert stop.state["stop_reason"] == stop.reason
 
 
+def test_optuna_tune_at_the_edge_extends_by_one_first_batch_slice():
+    # sampled LRs are irregular (the refinement is half a slice): the extension steps by a
+    # slice of the first batch, log2(hi/lo)/n_startup, not by the closest pair of samples
+    from hptransfer.sweeper.plan import ShapeKey, plan_shapes, trial_for
+
+    d = study_dict()
+    d["search"] = {"method": "optuna", "n_trials": 8, "n_startup": 5}
+    d["grid"]["lrs"] = [2.0**-11, 2.0**-6]  # 5 slices of one octave
+    spec = load_spec(d)
+    lrs = [2.0**-10.7, 2.0**-9.5, 2.0**-8.4, 2.0**-7.6, 2.0**-6.5, 2.0**-6.25, 2.0**-6.1]
+    tune = [trial_for(spec, ShapeKey(*s), lr) for s in plan_shapes(spec) for lr in lrs]
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(-3.0)))
+    assert step.kind == "plan" and {p.stage for p in step.trials} == {"tune"}
+    got = sorted({math.log2(p.lr) for p in step.trials})
+    assert got == pytest.approx([-5.1, -4.1], abs=1e-9)
+
+
 def test_all_diverged_stops_with_the_reason():
     spec = load_spec(study_dict())
     tune = plan_sweep(spec)
@@ -233,6 +250,7 @@ def test_study_runs_its_stages_in_order_and_reuses_across_studies(server):
         assert first["stages"][1]["planned"] is False and first["total"] == 4 + 1 + 2
         done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
         df = c.trials(first["id"])
+        by_stage = {st: c.trials(first["id"], stage=st) for st in ("tune", "check")}
         fits = c.fits(first["id"]) if done["status"] == "completed" else None
         second = c.submit(small_study("study-b"))
         again = c.wait(second["id"], poll=0.3, timeout=300, progress=False)
@@ -245,6 +263,9 @@ def test_study_runs_its_stages_in_order_and_reuses_across_studies(server):
         assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
         assert (df["idx"].diff().dropna() > 0).all()
         assert fits is not None
+    # ?stage= returns exactly that stage's trials, in plan order
+    for st, part in by_stage.items():
+        assert list(part.get("id", [])) == list(df.loc[df["stage"] == st, "id"])
     # planned exactly once: no content hash twice in the study
     assert df["content_hash"].is_unique
     # the second, identical study trains nothing: every trial is reused by content hash
@@ -261,6 +282,12 @@ def test_api_rejects_a_bad_stage_spec_with_the_field(server):
         c.submit(bad)
     assert exc.value.status == 422
     assert [e["field"] for e in exc.value.errors] == ["stages.transfer.shapes[0].width"]
+    # an unknown stage in the trial filter: 422 naming the parameter, never an empty page
+    # (the query is checked before the sweep is looked up: a 422, not the id's 404)
+    with Client(url) as c, pytest.raises(ApiError) as exc:
+        c.trials("no-such-sweep", stage="tunes")
+    assert exc.value.status == 422
+    assert "stage" in str(exc.value) and "tune|transfer|check|aspect_ratio" in str(exc.value)
 
 
 # ------------------------------------------------------------------ fits per stage
@@ -328,3 +355,36 @@ def test_study_report_takes_each_fit_from_its_stage():
     assert not row["reliable"] and "below the bracket" in row["reason"]
 
 
+
+
+def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
+    """An Optuna-driven tune stage completes, and the later stages are planned at its η*
+    (the study used to hang: the dispatcher read the negative "trials left to ask" of a
+    study whose later stages outnumber the Optuna budget as "some left")."""
+    from hptransfer.analysis import optimal_lr
+    from hptransfer.sweeper.study import _round_lr
+
+    url, _ = server
+    spec = small_study("study-optuna")
+    spec["search"] = {"method": "optuna", "sampler": "qmc", "pruner": "none", "n_trials": 6}
+    spec["grid"]["lrs"] = [2.0**-11, 2.0**-1]  # the range Optuna samples from
+    with Client(url) as c:
+        first = c.submit(spec)
+        assert first["stages"][0]["total"] == 6
+        done = c.wait(first["id"], poll=0.3, timeout=300, progress=False)
+        df = c.trials(first["id"])
+    assert done["status"] == "completed", done
+    assert [st["state"] for st in done["stages"]] == ["done"] * 3
+    tune = df[df["stage"] == "tune"]
+    assert tune["optuna_trial_number"].notna().sum() == 6
+    assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
+    # η* fitted here from the tune trials is the LR the later stages were planned at
+    frame = tune.drop(columns=["stage"]).rename(columns={"id": "trial_id"})
+    best = optimal_lr(frame, bootstrap=0).shapes.iloc[0]
+    eta = _round_lr(float(best["lr_opt"]))
+    assert done["study"]["hps"]["gpt/completep"]["lr"] == pytest.approx(eta, rel=1e-12)
+    transfer = df[df["stage"] == "transfer"]
+    assert len(transfer) == 1 and transfer["lr"].iloc[0] == pytest.approx(eta, rel=1e-12)
+    check = df[df["stage"] == "check"]
+    assert sorted(check["lr"] / eta) == pytest.approx([0.5, 2.0], rel=1e-5)
+    assert df["content_hash"].is_unique

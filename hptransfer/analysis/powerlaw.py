@@ -18,6 +18,14 @@ from .stats import bootstrap_indices, percentile_ci, single_threaded
 # and C0 (the geometric mean of the compute) keeps A' of order one for the optimiser.
 _N_E_PROFILE = 48
 _LOG_B_BOUNDS = (np.log(1e-4), np.log(5.0))
+_LOG_E_RANGE = 20.0  # E is searched in [min loss * e^-20, min loss]
+# "E at its lower bound": an asymptote under 0.1 % of the lowest observed loss cannot be told
+# from 0 by the data (where in [e^-20, 1e-3] x min loss the optimiser stops is noise), so any
+# such fit is flagged, whichever value it stopped at. The upper side: E within 0.1 % of the
+# lowest loss means the curve has not bent.
+E_ZERO_FRACTION = 1e-3
+# b at its bound: within 10 % of either end of [1e-4, 5].
+_B_BOUND_TOLERANCE = np.log(1.1)
 
 
 PARAM_NAMES = ("E", "A", "b")
@@ -172,6 +180,21 @@ def _nan_fit(
     )
 
 
+def bound_problems(E: float, b: float, min_loss: float) -> list[str]:
+    """Why a fit's E or b sits at (or too near) its bound: the same rule for every arm."""
+    out = []
+    if E < E_ZERO_FRACTION * min_loss:
+        out.append(f"E is driven to 0 (E={E:.3g}, under {E_ZERO_FRACTION:.1%} of the lowest "
+                   "loss): the irreducible loss is not identified by this data")
+    if E >= (1.0 - E_ZERO_FRACTION) * min_loss:
+        out.append("E reached the lowest observed loss: the curve has not bent yet")
+    log_b = np.log(b)
+    if (log_b <= _LOG_B_BOUNDS[0] + _B_BOUND_TOLERANCE
+            or log_b >= _LOG_B_BOUNDS[1] - _B_BOUND_TOLERANCE):
+        out.append(f"the exponent b={b:.3g} sits at its bound")
+    return out
+
+
 @single_threaded
 def fit_power_law(
     compute: Sequence[float] | np.ndarray,
@@ -207,7 +230,7 @@ def fit_power_law(
     logy = np.log(y)
     e_hi = np.log(y.min())
     bounds = (
-        np.array([e_hi - 20.0, -50.0, _LOG_B_BOUNDS[0]]),
+        np.array([e_hi - _LOG_E_RANGE, -50.0, _LOG_B_BOUNDS[0]]),
         np.array([e_hi, 50.0, _LOG_B_BOUNDS[1]]),
     )
     best = min(
@@ -241,12 +264,7 @@ def fit_power_law(
     span = np.log10(c.max() / c.min())
     if span < 1.0:
         problems.append(f"compute spans only {span:.2f} decades; E and b trade off")
-    if p[0] <= bounds[0][0] + 1e-3:
-        problems.append("E is driven to 0: the irreducible loss is not identified by this data")
-    if p[0] >= bounds[1][0] - 1e-3:
-        problems.append("E reached the lowest observed loss: the curve has not bent yet")
-    if p[2] <= bounds[0][2] + 1e-3 or p[2] >= bounds[1][2] - 1e-3:
-        problems.append(f"the exponent b={b:.3g} sits at its bound")
+    problems += bound_problems(E, b, float(y.min()))
     if "b" in ci_map and ci_map["b"][0] > 0 and ci_map["b"][1] / ci_map["b"][0] > 3:
         problems.append("the exponent's CI spans more than a factor 3")
     return PowerLawFit(

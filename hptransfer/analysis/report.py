@@ -483,7 +483,7 @@ def headline_lines(report: FitReport) -> list[str]:
                          f"({r.get('reason')}) [transfer]")
             continue
         ci = (f"CI [{r['ci_low']:+.1%}, {r['ci_high']:+.1%}]" if r.get("ci_low") is not None
-              else f"no CI: {r.get('no_ci')}")
+              else f"no CI: {r.get('no_ci') or r.get('note')}")
         lines.append(f"FLOP savings {r['arm']} over {r['reference']} at loss "
                      f"{r['loss']:.3f}: {r['savings']:+.1%}, {ci} [transfer]{_ok(r['reliable'])}")
     for r in h["aspect_ratio"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,12 +18,23 @@ from .serialize import analysis_dict, frame_records, json_safe, with_none
 from .stats import percentile_ci
 from .trials import Trials
 
-_TABLE_COLUMNS = ["loss", "compute_arm", "compute_ref", "savings", "ci_low", "ci_high", "note"]
+_TABLE_COLUMNS = [
+    "loss", "compute_arm", "compute_ref", "savings", "ci_low", "ci_high", "reliable", "note",
+]
+# A savings CI whose compute ratio C_arm/C_ref (= 1 - savings) spans more than this factor
+# says nothing about which arm is cheaper: such a row is shown but not `reliable`.
+MAX_CI_RATIO_SPAN = 4.0
+# Fewer distinct bootstrap values than this cannot give percentile tails (2.5 % of 10 is
+# already a fraction of one draw).
+MIN_DISTINCT_REFITS = 10
 
 
 @dataclass
 class SavingsComparison:
-    """savings(L) = 1 - C_arm(L) / C_ref(L) on a grid of losses both fits cover."""
+    """savings(L) = 1 - C_arm(L) / C_ref(L) on a grid of losses both fits cover.
+
+    Each table row has its own `reliable` (both fits reliable and the row's CI usable: see
+    `row_ci_problem`); the comparison is `reliable` when its headline row is."""
 
     arm: str
     reference: str
@@ -38,12 +50,14 @@ class SavingsComparison:
         out: dict[str, Any] = {"arm": self.arm, "reference": self.reference,
                                "reliable": self.reliable, "no_ci": self.no_ci,
                                "reason": str(self.reason) if self.reason else None}
-        inside = self.table[self.table["savings"].notna()] if not self.table.empty else None
-        if inside is None or inside.empty:
+        if self.table.empty:
             return json_safe({**out, "loss": None, "savings": None})
-        row = inside.iloc[len(inside) // 2]
+        h = _headline_index(self.table["savings"].notna().to_numpy())
+        if h < 0:
+            return json_safe({**out, "loss": None, "savings": None})
+        row = self.table.iloc[h]
         return json_safe({**out, **{k: row[k] for k in ("loss", "savings", "ci_low",
-                                                         "ci_high")}})
+                                                         "ci_high", "note")}})
 
     def to_frame(self) -> pd.DataFrame:
         out = self.table.copy()
@@ -123,21 +137,22 @@ def compare_fits(
     boot_ref = ref_fit.boot_compute_for_loss(grid)
     m = min(len(boot_arm), len(boot_ref))
     ci_lo = ci_hi = np.full(grid.shape, np.nan)
+    row_problem: list[str | None] = [None] * len(grid)
     no_ci = None
     if m > 0:
         # Each arm was resampled independently, so pairing the i-th refits is a valid draw.
         with np.errstate(all="ignore"):
             samples = 1.0 - boot_arm[:m] / boot_ref[:m]
-        lost = float(np.mean(~np.isfinite(samples[:, inside]))) if inside.any() else 0.0
-        if lost > 0.05:
-            warnings.append(
-                f"{lost:.0%} of bootstrap refits put the asymptote above the "
-                "compared losses; the CI ignores them"
-            )
         ci_lo, ci_hi = percentile_ci(samples, ci)
+        no_ci = _no_ci_reason(samples[:, inside], ci_lo[inside], ci_hi[inside])
+        if no_ci is None:
+            for i in np.flatnonzero(inside):
+                why, hide = row_ci_problem(samples[:, i], savings[i], ci_lo[i], ci_hi[i], ci)
+                row_problem[i] = why
+                if hide:  # no interval rather than a meaningless or unbounded one
+                    ci_lo[i] = ci_hi[i] = np.nan
         ci_lo = np.where(inside, ci_lo, np.nan)
         ci_hi = np.where(inside, ci_hi, np.nan)
-        no_ci = _no_ci_reason(samples[:, inside], ci_lo[inside], ci_hi[inside])
     else:
         no_ci = ("no bootstrap refits (bootstrap off, or no resample of the frontier points "
                  "had 3 distinct points)")
@@ -145,6 +160,12 @@ def compare_fits(
         # an interval of zero width would read as certainty: show none, say why
         ci_lo = ci_hi = np.full(grid.shape, np.nan)
         warnings.append(f"savings have no confidence interval: {no_ci}")
+    fits_reliable = bool(arm_fit.reliable and ref_fit.reliable)
+    for i in np.flatnonzero(inside):
+        if no_ci is None and row_problem[i] is not None:
+            note[i] = f"CI not usable: {row_problem[i]}"
+    row_ok = inside & (no_ci is None) & fits_reliable & np.array(
+        [p is None for p in row_problem], dtype=bool)
     table = pd.DataFrame(
         {
             "loss": grid,
@@ -153,6 +174,7 @@ def compare_fits(
             "savings": savings,
             "ci_low": ci_lo,
             "ci_high": ci_hi,
+            "reliable": row_ok,
             "note": note,
         }
     )
@@ -164,14 +186,53 @@ def compare_fits(
             f"{hi:.4g}]; refusing to extrapolate"
         )
         reason = NotEnoughData(what, because)
-    # reliable also needs a real CI: a point estimate alone does not say how sure it is
-    reliable = reason is None and arm_fit.reliable and ref_fit.reliable and no_ci is None
-    if not (arm_fit.reliable and ref_fit.reliable):
+    if not fits_reliable:
         warnings.append("at least one of the two power-law fits is unreliable")
+    # reliable needs a real, usable CI at the headline loss: a point estimate alone, or an
+    # interval that is unbounded or spans a factor > MAX_CI_RATIO_SPAN, does not say how sure
+    h = _headline_index(np.isfinite(savings))
+    if h >= 0 and row_problem[h] is not None:
+        warnings.append(f"the headline savings' CI is not usable: {row_problem[h]}")
+    reliable = reason is None and h >= 0 and bool(row_ok[h])
     return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason, no_ci)
 
 
-_MIN_DISTINCT_REFITS = 10
+def _headline_index(inside: np.ndarray) -> int:
+    """Row of the headline: the middle of the rows with a savings value."""
+    idx = np.flatnonzero(inside)
+    return int(idx[len(idx) // 2]) if idx.size else -1
+
+
+def row_ci_problem(
+    col: np.ndarray, estimate: float, lo: float, hi: float, ci: float
+) -> tuple[str | None, bool]:
+    """Why one loss's savings CI is not usable (None when it is), and whether to hide it.
+
+    `col` holds that loss's bootstrap savings; NaN where a refit's asymptote lies above the
+    loss (that refit's compute there is unbounded). Hidden: unbounded, non-finite, too few
+    distinct values, zero width. Shown but not reliable: wider than MAX_CI_RATIO_SPAN in
+    compute ratio, or not containing its own estimate."""
+    lost = float(np.mean(~np.isfinite(col))) if col.size else 1.0
+    if lost > (1.0 - ci) / 2.0:
+        # more refits than one tail holds have no finite value: that tail is unbounded
+        return (f"{lost:.0%} of bootstrap refits put an asymptote above this loss, so the "
+                "interval is unbounded"), True
+    finite = col[np.isfinite(col)]
+    distinct = int(np.unique(np.round(finite, 9)).size)
+    if distinct < MIN_DISTINCT_REFITS:
+        return f"only {distinct} distinct bootstrap values", True
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "the interval is not finite", True
+    if hi - lo <= 1e-9:
+        return "every bootstrap refit gives the same savings (zero width is not real)", True
+    # savings < 1 always (compute is positive); 1 - savings is the compute ratio
+    span = (1.0 - lo) / (1.0 - hi) if hi < 1.0 else math.inf
+    if span > MAX_CI_RATIO_SPAN:
+        return (f"the CI spans a factor {span:.3g} in compute ratio C_arm/C_ref (more than "
+                f"{MAX_CI_RATIO_SPAN:g})"), False
+    if not lo <= estimate <= hi:
+        return "the estimate lies outside its own bootstrap CI (the refits are biased)", False
+    return None, False
 
 
 def _no_ci_reason(samples: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> str | None:
@@ -180,7 +241,7 @@ def _no_ci_reason(samples: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> str | 
         return "no compared loss lies inside both fits"
     finite = samples[np.isfinite(samples).all(axis=1)]
     distinct = np.unique(np.round(finite, 9), axis=0).shape[0] if finite.size else 0
-    if distinct < _MIN_DISTINCT_REFITS:
+    if distinct < MIN_DISTINCT_REFITS:
         return (f"only {distinct} distinct bootstrap refits (too few frontier points to "
                 "resample; run more shapes or seeds)")
     width = hi - lo
@@ -208,10 +269,12 @@ class SavingsResult:
             frame = comp.to_frame()
             if frame.empty:
                 frame = pd.DataFrame([{"arm": comp.arm, "reference": comp.reference}])
-            frame["reliable"] = comp.reliable
+            if "reliable" not in frame or frame["reliable"].isna().all():  # no table
+                frame["reliable"] = comp.reliable
+            frame["reliable"] = frame["reliable"].astype(bool)
             frame["reason"] = str(comp.reason) if comp.reason else None
             frames.append(frame)
-        columns = ["arm", "reference", *_TABLE_COLUMNS, "reliable", "reason"]
+        columns = ["arm", "reference", *_TABLE_COLUMNS, "reason"]
         if not frames:
             return pd.DataFrame(columns=columns)
         merged = pd.concat(frames, ignore_index=True).reindex(columns=columns)

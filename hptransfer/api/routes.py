@@ -9,6 +9,7 @@ from pydantic import TypeAdapter
 
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.status import TrialStatus
+from hptransfer.sweeper.spec.stages import STAGE_ORDER
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
@@ -22,6 +23,7 @@ ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
 MAX_OFFSET = 10**9
 MUTATION = [Depends(require_token), Depends(require_json)]
 TRIAL_STATUSES = "|".join(TrialStatus)
+STAGES = "|".join(STAGE_ORDER)
 _SUMMARIES = TypeAdapter(list[SweepSummary])
 
 
@@ -88,12 +90,14 @@ def list_trials(
     arm: str | None = None,
     width: Annotated[int | None, Query(gt=0, le=MAX_WIDTH)] = None,
     depth: Annotated[int | None, Query(gt=0, le=MAX_DEPTH)] = None,
+    stage: Annotated[str | None, Query(pattern=f"^({STAGES})$",
+                                       description="a study's stage: " + STAGES)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> dict[str, Any]:
     c = coordinator(request)
     c.summary(sweep_id)  # 404 for an unknown sweep
-    filters = dict(status=status, arm=arm, width=width, depth=depth)
+    filters = dict(status=status, arm=arm, width=width, depth=depth, stage=stage)
     return {
         "total": c.store.count_trials(sweep_id, **filters),
         "limit": limit,

@@ -11,12 +11,17 @@ trial leaves the in-flight set only once its outcome is durably written; until t
 outcome is kept in memory and the write retried. While the database is unreachable the loop
 backs off exponentially (capped) and logs one line when the outage starts and one when it
 ends. A stored sweep whose spec no longer validates is marked failed and skipped.
+
+Packing (`resources.pack`, `packing.py`): pending trials of one shape may run as one Ray task
+(`execute_trials`). Each member keeps its own entry in `in_flight` (sharing the task's ref),
+so its outcome is stored, retried, cancelled and told to Optuna exactly as a lone trial's.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -37,20 +42,23 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.config import Settings
 from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
-from hptransfer.workers.remote import execute_trial
+from hptransfer.workers.remote import execute_trial, execute_trials
 
 from .db.store import Store
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
+from .packing import on_gpu, pack_cost, pack_size, plan_packs
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
+from .spec.sections import MAX_PACK
 from .study import next_step
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
 MAX_BACKOFF_S = 30.0  # the longest pause between ticks while the database is unreachable
+_MAX_PEEK = 2000  # pending trials read per sweep and tick to plan packs from
 
 
 class BadSweep(Exception):
@@ -74,10 +82,47 @@ class InFlight:
     gpus: float
     last_step: int = 0  # the latest step the worker reported: > 0 once training is underway
     outcome: Outcome | None = None  # set once Ray answered; cleared from in_flight once stored
+    member: int | None = None  # index in its pack's results; None: the task ran it alone
 
 
 def init_ray(settings: Settings) -> None:
-    """Join RAY_ADDRESS when set, else start an in-process local cluster."""
+    """Join RAY_ADDRESS when set, else start an in-process local cluster.
+
+    Off the main thread (a server's start-up in a thread, TestClient's portal) the work is
+    done by a daemon thread that lives as long as the process: Ray ties the daemons it starts
+    to the life of the starting *thread* (PR_SET_PDEATHSIG), so a cluster started by a
+    short-lived thread is killed when it ends, and the process with it a minute later."""
+    with _RAY_INIT_LOCK:
+        if threading.current_thread() is threading.main_thread():
+            _init_ray(settings)
+        else:
+            _init_ray_in_owner_thread(settings)
+
+
+_RAY_INIT_LOCK = threading.Lock()
+
+
+def _init_ray_in_owner_thread(settings: Settings) -> None:
+    if ray.is_initialized():
+        return
+    done: queue.Queue[BaseException | None] = queue.Queue()
+
+    def own_ray() -> None:
+        try:
+            _init_ray(settings)
+        except BaseException as exc:  # handed to the caller below
+            done.put(exc)
+            return
+        done.put(None)
+        threading.Event().wait()  # never returns: the cluster lives while the process does
+
+    threading.Thread(target=own_ray, name="ray-owner", daemon=True).start()
+    error = done.get()
+    if error is not None:
+        raise error
+
+
+def _init_ray(settings: Settings) -> None:
     if ray.is_initialized():
         return
     if settings.ray_address:
@@ -111,6 +156,7 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._board = None
         self._remote = None
+        self._remote_pack = None
         self.last_error: str | None = None
 
     # lifecycle -----------------------------------------------------------------------
@@ -122,6 +168,7 @@ class Dispatcher:
         self._board = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
             ProgressBoard).options(scheduling_strategy=here).remote()
         self._remote = ray.remote(execute_trial)
+        self._remote_pack = ray.remote(execute_trials)
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
@@ -165,8 +212,7 @@ class Dispatcher:
         """Sleep until a trial finishes, work is submitted, or one poll interval passes —
         whichever is first, so a finished trial's slot is refilled without polling delay."""
         if self.in_flight:
-            ray.wait([f.ref for f in self.in_flight.values()], num_returns=1,
-                     timeout=self.poll_interval)
+            ray.wait([f.ref for f in self._tasks()], num_returns=1, timeout=self.poll_interval)
         else:
             self._wake.wait(self.poll_interval)
         self._wake.clear()
@@ -181,6 +227,14 @@ class Dispatcher:
 
     def _in_flight_for(self, sweep_id: str) -> list[InFlight]:
         return [f for f in self.in_flight.values() if f.trial["sweep_id"] == sweep_id]
+
+    def _tasks(self, sweep_id: str | None = None) -> list[InFlight]:
+        """One in-flight entry per Ray task (a pack's members share theirs)."""
+        seen: dict[ray.ObjectRef, InFlight] = {}
+        for f in self.in_flight.values():
+            if sweep_id is None or f.trial["sweep_id"] == sweep_id:
+                seen.setdefault(f.ref, f)
+        return list(seen.values())
 
     def _spec(self, sweep: dict[str, Any]) -> SweepSpec:
         """The sweep's validated spec; a stored spec that no longer validates fails the
@@ -203,9 +257,8 @@ class Dispatcher:
     def _cancel_cancelled(self) -> None:
         for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
             if SweepStatus(self.store.get_sweep(sweep_id)["status"]).is_stopped():
-                for f in self._in_flight_for(sweep_id):
-                    if f.outcome is None:
-                        ray.cancel(f.ref, force=True)
+                for ref in {f.ref for f in self._in_flight_for(sweep_id) if f.outcome is None}:
+                    ray.cancel(ref, force=True)
 
     def _relay_progress(self) -> None:
         try:
@@ -233,13 +286,12 @@ class Dispatcher:
         retried next tick from the outcome kept in memory."""
         if not self.in_flight:
             return 0
-        refs = [f.ref for f in self.in_flight.values()]
+        refs = [f.ref for f in self._tasks()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        by_ref = {f.ref: tid for tid, f in self.in_flight.items()}
-        for ref in ready:
-            f = self.in_flight[by_ref[ref]]
-            if f.outcome is None:
-                f.outcome = _outcome(ref)
+        ready_set = set(ready)
+        for f in self.in_flight.values():
+            if f.outcome is None and f.ref in ready_set:
+                f.outcome = _outcome(f.ref, f.member)
         done = [tid for tid, f in self.in_flight.items() if f.outcome is not None]
         for trial_id in done:
             self._store_outcome(trial_id, self.in_flight[trial_id])
@@ -283,9 +335,10 @@ class Dispatcher:
 
     # filling slots -------------------------------------------------------------------
     def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
-        """Trials of this sweep that can start now: within its max_concurrent and within the
-        cluster's CPUs/GPUs not taken by trials already in flight (of any sweep), so a
-        leased trial is really running, not waiting in Ray's queue."""
+        """Tasks (a trial, or a pack of them) of this sweep that can start now: within its
+        max_concurrent and within the cluster's CPUs/GPUs not taken by tasks already in
+        flight (of any sweep), so a leased trial is really running, not waiting in Ray's
+        queue."""
         res = spec.resources
         if res.gpus and not cluster.get("GPU"):
             # leasing now would leave the trial 'running' in Ray's queue forever
@@ -293,14 +346,13 @@ class Dispatcher:
                                       "has none; trials stay pending until a GPU node joins")
             return 0
         self.waiting.pop(sweep_id, None)
-        used_cpu = sum(f.cpus for f in self.in_flight.values())
-        used_gpu = sum(f.gpus for f in self.in_flight.values())
-        fits = math.floor((cluster.get("CPU", 0.0) - used_cpu) / res.cpus + 1e-9)
-        if res.gpus:
-            fits = min(fits, math.floor((cluster.get("GPU", 0.0) - used_gpu) / res.gpus + 1e-9))
+        used_cpu = sum(f.cpus for f in self._tasks())
+        used_gpu = sum(f.gpus for f in self._tasks())
+        fits = _tasks_fitting(spec, cluster.get("CPU", 0.0) - used_cpu,
+                              cluster.get("GPU", 0.0) - used_gpu)
         if not self.in_flight:
             fits = max(fits, 1)  # larger than the cluster today: let Ray queue (or autoscale)
-        return min(spec.max_concurrent - len(self._in_flight_for(sweep_id)), fits)
+        return min(spec.max_concurrent - len(self._tasks(sweep_id)), fits)
 
     def _fill(self) -> int:
         started = 0
@@ -317,24 +369,52 @@ class Dispatcher:
                 continue
             if spec.search.method == "optuna":
                 self._ask_optuna(sweep, spec, free)
-            for trial in self.store.lease_pending(self.owner, free, sweep_id=sweep["id"]):
-                self._submit(spec, trial)
+            for pack in self._lease(sweep["id"], spec, free, cluster):
+                self._submit(spec, pack)
                 started += 1
         if started:
             self._wake_mirror()
         return started
 
-    def _submit(self, spec: SweepSpec, trial: dict[str, Any]) -> None:
-        trial_spec = dict(trial["spec"])
-        trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
+    def _lease(self, sweep_id: str, spec: SweepSpec, free: int,
+               cluster: dict[str, float]) -> list[list[dict[str, Any]]]:
+        """Lease up to `free` tasks' worth of pending trials: single trials, or packs of
+        one shape when the spec packs (planned over the pending trials, plan order)."""
+        if spec.resources.pack == 1:
+            return [[t] for t in self.store.lease_pending(self.owner, free, sweep_id=sweep_id)]
+        # every task slot this sweep may fill at once, for balancing the packs
+        fits = _tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
+        slots = min(spec.max_concurrent, max(1, fits))
+        pending = self.store.trials(sweep_id, status="pending",
+                                    limit=min(_MAX_PEEK, slots * MAX_PACK))
+        gpu = on_gpu(spec)
+        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t["width"]),
+                             lambda n: pack_cost(n, gpu))
+        leased = []
+        for pack in planned[:free]:
+            got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
+                                           ids=[t["id"] for t in pack])
+            if got:  # fewer when another coordinator leased some meanwhile
+                leased.append(got)
+        return leased
+
+    def _submit(self, spec: SweepSpec, trials: list[dict[str, Any]]) -> None:
+        """Start one Ray task for one trial or a pack of trials of one shape."""
+        threads = max(1, math.ceil(spec.resources.cpus))
+        specs = [{**t["spec"], "num_threads": threads} for t in trials]
+        ids = [t["id"] for t in trials]
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
         if spec.resources.gpus:
             options["num_gpus"] = spec.resources.gpus
-        ref = self._remote.options(**options).remote(
-            trial_spec, trial["id"], self._board, str(self.settings.cache_dir)
-        )
-        self.in_flight[trial["id"]] = InFlight(trial, ref, spec.resources.cpus,
-                                               spec.resources.gpus)
+        cache = str(self.settings.cache_dir)
+        if len(trials) == 1:
+            ref = self._remote.options(**options).remote(specs[0], ids[0], self._board, cache)
+        else:
+            ref = self._remote_pack.options(**options).remote(specs, ids, self._board, cache)
+        for i, trial in enumerate(trials):
+            self.in_flight[trial["id"]] = InFlight(trial, ref, spec.resources.cpus,
+                                                   spec.resources.gpus,
+                                                   member=i if len(trials) > 1 else None)
 
     # staged studies (sweeper/study.py) -------------------------------------------------
     def _advance_study(self, sweep: dict[str, Any], spec: SweepSpec) -> bool:
@@ -377,6 +457,8 @@ class Dispatcher:
         if self.store.count_trials(sweep["id"], status="pending"):
             return
         low, high = spec.grid.lr_bounds()
+        # tasks' worth: a shape that packs asks its first batch (fixed LRs that need no
+        # results) a pack at a time; every later ask learns from the results, so one by one
         asked = 0
         for shape in plan_shapes(spec):
             if asked >= free:
@@ -387,21 +469,29 @@ class Dispatcher:
             if have >= spec.search.n_trials:
                 continue
             study = self._study(sweep["id"], spec, shape)
-            number, lr = self.optuna.ask(study, low, high)
-            planned = trial_for(spec, shape, lr)
-            trial_id = self.store.add_trial(sweep["id"], planned, optuna_trial_number=number)
-            self.optuna.bind(trial_id, study, number, planned.trial)
+            batch = min(pack_size(spec, shape.width), spec.search.startup_count() - have)
+            for _ in range(max(1, batch)):
+                self._ask_one(sweep["id"], spec, shape, study, low, high)
             asked += 1
-            added = self.store.get_trial(trial_id)
-            if added is not None and added["status"] != "pending":
-                # reused from an identical earlier trial: it never runs, so tell it now
-                self._tell_optuna(added, added["status"], added["result"])
-                self.optuna.forget(trial_id)
-                self._refresh(sweep["id"])
+
+    def _ask_one(self, sweep_id: str, spec: SweepSpec, shape: ShapeKey, study: optuna.Study,
+                 low: float, high: float) -> None:
+        number, lr = self.optuna.ask(study, low, high)
+        planned = trial_for(spec, shape, lr)
+        trial_id = self.store.add_trial(sweep_id, planned, optuna_trial_number=number)
+        self.optuna.bind(trial_id, study, number, planned.trial)
+        added = self.store.get_trial(trial_id)
+        if added is not None and added["status"] != "pending":
+            # reused from an identical earlier trial: it never runs, so tell it now
+            self._tell_optuna(added, added["status"], added["result"])
+            self.optuna.forget(trial_id)
+            self._refresh(sweep_id)
 
     def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
+        """Trials the Optuna studies still have to ask (never negative: a study's later
+        stages add trials beyond them, and a negative count would read as "some left")."""
         asked = self.store.count_trials(sweep_id)
-        return len(plan_shapes(spec)) * spec.search.n_trials - asked
+        return max(0, len(plan_shapes(spec)) * spec.search.n_trials - asked)
 
     def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
         sweep = self.store.get_sweep(trial["sweep_id"])
@@ -416,10 +506,22 @@ class Dispatcher:
         self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)
 
 
-def _outcome(ref: ray.ObjectRef) -> Outcome:
-    """What Ray returned for one attempt (ray.get of a finished task: never blocks)."""
+def _tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:
+    """How many of the sweep's tasks fit in these CPUs and GPUs."""
+    res = spec.resources
+    fits = math.floor(cpus / res.cpus + 1e-9)
+    if res.gpus:
+        fits = min(fits, math.floor(gpus / res.gpus + 1e-9))
+    return fits
+
+
+def _outcome(ref: ray.ObjectRef, member: int | None = None) -> Outcome:
+    """What Ray returned for one attempt (ray.get of a finished task: never blocks); a
+    pack's member reads its own result, and shares the task's fate if the task failed."""
     try:
         result = ray.get(ref)
+        if member is not None:
+            result = result[member]
         return Outcome(result["status"], result, result.get("error"))
     except TaskCancelledError:
         return Outcome(TrialStatus.CANCELLED)

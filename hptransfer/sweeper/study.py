@@ -204,7 +204,13 @@ def _round_lr(lr: float) -> float:
 def _beyond_edge(spec: SweepSpec, rows: pd.DataFrame, edge: str) -> list[float]:
     assert spec.stages is not None
     log2 = np.log2(np.sort(rows["lr"].unique().astype(float)))
-    step = float(np.min(np.diff(log2))) if log2.size > 1 else 1.0
+    if spec.search.method == "optuna":
+        # sampled LRs are irregular (the refinement is half a slice): step by one slice of
+        # the first batch, as a grid steps by its own spacing
+        low, high = spec.grid.lr_bounds()
+        step = (math.log2(high) - math.log2(low)) / max(1, spec.search.startup_count())
+    else:
+        step = float(np.min(np.diff(log2))) if log2.size > 1 else 1.0
     n = spec.stages.tune.extend_lrs
     if edge == "low":
         return [float(2.0 ** round(log2[0] - k * step, 12)) for k in range(1, n + 1)]

@@ -1,9 +1,10 @@
-"""The function a Ray worker runs for one trial: run_trial plus a progress side channel.
+"""The functions a Ray worker runs: one trial (run_trial) or a pack of trials of one shape
+(run_trials), plus a progress side channel.
 
 `progress` is any object with a Ray-actor-like `report.remote(trial_id, metrics)` returning
 an ObjectRef of bool (stop requested). The side channel must never hang or kill a trial:
 if it fails or is slow, training carries on and only live metrics are lost (the final
-result still carries the whole curve).
+result still carries the whole curve). A pack's members report under their own trial ids.
 """
 
 from __future__ import annotations
@@ -11,36 +12,61 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
-from .trainer import run_trial
+from .trainer import run_trial, run_trials
+from .trial import TrialResult
 
 log = logging.getLogger(__name__)
 _REPORT_TIMEOUT_S = 5.0
 
 
-def execute_trial(
-    spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None
-) -> dict[str, Any]:
+def _channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bool]:
+    """report(trial_id, metrics) -> stop requested; after one failure it stops reporting."""
     import ray
 
-    channel_ok = progress is not None
+    ok = progress is not None
 
-    def reporter(metrics: dict[str, Any]) -> bool:
-        nonlocal channel_ok
-        if not channel_ok:
+    def report(trial_id: str, metrics: dict[str, Any]) -> bool:
+        nonlocal ok
+        if not ok:
             return False
         try:
             ref = progress.report.remote(trial_id, metrics)
             return bool(ray.get(ref, timeout=_REPORT_TIMEOUT_S))
         except Exception as exc:  # dead or slow actor: keep training, stop reporting
             log.warning("progress channel failed for trial %s: %s", trial_id, exc)
-            channel_ok = False
+            ok = False
             return False
 
-    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
+    return report
+
+
+def _out(result: TrialResult) -> dict[str, Any]:
+    import ray
+
     out = result.model_dump(mode="json")
     out["worker_node"] = f"{socket.gethostname()}:{os.getpid()}"
     # several Ray nodes can share a host: the node id says which one ran the trial
     out["ray_node_id"] = ray.get_runtime_context().get_node_id()
     return out
+
+
+def execute_trial(
+    spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None
+) -> dict[str, Any]:
+    report = _channel(progress)
+    result = run_trial(spec, reporter=lambda m: report(trial_id, m), cache_dir=cache_dir)
+    return _out(result)
+
+
+def execute_trials(
+    specs: list[dict[str, Any]], trial_ids: list[str], progress: Any | None,
+    cache_dir: str | None,
+) -> list[dict[str, Any]]:
+    """One result per spec, in order (members of one shape, trained packed)."""
+    report = _channel(progress)
+    results = run_trials(specs, reporter=lambda i, m: report(trial_ids[i], m),
+                         cache_dir=cache_dir)
+    return [_out(r) for r in results]

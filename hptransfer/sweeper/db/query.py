@@ -37,6 +37,7 @@ class TrialFilters:
     depth: int | None = None
     sigma_base: float | None = None
     seed: int | None = None
+    stage: str | None = None  # a study's stage (tune, transfer, check, aspect_ratio)
 
     def apply(self, stmt: Select[Any]) -> Select[Any]:
         if isinstance(self.status, str):
@@ -54,4 +55,6 @@ class TrialFilters:
             stmt = stmt.where(Trial.sigma_base == float(self.sigma_base))
         if self.seed is not None:
             stmt = stmt.where(Trial.seed == int(self.seed))
+        if self.stage is not None:
+            stmt = stmt.where(Trial.stage == self.stage)
         return stmt

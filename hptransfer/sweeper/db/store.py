@@ -424,9 +424,10 @@ class Store:
         offset: int = 0,
         sigma_base: float | None = None,
         seed: int | None = None,
+        stage: str | None = None,
     ) -> list[dict[str, Any]]:
         """A page of a sweep's trials in plan order (idx), optionally filtered."""
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed).apply(
+        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
         )
         stmt = stmt.order_by(Trial.idx).offset(offset)
@@ -444,8 +445,9 @@ class Store:
         depth: int | None = None,
         sigma_base: float | None = None,
         seed: int | None = None,
+        stage: str | None = None,
     ) -> int:
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed).apply(
+        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id)
         )
         with self._read() as s:
@@ -464,10 +466,12 @@ class Store:
         limit: int,
         sweep_id: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        ids: Sequence[str] | None = None,
     ) -> list[dict[str, Any]]:
         """Atomically move up to `limit` pending trials to running under `owner`'s lease.
 
-        Oldest sweep first, then plan order. Safe with several coordinators: a trial is
+        Oldest sweep first, then plan order; with `ids`, only those trials (the dispatcher
+        leases a pack's members together). Safe with several coordinators: a trial is
         never leased twice. The leased trials' sweeps become running.
         """
         if limit <= 0:
@@ -483,6 +487,8 @@ class Store:
             )
             if sweep_id is not None:
                 stmt = stmt.where(Trial.sweep_id == sweep_id)
+            if ids is not None:
+                stmt = stmt.where(Trial.id.in_(list(ids)))
             if self.dialect == "postgresql":
                 # Rows another coordinator is leasing right now are skipped, not waited on.
                 stmt = stmt.with_for_update(skip_locked=True, of=Trial)

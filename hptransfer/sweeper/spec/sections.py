@@ -46,6 +46,7 @@ MAX_ARMS = 64
 MAX_N_TRIALS = 10_000
 MAX_CPUS = 1024.0
 MAX_GPUS = 64.0
+MAX_PACK = 64  # trials of one shape trained together in one Ray task (workers/packed.py)
 MAX_BATCH_EXPONENT = 4.0
 _FLOAT_TOL = 1e-9
 
@@ -220,10 +221,26 @@ class Search(SpecModel):
 
 
 class Resources(SpecModel):
-    """Ray resources of one trial; fractions let several trials share a GPU."""
+    """Ray resources of one task; fractions let several tasks share a GPU.
+
+    `pack`: pending trials of one shape (they may differ in LR, sigma, seed and schedule) are
+    trained together as one batched model in one task with these resources; `auto` picks
+    the size from the shape and the device (`sweeper/packing.py`), 1 never packs. Each
+    member stays its own trial. `max_concurrent` counts tasks, so a pack is one of them.
+    """
 
     cpus: float = Field(1.0, gt=0, le=MAX_CPUS)
     gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
+    pack: Literal["auto"] | int = "auto"
+
+    @field_validator("pack", mode="before")
+    @classmethod
+    def _pack(cls, value: Any) -> Any:
+        # one message for every bad value instead of pydantic's two union branches
+        if value == "auto" or (type(value) is int and 1 <= value <= MAX_PACK):
+            return value
+        raise ValueError(f"give 'auto' or a whole number of trials per task from 1 to "
+                         f"{MAX_PACK}, got {value!r:.60}")
 
 
 class Arm(SpecModel):

@@ -1,0 +1,111 @@
+"""Which pending trials train together (`resources.pack`): one Ray task per pack.
+
+A pack is trials of one shape: TrialSpecs equal in every field but `PACKABLE_FIELDS` (LR,
+sigma, seed, schedule, ...), trained as one batched model by `workers/packed.run_trials`.
+Packing is only a way of running trials: every member keeps its own row, attempts and
+result, so this module only decides the grouping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hptransfer.workers.packed import PACKABLE_FIELDS
+
+from .spec import SweepSpec
+
+# `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads, on
+# a shared 2-core machine, so noisy): 1.15x at widths 64 and 128 but 0.97x at 256 (K=8);
+# 1.24x at 64 and 0.93x at 32 (K=6, one thread); 0.98-1.11x at the demo's 32x2 and 56x3
+# (vmap has no batching rule for the CPU attention kernel). So the CPU packs 64..128 only.
+CPU_PACK_WIDTHS = (64, 128)
+CPU_PACK = 8
+CPU_GAIN = 1.15  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
+# CUDA: a small model leaves most of the GPU idle, so a pack costs about one trial up to K
+# (HFTA); not measured here (no GPU lent): larger K for smaller widths, none from 2048.
+CUDA_PACKS = ((256, 16), (512, 8), (1024, 4))  # (widest shape, K)
+
+
+def on_gpu(spec: SweepSpec) -> bool:
+    """Whether the sweep's tasks train on a GPU (Ray gives them one and may use it)."""
+    return spec.resources.gpus > 0 and spec.fixed.device != "cpu"
+
+
+def auto_pack(width: int, gpu: bool) -> int:
+    """The pack size `auto` picks for a shape of this width on this kind of device."""
+    if gpu:
+        return next((k for widest, k in CUDA_PACKS if width <= widest), 1)
+    low, high = CPU_PACK_WIDTHS
+    return CPU_PACK if low <= width <= high else 1
+
+
+def pack_size(spec: SweepSpec, width: int) -> int:
+    """The most trials of one shape that the sweep's spec lets one task train."""
+    pack = spec.resources.pack
+    return auto_pack(width, on_gpu(spec)) if pack == "auto" else int(pack)
+
+
+def pack_cost(n: int, gpu: bool) -> float:
+    """Estimated wall time of a pack of n, in units of one trial alone."""
+    if n <= 1:
+        return 1.0
+    return 1.0 if gpu else n / CPU_GAIN
+
+
+def pack_key(trial_spec: Mapping[str, Any]) -> str:
+    """Trials with equal keys may share a pack (what `check_packable` requires)."""
+    shape = {k: v for k, v in trial_spec.items() if k not in PACKABLE_FIELDS}
+    return json.dumps(shape, sort_keys=True, default=str)
+
+
+def plan_packs(
+    trials: Sequence[dict[str, Any]],
+    slots: int,
+    size_of: Callable[[dict[str, Any]], int],
+    cost: Callable[[int], float],
+) -> list[list[dict[str, Any]]]:
+    """Split pending trials (plan order) into packs of one shape, in plan order.
+
+    `size_of(trial)` is the largest pack its shape may form; `cost(n)` a pack's wall time.
+    Full packs are not always fastest: three packs of 6 on 2 slots take longer than 18
+    trials one by one when packing gains only 15 %. So every cap on the pack size up to the
+    largest allowed is tried, each group is cut into near-equal packs under it, and the cap
+    whose packs finish first when run `slots` at a time (longest first) wins; ties go to the
+    larger packs (fewer tasks).
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for t in trials:
+        groups.setdefault(pack_key(t["spec"]), []).append(t)
+    limit = max((size_of(g[0]) for g in groups.values()), default=1)
+    best: tuple[float, int] | None = None
+    best_packs: list[list[dict[str, Any]]] = []
+    for cap in range(1, limit + 1):
+        packs = [pack for g in groups.values() for pack in _cut(g, min(cap, size_of(g[0])))]
+        span = round(_makespan([cost(len(p)) for p in packs], max(1, slots)), 9)
+        if best is None or (span, -cap) <= best:
+            best, best_packs = (span, -cap), packs
+    return best_packs
+
+
+def _cut(group: list[dict[str, Any]], cap: int) -> list[list[dict[str, Any]]]:
+    """`group` in ceil(len / cap) consecutive packs whose sizes differ by at most one."""
+    n = math.ceil(len(group) / max(1, cap))
+    base, extra = divmod(len(group), n)
+    packs, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        packs.append(group[start:start + size])
+        start += size
+    return packs
+
+
+def _makespan(costs: list[float], slots: int) -> float:
+    """When the last of these tasks ends, run `slots` at a time, longest first."""
+    loads = [0.0] * slots
+    for c in sorted(costs, reverse=True):
+        heapq.heapreplace(loads, loads[0] + c)
+    return max(loads)

@@ -1,0 +1,288 @@
+"""Packed dispatch (`resources.pack`, issue 10): trials of one shape run as one Ray task, and
+the service cannot tell: the same rows, statuses, losses (fp32 tolerance), fits and MLflow
+runs as one task per trial. Real Ray, real SQLite, real MLflow, real training (tiny shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import optuna
+import psutil
+import pytest
+import ray
+from fastapi.testclient import TestClient
+
+from hptransfer.api import create_app
+from hptransfer.config import get_settings
+from hptransfer.sweeper.packing import auto_pack, pack_key, plan_packs
+from hptransfer.sweeper.service import Coordinator
+from hptransfer.sweeper.spec import SpecError, load_spec
+
+PACKED = "trained packed: "
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def packed_spec(spec: dict[str, Any], name: str, pack: Any, steps: int = 10) -> dict[str, Any]:
+    spec = dict(spec, name=name, reuse=False, max_concurrent=2)
+    spec["grid"] = dict(spec["grid"], lrs=[2**-9, 2**-6, 2**-3, 2**0], seeds=[0, 1])
+    spec["budget"] = {"steps": steps, "batch_size": 4}
+    spec["resources"] = {"cpus": 1, "pack": pack}
+    return spec
+
+
+# ---- planning (no Ray) -------------------------------------------------------------------
+
+def _trial(i: int, width: int, lr: float) -> dict[str, Any]:
+    return {"id": f"t{i}", "width": width,
+            "spec": {"width": width, "depth": 2, "lr": lr, "seed": i % 2, "batch_size": 4}}
+
+
+def test_auto_pack_follows_the_measured_rule():
+    assert [auto_pack(w, gpu=False) for w in (32, 64, 128, 256)] == [1, 8, 8, 1]
+    assert auto_pack(256, gpu=True) > auto_pack(1024, gpu=True) > auto_pack(4096, gpu=True) == 1
+
+
+def test_packs_hold_one_shape_and_are_sized_to_keep_every_slot_busy():
+    trials = [_trial(i, w, 2.0**-i) for w in (64, 128) for i in range(6)]
+    assert pack_key(trials[0]["spec"]) == pack_key(trials[5]["spec"])  # lr, seed may differ
+    assert pack_key(trials[0]["spec"]) != pack_key(trials[6]["spec"])  # width may not
+    cpu = lambda n: 1.0 if n == 1 else n / 1.15  # noqa: E731  (packing gains 15 %)
+    packs = plan_packs(trials, slots=2, size_of=lambda t: 8, cost=cpu)
+    # two packs of 6 on 2 slots: 6/1.15 = 5.2 trial-times, against 6 one by one
+    assert [[t["id"] for t in p] for p in packs] == [[f"t{i}" for i in range(6)]] * 2
+    assert [p[0]["width"] for p in packs] == [64, 128]
+    # three shapes on two slots: three packs of 6 would take 10.4; packs of 3 take 7.8
+    three = trials + [_trial(i, 96, 2.0**-i) for i in range(6)]
+    assert sorted(len(p) for p in plan_packs(three, 2, lambda t: 8, cpu)) == [3] * 6
+    # pack 1 (or a shape that may not pack) runs every trial alone, in plan order
+    alone = plan_packs(trials, 2, lambda t: 1, cpu)
+    assert [p for p in alone] == [[t] for t in trials]
+
+
+# ---- the spec field ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, 65, -1, 2.0, "4", "Auto", True, None, [2]])
+def test_bad_pack_is_a_spec_error_naming_the_field(tiny_spec, bad):
+    with pytest.raises(SpecError) as err:
+        load_spec(dict(tiny_spec, resources={"cpus": 1, "pack": bad}))
+    assert [e["field"] for e in err.value.errors] == ["resources.pack"]
+    assert "'auto'" in err.value.errors[0]["message"]
+
+
+def test_pack_values_and_default(tiny_spec):
+    assert load_spec(tiny_spec).resources.pack == "auto"
+    for good in ("auto", 1, 8, 64):
+        assert load_spec(dict(tiny_spec, resources={"pack": good})).resources.pack == good
+
+
+def test_bad_pack_is_422_naming_the_field_and_nothing_is_stored(hpt_home, tiny_spec):
+    with TestClient(create_app(get_settings(), dispatch=False),
+                    raise_server_exceptions=False) as client:
+        for bad in (0, 1000, "many"):
+            r = client.post("/sweeps", json=dict(tiny_spec, resources={"pack": bad}))
+            assert r.status_code == 422, r.text
+            assert [e["field"] for e in r.json()["errors"]] == ["resources.pack"]
+        assert client.get("/sweeps").json() == []
+
+
+# ---- sweeps ------------------------------------------------------------------------------
+
+def _rows(coordinator: Coordinator, sweep_id: str) -> dict[tuple, dict[str, Any]]:
+    return {(r["lr"], r["seed"]): r for r in coordinator.store.trials(sweep_id, limit=None)}
+
+
+def _close(a: Any, b: Any, rel: float, path: str = "") -> None:
+    """Nested JSON equal up to `rel` relative (abs 1e-6) in every float."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _close(a[k], b[k], rel, f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _close(x, y, rel, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-6), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+def test_packed_sweep_gives_the_rows_results_fits_and_runs_of_an_unpacked_one(
+        hpt_home, ray_cluster, tiny_spec):
+    coordinator = Coordinator(get_settings())
+    coordinator.start()
+    try:
+        ids = {}
+        for pack in (1, 4):  # one after the other: the packed sweep has both slots
+            ids[pack] = sweep_id = coordinator.submit(
+                packed_spec(tiny_spec, f"pack-{pack}", pack))["id"]
+            wait_for(lambda s=sweep_id: coordinator.store.get_sweep(s)["status"] == "completed",
+                     180, f"the pack: {pack} sweep to complete")
+        fits = {p: coordinator.fits(s, bootstrap=20) for p, s in ids.items()}
+        store = coordinator.store
+        wait_for(lambda: all(store.mirror_backlog(s) <= 1 for s in ids.values()), 60,
+                 "the MLflow mirror")
+    finally:
+        coordinator.stop()
+    alone, packed = (_rows(coordinator, ids[p]) for p in (1, 4))
+    assert alone.keys() == packed.keys() and len(packed) == 8
+    # LR 1 diverges: that member stops, its pack's others train on
+    statuses = sorted(r["status"] for r in packed.values())
+    assert statuses == ["completed"] * 6 + ["diverged"] * 2, statuses
+    sizes = []
+    for key, a in alone.items():
+        p = packed[key]
+        assert (p["status"], p["attempts"], p["arm"], p["width"]) == \
+            (a["status"], a["attempts"], a["arm"], a["width"]), key
+        assert p["content_hash"] == a["content_hash"]
+        if a["final_val_loss"] is not None:
+            assert math.isclose(p["final_val_loss"], a["final_val_loss"], rel_tol=1e-3), key
+        assert not any(n.startswith(PACKED) for n in a["result"]["notes"])
+        sizes += [int(n.removeprefix(PACKED).split()[0]) for n in p["result"]["notes"]
+                  if n.startswith(PACKED)]
+        # its own attempt and MLflow run, as an unpacked trial has
+        attempts = store.attempts(p["id"])
+        assert [x.status for x in attempts] == [p["status"]] and attempts[0].mlflow_run_id
+    # 8 trials of one shape on 2 slots: 2 tasks of 4
+    assert sizes == [4] * 8
+    runs = {store.attempts(r["id"])[0].mlflow_run_id for r in packed.values()}
+    assert len(runs) == 8
+    assert fits[1]["analyses"]["optimal_lr"]["shapes"], fits[1]["analyses"]
+    # the fits name trials by id: name the packed sweep's by the unpacked twin's ids
+    text = json.dumps(fits[4]["analyses"])
+    for key, p in packed.items():
+        text = text.replace(p["id"], alone[key]["id"])
+    _close(fits[1]["analyses"], json.loads(text), rel=1e-2)
+
+
+def test_cancelling_a_packed_sweep_cancels_every_member(hpt_home, ray_cluster, tiny_spec):
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    coordinator.start()
+    try:
+        sweep_id = coordinator.submit(packed_spec(tiny_spec, "pack-cancel", 4, steps=5000))["id"]
+        wait_for(lambda: len(dispatcher.in_flight) == 8 and all(
+            f.last_step > 0 for f in dispatcher.in_flight.values()), 120,
+            "both packs to be training")
+        assert len({f.ref for f in dispatcher.in_flight.values()}) == 2
+        coordinator.cancel(sweep_id)
+        wait_for(lambda: not dispatcher.in_flight, 60, "the packs to be cancelled")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert coordinator.store.get_sweep(sweep_id)["status"] == "cancelled"
+    assert [r["status"] for r in rows] == ["cancelled"] * 8
+    for r in rows:
+        assert [a.status for a in coordinator.store.attempts(r["id"])] == ["cancelled"]
+
+
+def _ray_workers(title: str) -> list[psutil.Process]:
+    """Ray workers below this process whose title says they run `title` now."""
+    found = []
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if " ".join(proc.cmdline()).startswith(title):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
+                                                                 tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)
+    spec.update(max_concurrent=1, retries=1)
+    spec["grid"]["seeds"] = [0]
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    busy = {p.pid for p in _ray_workers("ray::execute_trials")}
+    coordinator.start()
+    try:
+        sweep_id = coordinator.submit(spec)["id"]
+        wait_for(lambda: len(dispatcher.in_flight) == 4 and all(
+            f.last_step > 0 for f in dispatcher.in_flight.values()), 120, "the pack to train")
+        workers = [p for p in _ray_workers("ray::execute_trials") if p.pid not in busy]
+        assert len(workers) == 1
+        workers[0].kill()
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 180,
+                 "the sweep to complete after the retry")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["attempts"] == 2 and r["status"] in ("completed", "diverged"), r["status"]
+        attempts = coordinator.store.attempts(r["id"])
+        assert [a.status for a in attempts] == ["failed", r["status"]]
+        assert attempts[0].error.startswith("WorkerCrashedError"), attempts[0].error
+        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])
+
+
+def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray_cluster,
+                                                                     tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-optuna", 4)
+    spec["grid"]["seeds"] = [0]
+    spec.update(max_concurrent=1, search={"method": "optuna", "n_trials": 5, "n_startup": 3,
+                                          "pruner": "none"})
+    settings = get_settings()
+    coordinator = Coordinator(settings)
+    coordinator.start()
+    try:
+        sweep_id = coordinator.submit(spec)["id"]
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 120,
+                 "the search to complete")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert sorted(r["optuna_trial_number"] for r in rows) == [0, 1, 2, 3, 4]
+    packs = {r["optuna_trial_number"]: [n for n in r["result"]["notes"] if n.startswith(PACKED)]
+             for r in rows}
+    assert all(packs[i] == [PACKED + "3 trials in one batched model"] for i in (0, 1, 2))
+    assert packs[3] == packs[4] == []
+    # every member was told to its study, with its own loss
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
+    told = {t.number: t.value for t in study.get_trials(deepcopy=False)}
+    for r in rows:
+        if r["status"] == "completed":
+            assert told[r["optuna_trial_number"]] == pytest.approx(r["final_val_loss"], rel=1e-9)
+
+
+def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
+        hpt_home, ray_cluster, tiny_spec):
+    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=400)
+    spec.update(max_concurrent=1)
+    spec["grid"]["seeds"] = [0]
+    first = Coordinator(get_settings())
+    first.start()
+    sweep_id = first.submit(spec)["id"]
+    wait_for(lambda: len(first.dispatcher.in_flight) == 4 and all(
+        f.last_step > 0 for f in first.dispatcher.in_flight.values()), 120, "the pack to train")
+    first.stop()
+    for ref in {f.ref for f in first.dispatcher.in_flight.values()}:
+        ray.cancel(ref, force=True)  # its task dies with it (as an in-process cluster would)
+    second = Coordinator(get_settings())  # a new owner: the pack's leases are orphans
+    second.start()
+    try:
+        wait_for(lambda: second.store.get_sweep(sweep_id)["status"] == "completed", 180,
+                 "the sweep to complete under the new coordinator")
+    finally:
+        second.stop()
+    for r in second.store.trials(sweep_id, limit=None):
+        # the interrupted attempt is not counted against the trial's retries
+        assert r["attempts"] == 1 and r["status"] in ("completed", "diverged"), r
+        assert [a.status for a in second.store.attempts(r["id"])] == ["cancelled", r["status"]]
+        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])

@@ -1,0 +1,192 @@
+"""The `reliable` rules of the frontier fit and the FLOP savings, on closed-form data.
+
+Each rule is checked on inputs whose answer is known without the code under test: exact power
+laws (E known), and bootstrap refits written down directly (so every savings sample, and so
+every percentile interval, is a closed form)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hptransfer.analysis import compare_fits, fit_power_law
+from hptransfer.analysis.powerlaw import E_ZERO_FRACTION, PowerLawFit, bound_problems
+from hptransfer.analysis.savings import MAX_CI_RATIO_SPAN, row_ci_problem
+
+# ------------------------------------------------------------------ frontier: E at its bound
+
+COMPUTE = np.logspace(12, 13.8, 6)  # the demo's ladder: 6 shapes over 1.8 decades
+
+
+@pytest.mark.parametrize("A,b", [(25.0, 0.1), (21.0, 0.092), (32.0, 0.115), (8.0, 0.05)])
+def test_exact_power_law_without_asymptote_is_never_reliable(A: float, b: float) -> None:
+    # L = A·C^-b has E = 0: the optimiser stops somewhere above its bound (about 1e-7 here,
+    # not at the bound itself); wherever it stops, E is not identified and the fit says so.
+    fit = fit_power_law(COMPUTE, A * COMPUTE**-b, bootstrap=40, seed=0)
+    assert fit.E < E_ZERO_FRACTION * fit.loss_range[0]
+    assert not fit.reliable
+    assert any("E is driven to 0" in w for w in fit.warnings)
+
+
+def test_power_law_curving_below_zero_asymptote_is_not_reliable() -> None:
+    # L = A·C^-b - d (d > 0) is best fitted with E pressed onto its bound
+    fit = fit_power_law(COMPUTE, 25.0 * COMPUTE**-0.1 - 0.05, bootstrap=40, seed=0)
+    assert not fit.reliable and any("E is driven to 0" in w for w in fit.warnings)
+
+
+def test_exact_power_law_with_asymptote_is_reliable() -> None:
+    c = np.logspace(17, 21, 9)
+    fit = fit_power_law(c, 1.7 + 250.0 * c**-0.11, bootstrap=40, seed=0)
+    assert fit.E == pytest.approx(1.7, rel=1e-3)
+    assert fit.reliable, fit.warnings
+
+
+@pytest.mark.parametrize(
+    "E,b,flagged",
+    [
+        (2e-9, 0.1, "E is driven to 0"),      # the old rule's blind spot: near, not at, e^-20
+        (1e-7, 0.1, "E is driven to 0"),
+        (0.9e-3 * 2.0, 0.1, "E is driven to 0"),
+        (0.9995 * 2.0, 0.1, "has not bent"),
+        (1.0, 1.05e-4, "sits at its bound"),
+        (1.0, 4.8, "sits at its bound"),
+    ],
+)
+def test_bound_rule_flags_every_value_near_a_bound(E: float, b: float, flagged: str) -> None:
+    problems = bound_problems(E, b, min_loss=2.0)
+    assert any(flagged in p for p in problems), problems
+
+
+@pytest.mark.parametrize("E,b", [(1.1e-3 * 2.0, 0.1), (1.0, 0.1), (1.99, 0.3), (0.5, 2.0)])
+def test_bound_rule_passes_values_inside(E: float, b: float) -> None:
+    assert bound_problems(E, b, min_loss=2.0) == []
+
+
+# ------------------------------------------------------------------ savings: one row's CI
+
+
+def test_row_ci_usable() -> None:
+    col = np.linspace(0.1, 0.3, 40)
+    assert row_ci_problem(col, 0.2, 0.105, 0.295, 0.95) == (None, False)
+
+
+def test_row_ci_of_minus_5e7_is_too_wide_not_reliable() -> None:
+    # the row the old rule called reliable: savings -0.42, CI [-5.04e7, +0.136]
+    col = np.r_[np.linspace(-5.04e7, -1.0, 10), np.linspace(-0.9, 0.136, 30)]
+    why, hide = row_ci_problem(col, -0.418, -5.039e7, 0.1358, 0.95)
+    assert why is not None and "spans a factor" in why and not hide
+
+
+def test_row_ci_width_bound_is_the_compute_ratio_span() -> None:
+    col = np.linspace(-1.0, 0.6, 40)
+    # compute ratio 1 - savings in [0.5, 1.9]: a factor 3.8 (inside the bound)
+    assert row_ci_problem(col, 0.0, -0.9, 0.5, 0.95)[0] is None
+    # [0.4, 2.0]: a factor 5 > MAX_CI_RATIO_SPAN
+    assert MAX_CI_RATIO_SPAN < 5.0
+    assert "spans a factor 5" in str(row_ci_problem(col, 0.0, -1.0, 0.6, 0.95)[0])
+
+
+def test_row_ci_unbounded_tail_is_hidden() -> None:
+    # 10 % of the refits put the asymptote above this loss: more than the 2.5 % tail
+    col = np.r_[np.full(4, np.nan), np.linspace(0.1, 0.3, 36)]
+    why, hide = row_ci_problem(col, 0.2, 0.11, 0.29, 0.95)
+    assert hide and "unbounded" in str(why)
+
+
+def test_row_ci_with_few_distinct_refits_is_hidden_never_zero_width() -> None:
+    col = np.r_[np.full(30, 0.2), np.full(10, 0.25)]
+    why, hide = row_ci_problem(col, 0.2, 0.2, 0.25, 0.95)
+    assert hide and "2 distinct" in str(why)
+
+
+def test_row_ci_not_containing_its_estimate() -> None:
+    col = np.linspace(0.3, 0.5, 40)
+    why, hide = row_ci_problem(col, 0.1, 0.305, 0.495, 0.95)
+    assert "outside its own" in str(why) and not hide
+
+
+# ------------------------------------------------------------------ savings: whole comparison
+
+
+def _fit(
+    E: float, A: float, b: float, boot_E: np.ndarray, loss: tuple[float, float]
+) -> PowerLawFit:
+    """A fit whose bootstrap refits differ only in E (given), so every refit's C(L) is
+    (A / (L - E_i))^(1/b): closed form."""
+    c_scale = 1e12
+    a_scaled = A * c_scale**-b
+    boot = np.column_stack([boot_E, np.full(boot_E.size, a_scaled), np.full(boot_E.size, b)])
+    lo, hi = loss
+    compute = (A / (np.array([lo, hi]) - E)) ** (1 / b)
+    return PowerLawFit(E, A, b, c_scale, compute, np.array([hi, lo]), np.zeros(2),
+                       boot_params=boot, reliable=True)
+
+
+def _closed_form_samples(loss: float, ref_E: np.ndarray, arm_E: np.ndarray,
+                         b: float, A_arm: float, A_ref: float) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        c_arm = np.where(loss > arm_E, (A_arm / (loss - arm_E)) ** (1 / b), np.nan)
+        c_ref = np.where(loss > ref_E, (A_ref / (loss - ref_E)) ** (1 / b), np.nan)
+    return 1.0 - c_arm / c_ref
+
+
+def test_savings_rows_follow_the_rules_against_closed_form_percentiles() -> None:
+    b, A_arm, A_ref = 0.5, 20.0, 21.0
+    arm_E = np.linspace(1.0, 1.4, 41)   # some refits' asymptote reaches the low losses
+    ref_E = np.linspace(1.1, 1.2, 41)[::-1]
+    arm = _fit(1.15, A_arm, b, arm_E, (1.35, 2.4))
+    ref = _fit(1.15, A_ref, b, ref_E, (1.35, 2.4))
+    comp = compare_fits(arm, ref, arm="a", reference="r", n_grid=12)
+    t = comp.table
+    assert comp.no_ci is None
+    seen = set()
+    for _, row in t.iterrows():
+        col = _closed_form_samples(row["loss"], ref_E, arm_E, b, A_arm, A_ref)
+        lost = np.mean(~np.isfinite(col))
+        lo, hi = np.nanpercentile(col, [2.5, 97.5])
+        est = 1.0 - (A_arm / A_ref) ** (1 / b)
+        assert row["savings"] == pytest.approx(est, rel=1e-9)
+        if lost > 0.025:
+            seen.add("unbounded")
+            assert math.isnan(row["ci_low"]) and not row["reliable"]
+            assert "unbounded" in row["note"]
+        elif (1 - lo) / (1 - hi) > MAX_CI_RATIO_SPAN:
+            seen.add("wide")
+            assert row["ci_low"] == pytest.approx(lo) and not row["reliable"]
+            assert "spans a factor" in row["note"]
+        else:
+            seen.add("ok")
+            assert row["ci_low"] == pytest.approx(lo) and row["ci_high"] == pytest.approx(hi)
+            assert row["reliable"] == (lo <= est <= hi)
+    assert seen == {"unbounded", "wide", "ok"}  # the data exercises every branch
+    head = comp.headline()
+    mid = t[t["savings"].notna()].iloc[len(t) // 2]
+    assert head["loss"] == pytest.approx(mid["loss"])
+    assert comp.reliable == bool(mid["reliable"])
+
+
+def test_savings_headline_with_unusable_ci_is_not_reliable() -> None:
+    b = 0.1
+    arm_E = np.linspace(0.5, 2.2, 41)  # wildly uncertain asymptote: unbounded at most losses
+    comp = compare_fits(_fit(1.15, 20.0, b, arm_E, (1.35, 2.4)),
+                        _fit(1.15, 21.0, b, np.linspace(1.1, 1.2, 41), (1.35, 2.4)),
+                        arm="a", reference="r", n_grid=9)
+    head = comp.headline()
+    assert not comp.reliable and not head["reliable"]
+    assert head["ci_low"] is None and "unbounded" in head["note"]
+    assert any("headline savings' CI is not usable" in w for w in comp.warnings)
+
+
+def test_savings_frame_of_a_comparison_without_rows() -> None:
+    from hptransfer.analysis.savings import SavingsResult
+
+    c = np.logspace(17, 21, 9)
+    far = fit_power_law(c, 5.0 + 250.0 * c**-0.11, bootstrap=0)
+    near = fit_power_law(c, 1.75 + 260.0 * c**-0.105, bootstrap=0)
+    comp = compare_fits(far, near, arm="far", reference="near")
+    assert comp.table.empty and comp.reason is not None
+    frame = SavingsResult("near", {"far": comp}).to_frame()
+    assert list(frame["arm"]) == ["far"] and frame["reliable"].tolist() == [False]
+    assert "do not overlap" in frame["reason"].iloc[0]
