@@ -29,11 +29,11 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
     sid = store.create_sweep(name="ui-check", spec={"name": "ui-check"}, spec_hash="h",
                              search="grid", planned=planned, reuse=False)
     for t in store.lease_pending("coord", 2):
-        store.finish_trial(t["id"], "completed", result("completed", t["lr"], curve(20)))
+        store.finish_trial(t.id, "completed", result("completed", t.lr, curve(20)))
     store.refresh_sweep_status(sid)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     Mirror(store, uri, str(tmp_path / "artifacts")).sync()
-    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    experiment_id = store.get_sweep(sid).mlflow_experiment_id
     store.close()
 
     port = free_port()

@@ -345,7 +345,7 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
 
     def refresh(sweep_id: str) -> None:
         real_refresh(sweep_id)
-        refreshed.append((sweep_id, store.get_sweep(sweep_id)["status"],
+        refreshed.append((sweep_id, store.get_sweep(sweep_id).status,
                           store.count_trials(sweep_id),
                           store.count_trials(sweep_id, status=("pending", "running"))))
 

@@ -39,7 +39,7 @@ from hptransfer.config import Settings
 from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial
 
-from .db.store import Store
+from .db.store import Store, SweepRecord, TrialRecord
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
 from .plan import ShapeKey, plan_shapes, trial_for
@@ -68,7 +68,7 @@ class Outcome:
 
 @dataclass
 class InFlight:
-    trial: dict[str, Any]
+    trial: TrialRecord
     ref: ray.ObjectRef
     cpus: float
     gpus: float
@@ -180,29 +180,29 @@ class Dispatcher:
         return bool(collected or started)
 
     def _in_flight_for(self, sweep_id: str) -> list[InFlight]:
-        return [f for f in self.in_flight.values() if f.trial["sweep_id"] == sweep_id]
+        return [f for f in self.in_flight.values() if f.trial.sweep_id == sweep_id]
 
-    def _spec(self, sweep: dict[str, Any]) -> SweepSpec:
+    def _spec(self, sweep: SweepRecord) -> SweepSpec:
         """The sweep's validated spec; a stored spec that no longer validates fails the
         sweep with the reason (BadSweep), so it cannot block the others."""
-        if sweep["id"] not in self._specs:
+        if sweep.id not in self._specs:
             try:
-                self._specs[sweep["id"]] = SweepSpec.model_validate(sweep["spec"])
+                self._specs[sweep.id] = SweepSpec.model_validate(sweep.spec)
             except Exception as exc:
                 reason = f"stored spec is invalid: {exc}"
-                log.error("sweep %s failed: %s", sweep["id"], reason)
-                self.store.fail_sweep(sweep["id"], reason[:4000])
+                log.error("sweep %s failed: %s", sweep.id, reason)
+                self.store.fail_sweep(sweep.id, reason[:4000])
                 self._wake_mirror()
                 raise BadSweep(reason) from exc
-        return self._specs[sweep["id"]]
+        return self._specs[sweep.id]
 
     def _wake_mirror(self) -> None:
         if self.mirror:
             self.mirror.wake()
 
     def _cancel_cancelled(self) -> None:
-        for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
-            if SweepStatus(self.store.get_sweep(sweep_id)["status"]).is_stopped():
+        for sweep_id in {f.trial.sweep_id for f in self.in_flight.values()}:
+            if SweepStatus(self.store.get_sweep(sweep_id).status).is_stopped():
                 for f in self._in_flight_for(sweep_id):
                     if f.outcome is None:
                         ray.cancel(f.ref, force=True)
@@ -219,8 +219,8 @@ class Dispatcher:
                 continue
             f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
             if self.mirror:  # best effort: the final curve is mirrored from the app DB
-                self.mirror.live(trial_id, f.trial["started_at"], points)
-            if f.trial.get("optuna_trial_number") is not None:
+                self.mirror.live(trial_id, f.trial.started_at, points)
+            if f.trial.optuna_trial_number is not None:
                 for p in points:
                     val = p.get("val_loss")
                     if val is not None and self.optuna.should_prune(trial_id, p["step"], val):
@@ -262,9 +262,9 @@ class Dispatcher:
         self._board.forget.remote(trial_id)
         self._wake_mirror()
         try:
-            if f.trial.get("optuna_trial_number") is not None and status != "pending":
+            if f.trial.optuna_trial_number is not None and status != "pending":
                 self._tell_optuna(f.trial, status, out.result)
-            self._refresh(f.trial["sweep_id"])
+            self._refresh(f.trial.sweep_id)
         except BadSweep:
             pass  # marked failed: nothing more to do for its trials
         finally:
@@ -272,12 +272,12 @@ class Dispatcher:
 
     def _refresh(self, sweep_id: str) -> None:
         sweep = self.store.get_sweep(sweep_id)
-        before = sweep["status"]
+        before = sweep.status
         spec = self._spec(sweep)
         if before in ACTIVE and spec.search.method == "optuna" and self._optuna_left(sweep_id,
                                                                                      spec):
             return  # the studies still have trials to ask: not finished yet
-        if before in ACTIVE and sweep.get("study") and not sweep["study"].get("done"):
+        if before in ACTIVE and sweep.study and not sweep.study.get("done"):
             return  # a study with stages to plan: _advance_study (next _fill) decides
         self.store.refresh_sweep_status(sweep_id)
 
@@ -310,46 +310,46 @@ class Dispatcher:
                 spec = self._spec(sweep)
             except BadSweep:
                 continue  # marked failed; the other sweeps go on
-            if sweep.get("study") and self._advance_study(sweep, spec):
+            if sweep.study and self._advance_study(sweep, spec):
                 continue  # the study stopped or finished
-            free = self._free_slots(spec, sweep["id"], cluster)
+            free = self._free_slots(spec, sweep.id, cluster)
             if free <= 0:
                 continue
             if spec.search.method == "optuna":
                 self._ask_optuna(sweep, spec, free)
-            for trial in self.store.lease_pending(self.owner, free, sweep_id=sweep["id"]):
+            for trial in self.store.lease_pending(self.owner, free, sweep_id=sweep.id):
                 self._submit(spec, trial)
                 started += 1
         if started:
             self._wake_mirror()
         return started
 
-    def _submit(self, spec: SweepSpec, trial: dict[str, Any]) -> None:
-        trial_spec = dict(trial["spec"])
+    def _submit(self, spec: SweepSpec, trial: TrialRecord) -> None:
+        trial_spec = dict(trial.spec)
         trial_spec["num_threads"] = max(1, math.ceil(spec.resources.cpus))
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
         if spec.resources.gpus:
             options["num_gpus"] = spec.resources.gpus
         ref = self._remote.options(**options).remote(
-            trial_spec, trial["id"], self._board, str(self.settings.cache_dir)
+            trial_spec, trial.id, self._board, str(self.settings.cache_dir)
         )
-        self.in_flight[trial["id"]] = InFlight(trial, ref, spec.resources.cpus,
-                                               spec.resources.gpus)
+        self.in_flight[trial.id] = InFlight(trial, ref, spec.resources.cpus,
+                                            spec.resources.gpus)
 
     # staged studies (sweeper/study.py) -------------------------------------------------
-    def _advance_study(self, sweep: dict[str, Any], spec: SweepSpec) -> bool:
+    def _advance_study(self, sweep: SweepRecord, spec: SweepSpec) -> bool:
         """When every trial of a study planned so far has finished, plan its next stage
         (or stop it, or finish it) in one transaction. True if the sweep ended."""
-        sid = sweep["id"]
-        if sweep["study"].get("done") or self._in_flight_for(sid):
+        sid = sweep.id
+        if sweep.study.get("done") or self._in_flight_for(sid):
             return False
         if self.store.count_trials(sid, status=list(ACTIVE)):
             return False
         if spec.search.method == "optuna" and self._optuna_left(sid, spec) > 0:
             return False
-        step = next_step(spec, sweep["study"], self.store.results_frame(sid))
+        step = next_step(spec, sweep.study, self.store.results_frame(sid))
         stop = ("stopped", step.reason) if step.kind == "stop" else None
-        if not self.store.plan_stage(sid, int(sweep["study"].get("round", 0)), step.state,
+        if not self.store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
                                      step.trials, stop=stop):
             return False  # planned by someone else in the meantime: next tick sees it
         log.info("study %s: %s%s", sid, step.kind,
@@ -373,47 +373,46 @@ class Dispatcher:
         return self.optuna.study(self._study_name(sweep_id, shape), spec.search,
                                  self._study_name("", shape), low, high)
 
-    def _ask_optuna(self, sweep: dict[str, Any], spec: SweepSpec, free: int) -> None:
-        if self.store.count_trials(sweep["id"], status="pending"):
+    def _ask_optuna(self, sweep: SweepRecord, spec: SweepSpec, free: int) -> None:
+        if self.store.count_trials(sweep.id, status="pending"):
             return
         low, high = spec.grid.lr_bounds()
         asked = 0
         for shape in plan_shapes(spec):
             if asked >= free:
                 return
-            have = self.store.count_trials(sweep["id"], arm=shape.arm, width=shape.width,
+            have = self.store.count_trials(sweep.id, arm=shape.arm, width=shape.width,
                                            depth=shape.depth, sigma_base=shape.sigma_base,
                                            seed=shape.seed)
             if have >= spec.search.n_trials:
                 continue
-            study = self._study(sweep["id"], spec, shape)
+            study = self._study(sweep.id, spec, shape)
             number, lr = self.optuna.ask(study, low, high)
             planned = trial_for(spec, shape, lr)
-            trial_id = self.store.add_trial(sweep["id"], planned, optuna_trial_number=number)
+            trial_id = self.store.add_trial(sweep.id, planned, optuna_trial_number=number)
             self.optuna.bind(trial_id, study, number, planned.trial)
             asked += 1
             added = self.store.get_trial(trial_id)
-            if added is not None and added["status"] != "pending":
+            if added is not None and added.status != "pending":
                 # reused from an identical earlier trial: it never runs, so tell it now
-                self._tell_optuna(added, added["status"], added["result"])
+                self._tell_optuna(added, added.status, added.result)
                 self.optuna.forget(trial_id)
-                self._refresh(sweep["id"])
+                self._refresh(sweep.id)
 
     def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
         asked = self.store.count_trials(sweep_id)
         return len(plan_shapes(spec)) * spec.search.n_trials - asked
 
-    def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
-        sweep = self.store.get_sweep(trial["sweep_id"])
+    def _tell_optuna(self, trial: TrialRecord, status: str, result: dict | None) -> None:
+        sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
-        shape = ShapeKey(trial["arm"], trial["width"], trial["depth"], trial["sigma_base"],
-                         trial["seed"])
-        study = self._study(sweep["id"], spec, shape)
+        shape = ShapeKey(trial.arm, trial.width, trial.depth, trial.sigma_base, trial.seed)
+        study = self._study(sweep.id, spec, shape)
         value = (result or {}).get("final_val_loss")
         vocab = 256
         if result and result.get("param_table"):
-            vocab = trial["spec"].get("data", {}).get("vocab_size") or 256
-        self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)
+            vocab = trial.spec.get("data", {}).get("vocab_size") or 256
+        self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
 
 
 def _outcome(ref: ray.ObjectRef) -> Outcome:

@@ -16,7 +16,7 @@ from hptransfer.data import DataError, load_dataset
 from hptransfer.status import TrialStatus
 
 from .admission import admit
-from .db.store import NotFoundError, Store
+from .db.store import NotFoundError, Store, SweepRecord
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .mlflow.mirror import Mirror
@@ -109,30 +109,29 @@ class Coordinator:
     def summaries(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         """Summaries of a page of sweeps, newest first, in a constant number of queries."""
         sweeps = self.store.list_sweeps(limit=limit, offset=offset)
-        means = self.store.mean_wall_times([s["id"] for s in sweeps])
-        return [self._summarise(s, means.get(s["id"])) for s in sweeps]
+        means = self.store.mean_wall_times([s.id for s in sweeps])
+        return [self._summarise(s, means.get(s.id)) for s in sweeps]
 
-    def _summarise(self, sweep: dict[str, Any], mean_wall_s: float | None) -> dict[str, Any]:
+    def _summarise(self, sweep: SweepRecord, mean_wall_s: float | None) -> dict[str, Any]:
         """Progress from the row's counts and the numbers stored at submit (no spec). The
         ETA: remaining trials x mean wall time of those that ran / max_concurrent."""
-        counts = sweep["counts"]
-        total = max(sum(counts.values()), sweep.get("planned_total") or 0)
+        counts = sweep.counts or {}
+        total = max(sum(counts.values()), sweep.planned_total or 0)
         done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
         stages = None
-        if sweep.get("study") is not None:  # a study: progress per stage, unplanned ones expected
-            spec = SweepSpec.model_validate(sweep["spec"])
-            stages = study_progress(spec, sweep["study"], self.store.stage_counts(sweep["id"]))
+        if sweep.study is not None:  # a study: progress per stage, unplanned ones expected
+            spec = SweepSpec.model_validate(sweep.spec)
+            stages = study_progress(spec, sweep.study, self.store.stage_counts(sweep.id))
             total = max(total, sum(st["total"] for st in stages))
         return {
-            **{k: v for k, v in sweep.items() if k != "spec"},
+            **{k: v for k, v in sweep.to_dict().items() if k != "spec"},
             "counts": counts,
             "total": total,
             "done": done,
             "progress": done / total if total else 0.0,
             "eta_s": (0.0 if done >= total else None if mean_wall_s is None
-                      else mean_wall_s * (total - done) / (sweep.get("max_concurrent") or 1)),
-            "waiting_for": (self.dispatcher.waiting.get(sweep["id"]) if self.dispatcher
-                            else None),
+                      else mean_wall_s * (total - done) / (sweep.max_concurrent or 1)),
+            "waiting_for": self.dispatcher.waiting.get(sweep.id) if self.dispatcher else None,
             "stages": stages,
         }
 

@@ -1,5 +1,5 @@
-"""Rows in and out of the app database: ORM objects to plain dicts, planned trials to insert
-values, worker results to the typed result columns."""
+"""Rows in and out of the app database: ORM objects to frozen records, planned trials to
+insert values, worker results to the typed result columns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any, Protocol, cast
 
 from sqlalchemy import inspect
 
-from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Trial
+from .records import SweepRecord, TrialRecord
+from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Sweep, Trial
 
 
 class PlannedTrial(Protocol):
@@ -43,15 +44,17 @@ def new_id(n: int) -> str:
     return uuid.uuid4().hex[:n]
 
 
-def as_dict(obj: Base) -> dict[str, Any]:
+def _columns(obj: Base) -> dict[str, Any]:
     """Every column of an ORM row, by attribute name."""
     return {attr.key: getattr(obj, attr.key) for attr in inspect(obj).mapper.column_attrs}
 
 
-def trial_dict(obj: Trial) -> dict[str, Any]:
-    out = as_dict(obj)
-    out["reused"] = obj.reused_from is not None
-    return out
+def sweep_record(obj: Sweep, counts: dict[str, int] | None = None) -> SweepRecord:
+    return SweepRecord(**_columns(obj), counts=counts)
+
+
+def trial_record(obj: Trial) -> TrialRecord:
+    return TrialRecord(**_columns(obj))
 
 
 def dump_model(value: Any) -> dict[str, Any]:
@@ -88,7 +91,7 @@ def trial_row(
     data_hash: str | None,
     max_attempts: int,
     now: datetime,
-    donors: Mapping[str, Mapping[str, Any]],
+    donors: Mapping[str, TrialRecord],
     optuna_trial_number: int | None = None,
 ) -> dict[str, Any]:
     """The insert values for one planned trial (completed from a donor when reused)."""
@@ -117,13 +120,13 @@ def trial_row(
     }
     donor = donors.get(p.content_hash) if p.content_hash else None
     if donor is not None:
-        row.update({k: donor[k] for k in RESULT_COLUMNS})
+        row.update({k: getattr(donor, k) for k in RESULT_COLUMNS})
         row.update(
             status="completed",
-            result=donor["result"],
-            worker_node=donor["worker_node"],
+            result=donor.result,
+            worker_node=donor.worker_node,
             # point at the trial that actually ran, not at another copy of it
-            reused_from=donor["reused_from"] or donor["id"],
+            reused_from=donor.reused_from or donor.id,
             started_at=now,
             finished_at=now,
         )

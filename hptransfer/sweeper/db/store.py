@@ -1,8 +1,9 @@
 """Persistence of sweeps and trials: the `Store` and its operations.
 
-Every public method of `Store` runs its own short transaction and returns plain dicts (or a
-DataFrame), never live ORM objects, so a Store can be shared by the API's threads and the
-dispatcher's. The same code runs on SQLite (the embedded default) and PostgreSQL.
+Every public method of `Store` runs its own short transaction and returns frozen records
+(records.py: `SweepRecord`, `TrialRecord`, ...), plain values or a DataFrame, never live ORM
+objects, so a Store can be shared by the API's threads and the dispatcher's. The same code
+runs on SQLite (the embedded default) and PostgreSQL.
 
 Concurrency: several coordinators may lease from one database. On PostgreSQL the lease query
 locks its rows with `FOR UPDATE SKIP LOCKED`; on SQLite every write transaction starts with
@@ -10,10 +11,10 @@ locks its rows with `FOR UPDATE SKIP LOCKED`; on SQLite every write transaction 
 read-then-write transactions can never interleave (and never fail half-way with "database is
 locked": the busy timeout makes the second one wait instead).
 
-The rest of the database layer lives beside it: db_schema (tables, column types, statuses),
-db_engine (engines, URLs, SQLite pragmas, migrations), db_rows (row <-> dict conversion),
-db_query (filters, chunking, bulk updates) and db_frame (the results DataFrame). The names
-other code imports from here are re-exported below.
+The rest of the database layer lives beside it: schema (tables, column types, statuses),
+engine (engines, URLs, SQLite pragmas, migrations), records (the frozen records), rows (rows
+to records and insert values), query (filters, chunking, bulk updates) and frame (the results
+DataFrame). The names other code imports from here are re-exported below.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from .engine import (
 )
 from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
 from .query import TrialFilters, bulk_update, chunks
-from .records import AttemptRecord, SweepMirrorRecord
+from .records import AttemptRecord, SweepMirrorRecord, SweepRecord, TrialRecord
 from .rows import (
     PlannedTrial,
-    as_dict,
     dump_model,
     new_id,
     result_columns,
-    trial_dict,
+    sweep_record,
+    trial_record,
     trial_row,
     utcnow,
 )
@@ -84,7 +85,9 @@ __all__ = [
     "Store",
     "StoreError",
     "Sweep",
+    "SweepRecord",
     "Trial",
+    "TrialRecord",
     "UTCDateTime",
     "alembic_config",
     "make_engine",
@@ -321,9 +324,9 @@ class Store:
     @staticmethod
     def _donors(
         s: Session, hashes: Sequence[str], data_hash: str | None
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, TrialRecord]:
         """Newest completed trial (with a result) per content hash on the same data."""
-        found: dict[str, dict[str, Any]] = {}
+        found: dict[str, TrialRecord] = {}
         wanted = sorted({h for h in hashes if h})
         for chunk in chunks(wanted):
             stmt = (
@@ -337,41 +340,38 @@ class Store:
                 .order_by(Trial.finished_at.desc(), Trial.id)
             )
             for trial in s.scalars(stmt):
-                found.setdefault(trial.content_hash, as_dict(trial))
+                if trial.content_hash not in found:
+                    found[trial.content_hash] = trial_record(trial)
         return found
 
     # ---------------------------------------------------------------- reading
 
-    def get_sweep(self, sweep_id: str) -> dict[str, Any] | None:
-        """The sweep row plus `counts` (trials per status)."""
+    def get_sweep(self, sweep_id: str) -> SweepRecord | None:
+        """The sweep with its `counts` (trials per status)."""
         with self._read() as s:
             sweep = s.get(Sweep, sweep_id)
             if sweep is None:
                 return None
-            out = as_dict(sweep)
-            out["counts"] = self._counts(s, [sweep_id])[sweep_id]
-            return out
+            return sweep_record(sweep, self._counts(s, [sweep_id])[sweep_id])
 
     def list_sweeps(
         self, limit: int = 50, offset: int = 0, status: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[SweepRecord]:
         """Sweeps, newest first, each with `counts`."""
         with self._read() as s:
             stmt = select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc())
             if status is not None:
                 stmt = stmt.where(Sweep.status == status)
-            sweeps = [as_dict(x) for x in s.scalars(stmt.limit(limit).offset(offset))]
-            counts = self._counts(s, [x["id"] for x in sweeps])
-            for sweep in sweeps:
-                sweep["counts"] = counts[sweep["id"]]
-            return sweeps
+            sweeps = list(s.scalars(stmt.limit(limit).offset(offset)))
+            counts = self._counts(s, [x.id for x in sweeps])
+            return [sweep_record(x, counts[x.id]) for x in sweeps]
 
-    def active_sweeps(self) -> list[dict[str, Any]]:
+    def active_sweeps(self) -> list[SweepRecord]:
         """Pending or running sweeps, oldest first, without counts (the dispatcher's tick)."""
         with self._read() as s:
             stmt = (select(Sweep).where(Sweep.status.in_(ACTIVE_STATUSES))
                     .order_by(Sweep.created_at, Sweep.id))
-            return [as_dict(x) for x in s.scalars(stmt)]
+            return [sweep_record(x) for x in s.scalars(stmt)]
 
     def status_counts(self, sweep_id: str) -> dict[str, int]:
         """Number of trials in every status (zeros included)."""
@@ -424,7 +424,7 @@ class Store:
         offset: int = 0,
         sigma_base: float | None = None,
         seed: int | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrialRecord]:
         """A page of a sweep's trials in plan order (idx), optionally filtered."""
         stmt = TrialFilters(status, arm, width, depth, sigma_base, seed).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
@@ -433,7 +433,7 @@ class Store:
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._read() as s:
-            return [trial_dict(t) for t in s.scalars(stmt)]
+            return [trial_record(t) for t in s.scalars(stmt)]
 
     def count_trials(
         self,
@@ -451,10 +451,10 @@ class Store:
         with self._read() as s:
             return int(s.scalar(stmt) or 0)
 
-    def get_trial(self, trial_id: str) -> dict[str, Any] | None:
+    def get_trial(self, trial_id: str) -> TrialRecord | None:
         with self._read() as s:
             trial = s.get(Trial, trial_id)
-            return None if trial is None else trial_dict(trial)
+            return None if trial is None else trial_record(trial)
 
     # ---------------------------------------------------------------- leasing
 
@@ -464,7 +464,7 @@ class Store:
         limit: int,
         sweep_id: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrialRecord]:
         """Atomically move up to `limit` pending trials to running under `owner`'s lease.
 
         Oldest sweep first, then plan order. Safe with several coordinators: a trial is
@@ -531,7 +531,7 @@ class Store:
                 .where(Trial.id.in_(ids), Trial.status == "running", Trial.lease_owner == owner)
                 .order_by(Sweep.created_at, Sweep.id, Trial.idx)
             )
-            return [trial_dict(t) for t in leased]
+            return [trial_record(t) for t in leased]
 
     def finish_trial(
         self,

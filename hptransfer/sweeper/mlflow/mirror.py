@@ -270,7 +270,7 @@ class Mirror:
 
     def _parent_of(self, sweep_id: str) -> str | None:
         row = self.store.get_sweep(sweep_id)
-        return row.get("mlflow_run_id") if row else None
+        return row.mlflow_run_id if row else None
 
     def _end_sweep(self, sweep: SweepMirrorRecord) -> None:
         c = self.client()
