@@ -112,18 +112,3 @@ class AttemptRecord(Record):
     arm: str
     spec: dict[str, Any]
     result: dict[str, Any] | None  # the trial's result when this attempt produced it
-
-
-@dataclass(frozen=True, slots=True)
-class SweepMirrorRecord(Record):
-    """A sweep whose MLflow experiment or parent run is not up to date."""
-
-    id: str
-    name: str
-    spec: dict[str, Any]
-    status: str
-    created_at: datetime
-    finished_at: datetime | None
-    experiment_id: str | None
-    parent_run_id: str | None
-    mlflow_synced_status: str | None

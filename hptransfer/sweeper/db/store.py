@@ -44,7 +44,7 @@ from .engine import (
 )
 from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
 from .query import TrialFilters, bulk_update, chunks
-from .records import AttemptRecord, SweepMirrorRecord, SweepRecord, TrialRecord
+from .records import AttemptRecord, SweepRecord, TrialRecord
 from .rows import (
     PlannedTrial,
     dump_model,
@@ -740,18 +740,14 @@ class Store:
 
     # ---------------------------------------------------------------- MLflow mirror
 
-    def sweeps_to_mirror(self) -> list[SweepMirrorRecord]:
+    def sweeps_to_mirror(self) -> list[SweepRecord]:
         """Sweeps without an MLflow parent run yet, or whose status changed since mirrored."""
         stmt = (select(Sweep)
                 .where(or_(Sweep.mlflow_run_id.is_(None),
                            Sweep.mlflow_synced_status.is_distinct_from(Sweep.status)))
                 .order_by(Sweep.created_at, Sweep.id))
         with self._read() as s:
-            return [SweepMirrorRecord(
-                id=x.id, name=x.name, spec=x.spec, status=x.status, created_at=x.created_at,
-                finished_at=x.finished_at, experiment_id=x.mlflow_experiment_id,
-                parent_run_id=x.mlflow_run_id, mlflow_synced_status=x.mlflow_synced_status,
-            ) for x in s.scalars(stmt)]
+            return [sweep_record(x) for x in s.scalars(stmt)]
 
     def mark_sweep_mirrored(self, sweep_id: str, status: str) -> None:
         with self._write() as s:
