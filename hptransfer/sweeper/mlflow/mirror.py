@@ -61,7 +61,8 @@ FINAL_METRICS = (
 RUN_STATUS = {"completed": "FINISHED", "pruned": "FINISHED", "diverged": "FINISHED",
               "failed": "FAILED", "cancelled": "KILLED",
               "stopped": "FINISHED"}  # a study stopped on purpose
-# MLflow 3 opens experiments of this kind in its model-training view (not a GenAI overview)
+# The experiment's kind as MLflow names it (its API and kind selector read it). MLflow 3.17's
+# UI picks its view from the workflow switch instead: links carry it (tracking.ui_url).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 # MLflow error codes that mean "this write is wrong", not "MLflow is away": never retried
 REJECTED_CODES = frozenset({
