@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -203,13 +202,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 @command("doctor")
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from hptransfer.config import get_settings
+    from hptransfer.config import client_url, get_settings
     from hptransfer.sweeper.health import check_api, run_checks
 
     settings = get_settings()
     try:
         checks = run_checks(settings, deep=not a.quick)
-        url = a.url or os.environ.get("HPT_URL")
+        url = a.url or client_url("")
         if url:
             checks.append(check_api(url))
     finally:
