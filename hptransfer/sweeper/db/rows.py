@@ -15,8 +15,8 @@ from .records import SweepRecord, TrialRecord
 from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Sweep, Trial
 
 
-class PlannedTrial(Protocol):
-    """One planned grid point, as produced by the planner (read-only attributes)."""
+class PlannedRow(Protocol):
+    """What the store reads of one planned grid point (the planner's `PlannedTrial`)."""
 
     @property
     def arm(self) -> str: ...
@@ -87,7 +87,7 @@ def result_columns(result: Mapping[str, Any]) -> dict[str, Any]:
 def trial_row(
     sweep_id: str,
     idx: int,
-    p: PlannedTrial,
+    p: PlannedRow,
     data_hash: str | None,
     max_attempts: int,
     now: datetime,

@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import pandas as pd
-from sqlalchemy import case, func, insert, or_, select, update
+from sqlalchemy import Select, case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,7 +46,7 @@ from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
 from .query import TrialFilters, bulk_update, chunks
 from .records import AttemptRecord, SweepRecord, TrialRecord
 from .rows import (
-    PlannedTrial,
+    PlannedRow,
     dump_model,
     new_id,
     result_columns,
@@ -81,7 +81,7 @@ __all__ = [
     "TRIAL_STATUSES",
     "Base",
     "NotFoundError",
-    "PlannedTrial",
+    "PlannedRow",
     "Store",
     "StoreError",
     "Sweep",
@@ -124,6 +124,13 @@ def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
         mlflow_synced_status=a.mlflow_synced_status, sweep_id=sweep_id,
         experiment_id=experiment_id, parent_run_id=parent_run_id, arm=arm, spec=spec,
         result=result if a.has_result else None)
+
+
+# an attempt with what its MLflow run needs from its trial and sweep (see _attempt_record)
+_ATTEMPTS = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
+                    Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
+             .join(Trial, Trial.id == Attempt.trial_id)
+             .join(Sweep, Sweep.id == Trial.sweep_id))
 
 
 def _locked_sweep(s: Session, sweep_id: str) -> Sweep:
@@ -195,7 +202,7 @@ class Store:
         spec: Mapping[str, Any],
         spec_hash: str,
         search: str,
-        planned: Iterable[PlannedTrial],
+        planned: Iterable[PlannedRow],
         data_hash: str | None = None,
         reuse: bool = True,
         max_attempts: int = 3,
@@ -245,7 +252,7 @@ class Store:
         return sweep_id
 
     def add_trial(
-        self, sweep_id: str, planned: PlannedTrial, optuna_trial_number: int | None = None
+        self, sweep_id: str, planned: PlannedRow, optuna_trial_number: int | None = None
     ) -> str:
         """Append one trial to a sweep (Optuna mode asks trials one at a time)."""
         now = utcnow()
@@ -275,7 +282,7 @@ class Store:
         sweep_id: str,
         expected_round: int,
         study: Mapping[str, Any],
-        planned: Iterable[PlannedTrial],
+        planned: Iterable[PlannedRow],
         stop: tuple[str, str | None] | None = None,
     ) -> bool:
         """Record a study's next stage and insert its trials in ONE transaction.
@@ -757,24 +764,17 @@ class Store:
     def attempts_to_mirror(self, limit: int = 200) -> list[AttemptRecord]:
         """Attempts whose status differs from the one last copied to MLflow, oldest first
         (only of sweeps whose parent run exists: a run is created under it)."""
-        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
-                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
-                .join(Trial, Trial.id == Attempt.trial_id)
-                .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status),
-                       Sweep.mlflow_run_id.is_not(None))
-                .order_by(Attempt.started_at, Attempt.trial_id, Attempt.seq).limit(limit))
-        with self._read() as s:
-            return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
-                    for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
+        return self._attempt_records(
+            _ATTEMPTS.where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status),
+                            Sweep.mlflow_run_id.is_not(None))
+            .order_by(Attempt.started_at, Attempt.trial_id, Attempt.seq).limit(limit))
 
     def attempts(self, trial_id: str) -> list[AttemptRecord]:
         """Every lease of a trial, in order."""
-        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
-                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
-                .join(Trial, Trial.id == Attempt.trial_id)
-                .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Attempt.trial_id == trial_id).order_by(Attempt.seq))
+        return self._attempt_records(
+            _ATTEMPTS.where(Attempt.trial_id == trial_id).order_by(Attempt.seq))
+
+    def _attempt_records(self, stmt: Select[Any]) -> list[AttemptRecord]:
         with self._read() as s:
             return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
                     for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
