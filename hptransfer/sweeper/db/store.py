@@ -387,12 +387,20 @@ class Store:
 
     def stage_counts(self, sweep_id: str) -> dict[str | None, dict[str, int]]:
         """Trials per study stage and status (stage None: trials outside a study)."""
-        out: dict[str | None, dict[str, int]] = {}
-        stmt = (select(Trial.stage, Trial.status, func.count())
-                .where(Trial.sweep_id == sweep_id).group_by(Trial.stage, Trial.status))
+        return self.stage_counts_of([sweep_id])[sweep_id]
+
+    def stage_counts_of(
+        self, sweep_ids: Sequence[str]
+    ) -> dict[str, dict[str | None, dict[str, int]]]:
+        """`stage_counts` of several sweeps in one query (per chunk of ids)."""
+        out: dict[str, dict[str | None, dict[str, int]]] = {sid: {} for sid in sweep_ids}
         with self._read() as s:
-            for stage, status, n in s.execute(stmt):
-                out.setdefault(stage, dict.fromkeys(TRIAL_STATUSES, 0))[status] = int(n)
+            for chunk in chunks(list(sweep_ids)):
+                stmt = (select(Trial.sweep_id, Trial.stage, Trial.status, func.count())
+                        .where(Trial.sweep_id.in_(list(chunk)))
+                        .group_by(Trial.sweep_id, Trial.stage, Trial.status))
+                for sid, stage, status, n in s.execute(stmt):
+                    out[sid].setdefault(stage, dict.fromkeys(TRIAL_STATUSES, 0))[status] = int(n)
         return out
 
     @staticmethod
