@@ -144,15 +144,15 @@ def run_sweep(client: Client, store: Store, mlflow: MlflowClient, spec: dict[str
             raise TimeoutError(f"sweep {sweep_id} not done after {timeout} s")
         time.sleep(0.1)
     sweep = store.get_sweep(sweep_id)
-    parent = sweep.get("mlflow_run_id")
+    parent = sweep.mlflow_run_id
     while parent and mlflow.get_run(parent).info.status == "RUNNING":
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
     trials = store.trials(sweep_id, limit=None)
-    bad = [t["status"] for t in trials if t["status"] != "completed"]
+    bad = [t.status for t in trials if t.status != "completed"]
     if bad:
-        raise RuntimeError(f"sweep {sweep_id}: trials ended {bad}: {trials[0]['error']}")
+        raise RuntimeError(f"sweep {sweep_id}: trials ended {bad}: {trials[0].error}")
     return t0, sweep, trials
 
 
@@ -223,27 +223,27 @@ def main(argv: list[str] | None = None) -> int:
                 one = spec(f"latency-{i}", 1)
                 one["grid"]["lrs"] = [2.0 ** (-6 - 0.25 * i)]
                 t0, sweep, (trial,) = run_sweep(client, store, mlflow, one)
-                own = trial["wall_time_s"]
+                own = trial.wall_time_s
                 lat["own"].append(own)
-                lat["row"].append(seconds(t0, trial["finished_at"]))
-                lat["lease"].append(seconds(t0, trial["started_at"]))
-                lat["ray"].append(seconds(trial["started_at"], trial["finished_at"]) - own)
-                lat["mlflow"].append(seconds(trial["finished_at"], sweep["finished_at"]))
-                lat["all"].append(seconds(t0, sweep["finished_at"]))
+                lat["row"].append(seconds(t0, trial.finished_at))
+                lat["lease"].append(seconds(t0, trial.started_at))
+                lat["ray"].append(seconds(trial.started_at, trial.finished_at) - own)
+                lat["mlflow"].append(seconds(trial.finished_at, sweep.finished_at))
+                lat["all"].append(seconds(t0, sweep.finished_at))
             print("latency done", flush=True)
 
             # 3. throughput: one n-trial sweep per max_concurrent
             thr: dict[int, dict[str, Any]] = {}
             for mc in (1, 2):
                 t0, _, trials = run_sweep(client, store, mlflow, spec(f"throughput-{mc}", n, mc))
-                ends = sorted(t["finished_at"] for t in trials)
+                ends = sorted(t.finished_at for t in trials)
                 span = seconds(t0, ends[-1])
                 thr[mc] = {"span": span, "per_min": 60 * n / span,
-                           "own": [t["wall_time_s"] for t in trials]}
+                           "own": [t.wall_time_s for t in trials]}
                 if mc == 1:
-                    by_end = sorted(trials, key=lambda t: t["finished_at"])
-                    prev = [t0] + [t["finished_at"] for t in by_end[:-1]]
-                    thr[mc]["gap_over"] = [seconds(p_, t["finished_at"]) - t["wall_time_s"]
+                    by_end = sorted(trials, key=lambda t: t.finished_at)
+                    prev = [t0] + [t.finished_at for t in by_end[:-1]]
+                    thr[mc]["gap_over"] = [seconds(p_, t.finished_at) - t.wall_time_s
                                            for p_, t in zip(prev, by_end, strict=True)][1:]
                 print(f"throughput max_concurrent={mc} done", flush=True)
         store.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -205,14 +204,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_doctor(a: argparse.Namespace) -> int:
     import ray
 
-    from hptransfer.config import get_settings
+    from hptransfer.config import client_url, get_settings
     from hptransfer.sweeper.health import check_api, run_checks
 
     settings = get_settings()
     ours = not ray.is_initialized()  # a connection doctor opened itself, closed again below
     try:
         checks = run_checks(settings, deep=not a.quick)
-        url = a.url or os.environ.get("HPT_URL")
+        url = a.url or client_url("")
         if url:
             checks.append(check_api(url))
     finally:
@@ -287,11 +286,11 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     import subprocess
 
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.mlflow.tracking import ui_command
+    from hptransfer.sweeper.mlflow.tracking import ui_command, ui_url
 
     settings = get_settings()
     cmd = ui_command(settings.mlflow_uri, a.host, a.port)
-    print(f"MLflow UI on http://{a.host}:{a.port} for {settings.mlflow_uri}")
+    print(f"MLflow UI on {ui_url(f'http://{a.host}:{a.port}')} for {settings.mlflow_uri}")
     return subprocess.call(cmd)
 
 
@@ -388,9 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     client_args(p)
 
+    from hptransfer.sweeper.mlflow.tracking import UI_HOST, UI_PORT
+
     p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--host", default=UI_HOST)
+    p.add_argument("--port", type=int, default=UI_PORT)
 
     p = sub.add_parser("demo", help="a small real study on the CPU, end to end")
     p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_study.yaml)")

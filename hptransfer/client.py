@@ -12,9 +12,10 @@ import pandas as pd
 import yaml
 
 from hptransfer.config import client_token, client_url
+from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
-TERMINAL_SWEEP = ("completed", "cancelled", "failed", "stopped")
+TERMINAL_SWEEP: tuple[str, ...] = tuple(s for s in SweepStatus if s not in ACTIVE)
 
 
 class ApiError(RuntimeError):

@@ -115,6 +115,20 @@ def client_token() -> str | None:
     return _env("HPT_API_TOKEN")
 
 
+RAY_REQUIRE_ENV = "HPT_RAY_REQUIRE"
+
+
+def ray_required_resources() -> list[str]:
+    """$HPT_RAY_REQUIRE: resource labels some alive Ray node must carry (comma or space
+    separated, e.g. `hpt_worker`); /health fails while none does."""
+    return (_env(RAY_REQUIRE_ENV) or "").replace(",", " ").split()
+
+
+def compile_enabled() -> bool:
+    """$HPT_COMPILE: torch.compile on CUDA unless it is 0 (read on the worker)."""
+    return (_env("HPT_COMPILE") or "1") != "0"
+
+
 def get_settings() -> Settings:
     """Read the settings from the environment now (no caching, so tests can monkeypatch it)."""
     home = home_dir()

@@ -16,6 +16,7 @@ from pathlib import Path
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
+from hptransfer.sweeper.mlflow.tracking import UI_HOST, UI_PORT, ui_url
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
 
@@ -79,7 +80,8 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
         if "optuna_trial_number" in df and df["optuna_trial_number"].notna().any():
             print("\n" + search_cost(df, spec_path))
         _print_fits(client, sweep["id"], out)
-    print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`)")
+    print(f"\nMLflow runs: {settings.mlflow_uri}  (browse with `hpt mlflow-ui`: "
+          f"{ui_url(f'http://{UI_HOST}:{UI_PORT}', sweep.get('mlflow_experiment_id'))})")
     return 0 if sweep["status"] == "completed" else 1  # "stopped" says why above
 
 

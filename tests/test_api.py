@@ -50,8 +50,7 @@ def test_submit_run_and_track_a_sweep(server, tiny_spec):
         assert time.time() < deadline, "the MLflow mirror never caught up"
         time.sleep(0.2)
     ids = store.get_sweep(s["id"])  # the experiment may have been created after `done`
-    done.update(mlflow_experiment_id=ids["mlflow_experiment_id"],
-                mlflow_run_id=ids["mlflow_run_id"])
+    done.update(mlflow_experiment_id=ids.mlflow_experiment_id, mlflow_run_id=ids.mlflow_run_id)
     store.close()
     # one nested MLflow run per trial under the sweep's parent run, curves logged
     ml = MlflowClient(settings.mlflow_uri)

@@ -124,11 +124,11 @@ def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
     finished = Counter(r.data.tags.get("hpt.trial_id") for r in finished_runs)
     run_of = {r.data.tags.get("hpt.trial_id"): r.info.run_id for r in finished_runs}
     for row in rows:
-        assert finished[row["id"]] == 1, (row["id"], finished)
-        run = ml.get_run(run_of[row["id"]])
+        assert finished[row.id] == 1, (row.id, finished)
+        run = ml.get_run(run_of[row.id])
         assert run.info.status == "FINISHED"
-        if row["final_val_loss"] is not None:
-            assert run.data.metrics["final_val_loss"] == pytest.approx(row["final_val_loss"])
+        if row.final_val_loss is not None:
+            assert run.data.metrics["final_val_loss"] == pytest.approx(row.final_val_loss)
         curve = ml.get_metric_history(run.info.run_id, "train_loss")
         assert len(curve) >= 2
     deadline = time.time() + 120  # the sweep's artifacts land just after its status
@@ -169,10 +169,10 @@ def test_grid_and_optuna_sweeps_run_across_the_cluster(cluster, tiny_spec):
     for sweep_id, total in zip(ids, (4, 3), strict=True):
         rows = store.trials(sweep_id, limit=None)  # read from PostgreSQL itself
         assert len(rows) == total
-        assert {r["status"] for r in rows} <= {"completed", "diverged"}
-        assert all(r["result"] for r in rows)
-        assert all(r["final_val_loss"] is not None for r in rows if r["status"] == "completed")
-        nodes |= {r["result"]["ray_node_id"] for r in rows}
+        assert {r.status for r in rows} <= {"completed", "diverged"}
+        assert all(r.result for r in rows)
+        assert all(r.final_val_loss is not None for r in rows if r.status == "completed")
+        nodes |= {r.result["ray_node_id"] for r in rows}
         _check_in_mlflow(cluster, sweep_id, rows)
     assert worker in nodes, (worker, nodes)  # the second node ran trials, not only the head
     import optuna as optuna_lib
@@ -197,7 +197,7 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
     while True:
         rows = store.trials(sweep_id, status="running", limit=None)
         # each attempt has its own run (MLflow mirrors the app DB's attempts)
-        runs = [a.mlflow_run_id for r in rows for a in store.attempts(r["id"])[-1:]]
+        runs = [a.mlflow_run_id for r in rows for a in store.attempts(r.id)[-1:]]
         live = [run for run in runs if run and ml.get_metric_history(run, "train_loss")]
         if len(live) >= n:
             return
@@ -222,9 +222,9 @@ def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, 
         done = _wait(c, sweep_id)
     assert done["status"] == "completed", done
     rows = _store(cluster).trials(sweep_id, limit=None)
-    assert len(rows) == 6 and {r["status"] for r in rows} <= {"completed", "diverged"}
-    assert len({r["lr"] for r in rows}) == 6  # every grid point once
-    assert max(r["attempts"] for r in rows) >= 2  # something was really re-run
+    assert len(rows) == 6 and {r.status for r in rows} <= {"completed", "diverged"}
+    assert len({r.lr for r in rows}) == 6  # every grid point once
+    assert max(r.attempts for r in rows) >= 2  # something was really re-run
     _check_in_mlflow(cluster, sweep_id, rows)
 
 

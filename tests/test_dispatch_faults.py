@@ -92,15 +92,15 @@ def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
                    for f in dispatcher.in_flight.values())
         assert chattr("-i", [f for f in db_files if f.exists()])
         locked = False
-        wait_for(lambda: coordinator.store.get_sweep(sweep["id"])["status"] == "completed",
+        wait_for(lambda: coordinator.store.get_sweep(sweep["id"]).status == "completed",
                  120, "the sweep to complete once the database is writable")
     finally:
         if locked:
             chattr("-i", [f for f in db_files if f.exists()])
         coordinator.stop()
     rows = coordinator.store.trials(sweep["id"], limit=None)
-    assert [r["status"] for r in rows] == ["completed", "completed"]
-    assert all(r["result"] and r["final_val_loss"] is not None and r["attempts"] == 1
+    assert [r.status for r in rows] == ["completed", "completed"]
+    assert all(r.result and r.final_val_loss is not None and r.attempts == 1
                for r in rows)
     # one log line when the outage starts, one when it ends; not one per tick
     lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.sweeper.dispatch"]
@@ -124,13 +124,13 @@ def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
     coordinator.start()
     try:
         good_id = coordinator.submit(good)["id"]
-        wait_for(lambda: coordinator.store.get_sweep(good_id)["status"] == "completed", 180,
+        wait_for(lambda: coordinator.store.get_sweep(good_id).status == "completed", 180,
                  "the good sweep to complete")
     finally:
         coordinator.stop()
     bad = coordinator.store.get_sweep(bad_id)
-    assert bad["status"] == "failed"
-    assert "stored spec is invalid" in bad["error"] and "grid.widths" in bad["error"]
+    assert bad.status == "failed"
+    assert "stored spec is invalid" in bad.error and "grid.widths" in bad.error
     assert set(coordinator.store.status_counts(bad_id).items()) >= {("cancelled", 3)}
     summary = coordinator.summary(bad_id)  # the listing still answers for it
     assert summary["done"] == summary["total"] == 3

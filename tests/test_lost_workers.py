@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
         return store.trials(sweep["id"], limit=None)[0]
 
     def training_step():
-        attempt = coordinator.dispatcher.in_flight.get(trial()["id"])
+        attempt = coordinator.dispatcher.in_flight.get(trial().id)
         return attempt.last_step if attempt else 0
 
     deadline = time.time() + 120
@@ -46,13 +46,13 @@ SCRIPT = textwrap.dedent(
         time.sleep(0.05)
     cluster.remove_node(doomed, allow_graceful=False)
     cluster.add_node(num_cpus=1)  # a replacement for the retry
-    while store.get_sweep(sweep["id"])["status"] in ("pending", "running"):
+    while store.get_sweep(sweep["id"]).status in ("pending", "running"):
         assert time.time() < deadline + 120, "never finished"
         time.sleep(0.3)
     coordinator.stop()
     t = trial()
-    print("RESULT " + json.dumps({"status": t["status"], "attempts": t["attempts"],
-                                  "error": t["error"], "sweep": store.get_sweep(sweep["id"]),
+    print("RESULT " + json.dumps({"status": t.status, "attempts": t.attempts, "error": t.error,
+                                  "sweep": store.get_sweep(sweep["id"]).to_dict(),
                                   "mlflow_uri": get_settings().mlflow_uri}, default=str))
     """
 )
@@ -99,13 +99,13 @@ OOM_SCRIPT = textwrap.dedent(
     coordinator.start()
     sweep = coordinator.submit(json.loads(sys.argv[1]))
     deadline = time.time() + 150
-    while coordinator.store.get_sweep(sweep["id"])["status"] in ("pending", "running"):
+    while coordinator.store.get_sweep(sweep["id"]).status in ("pending", "running"):
         assert time.time() < deadline, "never finished"
         time.sleep(0.3)
     coordinator.stop()
     t = coordinator.store.trials(sweep["id"], limit=None)[0]
-    print("RESULT " + json.dumps({"status": t["status"], "attempts": t["attempts"],
-                                  "error": t["error"]}))
+    print("RESULT " + json.dumps({"status": t.status, "attempts": t.attempts,
+                                  "error": t.error}))
     """
 )
 

@@ -1,5 +1,5 @@
-"""`hpt mlflow-ui` on what the mirror wrote, in headless Chromium: the experiment's runs page
-renders its training runs, the trial runs nested under the sweep's parent run."""
+"""`hpt mlflow-ui` on what the mirror wrote, in headless Chromium: the experiment's page, as
+hpt links it, opens on its training runs, the trial runs nested under the sweep's parent run."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from test_tracking import Planned, curve, result, trial_spec
 from hptransfer.api.server import free_port
 from hptransfer.sweeper.db.store import Store
 from hptransfer.sweeper.mlflow.mirror import Mirror
-from hptransfer.sweeper.mlflow.tracking import ui_command
+from hptransfer.sweeper.mlflow.tracking import ui_command, ui_url
 
 
 @needs_chromium
@@ -29,11 +29,11 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
     sid = store.create_sweep(name="ui-check", spec={"name": "ui-check"}, spec_hash="h",
                              search="grid", planned=planned, reuse=False)
     for t in store.lease_pending("coord", 2):
-        store.finish_trial(t["id"], "completed", result("completed", t["lr"], curve(20)))
+        store.finish_trial(t.id, "completed", result("completed", t.lr, curve(20)))
     store.refresh_sweep_status(sid)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     Mirror(store, uri, str(tmp_path / "artifacts")).sync()
-    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    experiment_id = store.get_sweep(sid).mlflow_experiment_id
     store.close()
 
     port = free_port()
@@ -51,14 +51,17 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
                 pass
             assert time.monotonic() < deadline, "mlflow ui did not start"
             time.sleep(0.5)
-        # the runs page (MLflow 3.17's experiment landing page follows its global
-        # GenAI / Model training switch, not only the experiment kind tag)
-        url = f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs"
+        # the experiment's landing page as hpt links it, in a fresh browser profile (whose
+        # stored workflow choice is MLflow's default, GenAI): it must open on the runs
+        url = ui_url(f"http://127.0.0.1:{port}", experiment_id)
         dom, _ = chromium(url, tmp_path / "mlflow-runs.png", budget_ms=25_000, height=1200)
     finally:
         os.killpg(ui.pid, signal.SIGTERM)  # the ui and its server workers: our session only
         ui.wait(30)
         log.close()
-    assert "Training runs" in dom, dom[-2000:]  # the runs table, not an overview of traces
+    # the model-training view's runs page: its "Runs" tab, not the GenAI view (where the
+    # landing page is a traces overview and the runs tab is called "Training runs")
+    assert ">Runs<" in dom and "Training runs" not in dom, dom[-2000:]
+    assert "mlflow.experiment.overview" not in dom  # the GenAI overview's components
     assert "ui-check" in dom  # the parent run by name, its two trial runs nested under it
     assert re.search(r">\s*3\s*<.*matching runs", dom), "3 runs: parent and two trials"

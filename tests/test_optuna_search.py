@@ -345,7 +345,7 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
 
     def refresh(sweep_id: str) -> None:
         real_refresh(sweep_id)
-        refreshed.append((sweep_id, store.get_sweep(sweep_id)["status"],
+        refreshed.append((sweep_id, store.get_sweep(sweep_id).status,
                           store.count_trials(sweep_id),
                           store.count_trials(sweep_id, status=("pending", "running"))))
 
@@ -484,7 +484,7 @@ def test_search_fields_are_checked_and_named(field, value, message):
 def test_a_best_lr_at_the_edge_still_gets_three_points_with_one_neighbour():
     """Searches fit with neighbours=1; a best LR with no completed LR on one side takes
     the next one on the other, like a grid's edge fit with neighbours=2."""
-    from hptransfer.analysis.optimal_lr import fit_lr_parabola
+    from hptransfer.analysis.parabola import fit_lr_parabola
 
     lrs = [2.0**x for x in (-9.0, -8.0, -7.0, -6.0)]
     losses = [3.0, 3.1, 3.3, 3.6]

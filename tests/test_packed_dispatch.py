@@ -10,6 +10,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import optuna
@@ -45,9 +46,9 @@ def packed_spec(spec: dict[str, Any], name: str, pack: Any, steps: int = 10) -> 
 
 # ---- planning (no Ray) -------------------------------------------------------------------
 
-def _trial(i: int, width: int, lr: float) -> dict[str, Any]:
-    return {"id": f"t{i}", "width": width,
-            "spec": {"width": width, "depth": 2, "lr": lr, "seed": i % 2, "batch_size": 4}}
+def _trial(i: int, width: int, lr: float) -> SimpleNamespace:
+    return SimpleNamespace(id=f"t{i}", width=width, spec={"width": width, "depth": 2, "lr": lr,
+                                                          "seed": i % 2, "batch_size": 4})
 
 
 def test_auto_pack_follows_the_measured_rule():
@@ -57,13 +58,13 @@ def test_auto_pack_follows_the_measured_rule():
 
 def test_packs_hold_one_shape_and_are_sized_to_keep_every_slot_busy():
     trials = [_trial(i, w, 2.0**-i) for w in (64, 128) for i in range(6)]
-    assert pack_key(trials[0]["spec"]) == pack_key(trials[5]["spec"])  # lr, seed may differ
-    assert pack_key(trials[0]["spec"]) != pack_key(trials[6]["spec"])  # width may not
+    assert pack_key(trials[0].spec) == pack_key(trials[5].spec)  # lr, seed may differ
+    assert pack_key(trials[0].spec) != pack_key(trials[6].spec)  # width may not
     cpu = lambda n: 1.0 if n == 1 else n / 1.15  # noqa: E731  (packing gains 15 %)
     packs = plan_packs(trials, slots=2, size_of=lambda t: 8, cost=cpu)
     # two packs of 6 on 2 slots: 6/1.15 = 5.2 trial-times, against 6 one by one
-    assert [[t["id"] for t in p] for p in packs] == [[f"t{i}" for i in range(6)]] * 2
-    assert [p[0]["width"] for p in packs] == [64, 128]
+    assert [[t.id for t in p] for p in packs] == [[f"t{i}" for i in range(6)]] * 2
+    assert [p[0].width for p in packs] == [64, 128]
     # three shapes on two slots: three packs of 6 would take 10.4; packs of 3 take 7.8
     three = trials + [_trial(i, 96, 2.0**-i) for i in range(6)]
     assert sorted(len(p) for p in plan_packs(three, 2, lambda t: 8, cpu)) == [3] * 6
@@ -101,7 +102,7 @@ def test_bad_pack_is_422_naming_the_field_and_nothing_is_stored(hpt_home, tiny_s
 # ---- sweeps ------------------------------------------------------------------------------
 
 def _rows(coordinator: Coordinator, sweep_id: str) -> dict[tuple, dict[str, Any]]:
-    return {(r["lr"], r["seed"]): r for r in coordinator.store.trials(sweep_id, limit=None)}
+    return {(r.lr, r.seed): r for r in coordinator.store.trials(sweep_id, limit=None)}
 
 
 def _close(a: Any, b: Any, rel: float, path: str = "") -> None:
@@ -129,7 +130,7 @@ def test_packed_sweep_gives_the_rows_results_fits_and_runs_of_an_unpacked_one(
         for pack in (1, 4):  # one after the other: the packed sweep has both slots
             ids[pack] = sweep_id = coordinator.submit(
                 packed_spec(tiny_spec, f"pack-{pack}", pack))["id"]
-            wait_for(lambda s=sweep_id: coordinator.store.get_sweep(s)["status"] == "completed",
+            wait_for(lambda s=sweep_id: coordinator.store.get_sweep(s).status == "completed",
                      180, f"the pack: {pack} sweep to complete")
         fits = {p: coordinator.fits(s, bootstrap=20) for p, s in ids.items()}
         store = coordinator.store
@@ -140,31 +141,31 @@ def test_packed_sweep_gives_the_rows_results_fits_and_runs_of_an_unpacked_one(
     alone, packed = (_rows(coordinator, ids[p]) for p in (1, 4))
     assert alone.keys() == packed.keys() and len(packed) == 8
     # LR 1 diverges: that member stops, its pack's others train on
-    statuses = sorted(r["status"] for r in packed.values())
+    statuses = sorted(r.status for r in packed.values())
     assert statuses == ["completed"] * 6 + ["diverged"] * 2, statuses
     sizes = []
     for key, a in alone.items():
         p = packed[key]
-        assert (p["status"], p["attempts"], p["arm"], p["width"]) == \
-            (a["status"], a["attempts"], a["arm"], a["width"]), key
-        assert p["content_hash"] == a["content_hash"]
-        if a["final_val_loss"] is not None:
-            assert math.isclose(p["final_val_loss"], a["final_val_loss"], rel_tol=1e-3), key
-        assert not any(n.startswith(PACKED) for n in a["result"]["notes"])
-        sizes += [int(n.removeprefix(PACKED).split()[0]) for n in p["result"]["notes"]
+        assert (p.status, p.attempts, p.arm, p.width) == \
+            (a.status, a.attempts, a.arm, a.width), key
+        assert p.content_hash == a.content_hash
+        if a.final_val_loss is not None:
+            assert math.isclose(p.final_val_loss, a.final_val_loss, rel_tol=1e-3), key
+        assert not any(n.startswith(PACKED) for n in a.result["notes"])
+        sizes += [int(n.removeprefix(PACKED).split()[0]) for n in p.result["notes"]
                   if n.startswith(PACKED)]
         # its own attempt and MLflow run, as an unpacked trial has
-        attempts = store.attempts(p["id"])
-        assert [x.status for x in attempts] == [p["status"]] and attempts[0].mlflow_run_id
+        attempts = store.attempts(p.id)
+        assert [x.status for x in attempts] == [p.status] and attempts[0].mlflow_run_id
     # 8 trials of one shape on 2 slots: 2 tasks of 4
     assert sizes == [4] * 8
-    runs = {store.attempts(r["id"])[0].mlflow_run_id for r in packed.values()}
+    runs = {store.attempts(r.id)[0].mlflow_run_id for r in packed.values()}
     assert len(runs) == 8
     assert fits[1]["analyses"]["optimal_lr"]["shapes"], fits[1]["analyses"]
     # the fits name trials by id: name the packed sweep's by the unpacked twin's ids
     text = json.dumps(fits[4]["analyses"])
     for key, p in packed.items():
-        text = text.replace(p["id"], alone[key]["id"])
+        text = text.replace(p.id, alone[key].id)
     _close(fits[1]["analyses"], json.loads(text), rel=1e-2)
 
 
@@ -183,10 +184,10 @@ def test_cancelling_a_packed_sweep_cancels_every_member(hpt_home, ray_cluster, t
     finally:
         coordinator.stop()
     rows = coordinator.store.trials(sweep_id, limit=None)
-    assert coordinator.store.get_sweep(sweep_id)["status"] == "cancelled"
-    assert [r["status"] for r in rows] == ["cancelled"] * 8
+    assert coordinator.store.get_sweep(sweep_id).status == "cancelled"
+    assert [r.status for r in rows] == ["cancelled"] * 8
     for r in rows:
-        assert [a.status for a in coordinator.store.attempts(r["id"])] == ["cancelled"]
+        assert [a.status for a in coordinator.store.attempts(r.id)] == ["cancelled"]
 
 
 def _ray_workers(title: str) -> list[psutil.Process]:
@@ -217,18 +218,18 @@ def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_clu
         workers = [p for p in _ray_workers("ray::execute_trials") if p.pid not in busy]
         assert len(workers) == 1
         workers[0].kill()
-        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 180,
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 180,
                  "the sweep to complete after the retry")
     finally:
         coordinator.stop()
     rows = coordinator.store.trials(sweep_id, limit=None)
     assert len(rows) == 4
     for r in rows:
-        assert r["attempts"] == 2 and r["status"] in ("completed", "diverged"), r["status"]
-        attempts = coordinator.store.attempts(r["id"])
-        assert [a.status for a in attempts] == ["failed", r["status"]]
+        assert r.attempts == 2 and r.status in ("completed", "diverged"), r.status
+        attempts = coordinator.store.attempts(r.id)
+        assert [a.status for a in attempts] == ["failed", r.status]
         assert attempts[0].error.startswith("WorkerCrashedError"), attempts[0].error
-        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])
+        assert any(n.startswith(PACKED + "4 ") for n in r.result["notes"])
 
 
 def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray_cluster,
@@ -242,13 +243,13 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
     coordinator.start()
     try:
         sweep_id = coordinator.submit(spec)["id"]
-        wait_for(lambda: coordinator.store.get_sweep(sweep_id)["status"] == "completed", 120,
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 120,
                  "the search to complete")
     finally:
         coordinator.stop()
     rows = coordinator.store.trials(sweep_id, limit=None)
-    assert sorted(r["optuna_trial_number"] for r in rows) == [0, 1, 2, 3, 4]
-    packs = {r["optuna_trial_number"]: [n for n in r["result"]["notes"] if n.startswith(PACKED)]
+    assert sorted(r.optuna_trial_number for r in rows) == [0, 1, 2, 3, 4]
+    packs = {r.optuna_trial_number: [n for n in r.result["notes"] if n.startswith(PACKED)]
              for r in rows}
     assert all(packs[i] == [PACKED + "3 trials in one batched model"] for i in (0, 1, 2))
     assert packs[3] == packs[4] == []
@@ -257,8 +258,8 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
     study = optuna.load_study(study_name=name, storage=settings.optuna_url)
     told = {t.number: t.value for t in study.get_trials(deepcopy=False)}
     for r in rows:
-        if r["status"] == "completed":
-            assert told[r["optuna_trial_number"]] == pytest.approx(r["final_val_loss"], rel=1e-9)
+        if r.status == "completed":
+            assert told[r.optuna_trial_number] == pytest.approx(r.final_val_loss, rel=1e-9)
 
 
 def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
@@ -277,12 +278,12 @@ def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
     second = Coordinator(get_settings())  # a new owner: the pack's leases are orphans
     second.start()
     try:
-        wait_for(lambda: second.store.get_sweep(sweep_id)["status"] == "completed", 180,
+        wait_for(lambda: second.store.get_sweep(sweep_id).status == "completed", 180,
                  "the sweep to complete under the new coordinator")
     finally:
         second.stop()
     for r in second.store.trials(sweep_id, limit=None):
         # the interrupted attempt is not counted against the trial's retries
-        assert r["attempts"] == 1 and r["status"] in ("completed", "diverged"), r
-        assert [a.status for a in second.store.attempts(r["id"])] == ["cancelled", r["status"]]
-        assert any(n.startswith(PACKED + "4 ") for n in r["result"]["notes"])
+        assert r.attempts == 1 and r.status in ("completed", "diverged"), r
+        assert [a.status for a in second.store.attempts(r.id)] == ["cancelled", r.status]
+        assert any(n.startswith(PACKED + "4 ") for n in r.result["notes"])

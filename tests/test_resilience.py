@@ -29,7 +29,7 @@ from mlflow.tracking import MlflowClient
 from hptransfer.api.server import free_port, serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.db.store import Store
+from hptransfer.sweeper.db.store import Store, TrialRecord
 
 # Ray vendors psutil (ray/thirdparty_files); importable only once ray is imported.
 psutil = importlib.import_module("psutil")
@@ -181,20 +181,20 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
     store = Store(f"sqlite:///{hpt_home}/hpt.db")
 
     def mid_sweep() -> bool:
-        status = [t["status"] for t in store.trials(sweep_id, limit=None)]
+        status = [t.status for t in store.trials(sweep_id, limit=None)]
         return status.count("completed") >= 1 and status.count("running") == 1
 
     wait_for(mid_sweep, 180, lambda: f"a completed and a running trial:\n{first.log_tail()}")
     first.kill()
     killed_at = datetime.now(UTC)
 
-    before = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
-    done = {tid: t for tid, t in before.items() if t["status"] == "completed"}
-    running = [t for t in before.values() if t["status"] == "running"]
-    assert len(running) == 1, {t["id"]: t["status"] for t in before.values()}
+    before = {t.id: t for t in store.trials(sweep_id, limit=None)}
+    done = {tid: t for tid, t in before.items() if t.status == "completed"}
+    running = [t for t in before.values() if t.status == "running"]
+    assert len(running) == 1, {t.id: t.status for t in before.values()}
     orphan = running[0]
-    assert orphan["attempts"] == 1 and orphan["lease_owner"]
-    assert {t["status"] for t in before.values()} <= {"completed", "running", "pending"}
+    assert orphan.attempts == 1 and orphan.lease_owner
+    assert {t.status for t in before.values()} <= {"completed", "running", "pending"}
 
     second = servers(hpt_home, port=first.port)  # same home, same port
     with Client(second.url) as c:
@@ -202,37 +202,37 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
     # MLflow mirrors the app DB shortly after: wait until it has caught up
     wait_for(lambda: store.mirror_backlog(sweep_id) == 0, 60, "the MLflow mirror",
              poll=0.2)
-    after = {t["id"]: t for t in store.trials(sweep_id, limit=None)}
-    experiment_id = store.get_sweep(sweep_id)["mlflow_experiment_id"]
+    after = {t.id: t for t in store.trials(sweep_id, limit=None)}
+    experiment_id = store.get_sweep(sweep_id).mlflow_experiment_id
     store.close()
 
     assert final["status"] == "completed", second.log_tail()
     assert final["counts"]["completed"] == 6 == final["total"]
     # no trial duplicated: the same six rows, one per planned grid point
     assert set(after) == set(before)
-    assert sorted(t["idx"] for t in after.values()) == list(range(6))
-    assert len({t["content_hash"] for t in after.values()}) == 6
-    assert all(t["status"] == "completed" and t["error"] is None for t in after.values())
+    assert sorted(t.idx for t in after.values()) == list(range(6))
+    assert len({t.content_hash for t in after.values()}) == 6
+    assert all(t.status == "completed" and t.error is None for t in after.values())
 
     # trials completed before the kill were never re-run: same row, same result
     for tid, old in done.items():
         new = after[tid]
         for key in ("finished_at", "started_at", "final_val_loss", "wall_time_s", "result",
                     "worker_node", "lease_owner", "attempts"):
-            assert new[key] == old[key], (tid, key)
-        assert new["attempts"] == 1
+            assert getattr(new, key) == getattr(old, key), (tid, key)
+        assert new.attempts == 1
 
     # the orphan went back to pending with its interrupted attempt not counted
     # (requeue_orphans), then ran once under the new coordinator: attempts is 1, not 2
-    new = after[orphan["id"]]
-    assert new["attempts"] == 1 and new["max_attempts"] == 2
-    assert new["started_at"] > killed_at and new["finished_at"] > killed_at
-    assert new["lease_owner"] != orphan["lease_owner"]
-    assert new["final_val_loss"] is not None and new["result"]["status"] == "completed"
+    new = after[orphan.id]
+    assert new.attempts == 1 and new.max_attempts == 2
+    assert new.started_at > killed_at and new.finished_at > killed_at
+    assert new.lease_owner != orphan.lease_owner
+    assert new.final_val_loss is not None and new.result["status"] == "completed"
     # trials that were still pending ran once, under the new coordinator
     for tid, old in before.items():
-        if old["status"] == "pending":
-            assert after[tid]["attempts"] == 1 and after[tid]["started_at"] > killed_at
+        if old.status == "pending":
+            assert after[tid].attempts == 1 and after[tid].started_at > killed_at
 
     # MLflow: exactly one completed run per trial; the pre-kill trials have no second run
     runs = trial_runs(f"sqlite:///{hpt_home}/mlflow.db", experiment_id)
@@ -241,12 +241,12 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
         completed = [r for r in trial_runs_ if r.data.tags.get("hpt.status") == "completed"]
         assert len(completed) == 1, (tid, [r.data.tags.get("hpt.status") for r in trial_runs_])
         assert completed[0].info.status == "FINISHED"
-        assert completed[0].info.run_id == after[tid]["mlflow_run_id"]
+        assert completed[0].info.run_id == after[tid].mlflow_run_id
         if tid in done:
             assert len(trial_runs_) == 1
     # the attempt the dead coordinator left behind is closed, not shown running forever
-    interrupted = [r for r in runs[orphan["id"]] if r.info.run_id != after[orphan["id"]][
-        "mlflow_run_id"]]
+    interrupted = [r for r in runs[orphan.id]
+                   if r.info.run_id != after[orphan.id].mlflow_run_id]
     assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
 
 
@@ -271,8 +271,8 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
     sweep = dead.submit(tiny_spec)
     (a,) = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
     dead.mirror.sync()  # the experiment, the parent run, A's run (recorded)
-    experiment_id = dead.store.get_sweep(sweep["id"])["mlflow_experiment_id"]
-    run_a = dead.store.get_trial(a["id"])["mlflow_run_id"]
+    experiment_id = dead.store.get_sweep(sweep["id"]).mlflow_experiment_id
+    run_a = dead.store.get_trial(a.id).mlflow_run_id
     assert run_a
     (b,) = dead.store.lease_pending("dead-coordinator", 1, sweep_id=sweep["id"])
     real_record = Store.set_attempt_run
@@ -285,16 +285,16 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
         dead.mirror.sync()  # B's run is created; the kill comes before it is recorded
     monkeypatch.setattr(Store, "set_attempt_run", real_record)
     (lost_b,) = [r.info.run_id for r in trial_runs(get_settings().mlflow_uri,
-                                                   experiment_id)[b["id"]]]
-    assert dead.store.get_trial(b["id"])["mlflow_run_id"] is None
-    result_a = execute_trial(a["spec"], a["id"], None, None)
-    dead.store.finish_trial(a["id"], "completed", result_a, None, result_a["worker_node"])
-    a_before = dead.store.get_trial(a["id"])
+                                                   experiment_id)[b.id]]
+    assert dead.store.get_trial(b.id).mlflow_run_id is None
+    result_a = execute_trial(a.spec, a.id, None, None)
+    dead.store.finish_trial(a.id, "completed", result_a, None, result_a["worker_node"])
+    a_before = dead.store.get_trial(a.id)
 
     second = Coordinator(get_settings())
     second.start()
     try:
-        wait_for(lambda: second.store.get_sweep(sweep["id"])["status"] == "completed", 120,
+        wait_for(lambda: second.store.get_sweep(sweep["id"]).status == "completed", 120,
                  "the re-queued trial to complete")
     finally:
         second.stop()  # its mirror's last pass
@@ -302,23 +302,23 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
     runs = {tid: {r.info.run_id: r for r in rs}
             for tid, rs in trial_runs(get_settings().mlflow_uri, experiment_id).items()}
     # A was not re-run; its one run now carries the stored result
-    a_after = second.store.get_trial(a["id"])
-    assert a_after["finished_at"] == a_before["finished_at"] and a_after["attempts"] == 1
-    assert set(runs[a["id"]]) == {run_a}
-    assert runs[a["id"]][run_a].info.status == "FINISHED"
-    assert runs[a["id"]][run_a].data.tags["hpt.status"] == "completed"
-    assert runs[a["id"]][run_a].data.metrics["final_val_loss"] == pytest.approx(
+    a_after = second.store.get_trial(a.id)
+    assert a_after.finished_at == a_before.finished_at and a_after.attempts == 1
+    assert set(runs[a.id]) == {run_a}
+    assert runs[a.id][run_a].info.status == "FINISHED"
+    assert runs[a.id][run_a].data.tags["hpt.status"] == "completed"
+    assert runs[a.id][run_a].data.metrics["final_val_loss"] == pytest.approx(
         result_a["final_val_loss"])
     # B's lost attempt is found by its key and closed as KILLED (not duplicated, not left
     # RUNNING); B ran once more under the new coordinator
-    b_after = second.store.get_trial(b["id"])
-    assert set(runs[b["id"]]) == {lost_b, b_after["mlflow_run_id"]}
-    assert runs[b["id"]][lost_b].info.status == "KILLED"
-    assert runs[b["id"]][lost_b].data.tags["hpt.status"] == "cancelled"
-    assert runs[b["id"]][b_after["mlflow_run_id"]].info.status == "FINISHED"
-    assert b_after["attempts"] == 1 and b_after["status"] == "completed"
-    assert [x.mlflow_run_id for x in second.store.attempts(b["id"])] == [
-        lost_b, b_after["mlflow_run_id"]]
+    b_after = second.store.get_trial(b.id)
+    assert set(runs[b.id]) == {lost_b, b_after.mlflow_run_id}
+    assert runs[b.id][lost_b].info.status == "KILLED"
+    assert runs[b.id][lost_b].data.tags["hpt.status"] == "cancelled"
+    assert runs[b.id][b_after.mlflow_run_id].info.status == "FINISHED"
+    assert b_after.attempts == 1 and b_after.status == "completed"
+    assert [x.mlflow_run_id for x in second.store.attempts(b.id)] == [
+        lost_b, b_after.mlflow_run_id]
 
 
 @pytest.fixture
@@ -341,7 +341,7 @@ def busy_workers() -> set[int]:
 
 
 def kill_worker_of_running_trial(store: Store, sweep_id: str,
-                                 busy_before: set[int]) -> tuple[dict[str, Any], int]:
+                                 busy_before: set[int]) -> tuple[TrialRecord, int]:
     """Wait until the sweep's only trial runs in a Ray worker below this process (one not
     already busy before the submit: a task left by an earlier test is not ours); SIGKILL that
     worker. Returns the trial row as it was just before and the worker's pid."""
@@ -353,8 +353,8 @@ def kill_worker_of_running_trial(store: Store, sweep_id: str,
 
     workers = wait_for(ours, 120, f"a {WORKER_TITLE} worker", poll=0.02)
     assert len(workers) == 1, [w.pid for w in workers]  # max_concurrent 1
-    row = store.get_trial(trial["id"])
-    assert row["status"] == "running", row["status"]  # still running: the kill is mid-trial
+    row = store.get_trial(trial.id)
+    assert row.status == "running", row.status  # still running: the kill is mid-trial
     kill_tree(workers)
     return row, workers[0].pid
 
@@ -366,32 +366,32 @@ def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
     with Client(url) as c:
         sweep = c.submit(one_trial_spec(tiny_spec, "worker-killed", steps=1500, retries=1))
         row, pid = kill_worker_of_running_trial(store, sweep["id"], busy)
-        assert row["attempts"] == 1 and row["max_attempts"] == 2
+        assert row.attempts == 1 and row.max_attempts == 2
 
         # Back to pending (WorkerCrashedError is retryable), then leased again. The first
         # attempt's error stays on the row while the second attempt runs...
-        retry = wait_for(lambda: (t := store.get_trial(row["id"]))["attempts"] == 2 and t,
+        retry = wait_for(lambda: (t := store.get_trial(row.id)).attempts == 2 and t,
                          60, "the second attempt")
-        assert retry["status"] == "running", retry["status"]
-        assert retry["error"].startswith("WorkerCrashedError"), retry["error"]
+        assert retry.status == "running", retry.status
+        assert retry.error.startswith("WorkerCrashedError"), retry.error
         final = c.wait(sweep["id"], poll=0.3, timeout=120, progress=False)
         trials = c.trials(sweep["id"])
     wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
-    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
-    done = store.get_trial(row["id"])
-    attempts = store.attempts(row["id"])
+    experiment_id = store.get_sweep(sweep["id"]).mlflow_experiment_id
+    done = store.get_trial(row.id)
+    attempts = store.attempts(row.id)
     store.close()
 
     assert final["status"] == "completed" and final["counts"]["completed"] == 1
-    assert done["status"] == "completed" and done["attempts"] == 2
-    assert done["final_val_loss"] is not None
-    assert not done["worker_node"].endswith(f":{pid}")  # ran in a fresh worker
+    assert done.status == "completed" and done.attempts == 2
+    assert done.final_val_loss is not None
+    assert not done.worker_node.endswith(f":{pid}")  # ran in a fresh worker
     # ...and is cleared by the successful one: a completed trial carries no error
-    assert done["error"] is None
+    assert done.error is None
     assert trials.loc[0, "attempts"] == 2 and trials.loc[0, "status"] == "completed"
 
     # The killed attempt is its own MLflow run: FAILED, with the worker error as a tag
-    runs = trial_runs(settings.mlflow_uri, experiment_id)[row["id"]]
+    runs = trial_runs(settings.mlflow_uri, experiment_id)[row.id]
     assert len(runs) == 2
     failed, ok = runs
     assert failed.info.status == "FAILED" and failed.data.tags["hpt.status"] == "failed"
@@ -399,7 +399,7 @@ def test_killed_worker_is_retried_and_the_attempt_recorded(server, tiny_spec):
     assert [a.status for a in attempts] == ["failed", "completed"]
     assert failed.info.run_id == attempts[0].mlflow_run_id
     assert ok.info.status == "FINISHED" and ok.data.tags["hpt.status"] == "completed"
-    assert ok.info.run_id == done["mlflow_run_id"] == attempts[1].mlflow_run_id
+    assert ok.info.run_id == done.mlflow_run_id == attempts[1].mlflow_run_id
 
 
 def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
@@ -412,16 +412,16 @@ def test_killed_worker_without_retries_fails_the_trial(server, tiny_spec):
         row, _ = kill_worker_of_running_trial(store, sweep["id"], busy)
         final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
     wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
-    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
-    done = store.get_trial(row["id"])
+    experiment_id = store.get_sweep(sweep["id"]).mlflow_experiment_id
+    done = store.get_trial(row.id)
     store.close()
 
-    assert done["status"] == "failed" and done["attempts"] == 1 == done["max_attempts"]
-    assert done["error"].startswith("WorkerCrashedError"), done["error"]
-    assert done["result"] is None and done["finished_at"] is not None
+    assert done.status == "failed" and done.attempts == 1 == done.max_attempts
+    assert done.error.startswith("WorkerCrashedError"), done.error
+    assert done.result is None and done.finished_at is not None
     # a sweep ends `completed` once nothing is pending or running, whatever its trials did
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
-    run = trial_runs(settings.mlflow_uri, experiment_id)[row["id"]]
+    run = trial_runs(settings.mlflow_uri, experiment_id)[row.id]
     assert len(run) == 1 and run[0].info.status == "FAILED"
     assert run[0].data.tags["hpt.error"].startswith("WorkerCrashedError")
 
@@ -455,18 +455,18 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
         sweep = c.submit(spec)  # accepted: the sampled token check passes
         final = c.wait(sweep["id"], poll=0.3, timeout=60, progress=False)
     wait_for(lambda: store.mirror_backlog(sweep["id"]) == 0, 60, "the MLflow mirror")
-    experiment_id = store.get_sweep(sweep["id"])["mlflow_experiment_id"]
+    experiment_id = store.get_sweep(sweep["id"]).mlflow_experiment_id
     (done,) = store.trials(sweep["id"], limit=None)
     store.close()
 
     # a Python exception is a final result, not a worker loss: no retry despite retries=2
-    assert done["status"] == "failed" and done["attempts"] == 1 and done["max_attempts"] == 3
-    error = done["error"]
+    assert done.status == "failed" and done.attempts == 1 and done.max_attempts == 3
+    error = done.error
     assert error.startswith("DataError: validation set contains token id 300 >= vocab_size=256")
     assert "Traceback (most recent call last)" in error and "in evaluate" in error
-    assert done["result"]["status"] == "failed" and done["result"]["error"] == error
+    assert done.result["status"] == "failed" and done.result["error"] == error
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
-    (run,) = trial_runs(settings.mlflow_uri, experiment_id)[done["id"]]
+    (run,) = trial_runs(settings.mlflow_uri, experiment_id)[done.id]
     assert run.info.status == "FAILED" and "DataError" in run.data.tags["hpt.error"]
 
 
@@ -500,15 +500,15 @@ def test_study_planning_is_all_or_nothing_and_resumes_once(hpt_home, ray_cluster
     sweeps = {w: dead.submit(study_spec(tiny_spec, f"study-{w}"))["id"] for w in "AB"}
     for sid in sweeps.values():
         for t in dead.store.lease_pending("dead-coordinator", 100, sweep_id=sid):
-            r = execute_trial(t["spec"], t["id"], None, None)
-            dead.store.finish_trial(t["id"], r["status"], r, None, r["worker_node"])
-    tune_rows = {sid: {t["id"]: t for t in dead.store.trials(sid, limit=None)}
+            r = execute_trial(t.spec, t.id, None, None)
+            dead.store.finish_trial(t.id, r["status"], r, None, r["worker_node"])
+    tune_rows = {sid: {t.id: t for t in dead.store.trials(sid, limit=None)}
                  for sid in sweeps.values()}
 
     sid_b = sweeps["B"]
     sweep_b = dead.store.get_sweep(sid_b)
-    spec_b = SweepSpec.model_validate(sweep_b["spec"])
-    step = next_step(spec_b, sweep_b["study"], dead.store.results_frame(sid_b))
+    spec_b = SweepSpec.model_validate(sweep_b.spec)
+    step = next_step(spec_b, sweep_b.study, dead.store.results_frame(sid_b))
 
     def killed_at_commit(conn: Any) -> None:
         raise RuntimeError("coordinator killed while planning")
@@ -520,15 +520,15 @@ def test_study_planning_is_all_or_nothing_and_resumes_once(hpt_home, ray_cluster
     finally:
         event.remove(dead.store.engine, "commit", killed_at_commit)
     after_crash = dead.store.get_sweep(sid_b)
-    assert after_crash["study"]["round"] == 0 and after_crash["n_trials"] == len(tune_rows[sid_b])
-    assert set(t["id"] for t in dead.store.trials(sid_b, limit=None)) == set(tune_rows[sid_b])
+    assert after_crash.study["round"] == 0 and after_crash.n_trials == len(tune_rows[sid_b])
+    assert set(t.id for t in dead.store.trials(sid_b, limit=None)) == set(tune_rows[sid_b])
     assert dead.store.plan_stage(sid_b, 0, step.state, step.trials)  # planned, then "dies"
-    planned_b = {t["id"]: t for t in dead.store.trials(sid_b, limit=None)}
+    planned_b = {t.id: t for t in dead.store.trials(sid_b, limit=None)}
 
     live = Coordinator(get_settings())
     live.start()
     try:
-        wait_for(lambda: all(live.store.get_sweep(s)["status"] in ("completed", "stopped")
+        wait_for(lambda: all(live.store.get_sweep(s).status in ("completed", "stopped")
                              for s in sweeps.values()), 240, "both studies to end")
     finally:
         live.stop()
@@ -536,23 +536,23 @@ def test_study_planning_is_all_or_nothing_and_resumes_once(hpt_home, ray_cluster
         sweep = live.store.get_sweep(sid)
         rows = live.store.trials(sid, limit=None)
         # nothing planned twice, nothing lost: one row per content hash, idx dense
-        assert len({t["content_hash"] for t in rows}) == len(rows) == sweep["n_trials"], w
-        assert [t["idx"] for t in rows] == list(range(len(rows)))
+        assert len({t.content_hash for t in rows}) == len(rows) == sweep.n_trials, w
+        assert [t.idx for t in rows] == list(range(len(rows)))
         # the tune trials the dead coordinator finished were never re-run
         for tid, old in tune_rows[sid].items():
-            new = next(t for t in rows if t["id"] == tid)
-            assert (new["finished_at"], new["attempts"]) == (old["finished_at"], 1)
-        if sweep["status"] == "stopped":
-            assert sweep["error"] and "tune stage gave no η*" in sweep["error"]
+            new = next(t for t in rows if t.id == tid)
+            assert (new.finished_at, new.attempts) == (old.finished_at, 1)
+        if sweep.status == "stopped":
+            assert sweep.error and "tune stage gave no η*" in sweep.error
             continue
-        assert sweep["status"] == "completed" and sweep["study"]["done"]
-        assert all(t["status"] in ("completed", "diverged") and t["attempts"] == 1
+        assert sweep.status == "completed" and sweep.study["done"]
+        assert all(t.status in ("completed", "diverged") and t.attempts == 1
                    for t in rows)
-        stages = [t["stage"] for t in rows]
+        stages = [t.stage for t in rows]
         assert stages[: len(tune_rows[sid])] == ["tune"] * len(tune_rows[sid])
     # B's stage, planned before the "death", was taken over as it was: the same rows
-    rows_b = {t["id"] for t in live.store.trials(sid_b, limit=None)}
-    if live.store.get_sweep(sid_b)["status"] == "completed" and step.kind == "plan":
-        later = {tid for tid, t in planned_b.items() if t["stage"] != "tune"}
+    rows_b = {t.id for t in live.store.trials(sid_b, limit=None)}
+    if live.store.get_sweep(sid_b).status == "completed" and step.kind == "plan":
+        later = {tid for tid, t in planned_b.items() if t.stage != "tune"}
         assert later <= rows_b
     dead.store.close()

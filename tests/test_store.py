@@ -8,7 +8,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import FrozenInstanceError, dataclass, fields, replace
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from hptransfer.sweeper.db.store import (
     NotFoundError,
     Store,
     StoreError,
+    Sweep,
     Trial,
     normalize_url,
 )
@@ -143,7 +144,7 @@ def store(open_store: Callable[[], Store]) -> Store:
 
 
 def trial_ids(store: Store, sweep_id: str, **filters: Any) -> list[str]:
-    return [t["id"] for t in store.trials(sweep_id, limit=None, **filters)]
+    return [t.id for t in store.trials(sweep_id, limit=None, **filters)]
 
 
 # --------------------------------------------------------------------------- schema
@@ -193,20 +194,34 @@ def test_create_sweep_writes_sweep_and_trials(store: Store) -> None:
     sid = new_sweep(store, items, name="grid-1", spec={"name": "grid-1", "k": [1, 2]})
     sweep = store.get_sweep(sid)
     assert sweep is not None
-    assert sweep["name"] == "grid-1" and sweep["spec"] == {"name": "grid-1", "k": [1, 2]}
-    assert sweep["status"] == "pending" and sweep["n_trials"] == len(items)
-    assert sweep["search"] == "grid" and sweep["created_at"].tzinfo is not None
-    assert sweep["counts"]["pending"] == len(items) and sweep["counts"]["completed"] == 0
+    assert sweep.name == "grid-1" and sweep.spec == {"name": "grid-1", "k": [1, 2]}
+    assert sweep.status == "pending" and sweep.n_trials == len(items)
+    assert sweep.search == "grid" and sweep.created_at.tzinfo is not None
+    assert sweep.counts["pending"] == len(items) and sweep.counts["completed"] == 0
     rows = store.trials(sid)
-    assert [t["idx"] for t in rows] == list(range(len(items)))
+    assert [t.idx for t in rows] == list(range(len(items)))
     for row, item in zip(rows, items, strict=True):
-        assert (row["arm"], row["width"], row["depth"]) == (item.arm, item.width, item.depth)
-        assert row["content_hash"] == item.content_hash and row["data_hash"] == "data-1"
-        assert (row["attempts"], row["max_attempts"], row["reused"]) == (0, 3, False)
+        assert (row.arm, row.width, row.depth) == (item.arm, item.width, item.depth)
+        assert row.content_hash == item.content_hash and row.data_hash == "data-1"
+        assert (row.attempts, row.max_attempts, row.reused) == (0, 3, False)
         # the stored spec round-trips to the same experiment
-        assert TrialSpec.model_validate(row["spec"]).content_hash() == item.content_hash
-    assert store.get_trial(rows[0]["id"]) == rows[0]
+        assert TrialSpec.model_validate(row.spec).content_hash() == item.content_hash
+    assert store.get_trial(rows[0].id) == rows[0]
     assert store.get_sweep("nope") is None and store.get_trial("nope") is None
+
+
+def test_records_are_frozen_snapshots_of_every_column(store: Store) -> None:
+    """The records carry every column of their table, in table order (so a new column cannot
+    be forgotten), are read-only, and serialise to the same keys."""
+    sid = new_sweep(store, plan())
+    sweep, trial = store.get_sweep(sid), store.trials(sid)[0]
+    for record, table, extra in ((sweep, Sweep, ["counts"]), (trial, Trial, [])):
+        columns = [a.key for a in inspect(table).column_attrs]
+        assert [f.name for f in fields(record)] == columns + extra
+        with pytest.raises(FrozenInstanceError):
+            record.status = "completed"  # type: ignore[misc]
+    assert list(trial.to_dict()) == [*columns, "reused"] and trial.to_dict()["reused"] is False
+    assert sweep.to_dict()["counts"] == sweep.counts and sweep.to_dict()["spec"] == sweep.spec
 
 
 def test_create_sweep_is_atomic(store: Store) -> None:
@@ -227,29 +242,29 @@ def test_reuse_copies_completed_results(store: Store) -> None:
     items = plan()[:3]
     first = new_sweep(store, items)
     leased = store.lease_pending("c", 10)
-    t0, t1, _ = (t["id"] for t in leased)
+    t0, t1, _ = (t.id for t in leased)
     assert store.finish_trial(t0, "completed", result(3.25), worker_node="n1")
     assert store.finish_trial(t1, "diverged", result(float("nan"), status="diverged"))
 
     second = new_sweep(store, items)
     rows = store.trials(second)
-    assert rows[0]["status"] == "completed" and rows[0]["reused_from"] == t0
-    assert rows[0]["reused"] and rows[0]["final_val_loss"] == 3.25
-    assert rows[0]["result"] == store.get_trial(t0)["result"]  # type: ignore[index]
-    assert rows[0]["tokens"] == 20480 and rows[0]["worker_node"] == "n1"
-    assert [r["status"] for r in rows[1:]] == ["pending", "pending"]  # only completed reuse
-    assert store.get_sweep(second)["status"] == "pending"  # type: ignore[index]
+    assert rows[0].status == "completed" and rows[0].reused_from == t0
+    assert rows[0].reused and rows[0].final_val_loss == 3.25
+    assert rows[0].result == store.get_trial(t0).result
+    assert rows[0].tokens == 20480 and rows[0].worker_node == "n1"
+    assert [r.status for r in rows[1:]] == ["pending", "pending"]  # only completed reuse
+    assert store.get_sweep(second).status == "pending"
 
     # a copy of a copy points at the trial that actually ran
     third = new_sweep(store, items[:1])
     (row,) = store.trials(third)
-    assert row["reused_from"] == t0
-    assert store.get_sweep(third)["status"] == "completed"  # type: ignore[index]
+    assert row.reused_from == t0
+    assert store.get_sweep(third).status == "completed"
 
     # other data, or reuse off: nothing is reused
     for kw in ({"data_hash": "data-2"}, {"reuse": False}, {"data_hash": None}):
         sid = new_sweep(store, items[:1], **kw)
-        assert store.trials(sid)[0]["status"] == "pending"
+        assert store.trials(sid)[0].status == "pending"
     frame = store.results_frame(second)
     assert frame["reused"].tolist() == [True, False, False]
     assert first != second
@@ -263,15 +278,15 @@ def test_lease_order_and_sweep_filter(store: Store) -> None:
     b = new_sweep(store, plan()[:3], data_hash="other")
     assert store.lease_pending("c", 0) == []
     got = store.lease_pending("c", 4)
-    assert [(t["sweep_id"], t["idx"]) for t in got] == [(a, 0), (a, 1), (a, 2), (b, 0)]
+    assert [(t.sweep_id, t.idx) for t in got] == [(a, 0), (a, 1), (a, 2), (b, 0)]
     for t in got:
-        assert t["status"] == "running" and t["attempts"] == 1 and t["lease_owner"] == "c"
-        assert t["started_at"].tzinfo == UTC and t["lease_expires_at"] > t["started_at"]
-    assert store.get_sweep(a)["status"] == "running"  # type: ignore[index]
-    assert store.get_sweep(a)["started_at"] is not None  # type: ignore[index]
+        assert t.status == "running" and t.attempts == 1 and t.lease_owner == "c"
+        assert t.started_at.tzinfo == UTC and t.lease_expires_at > t.started_at
+    assert store.get_sweep(a).status == "running"
+    assert store.get_sweep(a).started_at is not None
     c = new_sweep(store, plan()[:2], data_hash="third")
-    assert [t["idx"] for t in store.lease_pending("c", 5, sweep_id=c)] == [0, 1]
-    assert [(t["sweep_id"], t["idx"]) for t in store.lease_pending("c", 9)] == [(b, 1), (b, 2)]
+    assert [t.idx for t in store.lease_pending("c", 5, sweep_id=c)] == [0, 1]
+    assert [(t.sweep_id, t.idx) for t in store.lease_pending("c", 9)] == [(b, 1), (b, 2)]
     assert store.lease_pending("c", 9) == []
 
 
@@ -291,7 +306,7 @@ def test_lease_is_exclusive_under_concurrency(
         try:
             barrier.wait()
             while batch := st.lease_pending(owner, 3):
-                leased[k].extend(t["id"] for t in batch)
+                leased[k].extend(t.id for t in batch)
         except BaseException as exc:  # surfaced in the main thread below
             errors.append(exc)
 
@@ -304,8 +319,8 @@ def test_lease_is_exclusive_under_concurrency(
     everything = [i for ids in leased for i in ids]
     assert len(everything) == len(set(everything)) == len(items)
     assert store.count_trials(sid, status="running") == len(items)
-    assert {t["attempts"] for t in store.trials(sid, limit=None)} == {1}
-    owners = {t["lease_owner"] for t in store.trials(sid, limit=None)}
+    assert {t.attempts for t in store.trials(sid, limit=None)} == {1}
+    owners = {t.lease_owner for t in store.trials(sid, limit=None)}
     assert owners <= {"coordinator-0", "coordinator-1"}
 
 
@@ -319,22 +334,22 @@ def test_finish_trial_never_overwrites(store: Store) -> None:
     assert not store.finish_trial(t0, "failed", None, "late error")
     assert store.mark_cancelled(t0) is False
     row = store.get_trial(t0)
-    assert row is not None and row["status"] == "completed" and row["error"] is None
-    assert row["final_val_loss"] == 3.0 and row["result"]["steps"] == 10
-    assert row["finished_at"] >= row["started_at"] and row["lease_expires_at"] is None
-    assert (row["flops"], row["params_non_embedding"]) == (1.5e12, 98304)
+    assert row is not None and row.status == "completed" and row.error is None
+    assert row.final_val_loss == 3.0 and row.result["steps"] == 10
+    assert row.finished_at >= row.started_at and row.lease_expires_at is None
+    assert (row.flops, row.params_non_embedding) == (1.5e12, 98304)
 
     # NaN / inf anywhere in a result are stored as null (PostgreSQL json rejects them)
     bad = result(float("nan"), status="diverged")
     bad["curve"].append({"step": 11, "train_loss": float("inf")})
     assert store.finish_trial(t1, "diverged", bad, owner="c")
     row = store.get_trial(t1)
-    assert row is not None and row["final_val_loss"] is None
-    assert row["result"]["final_val_loss"] is None
-    assert row["result"]["curve"][-1]["train_loss"] is None
+    assert row is not None and row.final_val_loss is None
+    assert row.result["final_val_loss"] is None
+    assert row.result["curve"][-1]["train_loss"] is None
 
     assert store.finish_trial(t2, "failed", None, "Traceback: boom")
-    assert store.get_trial(t2)["error"] == "Traceback: boom"  # type: ignore[index]
+    assert store.get_trial(t2).error == "Traceback: boom"
     with pytest.raises(ValueError):
         store.finish_trial(t2, "running", None, None)
 
@@ -346,14 +361,14 @@ def test_requeue_until_max_attempts(store: Store) -> None:
     store.lease_pending("c", 1)
     assert store.requeue(tid, "worker died") == "pending"
     row = store.get_trial(tid)
-    assert row is not None and row["attempts"] == 1 and row["error"] == "worker died"
-    assert row["lease_owner"] is None and row["started_at"] is None
+    assert row is not None and row.attempts == 1 and row.error == "worker died"
+    assert row.lease_owner is None and row.started_at is None
     (again,) = store.lease_pending("c", 1)
-    assert again["attempts"] == 2
+    assert again.attempts == 2
     assert store.requeue(tid, "worker died again") == "failed"
     row = store.get_trial(tid)
-    assert row is not None and row["status"] == "failed" and row["finished_at"] is not None
-    assert row["error"] == "worker died again"
+    assert row is not None and row.status == "failed" and row.finished_at is not None
+    assert row.error == "worker died again"
     assert store.lease_pending("c", 1) == []
     assert store.requeue(tid, "ignored") == "failed"
     with pytest.raises(NotFoundError):
@@ -362,14 +377,14 @@ def test_requeue_until_max_attempts(store: Store) -> None:
 
 def test_requeue_orphans(store: Store) -> None:
     sid = new_sweep(store, plan()[:4])
-    dead = [t["id"] for t in store.lease_pending("dead", 2)]
-    (mine,) = [t["id"] for t in store.lease_pending("live", 1)]
+    dead = [t.id for t in store.lease_pending("dead", 2)]
+    (mine,) = [t.id for t in store.lease_pending("live", 1)]
     assert store.requeue_orphans("live") == 2
     for tid in dead:
         row = store.get_trial(tid)
-        assert row is not None and row["status"] == "pending" and row["attempts"] == 0
-        assert row["lease_owner"] is None and row["lease_expires_at"] is None
-    assert store.get_trial(mine)["status"] == "running"  # type: ignore[index]
+        assert row is not None and row.status == "pending" and row.attempts == 0
+        assert row.lease_owner is None and row.lease_expires_at is None
+    assert store.get_trial(mine).status == "running"
     assert store.requeue_orphans("live") == 0
 
     # several live coordinators: only expired leases are taken over
@@ -382,7 +397,7 @@ def test_requeue_orphans(store: Store) -> None:
     store.cancel_sweep(sid)
     assert store.requeue_orphans("live") == 0
     assert store.count_trials(sid, status="cancelled") == 3
-    assert store.get_trial(mine)["status"] == "running"  # type: ignore[index]
+    assert store.get_trial(mine).status == "running"
 
 
 # --------------------------------------------------------------------------- cancel, status
@@ -390,17 +405,17 @@ def test_requeue_orphans(store: Store) -> None:
 
 def test_cancel_sweep(store: Store) -> None:
     sid = new_sweep(store, plan()[:5])
-    running = [t["id"] for t in store.lease_pending("c", 2)]
+    running = [t.id for t in store.lease_pending("c", 2)]
     assert store.cancel_sweep(sid) == running
     sweep = store.get_sweep(sid)
-    assert sweep is not None and sweep["status"] == "cancelled"
-    assert sweep["finished_at"] is not None
-    assert sweep["counts"]["cancelled"] == 3 and sweep["counts"]["running"] == 2
+    assert sweep is not None and sweep.status == "cancelled"
+    assert sweep.finished_at is not None
+    assert sweep.counts["cancelled"] == 3 and sweep.counts["running"] == 2
     assert store.lease_pending("c", 10) == []
     assert store.mark_cancelled(running[0])
     assert not store.mark_cancelled(running[0])
     assert not store.finish_trial(running[0], "completed", result(3.0))
-    assert store.get_trial(running[0])["status"] == "cancelled"  # type: ignore[index]
+    assert store.get_trial(running[0]).status == "cancelled"
     assert store.refresh_sweep_status(sid) == "cancelled"
     with pytest.raises(StoreError):
         store.add_trial(sid, plan()[0])
@@ -413,25 +428,25 @@ def test_active_sweeps_oldest_first(store: Store) -> None:
     second = new_sweep(store, plan()[:2])
     third = new_sweep(store, plan()[:2])
     store.cancel_sweep(second)
-    assert [s["id"] for s in store.active_sweeps()] == [first, third]
+    assert [s.id for s in store.active_sweeps()] == [first, third]
     for t in store.lease_pending("c", 10, sweep_id=first):
-        store.finish_trial(t["id"], "completed", result(3.0))
+        store.finish_trial(t.id, "completed", result(3.0))
     store.refresh_sweep_status(first)
-    assert [s["id"] for s in store.active_sweeps()] == [third]
+    assert [s.id for s in store.active_sweeps()] == [third]
 
 
 def test_sweep_status_transitions_and_mlflow_ids(store: Store) -> None:
     sid = new_sweep(store, plan()[:2])
     assert store.refresh_sweep_status(sid) == "running"
     for t in store.lease_pending("c", 2):
-        store.finish_trial(t["id"], "completed", result(3.0))
+        store.finish_trial(t.id, "completed", result(3.0))
     assert store.refresh_sweep_status(sid) == "completed"
     sweep = store.get_sweep(sid)
-    assert sweep is not None and sweep["finished_at"] is not None
+    assert sweep is not None and sweep.finished_at is not None
     store.set_sweep_status(sid, "failed", error="MLflow unreachable")
     sweep = store.get_sweep(sid)
-    assert sweep is not None and sweep["status"] == "failed"
-    assert sweep["error"] == "MLflow unreachable"
+    assert sweep is not None and sweep.status == "failed"
+    assert sweep.error == "MLflow unreachable"
     assert store.refresh_sweep_status(sid) == "failed"
     with pytest.raises(ValueError):
         store.set_sweep_status(sid, "bogus")
@@ -442,7 +457,7 @@ def test_sweep_status_transitions_and_mlflow_ids(store: Store) -> None:
     store.set_sweep_mlflow(sid, run_id="parent-run-2")  # None leaves the experiment alone
     sweep = store.get_sweep(sid)
     assert sweep is not None
-    assert (sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]) == ("7", "parent-run-2")
+    assert (sweep.mlflow_experiment_id, sweep.mlflow_run_id) == ("7", "parent-run-2")
 
 
 def test_every_lease_is_an_attempt_the_mirror_tracks(store: Store) -> None:
@@ -453,31 +468,31 @@ def test_every_lease_is_an_attempt_the_mirror_tracks(store: Store) -> None:
     assert store.mirror_backlog(sid) == 0 and store.attempts_to_mirror() == []
     a, b = store.lease_pending("c1", 2)
     assert store.mirror_backlog(sid) == 3  # the sweep is running now; two new attempts
-    (first,) = store.attempts(a["id"])
+    (first,) = store.attempts(a.id)
     assert (first.seq, first.status, first.mlflow_run_id) == (1, "running", None)
-    assert first.started_at == a["started_at"] and first.parent_run_id == "parent"
-    store.set_attempt_run(a["id"], 1, "run-a1")
-    store.mark_attempt_mirrored(a["id"], 1, "running")
-    assert store.get_trial(a["id"])["mlflow_run_id"] == "run-a1"  # type: ignore[index]
+    assert first.started_at == a.started_at and first.parent_run_id == "parent"
+    store.set_attempt_run(a.id, 1, "run-a1")
+    store.mark_attempt_mirrored(a.id, 1, "running")
+    assert store.get_trial(a.id).mlflow_run_id == "run-a1"
     # a lost worker ends the attempt failed; the next lease is attempt 2 with its own run
-    assert store.requeue(a["id"], "WorkerCrashedError: boom") == "pending"
+    assert store.requeue(a.id, "WorkerCrashedError: boom") == "pending"
     (again,) = store.lease_pending("c1", 1)
-    one, two = store.attempts(a["id"])
+    one, two = store.attempts(a.id)
     assert (one.status, one.error, two.seq, two.status) == (
         "failed", "WorkerCrashedError: boom", 2, "running")
-    store.finish_trial(a["id"], "completed", result(2.0))
-    two = store.attempts(a["id"])[1]
+    store.finish_trial(a.id, "completed", result(2.0))
+    two = store.attempts(a.id)[1]
     assert two.status == "completed" and two.result is not None and one.result is None
-    store.set_attempt_run(a["id"], 1, "run-a1")  # an older attempt's run is not the trial's
-    store.set_attempt_run(a["id"], 2, "run-a2")
-    store.set_attempt_run(a["id"], 1, "run-a1")
-    assert store.get_trial(a["id"])["mlflow_run_id"] == "run-a2"  # type: ignore[index]
+    store.set_attempt_run(a.id, 1, "run-a1")  # an older attempt's run is not the trial's
+    store.set_attempt_run(a.id, 2, "run-a2")
+    store.set_attempt_run(a.id, 1, "run-a1")
+    assert store.get_trial(a.id).mlflow_run_id == "run-a2"
     # a dead coordinator's attempt ends cancelled with the reason; re-leasing makes attempt 2
     assert store.requeue_orphans("c2") == 1
-    (lost,) = store.attempts(b["id"])
+    (lost,) = store.attempts(b.id)
     assert lost.status == "cancelled" and "coordinator died" in (lost.error or "")
     pending = {(x.trial_id, x.seq) for x in store.attempts_to_mirror()}
-    assert pending == {(a["id"], 1), (a["id"], 2), (b["id"], 1)}
+    assert pending == {(a.id, 1), (a.id, 2), (b.id, 1)}
     for x in store.attempts_to_mirror():
         store.mark_attempt_mirrored(x.trial_id, x.seq, x.status)
     assert store.attempts_to_mirror() == []
@@ -486,22 +501,22 @@ def test_every_lease_is_an_attempt_the_mirror_tracks(store: Store) -> None:
 def test_add_trial_for_optuna(store: Store) -> None:
     sid = new_sweep(store, [], search="optuna")
     sweep = store.get_sweep(sid)
-    assert sweep is not None and sweep["n_trials"] == 0 and sweep["status"] == "pending"
+    assert sweep is not None and sweep.n_trials == 0 and sweep.status == "pending"
     items = plan()[:3]
     ids = [store.add_trial(sid, item, optuna_trial_number=n) for n, item in enumerate(items)]
     rows = store.trials(sid)
-    assert [r["id"] for r in rows] == ids and [r["idx"] for r in rows] == [0, 1, 2]
-    assert [r["optuna_trial_number"] for r in rows] == [0, 1, 2]
-    assert store.get_sweep(sid)["n_trials"] == 3  # type: ignore[index]
+    assert [r.id for r in rows] == ids and [r.idx for r in rows] == [0, 1, 2]
+    assert [r.optuna_trial_number for r in rows] == [0, 1, 2]
+    assert store.get_sweep(sid).n_trials == 3
     for t in store.lease_pending("c", 3):
-        store.finish_trial(t["id"], "completed", result(3.0))
+        store.finish_trial(t.id, "completed", result(3.0))
     assert store.refresh_sweep_status(sid) == "completed"
     # the same point asked again is answered from the store; a new one reopens the sweep
     reused = store.get_trial(store.add_trial(sid, items[0], optuna_trial_number=3))
-    assert reused is not None and reused["status"] == "completed" and reused["reused"]
-    assert store.get_sweep(sid)["status"] == "completed"  # type: ignore[index]
+    assert reused is not None and reused.status == "completed" and reused.reused
+    assert store.get_sweep(sid).status == "completed"
     store.add_trial(sid, plan(widths=(256,))[0], optuna_trial_number=4)
-    assert store.get_sweep(sid)["status"] == "running"  # type: ignore[index]
+    assert store.get_sweep(sid).status == "running"
     with pytest.raises(NotFoundError):
         store.add_trial("missing", items[0])
 
@@ -525,21 +540,21 @@ def test_filters_and_pagination(store: Store) -> None:
         assert len(rows) == n == store.count_trials(sid, **filters), filters
         for key in ("arm", "width", "depth", "seed", "sigma_base"):
             if key in filters and rows:
-                assert {r[key] for r in rows} == {filters[key]}
+                assert {getattr(r, key) for r in rows} == {filters[key]}
     pages = [store.trials(sid, arm="completep", limit=5, offset=o) for o in range(0, 15, 5)]
     assert [len(p) for p in pages] == [5, 5, 2]
-    flat = [r["idx"] for p in pages for r in p]
+    flat = [r.idx for p in pages for r in p]
     assert flat == sorted(flat) and len(set(flat)) == 12
-    assert flat == [r["idx"] for r in store.trials(sid, arm="completep")]
+    assert flat == [r.idx for r in store.trials(sid, arm="completep")]
     assert store.trials("missing") == [] and store.count_trials("missing") == 0
 
     others = [new_sweep(store, items[:1], data_hash=f"d{k}") for k in range(3)]
     listed = store.list_sweeps(limit=2) + store.list_sweeps(limit=2, offset=2)
-    assert {s["id"] for s in listed} == {sid, *others} and len(listed) == 4
-    created = [s["created_at"] for s in listed]
+    assert {s.id for s in listed} == {sid, *others} and len(listed) == 4
+    created = [s.created_at for s in listed]
     assert created == sorted(created, reverse=True)  # newest first
-    assert listed[-1]["id"] == sid and listed[-1]["counts"]["running"] == 5
-    assert [s["id"] for s in store.list_sweeps(status="running")] == [sid]
+    assert listed[-1].id == sid and listed[-1].counts["running"] == 5
+    assert [s.id for s in store.list_sweeps(status="running")] == [sid]
     counts = store.status_counts(sid)
     assert counts["running"] == 5 and counts["pending"] == 19 and sum(counts.values()) == 24
 
@@ -548,9 +563,9 @@ def test_results_frame(store: Store) -> None:
     items = plan(arms=("sp", "mup"), widths=(64,), depths=(1, 2))
     sid = new_sweep(store, items)
     a, b, c, _ = store.lease_pending("c", 4)
-    store.finish_trial(a["id"], "completed", result(3.5))
-    store.finish_trial(b["id"], "diverged", result(float("inf"), status="diverged"))
-    store.requeue(c["id"], "retry")
+    store.finish_trial(a.id, "completed", result(3.5))
+    store.finish_trial(b.id, "diverged", result(float("inf"), status="diverged"))
+    store.requeue(c.id, "retry")
     reused_sid = new_sweep(store, items[:1])
 
     frame = store.results_frame(sid)

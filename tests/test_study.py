@@ -200,24 +200,24 @@ def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
     sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
                              study=initial_state(spec, len(tune)))
     for t in store.lease_pending("me", 100, sweep_id=sid):  # all tune trials finish
-        store.finish_trial(t["id"], "completed", {"final_val_loss": bowl(-8)(
-            type("P", (), {"lr": t["lr"]})())})
-    assert store.get_sweep(sid)["status"] == "running"  # a study is not completed by this
-    step = next_step(spec, store.get_sweep(sid)["study"], store.results_frame(sid))
+        store.finish_trial(t.id, "completed", {"final_val_loss": bowl(-8)(
+            type("P", (), {"lr": t.lr})())})
+    assert store.get_sweep(sid).status == "running"  # a study is not completed by this
+    step = next_step(spec, store.get_sweep(sid).study, store.results_frame(sid))
     assert store.plan_stage(sid, 0, step.state, step.trials)
     # a second planner working from the same (now stale) round writes nothing
     assert not store.plan_stage(sid, 0, step.state, step.trials)
     trials = store.trials(sid, limit=None)
-    assert len(trials) == 10 + len(step.trials) == store.get_sweep(sid)["n_trials"]
-    assert [t["idx"] for t in trials] == list(range(len(trials)))
-    assert store.get_sweep(sid)["study"]["round"] == 1
+    assert len(trials) == 10 + len(step.trials) == store.get_sweep(sid).n_trials
+    assert [t.idx for t in trials] == list(range(len(trials)))
+    assert store.get_sweep(sid).study["round"] == 1
     counts = store.stage_counts(sid)
     assert counts["tune"]["completed"] == 10 and counts["check"]["pending"] == 4
     # a stop records the reason with the status, in the same transaction
     stop_state = dict(step.state, round=2, stop_reason="why")
     assert store.plan_stage(sid, 1, stop_state, [], stop=("stopped", "why"))
     sweep = store.get_sweep(sid)
-    assert sweep["status"] == "stopped" and sweep["error"] == "why"
+    assert sweep.status == "stopped" and sweep.error == "why"
     store.close()
 
 

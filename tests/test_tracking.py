@@ -21,7 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from sqlalchemy import text
 
-from hptransfer.sweeper.db.store import Store
+from hptransfer.sweeper.db.store import Store, TrialRecord
 from hptransfer.sweeper.mlflow.mirror import Mirror
 from hptransfer.sweeper.mlflow.params import MAX_KEY, MAX_PARAM_VALUE, flatten, mlflow_key
 from hptransfer.sweeper.mlflow.tracking import ui_command
@@ -145,18 +145,18 @@ def read_artifact(client: MlflowClient, run_id: str, path: str, tmp_path: Path) 
     return Path(client.download_artifacts(run_id, path, str(dst))).read_text()
 
 
-def finish_all(store: Store, sweep_id: str, trials: list[dict[str, Any]]) -> dict[str, str]:
+def finish_all(store: Store, sweep_id: str, trials: list[TrialRecord]) -> dict[str, str]:
     """completed / failed (an exception in training) / cancelled, one each."""
-    statuses = dict(zip([t["id"] for t in trials], ("completed", "failed", "cancelled"),
+    statuses = dict(zip([t.id for t in trials], ("completed", "failed", "cancelled"),
                         strict=True))
     for t in trials:
-        status = statuses[t["id"]]
+        status = statuses[t.id]
         if status == "cancelled":
-            assert store.mark_cancelled(t["id"])
+            assert store.mark_cancelled(t.id)
             continue
         error = "Traceback ...\n" + "e" * 5000 + "\nRuntimeError: boom" \
             if status == "failed" else None
-        assert store.finish_trial(t["id"], status, result(status, t["lr"], curve(40), error),
+        assert store.finish_trial(t.id, status, result(status, t.lr, curve(40), error),
                                   error)
     store.refresh_sweep_status(sweep_id)
     return statuses
@@ -173,7 +173,7 @@ def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
                        artifacts=lambda _: {**FITS, "../escape.txt": "x"})
     mirror.sync()
     sweep = store.get_sweep(sid)
-    experiment_id, parent_id = sweep["mlflow_experiment_id"], sweep["mlflow_run_id"]
+    experiment_id, parent_id = sweep.mlflow_experiment_id, sweep.mlflow_run_id
     client = MlflowClient(mlflow_uri)
     exp = client.get_experiment(experiment_id)
     assert exp.name == f"hpt/demo/{sid}" and exp.tags["mlflow.experimentKind"] == \
@@ -206,11 +206,11 @@ def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
     assert set(runs) == set(statuses)
     expected = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
     for t in trials:
-        run, status = runs[t["id"]], statuses[t["id"]]
+        run, status = runs[t.id], statuses[t.id]
         tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
         assert run.info.status == expected[status]
-        assert run.info.run_id == store.get_trial(t["id"])["mlflow_run_id"]
-        assert run.info.run_name == f"cp N=128 L=2 lr={t['lr']:.3g} seed=0"
+        assert run.info.run_id == store.get_trial(t.id).mlflow_run_id
+        assert run.info.run_name == f"cp N=128 L=2 lr={t.lr:.3g} seed=0"
         assert tags["mlflow.parentRunId"] == parent_id and tags["hpt.attempt"] == "1"
         assert tags["hpt.sweep_id"] == sid and tags["hpt.arm"] == "cp"
         assert tags["hpt.status"] == status
@@ -218,8 +218,8 @@ def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
         if status == "cancelled":  # never produced a result: no table, no curve
             assert "group.embedding.lr" not in params and metrics == {}
             continue
-        assert params["group.embedding.lr"] == str(t["lr"])
-        assert params["group.hidden_weight.lr"] == str(t["lr"] / 2)
+        assert params["group.embedding.lr"] == str(t.lr)
+        assert params["group.hidden_weight.lr"] == str(t.lr / 2)
         assert params["group.hidden_weight.n_params"] == "2"
         assert params["mult.logits"] == "0.5" and params["mult.attn_scale"] == "0.125"
         assert history(client, run.info.run_id, "val_loss") == [
@@ -231,7 +231,7 @@ def test_mirror_copies_sweeps_and_attempts(store: Store, mlflow_uri: str,
         assert metrics["flops"] == 1.5e12 and metrics["params_non_embedding"] == 250_000
         assert metrics["tokens_per_s"] == pytest.approx(6553.6) and "mfu" not in metrics
         table = json.loads(read_artifact(client, run.info.run_id, "param_table.json", tmp_path))
-        assert table["groups"][1]["lr"] == t["lr"] / 2
+        assert table["groups"][1]["lr"] == t.lr / 2
         if status == "failed":
             assert tags["hpt.error"].endswith("RuntimeError: boom")
             assert len(tags["hpt.error"]) <= 4000
@@ -265,17 +265,17 @@ def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, t
     (t,) = store.lease_pending("coord", 1)
     mirror.sync()
     points = curve(500, val_every=1)  # 4 metrics x 500 steps = 2000 metrics
-    mirror.live(t["id"], t["started_at"], points[:300])  # streamed while training
+    mirror.live(t.id, t.started_at, points[:300])  # streamed while training
     mirror.sync()
-    run_id = store.get_trial(t["id"])["mlflow_run_id"]
+    run_id = store.get_trial(t.id).mlflow_run_id
     client = MlflowClient(mlflow_uri)
     assert [s for s, _ in history(client, run_id, "train_loss")] == list(range(1, 301))
-    store.finish_trial(t["id"], "completed", result("completed", 2**-8, points))
+    store.finish_trial(t.id, "completed", result("completed", 2**-8, points))
     store.refresh_sweep_status(sid)
     sizes.clear()
     mirror.sync()
     assert max(sizes) <= 1000  # curves go in log_batch calls of at most 1000 metrics
-    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    experiment_id = store.get_sweep(sid).mlflow_experiment_id
     first = snapshot(client, experiment_id)
     for key in ("train_loss", "val_loss", "lr", "tokens"):  # live + final: each point once
         assert [s for s, _ in history(client, run_id, key)] == list(range(1, 501)), key
@@ -291,7 +291,7 @@ def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, t
     again.sync()
     assert store.mirror_backlog() == 0
     assert snapshot(client, experiment_id) == first
-    assert store.get_trial(t["id"])["mlflow_run_id"] == run_id
+    assert store.get_trial(t.id).mlflow_run_id == run_id
 
 
 def test_mlflow_down_loses_nothing_and_catches_up(store: Store, mlflow_uri: str,
@@ -306,7 +306,7 @@ def test_mlflow_down_loses_nothing_and_catches_up(store: Store, mlflow_uri: str,
         down.sync()
     assert time.monotonic() - t0 < 10 and "127.0.0.1" in str(err.value)
     statuses = finish_all(store, sid, trials)  # results reach the app DB meanwhile
-    assert {t["id"]: t["status"] for t in store.trials(sid)} == statuses
+    assert {t.id: t.status for t in store.trials(sid)} == statuses
     assert store.mirror_backlog() == 4  # the sweep and its three attempts: nothing marked
 
     # the same mirror, MLflow away for a while mid-copy: it resumes where it stopped
@@ -328,15 +328,15 @@ def test_mlflow_down_loses_nothing_and_catches_up(store: Store, mlflow_uri: str,
     assert store.mirror_backlog() == 0
     client = MlflowClient(mlflow_uri)
     sweep = store.get_sweep(sid)
-    runs = trial_runs(client, sweep["mlflow_experiment_id"])
+    runs = trial_runs(client, sweep.mlflow_experiment_id)
     assert len(runs) == 3  # the failed first try left no second run behind
     by_trial = {r.data.tags["hpt.trial_id"]: r for r in runs}
     assert {tid: r.data.tags["hpt.status"] for tid, r in by_trial.items()} == statuses
     done = next(r for tid, r in by_trial.items() if statuses[tid] == "completed")
     assert [s for s, _ in history(client, done.info.run_id, "train_loss")] == list(range(1, 41))
-    assert done.info.start_time == int(trials[0]["started_at"].timestamp() * 1000)
-    assert client.get_run(sweep["mlflow_run_id"]).info.status == "FINISHED"
-    assert "fits" in artifact_paths(client, sweep["mlflow_run_id"])
+    assert done.info.start_time == int(trials[0].started_at.timestamp() * 1000)
+    assert client.get_run(sweep.mlflow_run_id).info.status == "FINISHED"
+    assert "fits" in artifact_paths(client, sweep.mlflow_run_id)
 
 
 def test_kill_between_creating_a_run_and_recording_it_converges(
@@ -353,7 +353,7 @@ def test_kill_between_creating_a_run_and_recording_it_converges(
         mirror_of(store, mlflow_uri, tmp_path).sync()  # the parent and one run created
     monkeypatch.setattr(Store, "set_attempt_run", real_record)
     client = MlflowClient(mlflow_uri)
-    experiment_id = store.get_sweep(sid)["mlflow_experiment_id"]
+    experiment_id = store.get_sweep(sid).mlflow_experiment_id
     (orphan,) = trial_runs(client, experiment_id)
     assert orphan.info.status == "RUNNING" and store.mirror_backlog() == 3
     finish_all(store, sid, trials)
@@ -372,8 +372,7 @@ def test_kill_between_creating_a_run_and_recording_it_converges(
     assert len(runs) == 3 and orphan.info.run_id in {r.info.run_id for r in runs}
     assert "RUNNING" not in {r.info.status for r in runs}
     for run in runs:
-        assert run.info.run_id == store.get_trial(run.data.tags["hpt.trial_id"])[
-            "mlflow_run_id"]
+        assert run.info.run_id == store.get_trial(run.data.tags["hpt.trial_id"]).mlflow_run_id
         for key in run.data.metrics:  # no point logged twice by the interrupted copies
             steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
             assert len(steps) == len(set(steps)), key
@@ -424,12 +423,12 @@ def test_threads_submitting_live_points_while_the_mirror_runs(
     try:
         trials = store.lease_pending("coord", 4)
 
-        def stream(t: dict[str, Any]) -> None:
+        def stream(t: TrialRecord) -> None:
             points = curve(30)
             for j in range(0, 30, 10):
-                mirror.live(t["id"], t["started_at"], points[j:j + 10])
+                mirror.live(t.id, t.started_at, points[j:j + 10])
                 time.sleep(0.01)
-            store.finish_trial(t["id"], "completed", result("completed", t["lr"], points))
+            store.finish_trial(t.id, "completed", result("completed", t.lr, points))
 
         threads = [threading.Thread(target=stream, args=(t,)) for t in trials]
         for th in threads:
@@ -443,7 +442,7 @@ def test_threads_submitting_live_points_while_the_mirror_runs(
     assert store.mirror_backlog() == 0
     client = MlflowClient(mlflow_uri)
     for t in trials:
-        rid = store.get_trial(t["id"])["mlflow_run_id"]
+        rid = store.get_trial(t.id).mlflow_run_id
         assert client.get_run(rid).info.status == "FINISHED"
         assert [s for s, _ in history(client, rid, "train_loss")] == list(range(1, 31))
 

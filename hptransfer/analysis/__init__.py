@@ -16,7 +16,8 @@ from .chinchilla import (
 )
 from .errors import AnalysisError, NotEnoughData
 from .frontier import FrontierResult, frontier_mask, loss_compute_frontier
-from .optimal_lr import OptimalLRResult, fit_lr_parabola, optimal_lr
+from .optimal_lr import OptimalLRResult, optimal_lr
+from .parabola import fit_lr_parabola
 from .powerlaw import PowerLawFit, fit_power_law
 from .report import TABLE_NAMES, FitReport, fit_report
 from .savings import SavingsComparison, SavingsResult, compare_fits, flop_savings

@@ -18,10 +18,10 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from .errors import NotEnoughData
-from .fit_result import FitResult
+from .fit_result import FitResult, bootstrap_params, named_cis, usable_points
 from .optimal_lr import OptimalLRResult, as_optimal
 from .serialize import analysis_dict, frame_records, json_safe, with_none
-from .stats import bootstrap_indices, percentile_ci, single_threaded
+from .stats import single_threaded
 from .trials import Trials
 
 _GRID_A = np.arange(0.0, 26.0, 5.0)
@@ -239,17 +239,7 @@ def fit_chinchilla(
     `top_k` grid starts with the lowest objective are refined by L-BFGS-B and the best kept.
     The CI resamples points `bootstrap` times, refining from the full-data optimum.
     """
-    n_arr = np.asarray(n, dtype=float)
-    d_arr = np.asarray(d, dtype=float)
-    y = np.asarray(loss, dtype=float)
-    ids = [list(t) for t in trial_ids] if trial_ids is not None else [[] for _ in n_arr]
-    good = np.isfinite(n_arr) & np.isfinite(d_arr) & np.isfinite(y) & (n_arr > 0) & (d_arr > 0)
-    good &= y > 0
-    warnings: list[str] = []
-    if not good.all():
-        warnings.append(f"ignored {int((~good).sum())} points with missing/non-positive values")
-    n_arr, d_arr, y = n_arr[good], d_arr[good], y[good]
-    ids = [t for t, g in zip(ids, good, strict=True) if g]
+    (n_arr, d_arr, y), ids, warnings = usable_points((n, d, loss), trial_ids)
     if len(y) < 6:
         because = f"it has {len(y)} points and needs at least 6 for 5 parameters"
         return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
@@ -274,23 +264,15 @@ def fit_chinchilla(
     fitted = np.log(E + A / n_arr**alpha + B / d_arr**beta)
     residuals = np.log(y) - fitted
 
-    boot = np.empty((0, 5))
-    ci_map: dict[str, tuple[float, float]] = {}
-    if bootstrap > 0:
-        rng = np.random.default_rng(seed)
-        rows = []
-        for idx in bootstrap_indices(rng, len(y), bootstrap, min_unique=6):
-            sub = _Objective(n_arr[idx], d_arr[idx], y[idx], delta)
-            # Each resample has its own centring, so start from the full fit's raw parameters.
-            start = sub.to_centred(np.log(A), np.log(B), np.log(E), alpha, beta)
-            r = _refine(sub, start)
-            # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
-            rows.append(sub.from_centred(r.x) if np.isfinite(r.fun) else np.full(5, np.nan))
-        boot = np.array(rows).reshape(-1, 5)
-        if len(boot):
-            for k, name in enumerate(PARAM_NAMES):
-                lo, hi = percentile_ci(boot[:, k], ci)
-                ci_map[name] = (float(lo), float(hi))
+    def refit(idx: np.ndarray) -> np.ndarray:
+        sub = _Objective(n_arr[idx], d_arr[idx], y[idx], delta)
+        # Each resample has its own centring, so start from the full fit's raw parameters.
+        r = _refine(sub, sub.to_centred(np.log(A), np.log(B), np.log(E), alpha, beta))
+        # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
+        return sub.from_centred(r.x) if np.isfinite(r.fun) else np.full(5, np.nan)
+
+    boot = bootstrap_params(len(y), bootstrap, seed, 6, 5, refit)
+    ci_map = named_cis({name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ci)
 
     problems: list[str] = []
     if len(y) < 10:

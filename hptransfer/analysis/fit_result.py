@@ -1,11 +1,16 @@
-"""Status and uncertainty fields shared by the curve fits (power law, Chinchilla)."""
+"""The skeleton the curve fits (power law, Chinchilla) share: their status and uncertainty
+fields, the cleaning of their input points and the bootstrap of their parameters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import NotEnoughData
+from .stats import bootstrap_indices, percentile_ci
 
 
 # kw_only: these defaulted fields sit after each fit's own required, positional fields.
@@ -39,3 +44,43 @@ class FitResult:
             "reason": str(self.reason) if self.reason else None,
             "warnings": list(self.warnings),
         }
+
+
+def usable_points(
+    columns: Sequence[Sequence[float] | np.ndarray],
+    trial_ids: Sequence[Sequence[str]] | None,
+) -> tuple[list[np.ndarray], list[list[str]], list[str]]:
+    """The points whose every column is finite and positive: (columns, trial ids, warnings)."""
+    arrays = [np.asarray(c, dtype=float) for c in columns]
+    ids = [list(t) for t in trial_ids] if trial_ids is not None else [[] for _ in arrays[0]]
+    good = np.ones(arrays[0].shape, dtype=bool)
+    for a in arrays:
+        good &= np.isfinite(a) & (a > 0)
+    warnings: list[str] = []
+    if not good.all():
+        warnings.append(f"ignored {int((~good).sum())} points with missing/non-positive values")
+    ids = [t for t, g in zip(ids, good, strict=True) if g]
+    return [a[good] for a in arrays], ids, warnings
+
+
+def bootstrap_params(
+    n_points: int, n_resamples: int, seed: int | None, min_unique: int, n_params: int,
+    refit: Callable[[np.ndarray], np.ndarray],
+) -> np.ndarray:
+    """`refit` (point indices -> parameters, NaN when it failed) on resamples of the points;
+    shape (resamples kept, n_params)."""
+    if n_resamples <= 0:
+        return np.empty((0, n_params))
+    rng = np.random.default_rng(seed)
+    rows = [refit(idx) for idx in bootstrap_indices(rng, n_points, n_resamples, min_unique)]
+    return np.array(rows).reshape(-1, n_params)
+
+
+def named_cis(samples: dict[str, np.ndarray], level: float) -> dict[str, tuple[float, float]]:
+    """Percentile interval of each named parameter's bootstrap samples (none without samples)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, values in samples.items():
+        if len(values):
+            lo, hi = percentile_ci(values, level)
+            out[name] = (float(lo), float(hi))
+    return out

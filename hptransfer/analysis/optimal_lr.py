@@ -1,4 +1,5 @@
-"""Optimal learning rate per shape: a quadratic in log2(lr) around the best grid point.
+"""Optimal learning rate per shape: a quadratic in log2(lr) around the best grid point
+(the fit itself is in parabola.py).
 
 Everything is computed for all shapes at once on padded (shape x LR) matrices, so the cost
 grows with the number of trials through a few numpy passes, not a Python loop per trial.
@@ -14,12 +15,14 @@ import numpy as np
 import pandas as pd
 
 from .errors import NotEnoughData
+from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict, frame_records
 from .stats import percentile_ci
 from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
 
 SHAPE_KEYS: tuple[str, ...] = ("arm", "width", "depth", "sigma_base")
 POINT_COLUMNS: tuple[str, ...] = ("flops", "tokens", "params_non_embedding", "params_embedding")
+_WHAT = "the optimal LR"
 # Resampled loss values held in memory at once during the bootstrap (bounds peak memory).
 _BOOT_CHUNK_VALUES = 4_000_000
 
@@ -64,112 +67,6 @@ class OptimalLRResult:
         return (
             rows.drop_duplicates(subset=point_keys).sort_values(point_keys).reset_index(drop=True)
         )
-
-
-@dataclass
-class _ParabolaFits:
-    """Quadratic fits y = yb + c0 + c1*dx + c2*dx^2 with dx = x - x_best, one per row."""
-
-    best: np.ndarray
-    has_data: np.ndarray
-    fit_ok: np.ndarray
-    n_fit: np.ndarray
-    window: np.ndarray
-    x_best: np.ndarray
-    y_best: np.ndarray
-    coef: np.ndarray
-    log2_opt: np.ndarray
-    loss_opt: np.ndarray
-    concave: np.ndarray
-    clamped: np.ndarray
-    residuals: np.ndarray
-
-
-def _fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> _ParabolaFits:
-    """Fit every row of (x, y) at once; x is sorted per row, NaN y marks a missing point."""
-    valid = np.isfinite(y)
-    has_data = valid.any(axis=1)
-    best = np.argmin(np.where(valid, y, np.inf), axis=1)
-    rows = np.arange(len(y))
-    # Neighbours are counted among LRs that have a loss, so a diverged LR in between is skipped.
-    rank = np.cumsum(valid, axis=1) - 1
-    distance = np.abs(rank - rank[rows, best][:, None])
-    window = valid & (distance <= neighbours)
-    # With neighbours=1 a best LR at the edge has one neighbour: take the next one too, so
-    # the quadratic has its 3 points (neighbours >= 2 always has them when 3 LRs have data).
-    short = (window.sum(axis=1) < 3)[:, None]
-    window |= short & valid & (distance <= neighbours + 1)
-    n_fit = window.sum(axis=1)
-    x_best, y_best = x[rows, best], y[rows, best]
-    # Centring on the best point keeps the 3x3 normal equations well conditioned.
-    dx = np.where(window, x - x_best[:, None], 0.0)
-    dy = np.where(window, y - y_best[:, None], 0.0)
-    w = window.astype(float)
-    s = [np.sum(w * dx**k, axis=1) for k in range(5)]
-    t = [np.sum(w * dx**k * dy, axis=1) for k in range(3)]
-    normal = np.stack(
-        [
-            np.stack([s[0], s[1], s[2]], -1),
-            np.stack([s[1], s[2], s[3]], -1),
-            np.stack([s[2], s[3], s[4]], -1),
-        ],
-        axis=1,
-    )
-    rhs = np.stack(t, axis=-1)
-    fit_ok = has_data & (n_fit >= 3)
-    normal[~fit_ok] = np.eye(3)
-    rhs[~fit_ok] = 0.0
-    coef = np.linalg.solve(normal, rhs[..., None])[..., 0]
-    c0, c1, c2 = coef[:, 0], coef[:, 1], coef[:, 2]
-
-    concave = fit_ok & ~(c2 > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        vertex = np.where(concave | ~fit_ok, 0.0, -c1 / (2.0 * c2))
-    lo = np.where(window, dx, np.inf).min(axis=1)
-    hi = np.where(window, dx, -np.inf).max(axis=1)
-    # A vertex outside the fitted points is an extrapolation: keep it inside and flag it.
-    clamped = fit_ok & ~concave & ((vertex < lo - 1e-12) | (vertex > hi + 1e-12))
-    vertex = np.where(clamped, np.clip(vertex, lo, hi), vertex)
-    log2_opt = np.where(fit_ok, x_best + vertex, np.nan)
-    loss_opt = np.where(fit_ok, y_best + c0 + c1 * vertex + c2 * vertex**2, np.nan)
-    fitted = c0[:, None] + c1[:, None] * dx + c2[:, None] * dx**2
-    residuals = np.where(window & fit_ok[:, None], dy - fitted, np.nan)
-    return _ParabolaFits(
-        best=best,
-        has_data=has_data,
-        fit_ok=fit_ok,
-        n_fit=n_fit,
-        window=window,
-        x_best=x_best,
-        y_best=y_best,
-        coef=coef,
-        log2_opt=log2_opt,
-        loss_opt=loss_opt,
-        concave=concave,
-        clamped=clamped,
-        residuals=residuals,
-    )
-
-
-def fit_lr_parabola(
-    lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, neighbours: int = 2
-) -> dict[str, Any]:
-    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients."""
-    x = np.log2(np.asarray(lrs, dtype=float))
-    y = np.asarray(losses, dtype=float)
-    order = np.argsort(x)
-    fits = _fit_parabolas(x[order][None, :], y[order][None, :], neighbours)
-    return {
-        "lr_opt": float(2.0 ** fits.log2_opt[0]),
-        "log2_lr_opt": float(fits.log2_opt[0]),
-        "loss_opt": float(fits.loss_opt[0]),
-        "best_lr": float(2.0 ** fits.x_best[0]) if fits.has_data[0] else float("nan"),
-        "fit_ok": bool(fits.fit_ok[0]),
-        "concave": bool(fits.concave[0]),
-        "clamped": bool(fits.clamped[0]),
-        "n_fit_points": int(fits.n_fit[0]),
-        "curvature": float(fits.coef[0, 2]),
-    }
 
 
 @dataclass
@@ -289,7 +186,7 @@ def _bootstrap_log2_opt(
             means = np.where(n_ok > 0, draws.sum(axis=2) / n_ok, np.nan)
         y = np.full((b, cells.n_shapes, cells.n_cols), np.nan)
         y[:, cells.cell_sid, cells.cell_col] = means
-        fits = _fit_parabolas(
+        fits = fit_parabolas(
             np.tile(x, (b, 1)), y.reshape(b * cells.n_shapes, cells.n_cols), neighbours
         )
         out[begin : begin + b] = fits.log2_opt.reshape(b, cells.n_shapes)
@@ -447,22 +344,13 @@ def optimal_lr(
     trials = data if isinstance(data, Trials) else prepare_trials(data, (*CORE_COLUMNS, *keys))
     warnings = list(trials.warnings)
     frame = trials.frame[trials.frame["outcome"].to_numpy() != IGNORED]
-    what = "the optimal LR"
-    if trials.frame.empty:
-        return _empty_result(
-            keys, NotEnoughData(what, "there are no trials"), warnings, bootstrap, ci
-        )
-    if frame.empty:
-        counts = ", ".join(f"{k}: {v}" for k, v in sorted(trials.status_counts.items()))
-        because = f"no trial has finished as completed or diverged ({counts})"
-        return _empty_result(keys, NotEnoughData(what, because), warnings, bootstrap, ci)
-    if not (frame["outcome"].to_numpy() == OK).any():
-        because = f"all {len(frame)} finished trials diverged"
-        return _empty_result(keys, NotEnoughData(what, because), warnings, bootstrap, ci)
+    because = _nothing_to_fit(trials, frame)
+    if because is not None:
+        return _empty_result(keys, NotEnoughData(_WHAT, because), warnings, bootstrap, ci)
 
     cells = _build_cells(frame, keys)
     x = _matrix(cells, cells.log2_lr)
-    fits = _fit_parabolas(x, _matrix(cells, cells.mean), neighbours)
+    fits = fit_parabolas(x, _matrix(cells, cells.mean), neighbours)
     n_ok_m = _matrix(cells, cells.n_ok, 0.0)
     n_div_m = _matrix(cells, cells.n_div, 0.0)
     rows = np.arange(cells.n_shapes)
@@ -506,19 +394,8 @@ def optimal_lr(
     best_ids: list[list[str]] = []
     lr_m = _matrix(cells, cells.lr)
     for s in range(cells.n_shapes):
-        label = _label(key_records[s])
-        reason = None
-        if not fits.has_data[s]:
-            reason = NotEnoughData(
-                f"the optimal LR of {label}",
-                f"all {int(n_div_m[s].sum())} trials of this shape diverged",
-            ).message
-        elif not fits.fit_ok[s]:
-            k = int(n_with_loss[s])
-            reason = NotEnoughData(
-                f"the optimal LR of {label}",
-                f"only {k} LR(s) have a completed run (the quadratic fit needs at least 3)",
-            ).message
+        reason = _shape_reason(_label(key_records[s]), bool(fits.has_data[s]),
+                               bool(fits.fit_ok[s]), int(n_div_m[s].sum()), int(n_with_loss[s]))
         notes = _shape_notes(
             edge=edge[s],
             best_lr=float(best_lr[s]),
@@ -573,20 +450,10 @@ def optimal_lr(
     shapes["n_pruned"] = np.array([len(p) for p in pruned], dtype=np.int64)
     shapes["pruned"] = pd.Series(pruned, dtype=object)
 
-    curves = cells.key_frame.iloc[cells.cell_sid].reset_index(drop=True)
-    curves["lr"] = cells.lr
-    curves["log2_lr"] = cells.log2_lr
-    curves["mean_loss"] = cells.mean
-    curves["std_loss"] = cells.std
-    curves["n_completed"] = cells.n_ok
-    curves["n_diverged"] = cells.n_div
-    curves["in_fit"] = (fits.window & fits.fit_ok[:, None])[cells.cell_sid, cells.cell_col]
-    curves["residual"] = fits.residuals[cells.cell_sid, cells.cell_col]
-
     reason = None
     if not fits.fit_ok.any():
         reason = NotEnoughData(
-            what,
+            _WHAT,
             "no shape has at least 3 LRs with a completed run "
             f"(most LRs with a completed run in one shape: {int(n_with_loss.max())})",
         )
@@ -598,7 +465,47 @@ def optimal_lr(
     n_bad = int((fits.fit_ok & ~reliable).sum())
     if n_bad:
         warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped or concave)")
-    return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
+    return OptimalLRResult(shapes, _curves(cells, fits), keys, reason, warnings, bootstrap, ci)
+
+
+def _nothing_to_fit(trials: Trials, frame: pd.DataFrame) -> str | None:
+    """Why no shape can be fitted at all (None when some trial completed)."""
+    if trials.frame.empty:
+        return "there are no trials"
+    if frame.empty:
+        counts = ", ".join(f"{k}: {v}" for k, v in sorted(trials.status_counts.items()))
+        return f"no trial has finished as completed or diverged ({counts})"
+    if not (frame["outcome"].to_numpy() == OK).any():
+        return f"all {len(frame)} finished trials diverged"
+    return None
+
+
+def _shape_reason(label: str, has_data: bool, fit_ok: bool, n_diverged: int,
+                  n_with_loss: int) -> str | None:
+    """Why one shape has no η* (None when it was fitted)."""
+    what = f"the optimal LR of {label}"
+    if not has_data:
+        return NotEnoughData(what, f"all {n_diverged} trials of this shape diverged").message
+    if not fit_ok:
+        return NotEnoughData(
+            what,
+            f"only {n_with_loss} LR(s) have a completed run (the quadratic fit needs at least 3)",
+        ).message
+    return None
+
+
+def _curves(cells: _Cells, fits: ParabolaFits) -> pd.DataFrame:
+    """One row per shape x LR: the mean loss curve and which points the fit used."""
+    curves = cells.key_frame.iloc[cells.cell_sid].reset_index(drop=True)
+    curves["lr"] = cells.lr
+    curves["log2_lr"] = cells.log2_lr
+    curves["mean_loss"] = cells.mean
+    curves["std_loss"] = cells.std
+    curves["n_completed"] = cells.n_ok
+    curves["n_diverged"] = cells.n_div
+    curves["in_fit"] = (fits.window & fits.fit_ok[:, None])[cells.cell_sid, cells.cell_col]
+    curves["residual"] = fits.residuals[cells.cell_sid, cells.cell_col]
+    return curves
 
 
 def as_optimal(

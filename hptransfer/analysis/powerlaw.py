@@ -10,9 +10,9 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import FitResult
+from .fit_result import FitResult, bootstrap_params, named_cis, usable_points
 from .serialize import json_safe
-from .stats import bootstrap_indices, percentile_ci, single_threaded
+from .stats import single_threaded
 
 # Parameters are p = (log E, log A', log b) with A' = A * C0^(-b): logs keep E, A, b positive
 # and C0 (the geometric mean of the compute) keeps A' of order one for the optimiser.
@@ -212,15 +212,7 @@ def fit_power_law(
     `f_scale` is the log-residual size (about a relative error) beyond which points count
     linearly, so a few bad runs do not drag the fit. The CI resamples points `bootstrap` times.
     """
-    c = np.asarray(compute, dtype=float)
-    y = np.asarray(loss, dtype=float)
-    ids = [list(t) for t in trial_ids] if trial_ids is not None else [[] for _ in c]
-    good = np.isfinite(c) & np.isfinite(y) & (c > 0) & (y > 0)
-    warnings: list[str] = []
-    if not good.all():
-        warnings.append(f"ignored {int((~good).sum())} points with missing/non-positive values")
-    c, y = c[good], y[good]
-    ids = [t for t, g in zip(ids, good, strict=True) if g]
+    (c, y), ids, warnings = usable_points((compute, loss), trial_ids)
     if np.unique(c).size < 3:
         because = f"it needs 3 distinct compute values and has {np.unique(c).size}"
         return _nan_fit(c, y, ids, NotEnoughData(what, because), warnings)
@@ -242,20 +234,13 @@ def fit_power_law(
     A = a_scaled * c_scale**b
     residuals = logy - _model(p, x)
 
-    boot = np.empty((0, 3))
-    ci_map: dict[str, tuple[float, float]] = {}
-    if bootstrap > 0:
-        rng = np.random.default_rng(seed)
-        fits = []
-        for idx in bootstrap_indices(rng, len(c), bootstrap, min_unique=3):
-            r = _solve(x[idx], logy[idx], p, bounds, f_scale)
-            fits.append(np.exp(r.x) if r.success else np.full(3, np.nan))
-        boot = np.array(fits).reshape(-1, 3)
-        if len(boot):
-            a_orig = boot[:, 1] * c_scale ** boot[:, 2]
-            for name, s in (("E", boot[:, 0]), ("A", a_orig), ("b", boot[:, 2])):
-                lo, hi = percentile_ci(s, ci)
-                ci_map[name] = (float(lo), float(hi))
+    def refit(idx: np.ndarray) -> np.ndarray:
+        r = _solve(x[idx], logy[idx], p, bounds, f_scale)
+        return np.exp(r.x) if r.success else np.full(3, np.nan)
+
+    boot = bootstrap_params(len(c), bootstrap, seed, 3, 3, refit)
+    a_orig = boot[:, 1] * c_scale ** boot[:, 2]
+    ci_map = named_cis({"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ci)
 
     problems: list[str] = []
     n = len(c)

@@ -102,7 +102,8 @@ def list_trials(
         "total": c.store.count_trials(sweep_id, **filters),
         "limit": limit,
         "offset": offset,
-        "items": c.store.trials(sweep_id, limit=limit, offset=offset, **filters),
+        "items": [t.to_dict() for t in
+                  c.store.trials(sweep_id, limit=limit, offset=offset, **filters)],
     }
 
 

@@ -38,18 +38,18 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
     sweep = store.get_sweep(sweep_id)
     if sweep is None:
         raise NotFoundError(f"no sweep with id {sweep_id!r}")
-    counts = sweep.get("counts") or store.status_counts(sweep_id)
+    counts = sweep.counts if sweep.counts is not None else store.status_counts(sweep_id)
     total = sum(counts.values())
     done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
-    summary = {k: v for k, v in sweep.items() if k != "spec"}
+    summary = {k: v for k, v in sweep.to_dict().items() if k != "spec"}
     summary.update(counts=counts, total=total, done=done,
                    progress=done / total if total else 0.0, eta_s=None)
-    if sweep.get("study") is not None:  # a study: each stage's progress, as the API has it
+    if sweep.study is not None:  # a study: each stage's progress, as the API has it
         from hptransfer.sweeper.spec import SweepSpec
         from hptransfer.sweeper.study import study_progress
 
-        summary["stages"] = study_progress(SweepSpec.model_validate(sweep["spec"]),
-                                           sweep["study"], store.stage_counts(sweep_id))
+        summary["stages"] = study_progress(SweepSpec.model_validate(sweep.spec),
+                                           sweep.study, store.stage_counts(sweep_id))
     return summary
 
 
@@ -67,7 +67,9 @@ def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100) -> SweepData:
     store: Store = getattr(source, "store", source)
     summary = source.summary(sweep_id) if hasattr(source, "summary") \
         else store_summary(store, sweep_id)
-    trials = store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT)
+    # the pages render plain mappings: the records are serialised here, at the boundary
+    trials = [t.to_dict() for t in
+              store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT)]
     report = sweep_report(store, sweep_id, bootstrap)  # cached per finished-trial counts
     return SweepData(summary, trials, report, _coordcheck_dir(source))
 

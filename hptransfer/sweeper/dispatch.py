@@ -44,7 +44,7 @@ from hptransfer.config import Settings
 from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial, execute_trials
 
-from .db.store import Store
+from .db.store import Store, SweepRecord, TrialRecord
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
 from .packing import on_gpu, pack_cost, pack_size, plan_packs
@@ -76,7 +76,7 @@ class Outcome:
 
 @dataclass
 class InFlight:
-    trial: dict[str, Any]
+    trial: TrialRecord
     ref: ray.ObjectRef
     cpus: float
     gpus: float
@@ -226,37 +226,37 @@ class Dispatcher:
         return bool(collected or started)
 
     def _in_flight_for(self, sweep_id: str) -> list[InFlight]:
-        return [f for f in self.in_flight.values() if f.trial["sweep_id"] == sweep_id]
+        return [f for f in self.in_flight.values() if f.trial.sweep_id == sweep_id]
 
     def _tasks(self, sweep_id: str | None = None) -> list[InFlight]:
         """One in-flight entry per Ray task (a pack's members share theirs)."""
         seen: dict[ray.ObjectRef, InFlight] = {}
         for f in self.in_flight.values():
-            if sweep_id is None or f.trial["sweep_id"] == sweep_id:
+            if sweep_id is None or f.trial.sweep_id == sweep_id:
                 seen.setdefault(f.ref, f)
         return list(seen.values())
 
-    def _spec(self, sweep: dict[str, Any]) -> SweepSpec:
+    def _spec(self, sweep: SweepRecord) -> SweepSpec:
         """The sweep's validated spec; a stored spec that no longer validates fails the
         sweep with the reason (BadSweep), so it cannot block the others."""
-        if sweep["id"] not in self._specs:
+        if sweep.id not in self._specs:
             try:
-                self._specs[sweep["id"]] = SweepSpec.model_validate(sweep["spec"])
+                self._specs[sweep.id] = SweepSpec.model_validate(sweep.spec)
             except Exception as exc:
                 reason = f"stored spec is invalid: {exc}"
-                log.error("sweep %s failed: %s", sweep["id"], reason)
-                self.store.fail_sweep(sweep["id"], reason[:4000])
+                log.error("sweep %s failed: %s", sweep.id, reason)
+                self.store.fail_sweep(sweep.id, reason[:4000])
                 self._wake_mirror()
                 raise BadSweep(reason) from exc
-        return self._specs[sweep["id"]]
+        return self._specs[sweep.id]
 
     def _wake_mirror(self) -> None:
         if self.mirror:
             self.mirror.wake()
 
     def _cancel_cancelled(self) -> None:
-        for sweep_id in {f.trial["sweep_id"] for f in self.in_flight.values()}:
-            if SweepStatus(self.store.get_sweep(sweep_id)["status"]).is_stopped():
+        for sweep_id in {f.trial.sweep_id for f in self.in_flight.values()}:
+            if SweepStatus(self.store.get_sweep(sweep_id).status).is_stopped():
                 for ref in {f.ref for f in self._in_flight_for(sweep_id) if f.outcome is None}:
                     ray.cancel(ref, force=True)
 
@@ -272,8 +272,8 @@ class Dispatcher:
                 continue
             f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
             if self.mirror:  # best effort: the final curve is mirrored from the app DB
-                self.mirror.live(trial_id, f.trial["started_at"], points)
-            if f.trial.get("optuna_trial_number") is not None:
+                self.mirror.live(trial_id, f.trial.started_at, points)
+            if f.trial.optuna_trial_number is not None:
                 for p in points:
                     val = p.get("val_loss")
                     if val is not None and self.optuna.should_prune(trial_id, p["step"], val):
@@ -314,9 +314,9 @@ class Dispatcher:
         self._board.forget.remote(trial_id)
         self._wake_mirror()
         try:
-            if f.trial.get("optuna_trial_number") is not None and status != "pending":
+            if f.trial.optuna_trial_number is not None and status != "pending":
                 self._tell_optuna(f.trial, status, out.result)
-            self._refresh(f.trial["sweep_id"])
+            self._refresh(f.trial.sweep_id)
         except BadSweep:
             pass  # marked failed: nothing more to do for its trials
         finally:
@@ -324,12 +324,12 @@ class Dispatcher:
 
     def _refresh(self, sweep_id: str) -> None:
         sweep = self.store.get_sweep(sweep_id)
-        before = sweep["status"]
+        before = sweep.status
         spec = self._spec(sweep)
         if before in ACTIVE and spec.search.method == "optuna" and self._optuna_left(sweep_id,
                                                                                      spec):
             return  # the studies still have trials to ask: not finished yet
-        if before in ACTIVE and sweep.get("study") and not sweep["study"].get("done"):
+        if before in ACTIVE and sweep.study and not sweep.study.get("done"):
             return  # a study with stages to plan: _advance_study (next _fill) decides
         self.store.refresh_sweep_status(sweep_id)
 
@@ -362,14 +362,14 @@ class Dispatcher:
                 spec = self._spec(sweep)
             except BadSweep:
                 continue  # marked failed; the other sweeps go on
-            if sweep.get("study") and self._advance_study(sweep, spec):
+            if sweep.study and self._advance_study(sweep, spec):
                 continue  # the study stopped or finished
-            free = self._free_slots(spec, sweep["id"], cluster)
+            free = self._free_slots(spec, sweep.id, cluster)
             if free <= 0:
                 continue
             if spec.search.method == "optuna":
                 self._ask_optuna(sweep, spec, free)
-            for pack in self._lease(sweep["id"], spec, free, cluster):
+            for pack in self._lease(sweep.id, spec, free, cluster):
                 self._submit(spec, pack)
                 started += 1
         if started:
@@ -377,7 +377,7 @@ class Dispatcher:
         return started
 
     def _lease(self, sweep_id: str, spec: SweepSpec, free: int,
-               cluster: dict[str, float]) -> list[list[dict[str, Any]]]:
+               cluster: dict[str, float]) -> list[list[TrialRecord]]:
         """Lease up to `free` tasks' worth of pending trials: single trials, or packs of
         one shape when the spec packs (planned over the pending trials, plan order)."""
         if spec.resources.pack == 1:
@@ -388,21 +388,21 @@ class Dispatcher:
         pending = self.store.trials(sweep_id, status="pending",
                                     limit=min(_MAX_PEEK, slots * MAX_PACK))
         gpu = on_gpu(spec)
-        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t["width"]),
+        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.width),
                              lambda n: pack_cost(n, gpu))
         leased = []
         for pack in planned[:free]:
             got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
-                                           ids=[t["id"] for t in pack])
+                                           ids=[t.id for t in pack])
             if got:  # fewer when another coordinator leased some meanwhile
                 leased.append(got)
         return leased
 
-    def _submit(self, spec: SweepSpec, trials: list[dict[str, Any]]) -> None:
+    def _submit(self, spec: SweepSpec, trials: list[TrialRecord]) -> None:
         """Start one Ray task for one trial or a pack of trials of one shape."""
         threads = max(1, math.ceil(spec.resources.cpus))
-        specs = [{**t["spec"], "num_threads": threads} for t in trials]
-        ids = [t["id"] for t in trials]
+        specs = [{**t.spec, "num_threads": threads} for t in trials]
+        ids = [t.id for t in trials]
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
         if spec.resources.gpus:
             options["num_gpus"] = spec.resources.gpus
@@ -412,24 +412,24 @@ class Dispatcher:
         else:
             ref = self._remote_pack.options(**options).remote(specs, ids, self._board, cache)
         for i, trial in enumerate(trials):
-            self.in_flight[trial["id"]] = InFlight(trial, ref, spec.resources.cpus,
+            self.in_flight[trial.id] = InFlight(trial, ref, spec.resources.cpus,
                                                    spec.resources.gpus,
                                                    member=i if len(trials) > 1 else None)
 
     # staged studies (sweeper/study.py) -------------------------------------------------
-    def _advance_study(self, sweep: dict[str, Any], spec: SweepSpec) -> bool:
+    def _advance_study(self, sweep: SweepRecord, spec: SweepSpec) -> bool:
         """When every trial of a study planned so far has finished, plan its next stage
         (or stop it, or finish it) in one transaction. True if the sweep ended."""
-        sid = sweep["id"]
-        if sweep["study"].get("done") or self._in_flight_for(sid):
+        sid = sweep.id
+        if sweep.study.get("done") or self._in_flight_for(sid):
             return False
         if self.store.count_trials(sid, status=list(ACTIVE)):
             return False
         if spec.search.method == "optuna" and self._optuna_left(sid, spec) > 0:
             return False
-        step = next_step(spec, sweep["study"], self.store.results_frame(sid))
+        step = next_step(spec, sweep.study, self.store.results_frame(sid))
         stop = ("stopped", step.reason) if step.kind == "stop" else None
-        if not self.store.plan_stage(sid, int(sweep["study"].get("round", 0)), step.state,
+        if not self.store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
                                      step.trials, stop=stop):
             return False  # planned by someone else in the meantime: next tick sees it
         log.info("study %s: %s%s", sid, step.kind,
@@ -453,8 +453,8 @@ class Dispatcher:
         return self.optuna.study(self._study_name(sweep_id, shape), spec.search,
                                  self._study_name("", shape), low, high)
 
-    def _ask_optuna(self, sweep: dict[str, Any], spec: SweepSpec, free: int) -> None:
-        if self.store.count_trials(sweep["id"], status="pending"):
+    def _ask_optuna(self, sweep: SweepRecord, spec: SweepSpec, free: int) -> None:
+        if self.store.count_trials(sweep.id, status="pending"):
             return
         low, high = spec.grid.lr_bounds()
         # tasks' worth: a shape that packs asks its first batch (fixed LRs that need no
@@ -463,15 +463,15 @@ class Dispatcher:
         for shape in plan_shapes(spec):
             if asked >= free:
                 return
-            have = self.store.count_trials(sweep["id"], arm=shape.arm, width=shape.width,
+            have = self.store.count_trials(sweep.id, arm=shape.arm, width=shape.width,
                                            depth=shape.depth, sigma_base=shape.sigma_base,
                                            seed=shape.seed)
             if have >= spec.search.n_trials:
                 continue
-            study = self._study(sweep["id"], spec, shape)
+            study = self._study(sweep.id, spec, shape)
             batch = min(pack_size(spec, shape.width), spec.search.startup_count() - have)
             for _ in range(max(1, batch)):
-                self._ask_one(sweep["id"], spec, shape, study, low, high)
+                self._ask_one(sweep.id, spec, shape, study, low, high)
             asked += 1
 
     def _ask_one(self, sweep_id: str, spec: SweepSpec, shape: ShapeKey, study: optuna.Study,
@@ -481,9 +481,9 @@ class Dispatcher:
         trial_id = self.store.add_trial(sweep_id, planned, optuna_trial_number=number)
         self.optuna.bind(trial_id, study, number, planned.trial)
         added = self.store.get_trial(trial_id)
-        if added is not None and added["status"] != "pending":
+        if added is not None and added.status != "pending":
             # reused from an identical earlier trial: it never runs, so tell it now
-            self._tell_optuna(added, added["status"], added["result"])
+            self._tell_optuna(added, added.status, added.result)
             self.optuna.forget(trial_id)
             self._refresh(sweep_id)
 
@@ -493,17 +493,16 @@ class Dispatcher:
         asked = self.store.count_trials(sweep_id)
         return max(0, len(plan_shapes(spec)) * spec.search.n_trials - asked)
 
-    def _tell_optuna(self, trial: dict[str, Any], status: str, result: dict | None) -> None:
-        sweep = self.store.get_sweep(trial["sweep_id"])
+    def _tell_optuna(self, trial: TrialRecord, status: str, result: dict | None) -> None:
+        sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
-        shape = ShapeKey(trial["arm"], trial["width"], trial["depth"], trial["sigma_base"],
-                         trial["seed"])
-        study = self._study(sweep["id"], spec, shape)
+        shape = ShapeKey(trial.arm, trial.width, trial.depth, trial.sigma_base, trial.seed)
+        study = self._study(sweep.id, spec, shape)
         value = (result or {}).get("final_val_loss")
         vocab = 256
         if result and result.get("param_table"):
-            vocab = trial["spec"].get("data", {}).get("vocab_size") or 256
-        self.optuna.tell(study, trial["optuna_trial_number"], status, value, vocab)
+            vocab = trial.spec.get("data", {}).get("vocab_size") or 256
+        self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
 
 
 def _tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:

@@ -35,9 +35,9 @@ def sweep_report(
     if is_study_frame(frame):  # a staged study: each fit from its own stage
         report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap)
     else:
-        sweep = store.get_sweep(sweep_id) or {}
+        sweep = store.get_sweep(sweep_id)
         # a search's LRs are dense near η* and sparse far away: fit on the nearest neighbours
-        neighbours = 1 if sweep.get("search") == "optuna" else 2
+        neighbours = 1 if sweep is not None and sweep.search == "optuna" else 2
         report = fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
                             bootstrap=bootstrap, neighbours=neighbours)
     with _LOCK:

@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import hptransfer
-from hptransfer.config import Settings
+from hptransfer.config import RAY_REQUIRE_ENV, Settings, ray_required_resources
 
 from .db.engine import current_revision, make_engine, packaged_head
 from .mlflow.params import normalize_tracking_uri, sqlite_path
@@ -27,7 +27,6 @@ from .mlflow.params import normalize_tracking_uri, sqlite_path
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
 PROBE_TIMEOUT_S = 60.0  # a busy node needs a few seconds to start a worker process
-REQUIRE_ENV = "HPT_RAY_REQUIRE"  # resource labels some alive node must carry, e.g. hpt_worker
 _SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
 
 
@@ -267,11 +266,11 @@ def check_ray_nodes(nodes: list[dict[str, Any]], address: str | None) -> Check:
                      f" (alive: {summary})",
                      "restart the lost node (`ray start --address=HEAD:PORT ...`) on its host")
     # Ray forgets a node that left; the resource labels the deployment expects say it is gone
-    want = [x for x in (os.environ.get(REQUIRE_ENV) or "").replace(",", " ").split() if x]
+    want = ray_required_resources()
     missing = [x for x in want if not any(x in (n.get("Resources") or {}) for n in alive)]
     if missing:
         return Check("ray", False, f"{where}: no alive node with {', '.join(missing)} "
-                     f"({REQUIRE_ENV}); alive: {summary}",
+                     f"({RAY_REQUIRE_ENV}); alive: {summary}",
                      "start (or restart) that worker: `ray start --address=HEAD:PORT "
                      "--resources=...`")
     if not any((n.get("Resources") or {}).get("CPU") for n in alive):

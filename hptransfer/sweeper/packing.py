@@ -12,7 +12,7 @@ import heapq
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from hptransfer.workers.packed import PACKABLE_FIELDS
 
@@ -62,12 +62,20 @@ def pack_key(trial_spec: Mapping[str, Any]) -> str:
     return json.dumps(shape, sort_keys=True, default=str)
 
 
+class _HasSpec(Protocol):
+    @property
+    def spec(self) -> Mapping[str, Any]: ...
+
+
+T = TypeVar("T", bound=_HasSpec)
+
+
 def plan_packs(
-    trials: Sequence[dict[str, Any]],
+    trials: Sequence[T],
     slots: int,
-    size_of: Callable[[dict[str, Any]], int],
+    size_of: Callable[[T], int],
     cost: Callable[[int], float],
-) -> list[list[dict[str, Any]]]:
+) -> list[list[T]]:
     """Split pending trials (plan order) into packs of one shape, in plan order.
 
     `size_of(trial)` is the largest pack its shape may form; `cost(n)` a pack's wall time.
@@ -77,12 +85,12 @@ def plan_packs(
     whose packs finish first when run `slots` at a time (longest first) wins; ties go to the
     larger packs (fewer tasks).
     """
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[T]] = {}
     for t in trials:
-        groups.setdefault(pack_key(t["spec"]), []).append(t)
+        groups.setdefault(pack_key(t.spec), []).append(t)
     limit = max((size_of(g[0]) for g in groups.values()), default=1)
     best: tuple[float, int] | None = None
-    best_packs: list[list[dict[str, Any]]] = []
+    best_packs: list[list[T]] = []
     for cap in range(1, limit + 1):
         packs = [pack for g in groups.values() for pack in _cut(g, min(cap, size_of(g[0])))]
         span = round(_makespan([cost(len(p)) for p in packs], max(1, slots)), 9)
@@ -91,7 +99,7 @@ def plan_packs(
     return best_packs
 
 
-def _cut(group: list[dict[str, Any]], cap: int) -> list[list[dict[str, Any]]]:
+def _cut(group: list[T], cap: int) -> list[list[T]]:
     """`group` in ceil(len / cap) consecutive packs whose sizes differ by at most one."""
     n = math.ceil(len(group) / max(1, cap))
     base, extra = divmod(len(group), n)

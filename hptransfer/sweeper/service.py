@@ -17,7 +17,7 @@ from hptransfer.status import TrialStatus
 
 from .admission import admit
 from .db.changes import CommitCounter
-from .db.store import NotFoundError, Store
+from .db.store import NotFoundError, Store, SweepRecord
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .mlflow.mirror import Mirror
@@ -55,6 +55,7 @@ class Coordinator:
         )
         self.dispatcher = Dispatcher(self.store, self.settings, self.mirror) if dispatch else None
         self.started_at = time.time()
+        self._study_specs: dict[str, SweepSpec] = {}  # a stored spec never changes
 
     def start(self, background: bool = True) -> None:
         if self.dispatcher:
@@ -106,13 +107,15 @@ class Coordinator:
         sweep = self.store.get_sweep(sweep_id)
         if sweep is None:
             raise NotFoundError(f"no sweep with id {sweep_id!r}")
-        return self._summarise(sweep, self.store.mean_wall_times([sweep_id]).get(sweep_id))
+        return self._summarise(sweep, self.store.mean_wall_times([sweep_id]).get(sweep_id),
+                               self._stage_counts([sweep]).get(sweep_id))
 
     def summaries(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         """Summaries of a page of sweeps, newest first, in a constant number of queries."""
         sweeps = self.store.list_sweeps(limit=limit, offset=offset)
-        means = self.store.mean_wall_times([s["id"] for s in sweeps])
-        return [self._summarise(s, means.get(s["id"])) for s in sweeps]
+        means = self.store.mean_wall_times([s.id for s in sweeps])
+        stages = self._stage_counts(sweeps)
+        return [self._summarise(s, means.get(s.id), stages.get(s.id)) for s in sweeps]
 
     def listing_version(self) -> tuple[int, tuple[tuple[str, str], ...]]:
         """Changes whenever `summaries` could: a commit to the app database through this
@@ -120,27 +123,39 @@ class Coordinator:
         waiting = dict(self.dispatcher.waiting) if self.dispatcher else {}  # a copy: atomic
         return self.changes.value, tuple(sorted(waiting.items()))
 
-    def _summarise(self, sweep: dict[str, Any], mean_wall_s: float | None) -> dict[str, Any]:
-        """Progress from the row's counts and the numbers stored at submit (no spec). The
-        ETA: remaining trials x mean wall time of those that ran / max_concurrent."""
-        counts = sweep["counts"]
-        total = max(sum(counts.values()), sweep.get("planned_total") or 0)
+    def _stage_counts(
+        self, sweeps: list[SweepRecord]
+    ) -> dict[str, dict[str | None, dict[str, int]]]:
+        """Per-stage counts of the studies among `sweeps` (one query, none without studies)."""
+        studies = [s.id for s in sweeps if s.study is not None]
+        return self.store.stage_counts_of(studies) if studies else {}
+
+    def _study_spec(self, sweep: SweepRecord) -> SweepSpec:
+        """A study's validated spec, validated once per process (not on every summary)."""
+        if sweep.id not in self._study_specs:
+            self._study_specs[sweep.id] = SweepSpec.model_validate(sweep.spec)
+        return self._study_specs[sweep.id]
+
+    def _summarise(self, sweep: SweepRecord, mean_wall_s: float | None,
+                   stage_counts: dict[str | None, dict[str, int]] | None) -> dict[str, Any]:
+        """Progress from the row's counts and the numbers stored at submit. The ETA:
+        remaining trials x mean wall time of those that ran / max_concurrent."""
+        counts = sweep.counts or {}
+        total = max(sum(counts.values()), sweep.planned_total or 0)
         done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
         stages = None
-        if sweep.get("study") is not None:  # a study: progress per stage, unplanned ones expected
-            spec = SweepSpec.model_validate(sweep["spec"])
-            stages = study_progress(spec, sweep["study"], self.store.stage_counts(sweep["id"]))
+        if sweep.study is not None:  # a study: progress per stage, unplanned ones expected
+            stages = study_progress(self._study_spec(sweep), sweep.study, stage_counts or {})
             total = max(total, sum(st["total"] for st in stages))
         return {
-            **{k: v for k, v in sweep.items() if k != "spec"},
+            **{k: v for k, v in sweep.to_dict().items() if k != "spec"},
             "counts": counts,
             "total": total,
             "done": done,
             "progress": done / total if total else 0.0,
             "eta_s": (0.0 if done >= total else None if mean_wall_s is None
-                      else mean_wall_s * (total - done) / (sweep.get("max_concurrent") or 1)),
-            "waiting_for": (self.dispatcher.waiting.get(sweep["id"]) if self.dispatcher
-                            else None),
+                      else mean_wall_s * (total - done) / (sweep.max_concurrent or 1)),
+            "waiting_for": self.dispatcher.waiting.get(sweep.id) if self.dispatcher else None,
             "stages": stages,
         }
 

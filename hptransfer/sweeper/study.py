@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from hptransfer.analysis import optimal_lr
+from hptransfer.status import TrialStatus
 
 from .plan import PlannedTrial, ShapeKey, trial_at
 from .spec import SweepSpec
@@ -110,9 +111,6 @@ def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> St
     return StudyStep("plan", state, trials)
 
 
-_TERMINAL = ("completed", "diverged", "failed", "cancelled", "pruned")
-
-
 def study_progress(
     spec: SweepSpec, state: dict[str, Any], counts: dict[str | None, dict[str, int]]
 ) -> list[dict[str, Any]]:
@@ -125,7 +123,7 @@ def study_progress(
     for name in stage_names(spec):
         c = {k: v for k, v in counts.get(name, {}).items() if v}
         n = sum(c.values())
-        done = sum(c.get(k, 0) for k in _TERMINAL)
+        done = sum(v for k, v in c.items() if TrialStatus(k).is_finished())
         is_planned = name in planned
         total = n if is_planned else expected_trials(spec, name)
         if name == TUNE and spec.search.method == "optuna":

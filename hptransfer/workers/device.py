@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hptransfer.config import compile_enabled
 
 # dense bf16 tensor-core peaks (FLOP/s) of common accelerators, for MFU; None = unknown
 _PEAK_BF16 = {
@@ -48,7 +49,7 @@ def peak_flops(device: torch.device) -> float | None:
 def compile_wanted(device: torch.device) -> bool:
     """torch.compile on CUDA by default (HPT_COMPILE=0 turns it off); never on the CPU, where
     the eager kernels are the reference and compiling costs more than it saves on short runs."""
-    return device.type == "cuda" and os.environ.get("HPT_COMPILE", "1") != "0"
+    return device.type == "cuda" and compile_enabled()
 
 
 class Compiled:

@@ -1,5 +1,5 @@
-"""Rows in and out of the app database: ORM objects to plain dicts, planned trials to insert
-values, worker results to the typed result columns."""
+"""Rows in and out of the app database: ORM objects to frozen records, planned trials to
+insert values, worker results to the typed result columns."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Any, Protocol, cast
 
 from sqlalchemy import inspect
 
-from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Trial
+from .records import SweepRecord, TrialRecord
+from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Sweep, Trial
 
 
-class PlannedTrial(Protocol):
-    """One planned grid point, as produced by the planner (read-only attributes)."""
+class PlannedRow(Protocol):
+    """What the store reads of one planned grid point (the planner's `PlannedTrial`)."""
 
     @property
     def arm(self) -> str: ...
@@ -43,15 +44,17 @@ def new_id(n: int) -> str:
     return uuid.uuid4().hex[:n]
 
 
-def as_dict(obj: Base) -> dict[str, Any]:
+def _columns(obj: Base) -> dict[str, Any]:
     """Every column of an ORM row, by attribute name."""
     return {attr.key: getattr(obj, attr.key) for attr in inspect(obj).mapper.column_attrs}
 
 
-def trial_dict(obj: Trial) -> dict[str, Any]:
-    out = as_dict(obj)
-    out["reused"] = obj.reused_from is not None
-    return out
+def sweep_record(obj: Sweep, counts: dict[str, int] | None = None) -> SweepRecord:
+    return SweepRecord(**_columns(obj), counts=counts)
+
+
+def trial_record(obj: Trial) -> TrialRecord:
+    return TrialRecord(**_columns(obj))
 
 
 def dump_model(value: Any) -> dict[str, Any]:
@@ -84,11 +87,11 @@ def result_columns(result: Mapping[str, Any]) -> dict[str, Any]:
 def trial_row(
     sweep_id: str,
     idx: int,
-    p: PlannedTrial,
+    p: PlannedRow,
     data_hash: str | None,
     max_attempts: int,
     now: datetime,
-    donors: Mapping[str, Mapping[str, Any]],
+    donors: Mapping[str, TrialRecord],
     optuna_trial_number: int | None = None,
 ) -> dict[str, Any]:
     """The insert values for one planned trial (completed from a donor when reused)."""
@@ -117,13 +120,13 @@ def trial_row(
     }
     donor = donors.get(p.content_hash) if p.content_hash else None
     if donor is not None:
-        row.update({k: donor[k] for k in RESULT_COLUMNS})
+        row.update({k: getattr(donor, k) for k in RESULT_COLUMNS})
         row.update(
             status="completed",
-            result=donor["result"],
-            worker_node=donor["worker_node"],
+            result=donor.result,
+            worker_node=donor.worker_node,
             # point at the trial that actually ran, not at another copy of it
-            reused_from=donor["reused_from"] or donor["id"],
+            reused_from=donor.reused_from or donor.id,
             started_at=now,
             finished_at=now,
         )

@@ -1,8 +1,9 @@
 """Persistence of sweeps and trials: the `Store` and its operations.
 
-Every public method of `Store` runs its own short transaction and returns plain dicts (or a
-DataFrame), never live ORM objects, so a Store can be shared by the API's threads and the
-dispatcher's. The same code runs on SQLite (the embedded default) and PostgreSQL.
+Every public method of `Store` runs its own short transaction and returns frozen records
+(records.py: `SweepRecord`, `TrialRecord`, ...), plain values or a DataFrame, never live ORM
+objects, so a Store can be shared by the API's threads and the dispatcher's. The same code
+runs on SQLite (the embedded default) and PostgreSQL.
 
 Concurrency: several coordinators may lease from one database. On PostgreSQL the lease query
 locks its rows with `FOR UPDATE SKIP LOCKED`; on SQLite every write transaction starts with
@@ -10,10 +11,10 @@ locks its rows with `FOR UPDATE SKIP LOCKED`; on SQLite every write transaction 
 read-then-write transactions can never interleave (and never fail half-way with "database is
 locked": the busy timeout makes the second one wait instead).
 
-The rest of the database layer lives beside it: db_schema (tables, column types, statuses),
-db_engine (engines, URLs, SQLite pragmas, migrations), db_rows (row <-> dict conversion),
-db_query (filters, chunking, bulk updates) and db_frame (the results DataFrame). The names
-other code imports from here are re-exported below.
+The rest of the database layer lives beside it: schema (tables, column types, statuses),
+engine (engines, URLs, SQLite pragmas, migrations), records (the frozen records), rows (rows
+to records and insert values), query (filters, chunking, bulk updates) and frame (the results
+DataFrame). The names other code imports from here are re-exported below.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from datetime import timedelta
 from typing import Any, cast
 
 import pandas as pd
-from sqlalchemy import case, func, insert, or_, select, update
+from sqlalchemy import Select, case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -43,14 +44,14 @@ from .engine import (
 )
 from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
 from .query import TrialFilters, bulk_update, chunks
-from .records import AttemptRecord, SweepMirrorRecord
+from .records import AttemptRecord, SweepRecord, TrialRecord
 from .rows import (
-    PlannedTrial,
-    as_dict,
+    PlannedRow,
     dump_model,
     new_id,
     result_columns,
-    trial_dict,
+    sweep_record,
+    trial_record,
     trial_row,
     utcnow,
 )
@@ -80,11 +81,13 @@ __all__ = [
     "TRIAL_STATUSES",
     "Base",
     "NotFoundError",
-    "PlannedTrial",
+    "PlannedRow",
     "Store",
     "StoreError",
     "Sweep",
+    "SweepRecord",
     "Trial",
+    "TrialRecord",
     "UTCDateTime",
     "alembic_config",
     "make_engine",
@@ -121,6 +124,13 @@ def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
         mlflow_synced_status=a.mlflow_synced_status, sweep_id=sweep_id,
         experiment_id=experiment_id, parent_run_id=parent_run_id, arm=arm, spec=spec,
         result=result if a.has_result else None)
+
+
+# an attempt with what its MLflow run needs from its trial and sweep (see _attempt_record)
+_ATTEMPTS = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
+                    Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
+             .join(Trial, Trial.id == Attempt.trial_id)
+             .join(Sweep, Sweep.id == Trial.sweep_id))
 
 
 def _locked_sweep(s: Session, sweep_id: str) -> Sweep:
@@ -192,7 +202,7 @@ class Store:
         spec: Mapping[str, Any],
         spec_hash: str,
         search: str,
-        planned: Iterable[PlannedTrial],
+        planned: Iterable[PlannedRow],
         data_hash: str | None = None,
         reuse: bool = True,
         max_attempts: int = 3,
@@ -242,7 +252,7 @@ class Store:
         return sweep_id
 
     def add_trial(
-        self, sweep_id: str, planned: PlannedTrial, optuna_trial_number: int | None = None
+        self, sweep_id: str, planned: PlannedRow, optuna_trial_number: int | None = None
     ) -> str:
         """Append one trial to a sweep (Optuna mode asks trials one at a time)."""
         now = utcnow()
@@ -272,7 +282,7 @@ class Store:
         sweep_id: str,
         expected_round: int,
         study: Mapping[str, Any],
-        planned: Iterable[PlannedTrial],
+        planned: Iterable[PlannedRow],
         stop: tuple[str, str | None] | None = None,
     ) -> bool:
         """Record a study's next stage and insert its trials in ONE transaction.
@@ -321,9 +331,9 @@ class Store:
     @staticmethod
     def _donors(
         s: Session, hashes: Sequence[str], data_hash: str | None
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, TrialRecord]:
         """Newest completed trial (with a result) per content hash on the same data."""
-        found: dict[str, dict[str, Any]] = {}
+        found: dict[str, TrialRecord] = {}
         wanted = sorted({h for h in hashes if h})
         for chunk in chunks(wanted):
             stmt = (
@@ -337,41 +347,38 @@ class Store:
                 .order_by(Trial.finished_at.desc(), Trial.id)
             )
             for trial in s.scalars(stmt):
-                found.setdefault(trial.content_hash, as_dict(trial))
+                if trial.content_hash not in found:
+                    found[trial.content_hash] = trial_record(trial)
         return found
 
     # ---------------------------------------------------------------- reading
 
-    def get_sweep(self, sweep_id: str) -> dict[str, Any] | None:
-        """The sweep row plus `counts` (trials per status)."""
+    def get_sweep(self, sweep_id: str) -> SweepRecord | None:
+        """The sweep with its `counts` (trials per status)."""
         with self._read() as s:
             sweep = s.get(Sweep, sweep_id)
             if sweep is None:
                 return None
-            out = as_dict(sweep)
-            out["counts"] = self._counts(s, [sweep_id])[sweep_id]
-            return out
+            return sweep_record(sweep, self._counts(s, [sweep_id])[sweep_id])
 
     def list_sweeps(
         self, limit: int = 50, offset: int = 0, status: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[SweepRecord]:
         """Sweeps, newest first, each with `counts`."""
         with self._read() as s:
             stmt = select(Sweep).order_by(Sweep.created_at.desc(), Sweep.id.desc())
             if status is not None:
                 stmt = stmt.where(Sweep.status == status)
-            sweeps = [as_dict(x) for x in s.scalars(stmt.limit(limit).offset(offset))]
-            counts = self._counts(s, [x["id"] for x in sweeps])
-            for sweep in sweeps:
-                sweep["counts"] = counts[sweep["id"]]
-            return sweeps
+            sweeps = list(s.scalars(stmt.limit(limit).offset(offset)))
+            counts = self._counts(s, [x.id for x in sweeps])
+            return [sweep_record(x, counts[x.id]) for x in sweeps]
 
-    def active_sweeps(self) -> list[dict[str, Any]]:
+    def active_sweeps(self) -> list[SweepRecord]:
         """Pending or running sweeps, oldest first, without counts (the dispatcher's tick)."""
         with self._read() as s:
             stmt = (select(Sweep).where(Sweep.status.in_(ACTIVE_STATUSES))
                     .order_by(Sweep.created_at, Sweep.id))
-            return [as_dict(x) for x in s.scalars(stmt)]
+            return [sweep_record(x) for x in s.scalars(stmt)]
 
     def status_counts(self, sweep_id: str) -> dict[str, int]:
         """Number of trials in every status (zeros included)."""
@@ -380,12 +387,20 @@ class Store:
 
     def stage_counts(self, sweep_id: str) -> dict[str | None, dict[str, int]]:
         """Trials per study stage and status (stage None: trials outside a study)."""
-        out: dict[str | None, dict[str, int]] = {}
-        stmt = (select(Trial.stage, Trial.status, func.count())
-                .where(Trial.sweep_id == sweep_id).group_by(Trial.stage, Trial.status))
+        return self.stage_counts_of([sweep_id])[sweep_id]
+
+    def stage_counts_of(
+        self, sweep_ids: Sequence[str]
+    ) -> dict[str, dict[str | None, dict[str, int]]]:
+        """`stage_counts` of several sweeps in one query (per chunk of ids)."""
+        out: dict[str, dict[str | None, dict[str, int]]] = {sid: {} for sid in sweep_ids}
         with self._read() as s:
-            for stage, status, n in s.execute(stmt):
-                out.setdefault(stage, dict.fromkeys(TRIAL_STATUSES, 0))[status] = int(n)
+            for chunk in chunks(list(sweep_ids)):
+                stmt = (select(Trial.sweep_id, Trial.stage, Trial.status, func.count())
+                        .where(Trial.sweep_id.in_(list(chunk)))
+                        .group_by(Trial.sweep_id, Trial.stage, Trial.status))
+                for sid, stage, status, n in s.execute(stmt):
+                    out[sid].setdefault(stage, dict.fromkeys(TRIAL_STATUSES, 0))[status] = int(n)
         return out
 
     @staticmethod
@@ -425,7 +440,7 @@ class Store:
         sigma_base: float | None = None,
         seed: int | None = None,
         stage: str | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrialRecord]:
         """A page of a sweep's trials in plan order (idx), optionally filtered."""
         stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
@@ -434,7 +449,7 @@ class Store:
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._read() as s:
-            return [trial_dict(t) for t in s.scalars(stmt)]
+            return [trial_record(t) for t in s.scalars(stmt)]
 
     def count_trials(
         self,
@@ -453,10 +468,10 @@ class Store:
         with self._read() as s:
             return int(s.scalar(stmt) or 0)
 
-    def get_trial(self, trial_id: str) -> dict[str, Any] | None:
+    def get_trial(self, trial_id: str) -> TrialRecord | None:
         with self._read() as s:
             trial = s.get(Trial, trial_id)
-            return None if trial is None else trial_dict(trial)
+            return None if trial is None else trial_record(trial)
 
     # ---------------------------------------------------------------- leasing
 
@@ -467,7 +482,7 @@ class Store:
         sweep_id: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         ids: Sequence[str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[TrialRecord]:
         """Atomically move up to `limit` pending trials to running under `owner`'s lease.
 
         Oldest sweep first, then plan order; with `ids`, only those trials (the dispatcher
@@ -537,7 +552,7 @@ class Store:
                 .where(Trial.id.in_(ids), Trial.status == "running", Trial.lease_owner == owner)
                 .order_by(Sweep.created_at, Sweep.id, Trial.idx)
             )
-            return [trial_dict(t) for t in leased]
+            return [trial_record(t) for t in leased]
 
     def finish_trial(
         self,
@@ -746,18 +761,14 @@ class Store:
 
     # ---------------------------------------------------------------- MLflow mirror
 
-    def sweeps_to_mirror(self) -> list[SweepMirrorRecord]:
+    def sweeps_to_mirror(self) -> list[SweepRecord]:
         """Sweeps without an MLflow parent run yet, or whose status changed since mirrored."""
         stmt = (select(Sweep)
                 .where(or_(Sweep.mlflow_run_id.is_(None),
                            Sweep.mlflow_synced_status.is_distinct_from(Sweep.status)))
                 .order_by(Sweep.created_at, Sweep.id))
         with self._read() as s:
-            return [SweepMirrorRecord(
-                id=x.id, name=x.name, spec=x.spec, status=x.status, created_at=x.created_at,
-                finished_at=x.finished_at, experiment_id=x.mlflow_experiment_id,
-                parent_run_id=x.mlflow_run_id, mlflow_synced_status=x.mlflow_synced_status,
-            ) for x in s.scalars(stmt)]
+            return [sweep_record(x) for x in s.scalars(stmt)]
 
     def mark_sweep_mirrored(self, sweep_id: str, status: str) -> None:
         with self._write() as s:
@@ -767,24 +778,17 @@ class Store:
     def attempts_to_mirror(self, limit: int = 200) -> list[AttemptRecord]:
         """Attempts whose status differs from the one last copied to MLflow, oldest first
         (only of sweeps whose parent run exists: a run is created under it)."""
-        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
-                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
-                .join(Trial, Trial.id == Attempt.trial_id)
-                .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status),
-                       Sweep.mlflow_run_id.is_not(None))
-                .order_by(Attempt.started_at, Attempt.trial_id, Attempt.seq).limit(limit))
-        with self._read() as s:
-            return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
-                    for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
+        return self._attempt_records(
+            _ATTEMPTS.where(Attempt.mlflow_synced_status.is_distinct_from(Attempt.status),
+                            Sweep.mlflow_run_id.is_not(None))
+            .order_by(Attempt.started_at, Attempt.trial_id, Attempt.seq).limit(limit))
 
     def attempts(self, trial_id: str) -> list[AttemptRecord]:
         """Every lease of a trial, in order."""
-        stmt = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
-                       Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
-                .join(Trial, Trial.id == Attempt.trial_id)
-                .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Attempt.trial_id == trial_id).order_by(Attempt.seq))
+        return self._attempt_records(
+            _ATTEMPTS.where(Attempt.trial_id == trial_id).order_by(Attempt.seq))
+
+    def _attempt_records(self, stmt: Select[Any]) -> list[AttemptRecord]:
         with self._read() as s:
             return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
                     for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.status import ACTIVE
-from hptransfer.sweeper.db.records import AttemptRecord, SweepMirrorRecord
+from hptransfer.sweeper.db.records import AttemptRecord, SweepRecord
 from hptransfer.sweeper.db.store import Store
 
 from .params import (
@@ -61,7 +61,8 @@ FINAL_METRICS = (
 RUN_STATUS = {"completed": "FINISHED", "pruned": "FINISHED", "diverged": "FINISHED",
               "failed": "FAILED", "cancelled": "KILLED",
               "stopped": "FINISHED"}  # a study stopped on purpose
-# MLflow 3 opens experiments of this kind in its model-training view (not a GenAI overview)
+# The experiment's kind as MLflow names it (its API and kind selector read it). MLflow 3.17's
+# UI picks its view from the workflow switch instead: links carry it (tracking.ui_url).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 # MLflow error codes that mean "this write is wrong", not "MLflow is away": never retried
 REJECTED_CODES = frozenset({
@@ -162,7 +163,7 @@ class Mirror:
         n = 0
         ends = []
         for sweep in self.store.sweeps_to_mirror():
-            if sweep.parent_run_id is None:
+            if sweep.mlflow_run_id is None:
                 self._guard(f"sweep {sweep.id}", lambda s=sweep: self._create_sweep(s))
                 n += 1
             if sweep.status in ACTIVE:
@@ -174,7 +175,7 @@ class Mirror:
             n += 1
         # a parent run ends once all its attempts are mirrored (their runs end first)
         for sweep in self.store.sweeps_to_mirror():
-            if sweep.id in ends and sweep.parent_run_id and \
+            if sweep.id in ends and sweep.mlflow_run_id and \
                     self.store.mirror_backlog(sweep.id) == 1:
                 self._guard(f"sweep {sweep.id}", lambda s=sweep: self._end_sweep(s))
                 n += 1
@@ -207,7 +208,7 @@ class Mirror:
         return self._client
 
     # sweeps ---------------------------------------------------------------------------
-    def _experiment(self, sweep: SweepMirrorRecord) -> str:
+    def _experiment(self, sweep: SweepRecord) -> str:
         from mlflow.exceptions import MlflowException
 
         c = self.client()
@@ -227,7 +228,7 @@ class Mirror:
             c.set_experiment_tag(exp.experiment_id, key, value)
         return str(exp.experiment_id)
 
-    def _artifact_location(self, sweep: SweepMirrorRecord) -> str | None:
+    def _artifact_location(self, sweep: SweepRecord) -> str | None:
         root = self.artifact_root
         if not root:
             return None
@@ -236,12 +237,12 @@ class Mirror:
         return str(Path(root).expanduser().resolve() / safe_name(sweep.name) / safe_name(sweep.id))
 
     @staticmethod
-    def _sweep_tags(sweep: SweepMirrorRecord) -> dict[str, str]:
+    def _sweep_tags(sweep: SweepRecord) -> dict[str, str]:
         tags = sweep.spec.get("tags") if isinstance(sweep.spec, dict) else None
         return {**{str(k): str(v) for k, v in (tags or {}).items()},
                 "hpt.sweep_id": sweep.id, "hpt.name": sweep.name}
 
-    def _create_sweep(self, sweep: SweepMirrorRecord) -> None:
+    def _create_sweep(self, sweep: SweepRecord) -> None:
         c = self.client()
         experiment_id = self._experiment(sweep)
         found = c.search_runs([experiment_id], "tags.`hpt.role` = 'sweep'", max_results=1)
@@ -259,8 +260,8 @@ class Mirror:
         self._tolerant("sweep spec", lambda: c.log_text(parent, text, "sweep_spec.json"))
         self.store.set_sweep_mlflow(sweep.id, experiment_id, parent)
 
-    def _reopen_sweep(self, sweep: SweepMirrorRecord) -> None:
-        parent = sweep.parent_run_id or self._parent_of(sweep.id)
+    def _reopen_sweep(self, sweep: SweepRecord) -> None:
+        parent = sweep.mlflow_run_id or self._parent_of(sweep.id)
         if parent is None:
             return
         if sweep.mlflow_synced_status is not None and sweep.mlflow_synced_status not in ACTIVE:
@@ -270,11 +271,11 @@ class Mirror:
 
     def _parent_of(self, sweep_id: str) -> str | None:
         row = self.store.get_sweep(sweep_id)
-        return row.get("mlflow_run_id") if row else None
+        return row.mlflow_run_id if row else None
 
-    def _end_sweep(self, sweep: SweepMirrorRecord) -> None:
+    def _end_sweep(self, sweep: SweepRecord) -> None:
         c = self.client()
-        parent = sweep.parent_run_id
+        parent = sweep.mlflow_run_id
         files: Mapping[str, str | bytes] = {}
         if self.artifacts is not None:
             try:  # fits and dashboards; a failing hook never blocks the status

@@ -21,6 +21,20 @@ from .params import normalize_tracking_uri, sqlite_path
 
 log = logging.getLogger(__name__)
 
+# MLflow 3.17's UI decides whether an experiment is GenAI or model training from its global
+# workflow switch, not from the experiment's `mlflow.experimentKind` tag: the `workflowType`
+# URL parameter, else the choice stored in the browser (GenAI by default, which lands on a
+# traces overview). Every link into the UI carries the model-training choice.
+UI_WORKFLOW = "workflowType=machine_learning"
+UI_HOST, UI_PORT = "127.0.0.1", 5000  # where `hpt mlflow-ui` serves by default
+
+
+def ui_url(ui_base: str, experiment_id: str | None = None) -> str:
+    """The MLflow UI at `ui_base` in its model-training view: the experiment list, or one
+    experiment (which then opens on its training runs)."""
+    page = f"experiments/{experiment_id}" if experiment_id else "experiments"
+    return f"{ui_base.rstrip('/')}/#/{page}?{UI_WORKFLOW}"
+
 
 def prepare_sqlite_store(tracking_uri: str) -> None:
     """Create a local SQLite tracking store now, in WAL mode: readers (mlflow ui) no longer
@@ -52,13 +66,13 @@ def open_client(tracking_uri: str) -> Any:
 
 
 def ui_command(
-    tracking_uri: str, host: str = "127.0.0.1", port: int = 5000,
+    tracking_uri: str, host: str = UI_HOST, port: int = UI_PORT,
     allowed_hosts: str | None = None,
 ) -> list[str]:
     """argv for `hpt mlflow-ui`: `mlflow ui --backend-store-uri URI --host H --port P`."""
     uri = normalize_tracking_uri(tracking_uri)
     if uri.startswith(("http://", "https://")):
-        raise ValueError(f"{uri} is already an MLflow server: open it in a browser")
+        raise ValueError(f"{uri} is already an MLflow server: open {ui_url(uri)}")
     # Prefer the mlflow script of this interpreter's environment; PATH may hold another one.
     script = Path(sys.executable).with_name("mlflow")
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "mlflow"]
