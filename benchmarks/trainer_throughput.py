@@ -7,6 +7,14 @@ evaluates) is pure training: data batch, forward, backward, clipping, optimizer 
 Achieved FLOP/s = analytic training FLOPs per token
 (`flops_per_token(cfg, seq_len).training`) x tokens/s.
 
+The peer is nanoGPT-mup's `model.py` (EleutherAI, branch `completep`, CompleteP alpha = 1),
+timed at the same width, depth, heads, batch, sequence length, vocabulary and threads, in the
+same process: for every plain `gpt` shape the two are timed in alternating rounds (ours, peer,
+ours, peer, ...; --rounds) so that a busy moment of a shared machine hits both, and "vs peer"
+is our tokens/s over the peer's (median steps). The models differ as designed: ours has rotary
+positions, relu^2, untied embeddings and LayerNorm biases; the peer learned positions, GELU and
+a tied unembedding. The peer is not vendored: pass its folder with --peer (see nanogpt_peer.py).
+
 The reference is the FLOP/s of one fp32 matmul of the MLP's first projection,
 (batch*seq) x width @ width x 4*width, timed in the same process with the same thread count
 just before and just after each shape's run (the better of the two). "vs matmul" is the share
@@ -20,6 +28,7 @@ far less from a shared core than threads waiting on each other). The load averag
 too.
 
     .venv/bin/python benchmarks/trainer_throughput.py [--steps 16] [--warmup 3] [--threads N]
+        [--peer DIR] [--rounds 3] [--only gpt:128:2 ...]
 """
 
 from __future__ import annotations
@@ -30,27 +39,35 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
+from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, time_peer
 
 from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.workers.trainer import load_trial_data, run_trial
 from hptransfer.workers.trial import ArchOptions, Budget, TrialSpec
 
-SEQ_LEN, BATCH = 128, 8
+SEQ_LEN, BATCH, HEAD_DIM, BASE_WIDTH, BASE_DEPTH, LR = 128, 8, 64, 128, 2, 2.0**-7
 NOISY = 1.25  # median step over best step: flagged as disturbed
 # (label, arch, parameterization, width, depth, arch options)
+# "gpt-gelu": our trainer with the peer's activation, to separate the trainer from relu^2
 SHAPES: list[tuple[str, str, str, int, int, dict[str, Any]]] = [
     ("gpt", "gpt", "completep", 128, 2, {}),
+    ("gpt-gelu", "gpt", "completep", 128, 2, {"activation": "gelu"}),
     ("gpt", "gpt", "completep", 256, 2, {}),
     ("gpt", "gpt", "completep", 256, 4, {}),
+    ("gpt-gelu", "gpt", "completep", 256, 4, {"activation": "gelu"}),
     ("gpt", "gpt", "completep", 512, 2, {}),
     ("gpt", "gpt", "completep", 512, 4, {}),
     ("ngpt", "ngpt", "ngpt", 256, 4, {}),
     ("gpt+x0", "gpt", "completep", 256, 4, {"x0_mixing": True, "extra_embeddings": 1}),
 ]
+
+
+PEER_LABELS = ("gpt", "gpt-gelu")  # CompleteP GPTs: the peer's own scheme
 
 
 @dataclass
@@ -66,18 +83,24 @@ class Row:
     achieved: float  # FLOP/s
     matmul: float  # FLOP/s
     trial_tokens_per_s: float  # run_trial's own figure: warm-up and final eval included
+    peer_ms: float | None = None  # nanoGPT-mup's median step at this shape
+    peer_best_ms: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.achieved / self.matmul
+
+    @property
+    def vs_peer(self) -> float | None:
+        return None if self.peer_ms is None else self.peer_ms / self.step_ms
 
 
 def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str, Any],
                steps: int, threads: int) -> TrialSpec:
     return TrialSpec(
         arch=arch, parameterization=param, arch_options=ArchOptions(**options),
-        width=width, depth=depth, head_dim=64, base_width=128, base_depth=2,
-        lr=2.0**-7, batch_size=BATCH, seq_len=SEQ_LEN, budget=Budget(steps=steps),
+        width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
+        base_depth=BASE_DEPTH, lr=LR, batch_size=BATCH, seq_len=SEQ_LEN, budget=Budget(steps=steps),
         eval_every=10**9,  # only the final step evaluates; it is left out of the timing
         data=DataSpec(source="stdlib", val_tokens=2048, max_corpus_bytes=2_000_000),
         device="cpu", precision="fp32", num_threads=threads,
@@ -125,13 +148,25 @@ def time_matmul(width: int, threads: int, reps: int = 30) -> float:
 
 def measure(label: str, arch: str, param: str, width: int, depth: int,
             options: dict[str, Any], steps: int, warmup: int, threads: int,
-            cache_dir: str) -> Row:
+            cache_dir: str, peer: ModuleType | None, rounds: int) -> Row:
     spec = trial_spec(arch, param, width, depth, options, steps, threads)
-    vocab = load_trial_data(spec, cache_dir).vocab_size
-    cfg = spec.model_config_obj(vocab_size=vocab)
+    data = load_trial_data(spec, cache_dir)
+    cfg = spec.model_config_obj(vocab_size=data.vocab_size)
     fpt = flops_per_token(cfg, SEQ_LEN).training
+    with_peer = peer is not None and label in PEER_LABELS
     matmul_before = time_matmul(width, threads)
-    step_times, trial_tps = time_training(spec, warmup, cache_dir)
+    step_times: list[float] = []
+    peer_times: list[float] = []
+    trial_tps: list[float] = []
+    for _ in range(rounds if with_peer else 1):
+        times, tps = time_training(spec, warmup, cache_dir)
+        step_times += times
+        trial_tps.append(tps)
+        if with_peer:
+            peer_times += time_peer(
+                peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
+                base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, steps=steps - 1,
+                warmup=warmup, threads=threads)
     matmul = max(matmul_before, time_matmul(width, threads))
     step_s = statistics.median(step_times)
     tokens_per_s = BATCH * SEQ_LEN / step_s
@@ -140,7 +175,9 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         flops_per_token=fpt, step_ms=1e3 * step_s, best_ms=1e3 * min(step_times),
         tokens_per_s=tokens_per_s,
         achieved=fpt * tokens_per_s, matmul=matmul,
-        trial_tokens_per_s=trial_tps,
+        trial_tokens_per_s=statistics.median(trial_tps),
+        peer_ms=1e3 * statistics.median(peer_times) if peer_times else None,
+        peer_best_ms=1e3 * min(peer_times) if peer_times else None,
     )
 
 
@@ -150,20 +187,24 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
           f"(requested {threads}), {os.cpu_count()} CPUs, 1-min load average "
           f"{load[0]:.1f} before / {load[1]:.1f} after; seq {SEQ_LEN}, batch {BATCH}; "
           f"{steps} steps per shape, steps {warmup + 1}..{steps - 1} timed")
-    header = (f"{'arch':<7} {'width':>5} {'depth':>5} {'params':>8} {'MFLOP/tok':>9} "
+    header = (f"{'arch':<8} {'width':>5} {'depth':>5} {'params':>8} {'MFLOP/tok':>9} "
               f"{'ms/step':>8} {'best ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'mm GFLOP/s':>10} "
-              f"{'vs matmul':>9} {'trial tok/s':>11}")
+              f"{'vs matmul':>9} {'trial tok/s':>11} {'peer ms':>8} {'vs peer':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.label:<7} {r.width:>5} {r.depth:>5} {r.params / 1e6:>7.2f}M "
+        print(f"{r.label:<8} {r.width:>5} {r.depth:>5} {r.params / 1e6:>7.2f}M "
               f"{r.flops_per_token / 1e6:>9.1f} {r.step_ms:>8.1f} {r.best_ms:>8.1f} "
               f"{r.tokens_per_s:>8.0f} "
               f"{r.achieved / 1e9:>8.2f} {r.matmul / 1e9:>10.2f} {r.ratio:>9.2f} "
-              f"{r.trial_tokens_per_s:>11.0f}{' !' if r.step_ms > NOISY * r.best_ms else ''}")
+              f"{r.trial_tokens_per_s:>11.0f} "
+              + (f"{r.peer_ms:>8.1f} {r.vs_peer:>7.3f}" if r.vs_peer else f"{'-':>8} {'-':>7}")
+              + (" !" if r.step_ms > NOISY * r.best_ms
+                 or (r.peer_ms and r.peer_ms > NOISY * (r.peer_best_ms or 0)) else ""))
     print("\nms/step, tok/s, GFLOP/s: median step; vs matmul = achieved / matmul FLOP/s (the "
           "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
-          "steps and the final eval included")
+          "steps and the final eval included; vs peer = our tok/s / nanoGPT-mup's tok/s (median "
+          "steps, alternating rounds; > 1: ours is faster)")
 
 
 def main() -> None:
@@ -173,7 +214,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--only", nargs="*", help="labels or arch:width:depth to run")
+    parser.add_argument("--peer", help="folder with nanoGPT-mup's model.py (branch completep)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating ours/peer rounds per shape (with --peer)")
     args = parser.parse_args()
+    folder = peer_dir(args.peer)
+    peer = load_peer(folder) if folder else None
+    if peer is None:
+        print(HOW_TO_GET + "\n(running without the peer column)\n")
     if not 2 <= args.warmup + 2 <= args.steps <= 50:
         parser.error("need warmup + 2 <= steps <= 50")
     shapes = [s for s in SHAPES if not args.only
@@ -183,10 +231,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpt-bench-") as cache_dir:
         for label, arch, param, width, depth, options in shapes:
             rows.append(measure(label, arch, param, width, depth, options, args.steps,
-                                args.warmup, args.threads, cache_dir))
+                                args.warmup, args.threads, cache_dir, peer, args.rounds))
             r = rows[-1]
             print(f"{label} w{width} d{depth}: {r.tokens_per_s:.0f} tok/s, "
-                  f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul", flush=True)
+                  f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul"
+                  + (f", {r.vs_peer:.3f} x nanoGPT-mup's tok/s" if r.vs_peer else ""),
+                  flush=True)
     print_table(rows, args.threads, args.steps, args.warmup,
                 (load_before, os.getloadavg()[0]))
 

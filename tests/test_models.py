@@ -133,3 +133,49 @@ def test_same_seed_same_weights():
     a = build_model("gpt", 64, 2, "completep", head_dim=32, seed=7).model.state_dict()
     b = build_model("gpt", 64, 2, "completep", head_dim=32, seed=7).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_relu_squared_matches_autograd_reference():
+    """The hand-written relu^2 (forward and gradient) against autograd's relu().square(), also
+    under vmap (packed trials)."""
+    from hptransfer.models.layers import relu_squared
+
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 7, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(relu_squared(x), x, g)
+    (ref,) = torch.autograd.grad(F.relu(x).square(), x, g)
+    torch.testing.assert_close(relu_squared(x), F.relu(x).square())
+    torch.testing.assert_close(ours, ref)
+    assert torch.autograd.gradcheck(relu_squared, (x,))
+    (vmapped,) = torch.autograd.grad(torch.vmap(relu_squared)(x), x, g)
+    torch.testing.assert_close(vmapped, ref)
+
+
+def test_rotary_matches_pairwise_rotation_formula():
+    """Rotary against the textbook formula on (i, i + d/2) pairs, in both layouts."""
+    from hptransfer.models.layers import Rotary
+
+    d, t = 8, 10
+    rot = Rotary(d, 16)
+    x = torch.randn(2, 3, t, d)
+    pos = torch.arange(t, dtype=torch.float32)[:, None]
+    angle = pos * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    ref = torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()),
+                    dim=-1)
+    torch.testing.assert_close(rot(x), ref)
+    # (batch, T, 2, heads, d) layout, T at dim -4: same rotation per position
+    y = x.permute(0, 2, 1, 3).unsqueeze(2).expand(2, t, 2, 3, d)
+    torch.testing.assert_close(rot(y, seq_dim=-4)[:, :, 1], ref.permute(0, 2, 1, 3))
+
+
+def test_fused_qkv_equals_three_linears():
+    from torch import nn
+
+    from hptransfer.models.layers import fused_qkv
+
+    q, k, v = (nn.Linear(16, 16, bias=True) for _ in range(3))
+    x = torch.randn(2, 5, 16)
+    out = fused_qkv(x, q, k, v, n_heads=4)
+    for i, lin in enumerate((q, k, v)):
+        torch.testing.assert_close(out[:, :, i], lin(x).view(2, 5, 4, 4))

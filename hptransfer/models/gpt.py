@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ForwardMultipliers, ModelConfig
-from .layers import Rotary, alibi_bias
+from .layers import Rotary, alibi_bias, fused_qkv, relu_squared, residual_add
 
 
 class Attention(nn.Module):
@@ -31,20 +31,20 @@ class Attention(nn.Module):
         else:
             self.ve_lambdas = None
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None
     ) -> torch.Tensor:
         b, t, n = x.shape
-        v = self.v(x)
-        if self.ve_lambdas is not None and ve is not None:
-            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve
-        q, k, v = self._heads(self.q(x)), self._heads(self.k(x)), self._heads(v)
+        qkv = fused_qkv(x, self.q, self.k, self.v, self.n_heads)
         if self.position == "rope":
-            q, k = rotary(q), rotary(k)
+            qk, v = qkv.split((2, 1), dim=2)  # split/unbind: no zero-filled slice gradients
+            (q, k), v = rotary(qk, seq_dim=-4).unbind(2), v.squeeze(2)
+        else:
+            q, k, v = qkv.unbind(2)
+        if self.ve_lambdas is not None and ve is not None:
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view_as(v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, t, d)
+        if self.position == "rope":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             bias = alibi_bias(self.n_heads, t, x.device, q.dtype)
@@ -62,7 +62,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
-        h = F.relu(h).square() if self.activation == "relu2" else F.gelu(h)
+        h = relu_squared(h) if self.activation == "relu2" else F.gelu(h)
         return self.down(h)
 
 
@@ -76,8 +76,8 @@ class Block(nn.Module):
         self.residual = mult.residual
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None):
-        x = x + self.residual * self.attn(self.ln_attn(x), rotary, ve)
-        return x + self.residual * self.mlp(self.ln_mlp(x))
+        x = residual_add(x, self.attn(self.ln_attn(x), rotary, ve), self.residual)
+        return residual_add(x, self.mlp(self.ln_mlp(x)), self.residual)
 
 
 class GPT(nn.Module):

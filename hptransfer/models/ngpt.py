@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Rotary
+from .layers import Rotary, fused_qkv
 
 
 def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -46,15 +46,11 @@ class NormalizedAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         b, t, n = h.shape
-
-        def heads(x: torch.Tensor) -> torch.Tensor:
-            return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q(h)), heads(self.k(h)), heads(self.v(h))
-        q, k = rotary(q), rotary(k)
-        s_qk = self.s_qk().view(1, self.n_heads, 1, self.head_dim)
-        q = s_qk * unit(q)
-        k = s_qk * unit(k)
+        qkv = fused_qkv(h, self.q, self.k, self.v, self.n_heads)  # (b, t, 3, heads, d)
+        qk, v = qkv.split((2, 1), dim=2)  # split/unbind: no zero-filled slice gradients
+        # q and k rotated, normalised and scaled together: (b, t, 2, heads, d)
+        qk = self.s_qk().view(self.n_heads, self.head_dim) * unit(rotary(qk, -4))
+        q, k, v = (t_.transpose(1, 2) for t_ in (*qk.unbind(2), v.squeeze(2)))
         # q, k are unit-norm per head, so the softmax scale is sqrt(d_head), not its inverse
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=math.sqrt(self.head_dim))
         return self.proj(y.transpose(1, 2).reshape(b, t, n))

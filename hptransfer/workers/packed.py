@@ -132,6 +132,11 @@ class _Pack:
             [[m.plan.factor(step) for m in self.members] for step in range(self.plan.total_steps)],
             device=device,
         )
+        # AdamW bias corrections of every step, on the device: a host scalar made into a device
+        # tensor each step would be a blocking copy (a host sync) on CUDA
+        t = torch.arange(1, self.plan.total_steps + 1, dtype=torch.float64)
+        self.bias1 = (1 - spec.beta1**t).float().to(device)
+        self.bias2_sqrt = (1 - spec.beta2**t).sqrt().float().to(device)
         self.div_factor = torch.tensor([s.divergence_factor for s in specs],
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
@@ -239,9 +244,7 @@ class _Pack:
             with torch.no_grad():
                 alive = self.update_fn(
                     [self.params[n].grad for n in self.names], losses, alive, self.initial,
-                    self.factors[step, self._row_idx],
-                    torch.tensor(1 - spec.beta1**t, device=device),
-                    torch.tensor(math.sqrt(1 - spec.beta2**t), device=device),
+                    self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
                 )
             pending_steps.append(step)
             pending_losses.append(losses.detach())

@@ -78,7 +78,9 @@ def _train(
     notes: list[str] = []
     model = Compiled(built.model, device, notes, "model")
     groups = optimizer_groups(built.model, built.table)
-    opt = torch.optim.AdamW(groups, betas=(spec.beta1, spec.beta2), fused=device.type == "cuda")
+    # fused on CUDA; foreach on the CPU (one C++ loop per op, not a Python loop per tensor)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(groups, betas=(spec.beta1, spec.beta2), fused=cuda, foreach=not cuda)
 
     progress = Progress()
     pending_steps: list[int] = []
