@@ -116,9 +116,9 @@ def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
         assert time.time() < deadline, "the MLflow mirror never caught up"
         time.sleep(0.5)
     sweep = store.get_sweep(sweep_id)
-    parent = ml.get_run(sweep["mlflow_run_id"])
+    parent = ml.get_run(sweep.mlflow_run_id)
     assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
-    runs = ml.search_runs([sweep["mlflow_experiment_id"]], max_results=1000)
+    runs = ml.search_runs([sweep.mlflow_experiment_id], max_results=1000)
     finished_runs = [r for r in runs
                      if r.info.status == "FINISHED" and r.info.run_id != parent.info.run_id]
     finished = Counter(r.data.tags.get("hpt.trial_id") for r in finished_runs)
@@ -206,8 +206,9 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    spec = _grid_spec(tiny_spec, "cluster-faults", 2000,
-                      [2**-10, 2**-9, 2**-8, 2**-7, 2**-6, 2**-5])
+    # trials long enough (~40 s each on an idle core) that the sweep is still running when
+    # the worker has been restarted and when the coordinator is killed
+    spec = _grid_spec(tiny_spec, "cluster-faults", 15000, [2**-10, 2**-8, 2**-6, 2**-5])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
@@ -222,8 +223,8 @@ def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, 
         done = _wait(c, sweep_id)
     assert done["status"] == "completed", done
     rows = _store(cluster).trials(sweep_id, limit=None)
-    assert len(rows) == 6 and {r.status for r in rows} <= {"completed", "diverged"}
-    assert len({r.lr for r in rows}) == 6  # every grid point once
+    assert len(rows) == 4 and {r.status for r in rows} <= {"completed", "diverged"}
+    assert len({r.lr for r in rows}) == 4  # every grid point once
     assert max(r.attempts for r in rows) >= 2  # something was really re-run
     _check_in_mlflow(cluster, sweep_id, rows)
 
