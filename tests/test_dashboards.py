@@ -378,3 +378,17 @@ def test_study_page_in_headless_chromium(tmp_path):
     path.write_text(study_page(plotly="inline", home=None))
     # tune curves, transfer check, frontier, savings, N:L: every figure drawn
     check_page(path.as_uri(), tmp_path / "study_page.png", 5, height=5200)
+
+
+def test_every_trial_status_has_a_colour_chip_and_bar_segment():
+    from hptransfer.dashboards.html import STATUS_COLORS, progress_bar, status_chips
+    from hptransfer.status import TrialStatus
+
+    assert set(STATUS_COLORS) == set(TrialStatus)
+    counts = {str(s): 1 for s in TrialStatus}  # counts come from the store keyed by string
+    chips = status_chips(counts)
+    bar = progress_bar(counts, len(counts))
+    for status in TrialStatus:
+        assert f"s-{status}" in chips
+        if status is not TrialStatus.PENDING:  # pending is the bar's empty remainder
+            assert f'title="{status}: 1"' in bar

@@ -8,26 +8,16 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
+from waiting import run_sweep, wait_for
 
 from hptransfer.config import get_settings
 from hptransfer.sweeper.plan import plan_sweep
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import load_spec
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def chattr(flag: str, files: list[Path]) -> bool:
@@ -121,13 +111,7 @@ def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
     bad_id = coordinator.store.create_sweep(
         name="bad", spec=stored, spec_hash="x", search="grid", planned=plan_sweep(bad_spec),
         reuse=False, max_concurrent=2)
-    coordinator.start()
-    try:
-        good_id = coordinator.submit(good)["id"]
-        wait_for(lambda: coordinator.store.get_sweep(good_id).status == "completed", 180,
-                 "the good sweep to complete")
-    finally:
-        coordinator.stop()
+    run_sweep(coordinator, good, 180)
     bad = coordinator.store.get_sweep(bad_id)
     assert bad.status == "failed"
     assert "stored spec is invalid" in bad.error and "grid.widths" in bad.error

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +16,7 @@ import psutil
 import pytest
 import ray
 from fastapi.testclient import TestClient
+from waiting import run_sweep, wait_for
 
 from hptransfer.api import create_app
 from hptransfer.config import get_settings
@@ -26,14 +25,6 @@ from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError, load_spec
 
 PACKED = "trained packed: "
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def packed_spec(spec: dict[str, Any], name: str, pack: Any, steps: int = 10) -> dict[str, Any]:
@@ -240,13 +231,7 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
                                           "pruner": "none"})
     settings = get_settings()
     coordinator = Coordinator(settings)
-    coordinator.start()
-    try:
-        sweep_id = coordinator.submit(spec)["id"]
-        wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 120,
-                 "the search to complete")
-    finally:
-        coordinator.stop()
+    sweep_id = run_sweep(coordinator, spec, 120)
     rows = coordinator.store.trials(sweep_id, limit=None)
     assert sorted(r.optuna_trial_number for r in rows) == [0, 1, 2, 3, 4]
     packs = {r.optuna_trial_number: [n for n in r.result["notes"] if n.startswith(PACKED)]

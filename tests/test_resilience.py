@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import ray  # noqa: F401  (puts Ray's vendored psutil on sys.path)
 from mlflow.tracking import MlflowClient
+from waiting import wait_for
 
 from hptransfer.api.server import free_port, serve_in_thread
 from hptransfer.client import Client
@@ -38,21 +39,6 @@ psutil = importlib.import_module("psutil")
 FOREIGN_ENV = ("RAY_ADDRESS", "HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI",
                "HPT_API_TOKEN", "HPT_PORT", "HPT_HOST")
 WORKER_TITLE = "ray::execute_trial"  # Ray's process title while a worker runs the task
-
-
-def wait_for(check: Callable[[], Any], timeout: float, what: str | Callable[[], str],
-             poll: float = 0.05) -> Any:
-    """Poll `check` until it returns something truthy; return that. `what` may be a callable
-    (evaluated only on timeout, e.g. to attach a server log)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            what = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def port_free(port: int) -> bool:

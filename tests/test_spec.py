@@ -541,3 +541,40 @@ def test_x0_example_arms():
     opts = [(a.arch_options.x0_mixing, a.arch_options.extra_embeddings) for a in spec.arms]
     assert opts == [(False, 0), (True, 1), (True, 2)]
     assert {a.parameterization for a in spec.arms} == {"completep"}
+
+
+def test_spec_cache_validates_once_keeps_the_newest_and_caches_no_invalid_spec():
+    from pydantic import ValidationError
+
+    from hptransfer.sweeper.spec.cache import SpecCache
+
+    cache = SpecCache(size=2)
+    first = cache.get("a", base())
+    assert isinstance(first, SweepSpec)
+    assert cache.get("a", {"not": "read again"}) is first  # cached: raw not re-validated
+    cache.get("b", base())
+    cache.get("a", base())  # a is now the most recent
+    cache.get("c", base())  # evicts b, the least recently used
+    assert len(cache) == 2
+    with pytest.raises(ValidationError):
+        cache.get("b", {"name": "x"})  # b was evicted, so this raw spec is validated
+    assert len(cache) == 2  # and, invalid, not stored
+    assert cache.get("a", {"not": "read again"}) is first
+
+
+def test_arch_options_are_model_config_fields_with_its_defaults_and_choices():
+    """ArchOptions (what an arm may set) is a validated view of ModelConfig: a field added or
+    re-defaulted in one and not the other would silently build a different model."""
+    import dataclasses
+    import typing
+
+    from hptransfer.models.config import ACTIVATIONS, POSITIONS
+    from hptransfer.workers.trial import ArchOptions
+
+    model_fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for name, field in ArchOptions.model_fields.items():
+        assert name in model_fields, f"ArchOptions.{name} is not a ModelConfig field"
+        assert field.default == model_fields[name], name
+    hints = typing.get_type_hints(ArchOptions)
+    assert typing.get_args(hints["activation"]) == ACTIVATIONS
+    assert typing.get_args(hints["position"]) == POSITIONS

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from hptransfer.status import TrialStatus
+
 from .static import plotly_script_tag
 
 CSS = """
@@ -59,11 +61,14 @@ window.addEventListener("error", function (e) {
 });
 </script>"""
 
-STATUS_ORDER = ("completed", "running", "pending", "diverged", "failed", "cancelled", "pruned")
-STATUS_COLORS = {
-    "completed": "#2e9d5b", "running": "#2f6fdb", "pending": "#c4c9d2", "diverged": "#e08a1e",
-    "failed": "#d13b3b", "cancelled": "#8a8f98", "pruned": "#7a5cc2",
+# display order and colour of every trial status (the statuses themselves: hptransfer.status)
+STATUS_COLORS: dict[TrialStatus, str] = {
+    TrialStatus.COMPLETED: "#2e9d5b", TrialStatus.RUNNING: "#2f6fdb",
+    TrialStatus.PENDING: "#c4c9d2", TrialStatus.DIVERGED: "#e08a1e",
+    TrialStatus.FAILED: "#d13b3b", TrialStatus.CANCELLED: "#8a8f98",
+    TrialStatus.PRUNED: "#7a5cc2",
 }
+STATUS_ORDER: tuple[TrialStatus, ...] = tuple(STATUS_COLORS)
 
 
 def esc(value: Any) -> str:

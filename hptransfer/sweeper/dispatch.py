@@ -51,6 +51,7 @@ from .packing import on_gpu, pack_cost, pack_size, plan_packs
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
+from .spec.cache import SpecCache
 from .spec.sections import MAX_PACK
 from .study import next_step
 
@@ -150,7 +151,7 @@ class Dispatcher:
         self.in_flight: dict[str, InFlight] = {}
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
-        self._specs: dict[str, SweepSpec] = {}
+        self._specs = SpecCache()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -239,16 +240,14 @@ class Dispatcher:
     def _spec(self, sweep: SweepRecord) -> SweepSpec:
         """The sweep's validated spec; a stored spec that no longer validates fails the
         sweep with the reason (BadSweep), so it cannot block the others."""
-        if sweep.id not in self._specs:
-            try:
-                self._specs[sweep.id] = SweepSpec.model_validate(sweep.spec)
-            except Exception as exc:
-                reason = f"stored spec is invalid: {exc}"
-                log.error("sweep %s failed: %s", sweep.id, reason)
-                self.store.fail_sweep(sweep.id, reason[:4000])
-                self._wake_mirror()
-                raise BadSweep(reason) from exc
-        return self._specs[sweep.id]
+        try:
+            return self._specs.get(sweep.id, sweep.spec)
+        except Exception as exc:
+            reason = f"stored spec is invalid: {exc}"
+            log.error("sweep %s failed: %s", sweep.id, reason)
+            self.store.fail_sweep(sweep.id, reason[:4000])
+            self._wake_mirror()
+            raise BadSweep(reason) from exc
 
     def _wake_mirror(self) -> None:
         if self.mirror:

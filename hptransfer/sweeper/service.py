@@ -24,6 +24,7 @@ from .mlflow.mirror import Mirror
 from .mlflow.tracking import prepare_sqlite_store
 from .plan import plan_shapes, plan_sweep, spec_hash
 from .spec import SpecError, SweepSpec, load_spec, storable
+from .spec.cache import SpecCache
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Coordinator:
         )
         self.dispatcher = Dispatcher(self.store, self.settings, self.mirror) if dispatch else None
         self.started_at = time.time()
-        self._study_specs: dict[str, SweepSpec] = {}  # a stored spec never changes
+        self._study_specs = SpecCache()
 
     def start(self, background: bool = True) -> None:
         if self.dispatcher:
@@ -132,9 +133,7 @@ class Coordinator:
 
     def _study_spec(self, sweep: SweepRecord) -> SweepSpec:
         """A study's validated spec, validated once per process (not on every summary)."""
-        if sweep.id not in self._study_specs:
-            self._study_specs[sweep.id] = SweepSpec.model_validate(sweep.spec)
-        return self._study_specs[sweep.id]
+        return self._study_specs.get(sweep.id, sweep.spec)
 
     def _summarise(self, sweep: SweepRecord, mean_wall_s: float | None,
                    stage_counts: dict[str | None, dict[str, int]] | None) -> dict[str, Any]:
