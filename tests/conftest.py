@@ -27,8 +27,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     return None
 
 
-@pytest.fixture
-def ray_cluster():
+def _local_ray():
     """One local cluster for the whole run, started from the main thread (Ray kills the
     daemons a thread started when that thread ends) and started again if a test shut it."""
     import ray
@@ -36,17 +35,40 @@ def ray_cluster():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
                  log_to_driver=False)
-    yield ray
+    return ray
 
 
 @pytest.fixture
-def hpt_home(tmp_path, monkeypatch):
-    home = tmp_path / "hpt"
+def ray_cluster():
+    yield _local_ray()
+
+
+@pytest.fixture(scope="module")
+def module_ray_cluster():
+    """ray_cluster for a module-scoped fixture (a result several tests share)."""
+    yield _local_ray()
+
+
+def _isolate_home(home, monkeypatch: pytest.MonkeyPatch):
+    """Point every store at `home`, as a fresh install would."""
     monkeypatch.setenv("HPT_HOME", str(home))
     for var in ("HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "HPT_API_TOKEN",
                 "RAY_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     return home
+
+
+@pytest.fixture
+def hpt_home(tmp_path, monkeypatch):
+    return _isolate_home(tmp_path / "hpt", monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def module_hpt_home(tmp_path_factory):
+    """hpt_home for a module-scoped fixture: set until the module's tests are done (a
+    test's own hpt_home overrides it while that test runs)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield _isolate_home(tmp_path_factory.mktemp("hpt"), monkeypatch)
 
 
 TINY_SPEC = {

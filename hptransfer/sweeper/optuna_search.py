@@ -11,7 +11,11 @@ What makes a study find η* rather than its first sample:
   (stratified over the whole range), enqueued before the sampler takes over; the offset
   hashes the shape without the sweep, so resubmitting a sweep reuses that batch's results;
   then two LRs half a slice either side of the best completed one (`refinement`, never
-  pruned), so the quadratic fit has near neighbours; then the sampler (TPE by default);
+  pruned), so the quadratic fit has near neighbours; then, before the sampler (TPE by
+  default) proposes, `bracket` makes sure the best full-budget LR has a full-budget
+  neighbour on both sides (never pruned either), whatever order the trials ran in: alone,
+  packed or concurrently, the refinement may have been placed around a best that a later
+  trial beat, or the best's neighbour may have been pruned;
 - pruning (`_Gate`) never decides before the trial's warmup and `prune_after` of its budget
   are trained, nor before MIN_FULL_BUDGET trials of the study completed without diverging
   (so a quadratic in log2 LR can always be fitted); the default `rank` pruner compares
@@ -41,6 +45,8 @@ DIVERGED_PENALTY = 2.0
 DIVERGED_ATTR = "hpt_diverged"  # user attr: a COMPLETE trial whose value is the penalty
 # study user attr: the numbers of the refinement trials (set once they are enqueued)
 REFINED_ATTR = "hpt_refined"
+# study user attr: the numbers of the bracketing trials (see `bracket`)
+BRACKET_ATTR = "hpt_bracket"
 
 
 def stable_seed(key: str) -> int:
@@ -60,12 +66,59 @@ def first_batch(key: str, lr_min: float, lr_max: float, n: int) -> list[float]:
     return [2.0 ** (lo + (i + offset) * (hi - lo) / n) for i in order]
 
 
+def half_slice(lr_min: float, lr_max: float, n_startup: int) -> float:
+    """Half a first-batch slice, in octaves: how far the refinement and the bracketing
+    place their LRs from the best one (the first batch's points are a slice apart)."""
+    return (math.log2(lr_max) - math.log2(lr_min)) / n_startup / 2
+
+
 def refinement(best_lr: float, lr_min: float, lr_max: float, n_startup: int) -> list[float]:
-    """The LRs half a first-batch slice either side of the best so far (inside the range):
-    with them the points around η* are as dense as the first batch's slices allow, so the
-    quadratic has local neighbours whatever the sampler does next."""
-    half = (math.log2(lr_max) - math.log2(lr_min)) / n_startup / 2
-    return [lr for lr in (best_lr * 2.0**-half, best_lr * 2.0**half) if lr_min <= lr <= lr_max]
+    """The LRs half a first-batch slice either side of the best so far, clamped to the
+    range (a best LR near an edge still gets a point between it and the edge): with them
+    the points around η* are as dense as the first batch's slices allow, so the quadratic
+    has local neighbours whatever the sampler does next."""
+    half = half_slice(lr_min, lr_max, n_startup)
+    x, lo, hi = math.log2(best_lr), math.log2(lr_min), math.log2(lr_max)
+    sides = (max(lo, x - half), min(hi, x + half))
+    # a best LR (almost) at the edge has nothing beyond it to refine
+    return [2.0**v for v in sides if abs(v - x) >= half / 4]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One asked LR of a study as the bracketing sees it."""
+
+    log2_lr: float
+    value: float | None  # the final loss of a full-budget run (not diverged), else None
+    open: bool  # still waiting or running: it may yet complete
+
+
+def bracket(seen: list[Seen], lr_min: float, lr_max: float, n_startup: int) -> float | None:
+    """The LR to ask so that the best full-budget LR has a full-budget neighbour on both
+    sides, or None when it has them (or the study has no full-budget run yet).
+
+    A side is bracketed by a full-budget run at most a first-batch slice away, or by an open
+    trial there (it may complete; asking again would duplicate it), or when the best LR is
+    at the range's edge on that side. Otherwise the new LR goes half a slice out (clamped to
+    the range), nearer when a pruned or diverged trial lies within that distance (halfway to
+    it): pruned early under short-horizon bias or diverged, it says nothing about the final
+    loss beside the best. The upper side first: that is the side pruning hurts."""
+    done = [(s.value, s.log2_lr) for s in seen if s.value is not None]
+    if not done:
+        return None
+    best = min(done)[1]
+    half = half_slice(lr_min, lr_max, n_startup)
+    for side, edge in ((1.0, math.log2(lr_max)), (-1.0, math.log2(lr_min))):
+        room = side * (edge - best)
+        if room < half / 4:
+            continue  # the best is at this edge: nothing beyond it to bracket with
+        beyond = [(side * (s.log2_lr - best), s) for s in seen if side * (s.log2_lr - best) > 0]
+        if any(d <= 2 * half and (s.value is not None or s.open) for d, s in beyond):
+            continue
+        step = min(half, room, *(d / 2 for d, _ in beyond if d <= 2 * half))
+        if step >= half / 8:  # else the side is crowded with failed runs: leave it
+            return 2.0 ** (best + side * step)
+    return None
 
 
 def total_steps(spec: TrialSpec) -> int:
@@ -179,6 +232,7 @@ class OptunaSearch:
 
     def ask(self, study: optuna.Study, lr_min: float, lr_max: float) -> tuple[int, float]:
         self._refine(study, lr_min, lr_max)
+        self._bracket(study, lr_min, lr_max)
         trial = study.ask()
         lr = trial.suggest_float("lr", lr_min, lr_max, log=True)
         self._asked[trial.number, study.study_name] = trial
@@ -205,13 +259,37 @@ class OptunaSearch:
         # an enqueued trial gets its number at once: these are the refinement's numbers
         study.set_user_attr(REFINED_ATTR, list(range(len(trials), len(trials) + len(lrs))))
 
+    def _bracket(self, study: optuna.Study, lr_min: float, lr_max: float) -> None:
+        """After the refinement, before the sampler: enqueue `bracket`'s LR while the best
+        full-budget LR lacks a full-budget neighbour on a side, whatever order the earlier
+        trials ran and finished in (alone, packed or concurrently)."""
+        if REFINED_ATTR not in study.user_attrs:
+            return
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state == optuna.trial.TrialState.WAITING for t in trials):
+            return  # an enqueued LR is still to be asked
+        open_states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)
+        seen = [Seen(math.log2(t.params["lr"]),
+                     t.value if t.state == optuna.trial.TrialState.COMPLETE
+                     and not _diverged(t) else None,
+                     t.state in open_states)
+                for t in trials if "lr" in t.params]
+        lr = bracket(seen, lr_min, lr_max, self._search[study.study_name].startup_count())
+        if lr is None:
+            return
+        study.enqueue_trial({"lr": lr})
+        numbers = list(study.user_attrs.get(BRACKET_ATTR, []))
+        study.set_user_attr(BRACKET_ATTR, [*numbers, len(trials)])
+
     def bind(self, trial_id: str, study: optuna.Study, number: int, spec: TrialSpec) -> None:
         """Remember an asked trial under our trial id, for pruning reports."""
         trial = self._asked.pop((number, study.study_name), None)
         if trial is not None:
             search = self._search[study.study_name]
-            # the refinement is never pruned: it gives the fit its neighbours around η*
-            protected = number in study.user_attrs.get(REFINED_ATTR, [])
+            # the refinement and the bracketing are never pruned: they give the fit its
+            # neighbours around η*
+            protected = any(number in study.user_attrs.get(attr, [])
+                            for attr in (REFINED_ATTR, BRACKET_ATTR))
             total = total_steps(spec)
             decide_from = total if protected else decision_step(spec, search.prune_after)
             self._live[trial_id] = _Live(trial, study, decide_from, total)

@@ -199,10 +199,12 @@ MIN_FULL_BUDGET = 3  # trials per study trained to the full budget before any pr
 class Search(SpecModel):
     """How LRs are chosen per shape: the full grid, or an Optuna study over the grid's range.
 
-    Optuna: `n_startup` log-spaced LRs (shifted per shape) cover the range first; then the
-    sampler proposes. Pruning never decides before `prune_after` of a trial's budget (and its
-    warmup) is trained, compares trials at equal steps only, and starts only once
-    MIN_FULL_BUDGET trials of the study completed, so η* can always be fitted.
+    Optuna: `n_startup` log-spaced LRs (shifted per shape) cover the range first; then two
+    LRs either side of the best, then (while the best full-budget LR lacks a full-budget
+    neighbour on a side) one on that side; then the sampler proposes. Pruning never decides
+    before `prune_after` of a trial's budget (and its warmup) is trained, compares trials at
+    equal steps only, starts only once MIN_FULL_BUDGET trials of the study completed, and
+    never stops the LRs placed around the best, so η* can always be fitted.
     """
 
     method: Literal["grid", "optuna"] = "grid"
