@@ -197,8 +197,9 @@ def study_fit_report(
         report.transfer_check = run("transfer_check", lambda: transfer_check(
             df, bootstrap=bootstrap, seed=seed, ci=ci))
         ladder = part("transfer")
+        # one E for all arms: a study's arms share corpus, tokenizer and validation tokens
         report.frontier = run("frontier", lambda: loss_compute_frontier(
-            ladder, bootstrap=bootstrap, seed=seed, ci=ci))
+            ladder, bootstrap=bootstrap, seed=seed, ci=ci, shared_asymptote=True))
         if report.frontier is not None:
             report.savings = run("savings", lambda: study_savings(
                 report.frontier, reference_arm, _param_of(df), n_grid, ci))
