@@ -17,7 +17,7 @@ from hptransfer.analysis.savings import MAX_CI_RATIO_SPAN, row_ci_problem
 
 # ------------------------------------------------------------------ frontier: E at its bound
 
-COMPUTE = np.logspace(12, 13.8, 6)  # the demo's ladder: 6 shapes over 1.8 decades
+COMPUTE = np.logspace(12, 13.8, 6)  # 6 shapes over 1.8 decades (the demo's earlier ladder)
 
 
 @pytest.mark.parametrize("A,b", [(25.0, 0.1), (21.0, 0.092), (32.0, 0.115), (8.0, 0.05)])
