@@ -10,7 +10,13 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import FitResult, bootstrap_params, named_cis, usable_points
+from .fit_result import (
+    FitResult,
+    bootstrap_params,
+    exponent_ci_problem,
+    named_cis,
+    usable_points,
+)
 from .serialize import json_safe
 from .stats import single_threaded
 
@@ -220,8 +226,9 @@ def fit_problems(
     if span < 1.0:
         problems.append(f"compute spans only {span:.2f} decades; E and b trade off")
     problems += bound_problems(E, b, float(y.min()))
-    if "b" in ci_map and ci_map["b"][0] > 0 and ci_map["b"][1] / ci_map["b"][0] > 3:
-        problems.append("the exponent's CI spans more than a factor 3")
+    wide = exponent_ci_problem("b", ci_map)
+    if wide:
+        problems.append(wide)
     return problems
 
 
