@@ -676,3 +676,18 @@ def test_default_reference_is_the_baseline_parameterization() -> None:
     assert fit_report(all_three, bootstrap=0).reference_arm == "c/mup"
     neither = arms(("b/completep", "completep"), ("a/depth", "depth_mup"))
     assert fit_report(neither, bootstrap=0).reference_arm == "a/depth"
+
+
+def test_band_reaching_the_tested_edge_is_not_reliable() -> None:
+    # a shallow bowl (minimum at N:L = 8, inside): its 1 % band runs past the widest shape,
+    # so the band's upper end is the grid's edge, not a measurement
+    rows = []
+    for w, d in [(16, 16), (24, 7), (32, 4), (48, 2), (64, 1)]:
+        u = math.log(w / d) - math.log(8)
+        rows.append({"arm": "sp", "width": w, "depth": d, "lr": 1e-3,
+                     "params_non_embedding": 50_000.0,
+                     "final_val_loss": 3.0 + 0.003 * u**2 + 0.0005 * u**3})
+    row = optimal_aspect_ratio(trial_frame(rows)).to_frame().iloc[0]
+    assert row["edge"] is None and row["nl_opt"] == pytest.approx(8.0, rel=0.02)
+    assert row["nl_within_high"] == pytest.approx(64.0)
+    assert not row["reliable"] and any("band reaches" in w for w in row["warnings"])

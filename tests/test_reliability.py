@@ -17,7 +17,7 @@ from hptransfer.analysis.savings import MAX_CI_RATIO_SPAN, row_ci_problem
 
 # ------------------------------------------------------------------ frontier: E at its bound
 
-COMPUTE = np.logspace(12, 13.8, 6)  # the demo's ladder: 6 shapes over 1.8 decades
+COMPUTE = np.logspace(12, 13.8, 6)  # 6 shapes over 1.8 decades (the demo's earlier ladder)
 
 
 @pytest.mark.parametrize("A,b", [(25.0, 0.1), (21.0, 0.092), (32.0, 0.115), (8.0, 0.05)])
@@ -190,3 +190,26 @@ def test_savings_frame_of_a_comparison_without_rows() -> None:
     frame = SavingsResult("near", {"far": comp}).to_frame()
     assert list(frame["arm"]) == ["far"] and frame["reliable"].tolist() == [False]
     assert "do not overlap" in frame["reason"].iloc[0]
+
+
+# ------------------------------------------------------------------ Chinchilla: E and exponents
+
+
+def test_chinchilla_without_asymptote_is_not_reliable() -> None:
+    # L = A/N^α + B/D^β has E = 0: the fit presses E onto its bound (e^-10), which the data
+    # cannot tell from 0; the same rule as the power law's
+    from hptransfer.analysis import fit_chinchilla
+
+    n, d = (g.ravel() for g in np.meshgrid(np.logspace(7, 10, 6), np.logspace(9, 12, 6)))
+    fit = fit_chinchilla(n, d, 400.0 / n**0.34 + 410.0 / d**0.28, bootstrap=20, seed=0)
+    assert fit.E < E_ZERO_FRACTION * float(fit.loss.min())
+    assert not fit.reliable and any("E is driven to 0" in w for w in fit.warnings)
+
+
+def test_exponent_ci_rule_is_shared() -> None:
+    from hptransfer.analysis.fit_result import MAX_EXPONENT_CI_FACTOR, exponent_ci_problem
+
+    assert exponent_ci_problem("alpha", {"alpha": (1.0, MAX_EXPONENT_CI_FACTOR)}) is None
+    why = exponent_ci_problem("alpha", {"alpha": (0.1, 0.1 * MAX_EXPONENT_CI_FACTOR * 1.01)})
+    assert why is not None and "alpha" in why
+    assert exponent_ci_problem("beta", {"alpha": (0.01, 1.0)}) is None  # no CI: no verdict

@@ -73,6 +73,15 @@ def bowl(centre_log2: float):
     ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}, {"width": 64, "depth": 2},
                                   {"width": 96, "depth": 3}, {"width": 128, "depth": 4}]}},
      "stages.aspect_ratio.shapes"),  # four shapes but one width:depth ratio
+    ({"transfer": {"shapes": [{"width": 64, "depth": 2, "tokens_per_param": 20}]}},
+     "stages.transfer.shapes"),  # a second budget of a shape not on the ladder
+    ({"transfer": {"shapes": [{"width": 32, "depth": 2},
+                              {"width": 32, "depth": 2, "tokens_per_param": -1}]}},
+     "stages.transfer.shapes[1].tokens_per_param"),
+    ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 8, "tokens_per_param": 20},
+                                  {"width": 64, "depth": 2}, {"width": 96, "depth": 1},
+                                  {"width": 128, "depth": 1}]}},
+     "stages.aspect_ratio.shapes[0].tokens_per_param"),  # only ladder shapes take a budget
     ({"tune": {"extend": 9}}, "stages.tune.extend"),
     ({"transfr": {}}, "stages.transfr"),
 ])
@@ -106,6 +115,29 @@ def test_trial_cap_counts_every_stage():
 
 
 # ------------------------------------------------------------------ planner
+
+
+def test_a_ladder_shape_at_a_second_token_budget_is_its_own_trial():
+    spec = load_spec(study_dict(
+        transfer={"shapes": [{"width": 32, "depth": 2}, {"width": 64, "depth": 2},
+                             {"width": 32, "depth": 2, "tokens_per_param": 20}]},
+        check={}))
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(-8)))
+    ladder = [p for p in step.trials if p.stage == "transfer"]
+    assert len(ladder) == 2 * 3
+    budgets = {(p.arm, p.width, p.depth, p.trial.budget.tokens_per_param,
+                p.trial.budget.tokens, p.trial.budget.steps) for p in ladder}
+    default = spec.budget.trial_budget()
+    for arm in ("gpt/sp", "gpt/completep"):
+        assert (arm, 32, 2, 20.0, None, None) in budgets
+        assert (arm, 32, 2, default.tokens_per_param, default.tokens, default.steps) in budgets
+    assert len({p.content_hash for p in ladder}) == len(ladder)
+    # the check brackets the largest shape at the sweep's own budget, and its offset 0 is
+    # that ladder trial (not trained twice)
+    check = [p for p in step.trials if p.stage == "check"]
+    assert {(p.width, p.depth) for p in check} == {(64, 2)} and len(check) == 2 * 2
+    assert all(p.trial.budget == default for p in check)
 
 
 def test_planner_transfers_the_tuned_lr_to_every_later_stage():
@@ -388,3 +420,32 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
     check = df[df["stage"] == "check"]
     assert sorted(check["lr"] / eta) == pytest.approx([0.5, 2.0], rel=1e-5)
     assert df["content_hash"].is_unique
+
+
+def test_study_frontier_keeps_each_token_budget_of_a_shape_as_its_own_point():
+    """Two budgets of one ladder shape are two frontier points (never averaged as repeats):
+    the frontier is the lower envelope over budgets, and L(N, D) sees D vary at fixed N."""
+    from hptransfer.analysis.staged import study_fit_report
+
+    rows = []
+
+    def add(stage, w, d, lr, loss, flops=np.nan, tokens=np.nan, params=np.nan):
+        rows.append(dict(trial_id=f"t{len(rows)}", arm="gpt/sp", width=w, depth=d, lr=lr,
+                         sigma_base=0.02, seed=0, status="completed", final_val_loss=loss,
+                         stage=stage, flops=flops, tokens=tokens, params_non_embedding=params,
+                         params_embedding=0.0, parameterization="sp"))
+
+    for k in range(-10, -4):
+        add("tune", 32, 2, 2.0**k, 3 + 0.02 * (k + 8) ** 2)
+    for i, w in enumerate((16, 24, 32, 40, 48)):
+        add("transfer", w, 2, 2.0**-8, 2.5 - 0.1 * i, flops=1e9 * 4**i, tokens=5e4 * 2**i)
+    # 24x2 at 4x the tokens: 4x the compute of its 5-TPP run, and lower loss than the 32x2
+    # run of about the same compute: a frontier point of its own
+    add("transfer", 24, 2, 2.0**-8, 2.15, flops=4e9 * 4, tokens=4 * 1e5)
+    report = study_fit_report(pd.DataFrame(rows), bootstrap=0)
+    pts = report.frontier.points
+    at = pts[(pts["width"] == 24)].sort_values("tokens")
+    assert at["loss"].tolist() == [2.4, 2.15] and at["tokens"].tolist() == [1e5, 4e5]
+    assert bool(at["on_frontier"].iloc[1])
+    assert not bool(pts[(pts["width"] == 32)]["on_frontier"].iloc[0])  # 2.3 at 1.6e10
+    assert len(pts) == 6

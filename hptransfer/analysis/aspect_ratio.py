@@ -2,7 +2,8 @@
 
 Following the CompleteP paper: for models of about equal size, loss (at the best LR) against
 log(N/L) is fitted by a cubic; its minimum inside the tested range is the optimal N:L, and the
-range whose predicted loss is within 1 % of that minimum says how flat the optimum is.
+range whose predicted loss is within 1 % of that minimum says how flat the optimum is. A result
+is `reliable` with 5+ aspect ratios, its minimum inside the range and its band ending inside it.
 """
 
 from __future__ import annotations
@@ -175,9 +176,11 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) ->
             f"(N:L={np.exp(fit.x_opt):.3g}): run {side} shapes"
         )
     if fit.band_clipped:
+        # the headline quotes the band: one that runs into the grid's edge is a bound there,
+        # not a measured band, so the result is not `reliable`
         notes.append(
             f"the within-{within:.0%} band reaches the tested range's edge, so the "
-            "true band is wider"
+            "true band is wider: run shapes beyond it"
         )
     if n_ratios < 5:
         notes.append("4 aspect ratios for 4 cubic coefficients: the fit has no residual check")
@@ -188,7 +191,7 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) ->
         nl_within_low=float(np.exp(fit.x_low)),
         nl_within_high=float(np.exp(fit.x_high)),
         edge=fit.edge,
-        reliable=fit.edge is None and n_ratios >= 5,
+        reliable=fit.edge is None and not fit.band_clipped and n_ratios >= 5,
         warnings=notes,
         coefficients=fit.coefficients.tolist(),
         residuals=fit.residuals.tolist(),

@@ -18,8 +18,15 @@ import pandas as pd
 from scipy.optimize import minimize
 
 from .errors import NotEnoughData
-from .fit_result import FitResult, bootstrap_params, named_cis, usable_points
+from .fit_result import (
+    FitResult,
+    bootstrap_params,
+    exponent_ci_problem,
+    named_cis,
+    usable_points,
+)
 from .optimal_lr import OptimalLRResult, as_optimal
+from .powerlaw import E_ZERO_FRACTION
 from .serialize import analysis_dict, frame_records, json_safe, with_none
 from .stats import single_threaded
 from .trials import Trials
@@ -284,6 +291,14 @@ def fit_chinchilla(
     for name, value in (("alpha", alpha), ("beta", beta)):
         if value <= _EXP_BOUNDS[0] * 1.01 or value >= _EXP_BOUNDS[1] * 0.99:
             problems.append(f"{name}={value:.3g} sits at its bound")
+        wide = exponent_ci_problem(name, ci_map)
+        if wide:
+            problems.append(wide)
+    # the same rule as the power law's: an E under 0.1 % of the lowest loss (its bound,
+    # e^-10, included) is not identified by the data
+    if E < E_ZERO_FRACTION * float(y.min()):
+        problems.append(f"E is driven to 0 (E={E:.3g}, under {E_ZERO_FRACTION:.1%} of the "
+                        "lowest loss): the irreducible loss is not identified by this data")
     agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
     if agree < 2 and len(runs) > 1:
         warnings.append("only one start reached the best objective; the optimum may be local")

@@ -12,6 +12,18 @@ import numpy as np
 from .errors import NotEnoughData
 from .stats import bootstrap_indices, percentile_ci
 
+# An exponent whose bootstrap CI spans more than this factor is not determined by the data.
+MAX_EXPONENT_CI_FACTOR = 3.0
+
+
+def exponent_ci_problem(name: str, ci: dict[str, tuple[float, float]]) -> str | None:
+    """Why an exponent's CI makes a fit unreliable (None when it does not): the same rule for
+    the power law's b and Chinchilla's α and β."""
+    if name in ci and ci[name][0] > 0 and ci[name][1] / ci[name][0] > MAX_EXPONENT_CI_FACTOR:
+        return (f"the exponent {name}'s CI spans more than a factor "
+                f"{MAX_EXPONENT_CI_FACTOR:g}")
+    return None
+
 
 # kw_only: these defaulted fields sit after each fit's own required, positional fields.
 @dataclass(kw_only=True)

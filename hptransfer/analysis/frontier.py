@@ -11,6 +11,7 @@ import pandas as pd
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .powerlaw import PARAM_NAMES, PowerLawFit, fit_power_law
+from .powerlaw_shared import fit_power_laws_shared_e
 from .serialize import analysis_dict, frame_records, with_none
 from .trials import Trials
 
@@ -106,8 +107,12 @@ def loss_compute_frontier(
     seed: int | None = 0,
     ci: float = 0.95,
     f_scale: float = 0.01,
+    shared_asymptote: bool = False,
 ) -> FrontierResult:
-    """Per arm: each shape at its best LR gives (flops, loss); fit L(C) on the frontier."""
+    """Per arm: each shape at its best LR gives (flops, loss); fit L(C) on the frontier.
+
+    `shared_asymptote`: fit all arms jointly with one irreducible loss E (per-arm A, b; see
+    `powerlaw_shared`), for arms trained and scored on the same data and tokenizer."""
     opt = as_optimal(data, needs=("flops",))
     warnings = list(opt.warnings)
     best = opt.best_points()
@@ -129,23 +134,33 @@ def loss_compute_frontier(
         points["flops"].to_numpy(), points["loss"].to_numpy(), points["arm"].to_numpy()
     )
     points["residual_log"] = np.nan
-    for i, (arm, pts) in enumerate(points.groupby("arm", sort=True)):
-        front = pts[pts["on_frontier"]]
-        fit = fit_power_law(
-            front["flops"].to_numpy(),
-            front["loss"].to_numpy(),
-            bootstrap=bootstrap,
-            seed=None if seed is None else seed + i,
-            ci=ci,
-            f_scale=f_scale,
-            trial_ids=front["trial_ids"].tolist(),
-            what=f"the loss-vs-compute fit of arm {arm}",
+    fronts = {str(arm): pts[pts["on_frontier"]]
+              for arm, pts in points.groupby("arm", sort=True)}
+    if shared_asymptote:
+        joint = fit_power_laws_shared_e(
+            {arm: (f["flops"].to_numpy(), f["loss"].to_numpy()) for arm, f in fronts.items()},
+            bootstrap=bootstrap, seed=seed, ci=ci, f_scale=f_scale,
+            trial_ids={arm: f["trial_ids"].tolist() for arm, f in fronts.items()},
         )
-        fits[str(arm)] = fit
+    for i, (arm, front) in enumerate(fronts.items()):
+        if shared_asymptote:
+            fit = joint[arm]
+        else:
+            fit = fit_power_law(
+                front["flops"].to_numpy(),
+                front["loss"].to_numpy(),
+                bootstrap=bootstrap,
+                seed=None if seed is None else seed + i,
+                ci=ci,
+                f_scale=f_scale,
+                trial_ids=front["trial_ids"].tolist(),
+                what=f"the loss-vs-compute fit of arm {arm}",
+            )
+        fits[arm] = fit
         if fit.ok:
             points.loc[front.index, "residual_log"] = fit.residuals
         else:
-            reasons[str(arm)] = fit.reason  # type: ignore[assignment]
+            reasons[arm] = fit.reason  # type: ignore[assignment]
     reason = None
     if opt.reason is not None and points.empty:
         reason = NotEnoughData("the loss-vs-compute frontier", opt.reason.because)

@@ -10,7 +10,13 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import FitResult, bootstrap_params, named_cis, usable_points
+from .fit_result import (
+    FitResult,
+    bootstrap_params,
+    exponent_ci_problem,
+    named_cis,
+    usable_points,
+)
 from .serialize import json_safe
 from .stats import single_threaded
 
@@ -43,6 +49,8 @@ class PowerLawFit(FitResult):
     loss: np.ndarray
     residuals: np.ndarray
     boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 3)), kw_only=True)
+    # the arms fitted jointly with this one under one E (see powerlaw_shared); empty if alone
+    shared_asymptote: list[str] = field(default_factory=list, kw_only=True)
 
     @property
     def loss_range(self) -> tuple[float, float]:
@@ -100,6 +108,7 @@ class PowerLawFit(FitResult):
                     )
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
+                "shared_asymptote": list(self.shared_asymptote),
                 **self.status_dict(),
             }
         )
@@ -140,20 +149,29 @@ def _solve(x: np.ndarray, y: np.ndarray, p0: np.ndarray, bounds: tuple, f_scale:
     )
 
 
-def _starts(x: np.ndarray, logy: np.ndarray, f_scale: float, keep: int = 2) -> list[np.ndarray]:
-    """Best starting points from a profile over E: for fixed E the model is linear in log space.
-
-    log(L - E) = log A' - b*x is solved by OLS for many E at once, and the E values with the
-    lowest robust cost seed the nonlinear fit.
-    """
-    y_min = float(np.exp(logy.min()))
-    e = y_min * (1.0 - np.geomspace(1e-3, 0.999, _N_E_PROFILE))
+def profile_over_e(
+    x: np.ndarray, logy: np.ndarray, e: np.ndarray, f_scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each asymptote in `e` the model is linear in log space, log(L - E) = log A' - b*x:
+    its OLS (log A', b) and robust cost, all E at once. Seeds the nonlinear fits."""
     z = np.log(np.exp(logy)[None, :] - e[:, None])
     xc = x - x.mean()
     b = np.clip(-((z - z.mean(axis=1, keepdims=True)) @ xc) / (xc @ xc), 1e-4, 5.0)
     a = z.mean(axis=1) + b * x.mean()
     r = np.logaddexp(np.log(e)[:, None], a[:, None] - b[:, None] * x[None, :]) - logy[None, :]
     cost = np.sum(np.sqrt(1.0 + (r / f_scale) ** 2) - 1.0, axis=1)
+    return a, b, cost
+
+
+def e_profile_grid(y_min: float) -> np.ndarray:
+    """The asymptotes a profile tries: from 0.1 % to 99.9 % below the lowest loss."""
+    return y_min * (1.0 - np.geomspace(1e-3, 0.999, _N_E_PROFILE))
+
+
+def _starts(x: np.ndarray, logy: np.ndarray, f_scale: float, keep: int = 2) -> list[np.ndarray]:
+    """Best starting points: the E values of the profile with the lowest robust cost."""
+    e = e_profile_grid(float(np.exp(logy.min())))
+    a, b, cost = profile_over_e(x, logy, e, f_scale)
     return [np.array([np.log(e[i]), a[i], np.log(b[i])]) for i in np.argsort(cost)[:keep]]
 
 
@@ -193,6 +211,25 @@ def bound_problems(E: float, b: float, min_loss: float) -> list[str]:
             or log_b >= _LOG_B_BOUNDS[1] - _B_BOUND_TOLERANCE):
         out.append(f"the exponent b={b:.3g} sits at its bound")
     return out
+
+
+def fit_problems(
+    c: np.ndarray, y: np.ndarray, E: float, b: float, ci_map: dict[str, tuple[float, float]]
+) -> list[str]:
+    """Why one arm's L(C) fit is not `reliable` (empty when it is): the same rules for a fit
+    of its own and for an arm of a fit with a shared asymptote."""
+    problems: list[str] = []
+    n = len(c)
+    if n < 5:
+        problems.append(f"only {n} points for 3 parameters: the fit is barely determined")
+    span = np.log10(c.max() / c.min())
+    if span < 1.0:
+        problems.append(f"compute spans only {span:.2f} decades; E and b trade off")
+    problems += bound_problems(E, b, float(y.min()))
+    wide = exponent_ci_problem("b", ci_map)
+    if wide:
+        problems.append(wide)
+    return problems
 
 
 @single_threaded
@@ -242,16 +279,7 @@ def fit_power_law(
     a_orig = boot[:, 1] * c_scale ** boot[:, 2]
     ci_map = named_cis({"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ci)
 
-    problems: list[str] = []
-    n = len(c)
-    if n < 5:
-        problems.append(f"only {n} points for 3 parameters: the fit is barely determined")
-    span = np.log10(c.max() / c.min())
-    if span < 1.0:
-        problems.append(f"compute spans only {span:.2f} decades; E and b trade off")
-    problems += bound_problems(E, b, float(y.min()))
-    if "b" in ci_map and ci_map["b"][0] > 0 and ci_map["b"][1] / ci_map["b"][0] > 3:
-        problems.append("the exponent's CI spans more than a factor 3")
+    problems = fit_problems(c, y, E, b, ci_map)
     return PowerLawFit(
         E,
         A,

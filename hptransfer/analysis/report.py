@@ -442,8 +442,11 @@ def headline(report: FitReport) -> dict[str, Any]:
                 "reason": r["reason"], "stage": "tune + check"})
     if report.frontier is not None:
         for arm, fit in report.frontier.fits.items():
+            b_ci = fit.ci.get("b", (float("nan"), float("nan")))
             out["frontier"].append({"arm": arm, "E": fit.E, "A": fit.A, "b": fit.b,
+                                    "b_ci_low": b_ci[0], "b_ci_high": b_ci[1],
                                     "n_points": int(fit.compute.size),
+                                    "shared_E": bool(fit.shared_asymptote),
                                     "reliable": bool(fit.reliable), "stage": "transfer"})
     if report.savings is not None:
         for c in report.savings.comparisons.values():
@@ -474,9 +477,12 @@ def headline_lines(report: FitReport) -> list[str]:
                      f"{_num(r['shift_log2']):+.2f} octaves [tune + check]"
                      f"{_ok(r['reliable'])}{why}")
     for r in h["frontier"]:
+        shared = ", E shared by all arms" if r.get("shared_E") else ""
+        b_ci = (f", b CI [{_num(r['b_ci_low']):.3f}, {_num(r['b_ci_high']):.3f}]"
+                if math.isfinite(_num(r.get("b_ci_low"))) else "")
         lines.append(f"frontier {r['arm']}: L(C) = {_num(r['E']):.3f} + {_num(r['A']):.3g}"
-                     f"·C^-{_num(r['b']):.3f} ({r['n_points']} points) [transfer]"
-                     f"{_ok(r['reliable'])}")
+                     f"·C^-{_num(r['b']):.3f} ({r['n_points']} points{b_ci}{shared}) "
+                     f"[transfer]{_ok(r['reliable'])}")
     for r in h["savings"]:
         if r.get("savings") is None:
             lines.append(f"savings {r['arm']} over {r['reference']}: none "

@@ -140,7 +140,8 @@ def compare_fits(
     row_problem: list[str | None] = [None] * len(grid)
     no_ci = None
     if m > 0:
-        # Each arm was resampled independently, so pairing the i-th refits is a valid draw.
+        # Pairing the i-th refits is a valid draw: arms fitted alone were resampled
+        # independently; arms of a shared-E fit have their i-th refits from one joint resample.
         with np.errstate(all="ignore"):
             samples = 1.0 - boot_arm[:m] / boot_ref[:m]
         ci_lo, ci_hi = percentile_ci(samples, ci)

@@ -26,7 +26,7 @@ from .aspect_ratio import optimal_aspect_ratio
 from .chinchilla import chinchilla_fit
 from .errors import NotEnoughData
 from .frontier import loss_compute_frontier
-from .optimal_lr import optimal_lr
+from .optimal_lr import OptimalLRResult, optimal_lr
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
 from .stats import single_threaded_blas
@@ -130,6 +130,12 @@ def transfer_check(
     return TransferCheckResult(table, curves=curves)
 
 
+def by_budget(frame: pd.DataFrame, *needs: str) -> OptimalLRResult:
+    """Best point per (arm, shape, tokens trained): a shape at two budgets is two points."""
+    trials = prepare_trials(frame, (*CORE_COLUMNS, *needs, "tokens"))
+    return optimal_lr(trials, bootstrap=0, extra_keys=("tokens",))
+
+
 def _param_of(frame: pd.DataFrame) -> dict[str, str]:
     if "parameterization" not in frame:
         return {}
@@ -196,9 +202,13 @@ def study_fit_report(
             tune, bootstrap=bootstrap, seed=seed, ci=ci))
         report.transfer_check = run("transfer_check", lambda: transfer_check(
             df, bootstrap=bootstrap, seed=seed, ci=ci))
-        ladder = part("transfer")
-        report.frontier = run("frontier", lambda: loss_compute_frontier(
-            ladder, bootstrap=bootstrap, seed=seed, ci=ci))
+        # a ladder shape may run at two token budgets: each (shape, tokens) is its own point,
+        # so the frontier takes the lower envelope and L(N, D) sees D vary at fixed N
+        ladder = run("frontier", lambda: by_budget(part("transfer"), "flops"))
+        # one E for all arms: a study's arms share corpus, tokenizer and validation tokens
+        if ladder is not None:
+            report.frontier = run("frontier", lambda: loss_compute_frontier(
+                ladder, bootstrap=bootstrap, seed=seed, ci=ci, shared_asymptote=True))
         if report.frontier is not None:
             report.savings = run("savings", lambda: study_savings(
                 report.frontier, reference_arm, _param_of(df), n_grid, ci))
@@ -207,5 +217,6 @@ def study_fit_report(
         report.aspect_ratio = run("aspect_ratio", lambda: optimal_aspect_ratio(
             part("aspect_ratio"), tolerance=size_tolerance, within=within))
         report.chinchilla = run("chinchilla", lambda: chinchilla_fit(
-            part("transfer", "aspect_ratio"), bootstrap=bootstrap, seed=seed, ci=ci))
+            by_budget(part("transfer", "aspect_ratio"), "params_non_embedding"),
+            bootstrap=bootstrap, seed=seed, ci=ci))
     return report

@@ -103,16 +103,19 @@ def trial_for(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
     return _planned(spec, ShapeKey(*shape), float(lr))
 
 
-def trial_at(spec: SweepSpec, shape: ShapeKey, lr: float, stage: str | None = None
-             ) -> PlannedTrial:
-    """The trial of any shape of a study's arms (a study's later stages leave the grid)."""
-    p = _planned(spec, shape, lr)
+def trial_at(spec: SweepSpec, shape: ShapeKey, lr: float, stage: str | None = None,
+             tokens_per_param: float | None = None) -> PlannedTrial:
+    """The trial of any shape of a study's arms (a study's later stages leave the grid);
+    `tokens_per_param` replaces the sweep's budget (a ladder shape's second budget)."""
+    p = _planned(spec, shape, lr, tokens_per_param)
     return p if stage is None else PlannedTrial(**{**p.__dict__, "stage": stage})
 
 
-def _planned(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
+def _planned(spec: SweepSpec, shape: ShapeKey, lr: float,
+             tokens_per_param: float | None = None) -> PlannedTrial:
     trial = spec.trial_spec(
-        spec.arm(shape.arm), shape.width, shape.depth, lr, shape.sigma_base, shape.seed
+        spec.arm(shape.arm), shape.width, shape.depth, lr, shape.sigma_base, shape.seed,
+        tokens_per_param,
     )
     return PlannedTrial(
         arm=shape.arm,

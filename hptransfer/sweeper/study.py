@@ -66,7 +66,7 @@ def expected_trials(spec: SweepSpec, stage: str) -> int:
     if stage == "check":
         assert st.check is not None
         n = 0
-        ladder = {s.key() for s in st.transfer.shapes} if st.transfer else set()
+        ladder = {s.key() for s in st.transfer.default_budget_shapes()} if st.transfer else set()
         for shape in st.shapes_of("check"):
             n += sum(1 for o in st.check.log2_offsets if not (o == 0 and shape.key() in ladder))
         return n * n_arms * n_seeds
@@ -231,7 +231,7 @@ def _stage_trials(
 ) -> list[PlannedTrial]:
     assert spec.stages is not None and stage in STAGE_ORDER
     st = spec.stages
-    ladder = {s.key() for s in st.transfer.shapes} if st.transfer else set()
+    ladder = {s.key() for s in st.transfer.default_budget_shapes()} if st.transfer else set()
     out = []
     for arm in (a.name for a in spec.arms):
         lr, sigma = hps[arm]["lr"], hps[arm]["sigma_base"]
@@ -245,7 +245,8 @@ def _stage_trials(
             for offset in offsets:
                 for seed in spec.grid.seeds:
                     key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
-                    out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage))
+                    out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage,
+                                        getattr(shape, "tokens_per_param", None)))
     return out
 
 

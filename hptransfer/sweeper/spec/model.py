@@ -28,7 +28,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from hptransfer.data.spec import DataSpec
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
-from hptransfer.workers.trial import Schedule, TrialSpec
+from hptransfer.workers.trial import Budget, Schedule, TrialSpec
 
 from .errors import SpecError, convert_errors, error, plain_message
 from .loading import read_spec_data
@@ -345,9 +345,13 @@ class SweepSpec(SpecModel):
         return max(1, round(b.batch_size * ratio**b.batch_exponent))
 
     def trial_spec(
-        self, arm: Arm, width: int, depth: int, lr: float, sigma_base: float, seed: int
+        self, arm: Arm, width: int, depth: int, lr: float, sigma_base: float, seed: int,
+        tokens_per_param: float | None = None,
     ) -> TrialSpec:
-        """The TrialSpec of one grid point (validated by TrialSpec itself)."""
+        """The TrialSpec of one grid point (validated by TrialSpec itself);
+        `tokens_per_param` replaces the sweep's budget (a ladder shape's own budget)."""
+        budget = (self.budget.trial_budget() if tokens_per_param is None
+                  else Budget(tokens_per_param=tokens_per_param))
         return TrialSpec(
             arch=arm.arch,
             arch_options=arm.arch_options,
@@ -359,7 +363,7 @@ class SweepSpec(SpecModel):
             sigma_base=sigma_base,
             seed=seed,
             batch_size=self.batch_size_for(arm, width, depth),
-            budget=self.budget.trial_budget(),
+            budget=budget,
             schedule=self.schedule,
             data=self.data,
             # Only a thread count (not in the content hash): keep torch to the CPUs Ray gave.

@@ -21,6 +21,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
+from hptransfer.workers.trial import MAX_TOKENS_PER_PARAM
+
 from .errors import SpecError, error
 from .sections import SpecModel
 
@@ -61,15 +63,42 @@ class TuneStage(SpecModel):
     extend_lrs: int = Field(2, ge=1, le=8)
 
 
+class LadderShape(Shape):
+    """A ladder shape; `tokens_per_param` trains it at that token budget instead of the
+    sweep's (a second budget of a shape also on the ladder at the sweep's budget), so the
+    frontier can take the lower envelope over budgets and L(N, D) sees D vary at fixed N."""
+
+    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
+
+
 class TransferStage(SpecModel):
     """The ladder, trained once per arm and seed at the arm's transferred η*, σ*."""
 
-    shapes: Shapes
+    shapes: Annotated[list[LadderShape], Field(min_length=1, max_length=MAX_STAGE_SHAPES)]
 
     @field_validator("shapes")
     @classmethod
-    def _unique(cls, v: list[Shape]) -> list[Shape]:
-        return _unique_shapes(v)
+    def _unique(cls, v: list[LadderShape]) -> list[LadderShape]:
+        _unique_shapes([s for s in v if s.tokens_per_param is None])
+        seen: dict[tuple[int, int, float], int] = {}
+        default = {s.key() for s in v if s.tokens_per_param is None}
+        for i, s in enumerate(v):
+            if s.tokens_per_param is None:
+                continue
+            key = (*s.key(), s.tokens_per_param)
+            if key in seen:
+                raise ValueError(f"shape {i} repeats shape {seen[key]} (same width, depth and "
+                                 "tokens_per_param); list each once")
+            seen[key] = i
+            if s.key() not in default:
+                raise ValueError(
+                    f"shape {i} (width {s.width}, depth {s.depth}) has its own "
+                    "tokens_per_param but is not on the ladder at the sweep's budget: a "
+                    "second budget is for a ladder shape, so list it without one as well")
+        return v
+
+    def default_budget_shapes(self) -> list[LadderShape]:
+        return [s for s in self.shapes if s.tokens_per_param is None]
 
 
 class CheckStage(SpecModel):
@@ -142,6 +171,7 @@ class Stages(SpecModel):
         by 12·N²·L)."""
         if stage == "check" and self.check is not None and self.check.shapes is None:
             assert self.transfer is not None
-            return [max(self.transfer.shapes, key=lambda s: (s.width**2 * s.depth, s.width))]
+            return [max(self.transfer.default_budget_shapes(),
+                        key=lambda s: (s.width**2 * s.depth, s.width))]
         section: Any = getattr(self, stage)
         return list(section.shapes) if section is not None else []

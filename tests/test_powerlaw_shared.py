@@ -1,0 +1,102 @@
+"""The joint loss-vs-compute fit with one asymptote E shared by every arm, against known laws.
+
+Every expected value is a closed form of the laws that generated the points: E, A_k, b_k, and
+the savings 1 - C_arm(L)/C_ref(L) = 1 - (A_arm/(L-E))^(1/b_arm) / (A_ref/(L-E))^(1/b_ref)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hptransfer.analysis import compare_fits, loss_compute_frontier
+from hptransfer.analysis.powerlaw_shared import fit_power_laws_shared_e
+
+E_TRUE = 1.9
+LAWS = {"sp": (40.0, 0.16), "mup": (60.0, 0.19), "completep": (55.0, 0.185)}
+COMPUTE = np.logspace(11.5, 14.5, 8)  # 3 decades, 8 shapes: the demo's ladder
+
+
+def _points(noise: float, seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {arm: (COMPUTE, (E_TRUE + A * COMPUTE**-b) * np.exp(rng.normal(0, noise, 8)))
+            for arm, (A, b) in LAWS.items()}
+
+
+def test_exact_laws_with_a_shared_asymptote_are_recovered() -> None:
+    fits = fit_power_laws_shared_e(_points(0.0), bootstrap=0)
+    assert list(fits) == list(LAWS)
+    for arm, (A, b) in LAWS.items():
+        f = fits[arm]
+        assert f.E == pytest.approx(E_TRUE, rel=1e-4)
+        assert f.A == pytest.approx(A, rel=1e-2) and f.b == pytest.approx(b, rel=1e-3)
+        assert f.shared_asymptote == list(LAWS)
+        np.testing.assert_allclose(f.residuals, 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_laws_are_recovered_within_their_bootstrap_ci(seed: int) -> None:
+    fits = fit_power_laws_shared_e(_points(0.004, seed), bootstrap=200, seed=seed)
+    for arm, (A, b) in LAWS.items():
+        f = fits[arm]
+        assert f.reliable, (arm, f.warnings)
+        assert f.ci["E"][0] <= E_TRUE <= f.ci["E"][1]
+        assert f.ci["b"][0] <= b <= f.ci["b"][1]
+        assert f.ci["A"][0] <= A <= f.ci["A"][1]
+        assert len(f.boot_params) > 150
+    # one E per joint refit: every arm's bootstrap E column is the same draw
+    np.testing.assert_array_equal(fits["sp"].boot_params[:, 0], fits["mup"].boot_params[:, 0])
+
+
+def test_shared_fit_keeps_the_reliability_rules() -> None:
+    # L = A·C^-b with E = 0 for every arm: the shared E is driven to 0 and is flagged
+    pts = {arm: (COMPUTE, A * COMPUTE**-b) for arm, (A, b) in LAWS.items()}
+    fits = fit_power_laws_shared_e(pts, bootstrap=40, seed=0)
+    for f in fits.values():
+        assert not f.reliable and any("E is driven to 0" in w for w in f.warnings)
+
+
+def test_an_arm_with_too_few_points_gets_a_reason_and_the_others_fit() -> None:
+    pts = _points(0.0)
+    pts["short"] = (COMPUTE[:2], pts["sp"][1][:2])
+    fits = fit_power_laws_shared_e(pts, bootstrap=0)
+    assert fits["short"].reason is not None and "3 distinct compute" in str(fits["short"].reason)
+    assert fits["sp"].E == pytest.approx(E_TRUE, rel=1e-4)
+    assert "short" not in fits["sp"].shared_asymptote
+
+
+def _frame(noise: float) -> pd.DataFrame:
+    rows = []
+    for arm, (c, y) in _points(noise).items():
+        for i, (ci, yi) in enumerate(zip(c, y, strict=True)):
+            rows.append({"arch": "gpt", "parameterization": arm, "arm": arm, "width": 16 * (i + 1),
+                         "depth": 2, "lr": 1e-3, "sigma_base": 0.02, "seed": 0,
+                         "status": "completed", "flops": ci, "final_val_loss": yi,
+                         "tokens": np.nan, "params_non_embedding": np.nan,
+                         "params_embedding": 0, "trial_id": f"{arm}{i}"})
+    return pd.DataFrame(rows)
+
+
+def test_frontier_with_shared_asymptote_gives_closed_form_savings() -> None:
+    frontier = loss_compute_frontier(_frame(0.0), bootstrap=0, shared_asymptote=True)
+    assert {f.E for f in frontier.fits.values()} == {frontier.fits["sp"].E}
+    comp = compare_fits(frontier.fits["completep"], frontier.fits["sp"], arm="completep",
+                        reference="sp", n_grid=9)
+    loss = comp.table["loss"].to_numpy()
+    (a1, b1), (a0, b0) = LAWS["completep"], LAWS["sp"]
+    expected = 1 - (a1 / (loss - E_TRUE)) ** (1 / b1) / (a0 / (loss - E_TRUE)) ** (1 / b0)
+    np.testing.assert_allclose(comp.table["savings"], expected, atol=5e-3)
+
+
+def test_savings_of_noisy_shared_fits_have_a_real_ci_containing_the_truth() -> None:
+    frontier = loss_compute_frontier(_frame(0.004), bootstrap=200, seed=0,
+                                     shared_asymptote=True)
+    assert frontier.reliable
+    comp = compare_fits(frontier.fits["completep"], frontier.fits["sp"], arm="completep",
+                        reference="sp", n_grid=9)
+    head = comp.headline()
+    assert comp.no_ci is None and head["ci_high"] - head["ci_low"] > 1e-3
+    (a1, b1), (a0, b0) = LAWS["completep"], LAWS["sp"]
+    loss = head["loss"]
+    truth = 1 - (a1 / (loss - E_TRUE)) ** (1 / b1) / (a0 / (loss - E_TRUE)) ** (1 / b0)
+    assert head["ci_low"] <= truth <= head["ci_high"]
