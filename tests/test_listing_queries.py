@@ -3,6 +3,8 @@ are (no query per sweep): counted with a SQLAlchemy event listener on the real e
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -97,3 +99,20 @@ def test_a_listing_the_client_has_is_a_bodiless_304_until_it_changes(hpt_home, t
             assert fresh.headers["etag"] != etag
             marker = b'"id":' if path == "/sweeps" else b"/dashboards/sweeps/"
             assert fresh.content.count(marker) == 3  # the new sweep is in it
+
+
+def test_only_a_server_process_freezes_its_long_lived_objects(hpt_home):
+    """`hpt serve` (freeze_gc) moves what start-up left alive out of the collector's reach,
+    so full collections stop walking it; an app built for tests or embedding leaves the
+    process's collector alone."""
+    gc.unfreeze()
+    try:
+        with TestClient(create_app(get_settings(), dispatch=False)) as api:
+            assert api.get("/sweeps").status_code == 200
+            assert gc.get_freeze_count() == 0
+        with TestClient(create_app(get_settings(), dispatch=False, freeze_gc=True)) as api:
+            assert api.get("/sweeps").status_code == 200
+            assert gc.get_freeze_count() > 100_000  # torch, MLflow, SQLAlchemy, ...
+            assert "mlflow.tracking" in sys.modules  # the mirror's client, imported first
+    finally:
+        gc.unfreeze()

@@ -42,7 +42,8 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+        uvicorn.run(create_app(settings, freeze_gc=True), host=host, port=port,
+                    log_level=log_level,
                     **SERVER_OPTIONS)
     finally:
         if ray.is_initialized():
