@@ -18,6 +18,11 @@ concurrent clients then issue `--requests` requests each against:
 It prints p50/p99 per route and the ratio of each route's p50/p99 to the baseline's, so the
 figures survive a noisy, shared machine.
 
+The load comes from a lean keep-alive client on raw asyncio streams (`lean_http`), so on a
+small machine the figures are the server's rather than the load generator's; `--client
+httpx` uses httpx.AsyncClient instead (about 1 ms of client CPU per request). The last
+column is the load generator's CPU time per request.
+
     .venv/bin/python benchmarks/listing_latency.py [--sweeps 200] [--clients 50] [--requests 10]
 """
 
@@ -33,9 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+from lean_http import Connection
 
 from hptransfer.api.server import free_port
 from hptransfer.client import Client
@@ -56,30 +64,56 @@ def tiny_spec(i: int) -> dict:
 
 
 async def hammer(url: str, path: str, clients: int, requests: int,
-                 churn: tuple[str, float] | None = None) -> np.ndarray:
-    """Latencies (ms) of `clients` x `requests` GETs of `path`; with `churn` (a path, a
-    rate), a POST to that path at that rate meanwhile (not timed)."""
+                 churn: tuple[str, float] | None = None, client: str = "lean") -> np.ndarray:
+    """Latencies (ms) of `clients` x `requests` GETs of `path`, each client on its own
+    keep-alive connection; with `churn` (a path, a rate), a POST to that path at that rate
+    meanwhile (not timed). `client`: "lean" (raw asyncio streams, little client CPU) or
+    "httpx" (httpx.AsyncClient, about 1 ms of client CPU per request)."""
     times: list[float] = []
-    limits = httpx.Limits(max_connections=clients + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
-        async def one_client() -> None:
-            for _ in range(requests):
-                t0 = time.perf_counter()
-                r = await http.get(path)
-                times.append(time.perf_counter() - t0)
-                r.raise_for_status()
+    if client == "httpx":
+        limits = httpx.Limits(max_connections=clients + 1)
+        http = httpx.AsyncClient(base_url=url, timeout=60, limits=limits)
 
-        async def writer(post: str, rate: float) -> None:
-            while True:
-                (await http.post(post, json={})).raise_for_status()
-                await asyncio.sleep(1.0 / rate)
+        async def connect() -> Any:
+            return http
 
-        task = asyncio.create_task(writer(*churn)) if churn else None
-        try:
-            await asyncio.gather(*(one_client() for _ in range(clients)))
-        finally:
-            if task:
-                task.cancel()
+        async def send(conn: Any, method: str, p: str, body: Any = None) -> int:
+            return (await conn.request(method, p, json=body)).status_code
+    else:
+        parsed = urlsplit(url)
+
+        async def connect() -> Any:
+            return Connection(parsed.hostname or "127.0.0.1", parsed.port or 80)
+
+        async def send(conn: Any, method: str, p: str, body: Any = None) -> int:
+            return (await conn.request(method, p, body))[0]
+
+    async def one_client() -> None:
+        conn = await connect()
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            status = await send(conn, "GET", path)
+            times.append(time.perf_counter() - t0)
+            if status >= 400:
+                raise RuntimeError(f"GET {path}: HTTP {status}")
+        if client == "lean":
+            await conn.close()
+
+    async def writer(post: str, rate: float) -> None:
+        conn = await connect()
+        while True:
+            if (status := await send(conn, "POST", post, {})) >= 400:
+                raise RuntimeError(f"POST {post}: HTTP {status}")
+            await asyncio.sleep(1.0 / rate)
+
+    task = asyncio.create_task(writer(*churn)) if churn else None
+    try:
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    finally:
+        if task:
+            task.cancel()
+        if client == "httpx":
+            await http.aclose()
     return np.array(times) * 1000.0
 
 
@@ -103,6 +137,8 @@ def main() -> None:
                     help="commits a second during the second round of listings")
     ap.add_argument("--settle", type=float, default=300.0,
                     help="seconds to wait at most for the MLflow mirror to catch up")
+    ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                    help="load generator: raw asyncio streams (default) or httpx.AsyncClient")
     a = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="hpt-listing-"))
@@ -130,7 +166,7 @@ def main() -> None:
                 c.cancel(sid)  # stored, listed, never trained
         churn = (f"/sweeps/{sid}/cancel", a.churn)
         settled = wait_for_mirror(home, a.settle)
-        rows = {}
+        rows, cpu = {}, {}
         writes = f"{a.churn:g} commits/s"
         for name, path, writing in (
             ("baseline /docs", "/docs", None), ("GET /health", "/health", None),
@@ -138,16 +174,21 @@ def main() -> None:
             (f"GET /sweeps, {writes}", "/sweeps?limit=100", churn),
             (f"GET /dashboards, {writes}", "/dashboards", churn),
         ):
-            asyncio.run(hammer(url, path, 4, 2))  # warm up
-            rows[name] = asyncio.run(hammer(url, path, a.clients, a.requests, writing))
+            asyncio.run(hammer(url, path, 4, 2, client=a.client))  # warm up
+            t0 = time.process_time()
+            rows[name] = asyncio.run(hammer(url, path, a.clients, a.requests, writing,
+                                            a.client))
+            cpu[name] = (time.process_time() - t0) * 1000.0 / len(rows[name])
         base = rows["baseline /docs"]
         b50, b99 = np.percentile(base, 50), np.percentile(base, 99)
         print(f"{a.sweeps} sweeps stored, {a.clients} concurrent clients x {a.requests} requests"
-              f"; {settled}")
-        print(f"{'route':<32} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}")
+              f"; {settled}; {a.client} client; load average {os.getloadavg()[0]:.2f}")
+        print(f"{'route':<32} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9} "
+              f"{'client CPU ms/req':>18}")
         for name, t in rows.items():
             p50, p99 = np.percentile(t, 50), np.percentile(t, 99)
-            print(f"{name:<32} {p50:8.1f} {p99:8.1f} {p50 / b50:9.2f} {p99 / b99:9.2f}")
+            print(f"{name:<32} {p50:8.1f} {p99:8.1f} {p50 / b50:9.2f} {p99 / b99:9.2f} "
+                  f"{cpu[name]:18.2f}")
     finally:
         server.send_signal(signal.SIGTERM)
         try:

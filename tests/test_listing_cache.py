@@ -9,7 +9,7 @@ import time
 
 from sqlalchemy import text
 
-from hptransfer.api.listing import ListingCache
+from hptransfer.api.listing import ListingCache, etag_of
 from hptransfer.sweeper.db.changes import CommitCounter
 from hptransfer.sweeper.db.engine import for_writing, make_engine
 from hptransfer.sweeper.health import Check, ProbeCache
@@ -59,6 +59,23 @@ def test_the_cache_rebuilds_on_a_new_version_or_after_its_time_limit():
         assert builds == [0, 1, 1, 1]
 
     asyncio.run(run())
+
+
+def test_the_etag_follows_the_bytes_not_the_build():
+    version, bodies = [0], [b"same", b"same", b"other"]
+
+    async def run() -> list[str]:
+        cache = ListingCache(lambda: version[0], ttl_s=60)
+        tags = []
+        for _ in bodies:
+            tags.append((await cache._entry("k", lambda: bodies[version[0]])).etag)
+            version[0] += 1  # every call a rebuild
+        return tags
+
+    tags = asyncio.run(run())
+    assert tags[0] == tags[1] == etag_of(b"same")  # rebuilt, unchanged: a 304 stays valid
+    assert tags[2] == etag_of(b"other") != tags[0]
+    assert tags[0].startswith('"') and tags[0].endswith('"')  # a strong entity tag
 
 
 def test_a_commit_during_a_build_makes_that_entry_stale():

@@ -3,6 +3,8 @@ are (no query per sweep): counted with a SQLAlchemy event listener on the real e
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -67,3 +69,50 @@ def test_an_unchanged_listing_runs_no_query_and_a_commit_shows_at_once(hpt_home,
         assert api.get("/dashboards").text.count("/dashboards/sweeps/") == 4
         # other pages and offsets are their own entries, rebuilt from the same state
         assert len(api.get("/sweeps", params={"limit": 2, "offset": 3}).json()) == 1
+
+
+def test_a_listing_the_client_has_is_a_bodiless_304_until_it_changes(hpt_home, tiny_spec):
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        store = api.app.state.coordinator.store
+        add_sweeps(store, 2, tiny_spec)
+        for path, media in (("/sweeps", "application/json"), ("/dashboards", "text/html")):
+            first = api.get(path)
+            assert first.status_code == 200
+            assert first.headers["content-type"].startswith(media)
+            assert first.headers["cache-control"] == "no-cache"  # browsers revalidate
+            etag = first.headers["etag"]
+            same = api.get(path, headers={"If-None-Match": etag})
+            assert same.status_code == 304 and same.content == b""
+            assert same.headers["etag"] == etag
+            # a list of tags, weak or not, matches; another tag does not
+            listed = api.get(path, headers={"If-None-Match": f'"nope", W/{etag}'})
+            assert listed.status_code == 304
+            assert api.get(path, headers={"If-None-Match": '"nope"'}).content == first.content
+        # another page of the same listing is another body with its own tag
+        page = api.get("/sweeps", params={"limit": 1})
+        assert page.headers["etag"] != api.get("/sweeps").headers["etag"]
+        tags = {p: api.get(p).headers["etag"] for p in ("/sweeps", "/dashboards")}
+        add_sweeps(store, 1, tiny_spec)  # a commit: the listings change, and their tags
+        for path, etag in tags.items():
+            fresh = api.get(path, headers={"If-None-Match": etag})
+            assert fresh.status_code == 200
+            assert fresh.headers["etag"] != etag
+            marker = b'"id":' if path == "/sweeps" else b"/dashboards/sweeps/"
+            assert fresh.content.count(marker) == 3  # the new sweep is in it
+
+
+def test_only_a_server_process_freezes_its_long_lived_objects(hpt_home):
+    """`hpt serve` (freeze_gc) moves what start-up left alive out of the collector's reach,
+    so full collections stop walking it; an app built for tests or embedding leaves the
+    process's collector alone."""
+    gc.unfreeze()
+    try:
+        with TestClient(create_app(get_settings(), dispatch=False)) as api:
+            assert api.get("/sweeps").status_code == 200
+            assert gc.get_freeze_count() == 0
+        with TestClient(create_app(get_settings(), dispatch=False, freeze_gc=True)) as api:
+            assert api.get("/sweeps").status_code == 200
+            assert gc.get_freeze_count() > 100_000  # torch, MLflow, SQLAlchemy, ...
+            assert "mlflow.tracking" in sys.modules  # the mirror's client, imported first
+    finally:
+        gc.unfreeze()

@@ -16,7 +16,7 @@ from hptransfer.dashboards import (
     sweep_data,
 )
 
-from .routes import coordinator
+from .routes import NOT_MODIFIED, coordinator
 
 router = APIRouter(prefix="/dashboards", tags=["dashboards"])
 INDEX_LIMIT = 200
@@ -24,17 +24,18 @@ INDEX_LIMIT = 200
 _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
 
 
-@router.get("", response_class=HTMLResponse)
+@router.get("", response_class=HTMLResponse, responses=NOT_MODIFIED)
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-async def dashboards_index(request: Request) -> HTMLResponse:
+async def dashboards_index(request: Request) -> Response:
     """Every sweep with its status, progress and a link to its dashboard (rendered once per
-    change: see `hptransfer.api.listing`)."""
+    change, with an ETag: see `hptransfer.api.listing`)."""
     c = coordinator(request)
 
     def build() -> bytes:
         return render_index_html(c.summaries(limit=INDEX_LIMIT)).encode()
 
-    return HTMLResponse(await request.app.state.listings.get(("dashboards",), build))
+    return await request.app.state.listings.respond(request, ("dashboards",), build,
+                                                    "text/html")
 
 
 @router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)

@@ -19,6 +19,9 @@ router = APIRouter(route_class=StrictJSONRoute)
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
           404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
           415: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
+# the cached listings (hptransfer.api.listing) answer a matching If-None-Match with a 304
+NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
+    304: {"description": "Not modified: If-None-Match names the listing's current ETag"}}
 # Paging past this is never meaningful, and SQLite overflows past 2**63 (a 500 before).
 MAX_OFFSET = 10**9
 MUTATION = [Depends(require_token), Depends(require_json)]
@@ -57,22 +60,24 @@ def submit_sweep(
     return coordinator(request).submit(spec)
 
 
-@router.get("/sweeps", response_model=list[SweepSummary], tags=["sweeps"])
+@router.get("/sweeps", response_model=list[SweepSummary], responses=NOT_MODIFIED,
+            tags=["sweeps"])
 async def list_sweeps(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> Response:
     """A page of sweep summaries, newest first. Served from the listing cache while nothing
-    changed (see `hptransfer.api.listing`): the same JSON, validated against the model once."""
+    changed (see `hptransfer.api.listing`): the same JSON, validated against the model once;
+    304 when If-None-Match names the current ETag."""
     c = coordinator(request)
 
     def build() -> bytes:
         return _SUMMARIES.dump_json(_SUMMARIES.validate_python(
             c.summaries(limit=limit, offset=offset)))
 
-    body = await request.app.state.listings.get(("sweeps", limit, offset), build)
-    return Response(body, media_type="application/json")
+    return await request.app.state.listings.respond(request, ("sweeps", limit, offset), build,
+                                                    "application/json")
 
 
 @router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=ERRORS, tags=["sweeps"])
