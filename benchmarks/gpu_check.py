@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 
 import torch
+from _timing import time_sequential_and_packed
 
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trainer import run_trial
 from hptransfer.workers.trial import TrialSpec
 
 
@@ -41,12 +41,7 @@ def main() -> None:
                   f"(warm-up and compile included) notes={r.notes}", flush=True)
         specs = [spec(256, args.steps, lr=2.0 ** (-10 + i * 0.75), seed=i)
                  for i in range(args.k)]
-        t = time.perf_counter()
-        seq = [run_trial(s, cache_dir=cache) for s in specs]
-        t_seq = time.perf_counter() - t
-        t = time.perf_counter()
-        packed = run_trials(specs, cache_dir=cache)
-        t_pack = time.perf_counter() - t
+        seq, packed, t_seq, t_pack = time_sequential_and_packed(specs, cache)
         print(f"width 256, K={args.k}: sequential {t_seq:.1f} s, packed {t_pack:.1f} s, "
               f"ratio {t_seq / t_pack:.2f}; statuses {[r.status for r in seq + packed]}")
         print(f"packed notes: {packed[0].notes}")

@@ -5,6 +5,15 @@ after the other per width; printed as the ratio packed/sequential. Each side tra
 member to its budget with its evaluations, as a sweep would. Run under the heavy lock on a
 shared machine; a loaded machine makes both sides slower, the ratio less so.
 
+The ceiling, measured in the same run: packing can only help by running the same FLOPs at a
+higher rate. "trial GFLOP/s" is what one sequential trial achieves in its training loop
+(analytic training FLOPs x its tokens/s, median of the K); "bmm GFLOP/s" is the rate of one
+torch.bmm of K of its largest matmuls (K x (batch*seq) x width @ width x 4*width) on the same
+threads: the fastest a packed step could run if every FLOP were in such a batched matmul
+(attention, norms and the optimizer never are). Hence "max x" = bmm / trial bounds the
+packing speedup from above; "mm GFLOP/s" (one member's matmul alone) shows whether batching
+the matmuls makes them any faster on this machine at all.
+
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
         [--threads N]
 """
@@ -13,24 +22,32 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
-import time
 
 import torch
+from _timing import matmul_flops, time_sequential_and_packed
 
-from hptransfer.workers.trainer import run_trial, run_trials
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.workers.trainer import run_trial
+from hptransfer.workers.trial import TrialResult, TrialSpec
+
+BATCH, SEQ_LEN = 8, 64
 
 
 def grid(width: int, k: int, steps: int, threads: int) -> list[TrialSpec]:
     return [
         TrialSpec(width=width, depth=2, head_dim=32, base_width=64, base_depth=2,
                   parameterization="completep", lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)),
-                  seed=i, batch_size=8, seq_len=64, budget={"steps": steps}, eval_every=50,
+                  seed=i, batch_size=BATCH, seq_len=SEQ_LEN, budget={"steps": steps}, eval_every=50,
                   data={"val_tokens": 8192, "max_corpus_bytes": 2_000_000},
                   device="cpu", num_threads=threads, divergence_factor=1e9)
         for i in range(k)
     ]
+
+
+def achieved(result: TrialResult) -> float:
+    """Training FLOP/s of one trial's training loop."""
+    return result.tokens_per_s * result.flops_per_token
 
 
 def main() -> None:
@@ -42,25 +59,35 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
-          f"1-min load {load:.1f}; K={args.k}, {args.steps} steps, batch 8 x seq 64, depth 2")
-    print(f"{'width':>5} {'seq s':>8} {'packed s':>9} {'seq trials/s':>13} "
-          f"{'packed trials/s':>16} {'ratio':>6}")
+          f"1-min load {load:.1f}; K={args.k}, {args.steps} steps, batch {BATCH} x seq "
+          f"{SEQ_LEN}, depth 2")
+    print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
+          f"{'packed trials/s':>15} {'ratio':>5} | {'trial':>6} {'packed':>7} {'mm':>5} "
+          f"{'bmm':>5} {'max x':>5}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
         run_trial(grid(64, 1, 2, args.threads)[0], cache_dir=cache)  # data cache + warm-up
         for width in args.widths:
             specs = grid(width, args.k, args.steps, args.threads)
-            t = time.perf_counter()
-            seq = [run_trial(s, cache_dir=cache) for s in specs]
-            t_seq = time.perf_counter() - t
-            t = time.perf_counter()
-            packed = run_trials(specs, cache_dir=cache)
-            t_pack = time.perf_counter() - t
+            shape = (BATCH * SEQ_LEN, width, 4 * width)
+            mm = matmul_flops(*shape, args.threads)
+            bmm = matmul_flops(*shape, args.threads, batch=args.k)
+            seq, packed, t_seq, t_pack = time_sequential_and_packed(specs, cache)
             bad = [r.error for r in seq + packed if r.status == "failed"]
             if bad:
                 raise RuntimeError(bad[0])
-            print(f"{width:>5} {t_seq:>8.2f} {t_pack:>9.2f} {args.k / t_seq:>13.2f} "
-                  f"{args.k / t_pack:>16.2f} {t_seq / t_pack:>6.2f}", flush=True)
+            bmm = max(bmm, matmul_flops(*shape, args.threads, batch=args.k))
+            trial = statistics.median(achieved(r) for r in seq)
+            pack = sum(achieved(r) for r in packed)
+            print(f"{width:>5} {t_seq:>7.2f} {t_pack:>8.2f} {args.k / t_seq:>12.2f} "
+                  f"{args.k / t_pack:>15.2f} {t_seq / t_pack:>5.2f} | {trial / 1e9:>6.1f} "
+                  f"{pack / 1e9:>7.1f} {mm / 1e9:>5.0f} {bmm / 1e9:>5.0f} {bmm / trial:>5.2f}",
+                  flush=True)
     print(f"1-min load after: {os.getloadavg()[0]:.1f}")
+    print("ratio = packed trials/s over sequential (whole trials: set-up, training, "
+          "evaluations). GFLOP/s (training loops only): trial = one sequential trial "
+          "(median), packed = the pack's members together, mm / bmm = one fp32 matmul "
+          f"(batch*seq) x width @ width x 4*width alone / {args.k} of them in one bmm; "
+          "max x = bmm / trial: the most packing could speed up training on these threads.")
 
 
 if __name__ == "__main__":

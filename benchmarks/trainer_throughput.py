@@ -43,6 +43,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from _timing import matmul_flops
 from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, time_peer
 
 from hptransfer.data import DataSpec
@@ -130,20 +131,7 @@ def time_training(spec: TrialSpec, warmup: int, cache_dir: str) -> tuple[list[fl
 
 def time_matmul(width: int, threads: int, reps: int = 30) -> float:
     """FLOP/s of (batch*seq) x width @ width x 4*width in fp32 (median of `reps`)."""
-    torch.set_num_threads(threads)
-    m, k, n = BATCH * SEQ_LEN, width, 4 * width
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    out = torch.empty(m, n)
-    for _ in range(3):
-        torch.mm(a, b, out=out)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b, out=out)
-        times.append(time.perf_counter() - t)
-    return 2.0 * m * k * n / statistics.median(times)
+    return matmul_flops(BATCH * SEQ_LEN, width, 4 * width, threads, reps=reps)
 
 
 def measure(label: str, arch: str, param: str, width: int, depth: int,

@@ -151,6 +151,39 @@ def test_relu_squared_matches_autograd_reference():
     torch.testing.assert_close(vmapped, ref)
 
 
+@pytest.mark.parametrize("alibi", [False, True])
+def test_vmapped_attention_matches_per_member_softmax_attention(alibi):
+    """attention() under vmap with the members folded into the batch (packed trials on the
+    CPU): values and gradients equal textbook softmax attention of each member alone, with
+    q, k, v stacked (in_dims 0), and with k, v shared (in_dims None) as well."""
+    from hptransfer.models.layers import alibi_bias, attention, vmapped_attention
+
+    members, b, h, t, d = 3, 2, 2, 5, 4
+    q, k, v = (torch.randn(members, b, h, t, d, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(members, b, h, t, d, dtype=torch.float64)
+    bias = alibi_bias(h, t, q.device, q.dtype) if alibi else None
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+
+    def reference(q, k, v):
+        s = (q @ k.transpose(-2, -1)) * 0.7
+        s = s + bias if alibi else s.masked_fill(~causal, float("-inf"))
+        return s.softmax(-1) @ v
+
+    def member(q, k, v):
+        with vmapped_attention():
+            return attention(q, k, v, 0.7, bias)
+
+    ours = torch.vmap(member)(q, k, v)
+    ref = torch.stack([reference(q[i], k[i], v[i]) for i in range(members)])
+    torch.testing.assert_close(ours, ref)
+    grads = torch.autograd.grad(ours, (q, k, v), g)
+    torch.testing.assert_close(grads, torch.autograd.grad(ref, (q, k, v), g))
+    shared = torch.vmap(member, in_dims=(0, None, None))(q, k[0], v[0])
+    torch.testing.assert_close(shared, torch.stack([reference(q[i], k[0], v[0])
+                                                    for i in range(members)]))
+
+
 def test_rotary_matches_pairwise_rotation_formula():
     """Rotary against the textbook formula on (i, i + d/2) pairs, in both layouts."""
     from hptransfer.models.layers import Rotary

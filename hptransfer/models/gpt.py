@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ForwardMultipliers, ModelConfig
-from .layers import Rotary, alibi_bias, fused_qkv, relu_squared, residual_add
+from .layers import Rotary, alibi_bias, attention, fused_qkv, relu_squared, residual_add
 
 
 class Attention(nn.Module):
@@ -44,11 +44,9 @@ class Attention(nn.Module):
         if self.ve_lambdas is not None and ve is not None:
             v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view_as(v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, t, d)
-        if self.position == "rope":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            bias = alibi_bias(self.n_heads, t, x.device, q.dtype)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+        bias = None if self.position == "rope" else alibi_bias(self.n_heads, t, x.device,
+                                                               q.dtype)
+        y = attention(q, k, v, self.scale, bias)
         return self.proj(y.transpose(1, 2).reshape(b, t, n))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Rotary, fused_qkv
+from .layers import Rotary, attention, fused_qkv
 
 
 def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -52,7 +52,7 @@ class NormalizedAttention(nn.Module):
         qk = self.s_qk().view(self.n_heads, self.head_dim) * unit(rotary(qk, -4))
         q, k, v = (t_.transpose(1, 2) for t_ in (*qk.unbind(2), v.squeeze(2)))
         # q, k are unit-norm per head, so the softmax scale is sqrt(d_head), not its inverse
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=math.sqrt(self.head_dim))
+        y = attention(q, k, v, math.sqrt(self.head_dim))
         return self.proj(y.transpose(1, 2).reshape(b, t, n))
 
 

@@ -16,6 +16,7 @@ assembly (plan.py) and the batched AdamW below follows torch.optim.AdamW's updat
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from torch.func import functional_call, vmap
 
 from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
+from hptransfer.models.layers import vmapped_attention
 from hptransfer.models.ngpt import NGPT, unit
 
 from .device import Compiled, autocast, resolve_device
@@ -145,16 +147,20 @@ class _Pack:
         self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step")
 
     # ---- the batched model -------------------------------------------------------------
+    def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # on the CPU, attention folds the members into its batch (no flash batching rule)
+        folded = vmapped_attention() if self.device.type == "cpu" else contextlib.nullcontext()
+        with autocast(self.device, self.spec.precision), folded:
+            return functional_call(self.template, params, (x,))
+
     def _member_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor,
                      y: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device, self.spec.precision):
-            logits = functional_call(self.template, params, (x,))
+        logits = self._logits(params, x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def _member_val_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor,
                          y: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device, self.spec.precision):
-            logits = functional_call(self.template, params, (x,))
+        logits = self._logits(params, x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
 
     @torch.no_grad()

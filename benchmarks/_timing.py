@@ -1,0 +1,53 @@
+"""Timing pieces the benchmarks share: sequential vs packed trials, and matmul FLOP/s."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trial import TrialResult, TrialSpec
+
+
+def time_sequential_and_packed(
+    specs: Sequence[TrialSpec], cache_dir: str
+) -> tuple[list[TrialResult], list[TrialResult], float, float]:
+    """(sequential results, packed results, sequential s, packed s): every spec trained by
+    its own `run_trial`, one after the other, then all of them by one `run_trials`."""
+    t = time.perf_counter()
+    seq = [run_trial(s, cache_dir=cache_dir) for s in specs]
+    t_seq = time.perf_counter() - t
+    t = time.perf_counter()
+    packed = run_trials(specs, cache_dir=cache_dir)
+    t_pack = time.perf_counter() - t
+    return seq, packed, t_seq, t_pack
+
+
+def matmul_flops(m: int, k: int, n: int, threads: int, batch: int = 1, reps: int = 30) -> float:
+    """FLOP/s of an fp32 (m x k) @ (k x n) matmul, or of `batch` of them in one torch.bmm
+    (median of `reps`), on `threads` threads."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(batch, m, k, generator=gen)
+    b = torch.randn(batch, k, n, generator=gen)
+    out = torch.empty(batch, m, n)
+    if batch == 1:
+        a, b, out = a[0], b[0], out[0]
+
+    def op() -> None:
+        if batch == 1:
+            torch.mm(a, b, out=out)
+        else:
+            torch.bmm(a, b, out=out)
+
+    for _ in range(3):
+        op()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        op()
+        times.append(time.perf_counter() - t)
+    return 2.0 * batch * m * k * n / statistics.median(times)
