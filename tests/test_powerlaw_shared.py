@@ -34,18 +34,22 @@ def test_exact_laws_with_a_shared_asymptote_are_recovered() -> None:
         np.testing.assert_allclose(f.residuals, 0.0, atol=1e-6)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_noisy_laws_are_recovered_within_their_bootstrap_ci(seed: int) -> None:
-    fits = fit_power_laws_shared_e(_points(0.004, seed), bootstrap=200, seed=seed)
-    for arm, (A, b) in LAWS.items():
-        f = fits[arm]
-        assert f.reliable, (arm, f.warnings)
-        assert f.ci["E"][0] <= E_TRUE <= f.ci["E"][1]
-        assert f.ci["b"][0] <= b <= f.ci["b"][1]
-        assert f.ci["A"][0] <= A <= f.ci["A"][1]
-        assert len(f.boot_params) > 150
-    # one E per joint refit: every arm's bootstrap E column is the same draw
-    np.testing.assert_array_equal(fits["sp"].boot_params[:, 0], fits["mup"].boot_params[:, 0])
+def test_noisy_laws_are_recovered_within_their_bootstrap_ci() -> None:
+    hits = []
+    for seed in range(6):
+        fits = fit_power_laws_shared_e(_points(0.004, seed), bootstrap=100, seed=seed)
+        for arm, (A, b) in LAWS.items():
+            f = fits[arm]
+            assert f.reliable, (arm, f.warnings)
+            assert len(f.boot_params) == 100
+            for name, true in (("E", E_TRUE), ("b", b), ("A", A)):
+                assert f.ci[name][1] > f.ci[name][0]
+                hits.append(f.ci[name][0] <= true <= f.ci[name][1])
+        # one E per joint refit: every arm's bootstrap E column is the same draw
+        np.testing.assert_array_equal(fits["sp"].boot_params[:, 0],
+                                      fits["mup"].boot_params[:, 0])
+    # 54 intervals at a nominal 95 % (one miss in 20 is expected; see test_bootstrap.py)
+    assert np.mean(hits) >= 0.8, np.mean(hits)
 
 
 def test_shared_fit_keeps_the_reliability_rules() -> None:

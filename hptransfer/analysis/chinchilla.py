@@ -20,9 +20,9 @@ from scipy.optimize import minimize
 from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
-    bootstrap_params,
     exponent_ci_problem,
     named_cis,
+    residual_bootstrap,
     usable_points,
 )
 from .optimal_lr import OptimalLRResult, as_optimal
@@ -244,7 +244,8 @@ def fit_chinchilla(
     """Fit L(N, D) = E + A/N^α + B/D^β (N params, D tokens) by Huber on log loss.
 
     `top_k` grid starts with the lowest objective are refined by L-BFGS-B and the best kept.
-    The CI resamples points `bootstrap` times, refining from the full-data optimum.
+    The CI refits `bootstrap` residual resamples (`fit_result.residual_bootstrap`),
+    refining from the full-data optimum.
     """
     (n_arr, d_arr, y), ids, warnings = usable_points((n, d, loss), trial_ids)
     if len(y) < 6:
@@ -271,14 +272,13 @@ def fit_chinchilla(
     fitted = np.log(E + A / n_arr**alpha + B / d_arr**beta)
     residuals = np.log(y) - fitted
 
-    def refit(idx: np.ndarray) -> np.ndarray:
-        sub = _Objective(n_arr[idx], d_arr[idx], y[idx], delta)
-        # Each resample has its own centring, so start from the full fit's raw parameters.
-        r = _refine(sub, sub.to_centred(np.log(A), np.log(B), np.log(E), alpha, beta))
+    def refit(log_y_star: np.ndarray) -> np.ndarray:
+        sub = _Objective(n_arr, d_arr, np.exp(log_y_star), delta)
+        r = _refine(sub, theta)  # same design, so the same centring: start at the full fit
         # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
         return sub.from_centred(r.x) if np.isfinite(r.fun) else np.full(5, np.nan)
 
-    boot = bootstrap_params(len(y), bootstrap, seed, 6, 5, refit)
+    boot = residual_bootstrap(fitted, residuals, 5, bootstrap, seed, refit)
     ci_map = named_cis({name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ci)
 
     problems: list[str] = []

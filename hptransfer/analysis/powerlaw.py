@@ -12,9 +12,9 @@ from scipy.optimize import least_squares
 from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
-    bootstrap_params,
     exponent_ci_problem,
     named_cis,
+    residual_bootstrap,
     usable_points,
 )
 from .serialize import json_safe
@@ -247,7 +247,8 @@ def fit_power_law(
     """Fit L = E + A*C^(-b) with a soft-L1 loss on log residuals from a grid of starts.
 
     `f_scale` is the log-residual size (about a relative error) beyond which points count
-    linearly, so a few bad runs do not drag the fit. The CI resamples points `bootstrap` times.
+    linearly, so a few bad runs do not drag the fit. The CI refits `bootstrap` residual
+    resamples (`fit_result.residual_bootstrap`).
     """
     (c, y), ids, warnings = usable_points((compute, loss), trial_ids)
     if np.unique(c).size < 3:
@@ -271,11 +272,11 @@ def fit_power_law(
     A = a_scaled * c_scale**b
     residuals = logy - _model(p, x)
 
-    def refit(idx: np.ndarray) -> np.ndarray:
-        r = _solve(x[idx], logy[idx], p, bounds, f_scale)
+    def refit(logy_star: np.ndarray) -> np.ndarray:
+        r = _solve(x, logy_star, p, bounds, f_scale)
         return np.exp(r.x) if r.success else np.full(3, np.nan)
 
-    boot = bootstrap_params(len(c), bootstrap, seed, 3, 3, refit)
+    boot = residual_bootstrap(logy - residuals, residuals, 3, bootstrap, seed, refit)
     a_orig = boot[:, 1] * c_scale ** boot[:, 2]
     ci_map = named_cis({"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ci)
 

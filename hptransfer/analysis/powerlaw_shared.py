@@ -4,8 +4,9 @@ Arms of one study train on the same corpus with the same tokenizer and are score
 validation tokens, so the loss no model can go below (the data's entropy under that
 tokenizer) is the same for all of them; only how fast each approaches it differs. Sharing E
 removes the E-b trade-off that leaves a 3-parameter fit per arm undetermined over a few
-decades of compute (E driven to 0, exponent CIs spanning a factor > 3). The bootstrap resamples
-each arm's points and refits jointly, so the i-th refits of two arms are one joint draw.
+decades of compute (E driven to 0, exponent CIs spanning a factor > 3). The bootstrap redraws
+the residuals of all arms' points together and refits jointly, so the i-th refits of two arms
+are one joint draw.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import named_cis, usable_points
+from .fit_result import named_cis, residual_bootstrap, usable_points
 from .powerlaw import (
     _LOG_B_BOUNDS,
     _LOG_E_RANGE,
@@ -82,18 +83,6 @@ def _starts(xs: list[np.ndarray], ys: list[np.ndarray], f_scale: float,
     return starts
 
 
-def _resample(rng: np.random.Generator, sizes: list[int], n_resamples: int,
-              min_unique: int = 3) -> list[list[np.ndarray]]:
-    """Per resample, one index draw per arm (within-arm, with replacement); resamples where
-    an arm has fewer than `min_unique` distinct points are skipped."""
-    out = []
-    for _ in range(n_resamples):
-        draw = [rng.integers(0, n, size=n) for n in sizes]
-        if all(np.unique(d).size >= min_unique for d in draw):
-            out.append(draw)
-    return out
-
-
 @single_threaded
 def fit_power_laws_shared_e(
     points: Mapping[str, Points],
@@ -138,16 +127,17 @@ def fit_power_laws_shared_e(
     p = best.x
     e, a, b = _unpack(p, k)
 
-    rng = np.random.default_rng(seed)
-    boot = np.full((0, 1 + 2 * k), np.nan)
-    if bootstrap > 0:
-        rows = []
-        for draw in _resample(rng, [len(x) for x in xs], bootstrap):
-            r = _solve([x[d] for x, d in zip(xs, draw, strict=True)],
-                       [y[d] for y, d in zip(ys, draw, strict=True)], p, bounds, f_scale)
-            rows.append(r.x if r.success else np.full(1 + 2 * k, np.nan))
-        if rows:
-            boot = np.array(rows)
+    # one residual bootstrap over all arms' points (one loss metric, one noise): the i-th
+    # refits of two arms come from one joint redraw
+    sizes = np.cumsum([len(x) for x in xs])[:-1]
+    y_all = np.concatenate(ys)
+    fitted = np.concatenate([np.logaddexp(e, a[i] - b[i] * x) for i, x in enumerate(xs)])
+
+    def refit(y_star: np.ndarray) -> np.ndarray:
+        r = _solve(xs, np.split(y_star, sizes), p, bounds, f_scale)
+        return r.x if r.success else np.full(1 + 2 * k, np.nan)
+
+    boot = residual_bootstrap(fitted, y_all - fitted, 1 + 2 * k, bootstrap, seed, refit)
     E = float(np.exp(e))
     for i, arm in enumerate(arms):
         c, y, ids, warnings = clean[arm]

@@ -155,8 +155,7 @@ def compare_fits(
         ci_lo = np.where(inside, ci_lo, np.nan)
         ci_hi = np.where(inside, ci_hi, np.nan)
     else:
-        no_ci = ("no bootstrap refits (bootstrap off, or no resample of the frontier points "
-                 "had 3 distinct points)")
+        no_ci = "no bootstrap refits (bootstrap is off)"
     if no_ci is not None:
         # an interval of zero width would read as certainty: show none, say why
         ci_lo = ci_hi = np.full(grid.shape, np.nan)
@@ -243,8 +242,8 @@ def _no_ci_reason(samples: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> str | 
     finite = samples[np.isfinite(samples).all(axis=1)]
     distinct = np.unique(np.round(finite, 9), axis=0).shape[0] if finite.size else 0
     if distinct < MIN_DISTINCT_REFITS:
-        return (f"only {distinct} distinct bootstrap refits (too few frontier points to "
-                "resample; run more shapes or seeds)")
+        return (f"only {distinct} distinct bootstrap refits (the fits leave no residual "
+                "spread to redraw: run more shapes or seeds)")
     width = hi - lo
     if not np.isfinite(width).any() or np.nanmax(width) <= 1e-9:
         return "every bootstrap refit gives the same savings: a zero-width interval is not real"

@@ -24,14 +24,6 @@ def percentile_ci(samples: np.ndarray, level: float = 0.95, axis: int = 0) -> np
         return np.nanpercentile(samples, [tail, 100.0 - tail], axis=axis)
 
 
-def bootstrap_indices(
-    rng: np.random.Generator, n: int, n_resamples: int, min_unique: int
-) -> list[np.ndarray]:
-    """Resamples of range(n) with replacement, skipping ones with too few distinct points."""
-    draws = rng.integers(0, n, size=(n_resamples, n))
-    return [idx for idx in draws if np.unique(idx).size >= min_unique]
-
-
 P = ParamSpec("P")
 R = TypeVar("R")
 
