@@ -138,11 +138,12 @@ def fit_power_laws_shared_e(
         return r.x if r.success else np.full(1 + 2 * k, np.nan)
 
     boot = residual_bootstrap(fitted, y_all - fitted, 1 + 2 * k, bootstrap, seed, refit)
+    arm_residuals = np.split(y_all - fitted, sizes)
     E = float(np.exp(e))
     for i, arm in enumerate(arms):
         c, y, ids, warnings = clean[arm]
         b_i, a_scaled = float(b[i]), float(np.exp(a[i]))
-        residuals = ys[i] - np.logaddexp(e, a[i] - b_i * xs[i])
+        residuals = arm_residuals[i]
         arm_boot = np.column_stack([np.exp(boot[:, 0]), np.exp(boot[:, 1 + 2 * i]),
                                     np.exp(boot[:, 2 + 2 * i])])
         a_orig = arm_boot[:, 1] * c_scale ** arm_boot[:, 2]
