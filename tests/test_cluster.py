@@ -206,9 +206,10 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    # trials long enough (~40 s each on an idle core) that the sweep is still running when
-    # the worker has been restarted and when the coordinator is killed
-    spec = _grid_spec(tiny_spec, "cluster-faults", 15000, [2**-10, 2**-8, 2**-6, 2**-5])
+    # trials long enough (~20 s each on an idle core; 4 of them and a retry on 2 CPUs) that
+    # the sweep is still running when the worker has been restarted and when the
+    # coordinator is killed
+    spec = _grid_spec(tiny_spec, "cluster-faults", 8000, [2**-10, 2**-8, 2**-6, 2**-5])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
