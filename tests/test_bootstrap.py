@@ -38,25 +38,29 @@ def test_zero_residuals_give_identical_refits_and_no_width() -> None:
     np.testing.assert_array_equal(boot, 10.0)
 
 
-def test_draws_keep_the_design_and_rescale_median_centred_residuals() -> None:
-    fitted = np.arange(6.0)
-    residuals = np.array([0.1, -0.2, 0.3, 0.0, 0.05, 5.0])  # 5.0: an outlier
+def _drawn_noise(fitted: np.ndarray, residuals: np.ndarray, seed: int) -> np.ndarray:
+    """The noise residual_bootstrap adds to `fitted` in each of its 200 redraws."""
     seen: list[np.ndarray] = []
 
     def refit(y: np.ndarray) -> np.ndarray:
         seen.append(y - fitted)
-        return np.array([0.0, 0.0])
+        return np.zeros(2)
 
-    residual_bootstrap(fitted, residuals, 2, 200, 3, refit)
-    draws = np.concatenate(seen)
+    residual_bootstrap(fitted, residuals, 2, 200, seed, refit)
+    return np.concatenate(seen)
+
+
+def test_draws_keep_the_design_and_rescale_median_centred_residuals() -> None:
+    fitted = np.arange(6.0)
+    residuals = np.array([0.1, -0.2, 0.3, 0.0, 0.05, 5.0])  # 5.0: an outlier
+    draws = _drawn_noise(fitted, residuals, 3)
     # median-centred, then scaled by sqrt(n/(n-p)) = sqrt(6/4)
     allowed = (residuals - np.median(residuals)) * np.sqrt(6 / 4)
     assert np.isin(np.round(draws, 12), np.round(allowed, 12)).all()
     assert len(np.unique(np.round(draws, 12))) == 6  # every residual gets drawn
-    # the same seed gives the same draws
-    again: list[np.ndarray] = []
-    residual_bootstrap(fitted, residuals, 2, 200, 3, lambda y: again.append(y - fitted) or [0, 0])
-    np.testing.assert_array_equal(np.concatenate(again), draws)
+    # the same seed gives the same draws, another seed others
+    np.testing.assert_array_equal(_drawn_noise(fitted, residuals, 3), draws)
+    assert not np.array_equal(_drawn_noise(fitted, residuals, 4), draws)
 
 
 def test_no_resamples_is_an_empty_sample() -> None:
