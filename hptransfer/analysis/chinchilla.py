@@ -26,7 +26,7 @@ from .fit_result import (
     usable_points,
 )
 from .optimal_lr import OptimalLRResult, as_optimal
-from .powerlaw import E_ZERO_FRACTION
+from .powerlaw import e_at_zero_problem
 from .serialize import analysis_dict, frame_records, json_safe, with_none
 from .stats import single_threaded
 from .trials import Trials
@@ -294,11 +294,10 @@ def fit_chinchilla(
         wide = exponent_ci_problem(name, ci_map)
         if wide:
             problems.append(wide)
-    # the same rule as the power law's: an E under 0.1 % of the lowest loss (its bound,
-    # e^-10, included) is not identified by the data
-    if E < E_ZERO_FRACTION * float(y.min()):
-        problems.append(f"E is driven to 0 (E={E:.3g}, under {E_ZERO_FRACTION:.1%} of the "
-                        "lowest loss): the irreducible loss is not identified by this data")
+    # the power law's rule (its bound, e^-10, included)
+    at_zero = e_at_zero_problem(E, float(y.min()))
+    if at_zero:
+        problems.append(at_zero)
     agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
     if agree < 2 and len(runs) > 1:
         warnings.append("only one start reached the best objective; the optimum may be local")

@@ -137,16 +137,14 @@ def loss_compute_frontier(
     fronts = {str(arm): pts[pts["on_frontier"]]
               for arm, pts in points.groupby("arm", sort=True)}
     if shared_asymptote:
-        joint = fit_power_laws_shared_e(
+        fits.update(fit_power_laws_shared_e(
             {arm: (f["flops"].to_numpy(), f["loss"].to_numpy()) for arm, f in fronts.items()},
             bootstrap=bootstrap, seed=seed, ci=ci, f_scale=f_scale,
             trial_ids={arm: f["trial_ids"].tolist() for arm, f in fronts.items()},
-        )
-    for i, (arm, front) in enumerate(fronts.items()):
-        if shared_asymptote:
-            fit = joint[arm]
-        else:
-            fit = fit_power_law(
+        ))
+    else:
+        for i, (arm, front) in enumerate(fronts.items()):
+            fits[arm] = fit_power_law(
                 front["flops"].to_numpy(),
                 front["loss"].to_numpy(),
                 bootstrap=bootstrap,
@@ -156,11 +154,11 @@ def loss_compute_frontier(
                 trial_ids=front["trial_ids"].tolist(),
                 what=f"the loss-vs-compute fit of arm {arm}",
             )
-        fits[arm] = fit
-        if fit.ok:
-            points.loc[front.index, "residual_log"] = fit.residuals
+    for arm, front in fronts.items():
+        if fits[arm].ok:
+            points.loc[front.index, "residual_log"] = fits[arm].residuals
         else:
-            reasons[arm] = fit.reason  # type: ignore[assignment]
+            reasons[arm] = fits[arm].reason  # type: ignore[assignment]
     reason = None
     if opt.reason is not None and points.empty:
         reason = NotEnoughData("the loss-vs-compute frontier", opt.reason.because)

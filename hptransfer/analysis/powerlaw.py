@@ -198,12 +198,21 @@ def _nan_fit(
     )
 
 
+def e_at_zero_problem(E: float, min_loss: float) -> str | None:
+    """Why an asymptote E is not identified (None when it is): the same rule for the power
+    law and Chinchilla, whatever value under E_ZERO_FRACTION the optimiser stopped at."""
+    if E < E_ZERO_FRACTION * min_loss:
+        return (f"E is driven to 0 (E={E:.3g}, under {E_ZERO_FRACTION:.1%} of the lowest "
+                "loss): the irreducible loss is not identified by this data")
+    return None
+
+
 def bound_problems(E: float, b: float, min_loss: float) -> list[str]:
     """Why a fit's E or b sits at (or too near) its bound: the same rule for every arm."""
     out = []
-    if E < E_ZERO_FRACTION * min_loss:
-        out.append(f"E is driven to 0 (E={E:.3g}, under {E_ZERO_FRACTION:.1%} of the lowest "
-                   "loss): the irreducible loss is not identified by this data")
+    at_zero = e_at_zero_problem(E, min_loss)
+    if at_zero:
+        out.append(at_zero)
     if E >= (1.0 - E_ZERO_FRACTION) * min_loss:
         out.append("E reached the lowest observed loss: the curve has not bent yet")
     log_b = np.log(b)

@@ -63,14 +63,8 @@ def expected_trials(spec: SweepSpec, stage: str) -> int:
     if st is None or stage == TUNE:
         return 0
     n_seeds, n_arms = len(spec.grid.seeds), len(spec.arms)
-    if stage == "check":
-        assert st.check is not None
-        n = 0
-        ladder = {s.key() for s in st.transfer.default_budget_shapes()} if st.transfer else set()
-        for shape in st.shapes_of("check"):
-            n += sum(1 for o in st.check.log2_offsets if not (o == 0 and shape.key() in ladder))
-        return n * n_arms * n_seeds
-    return len(st.shapes_of(stage)) * n_arms * n_seeds
+    n = sum(len(st.lr_offsets(stage, shape)) for shape in st.shapes_of(stage))
+    return n * n_arms * n_seeds
 
 
 def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> StudyStep:
@@ -231,18 +225,11 @@ def _stage_trials(
 ) -> list[PlannedTrial]:
     assert spec.stages is not None and stage in STAGE_ORDER
     st = spec.stages
-    ladder = {s.key() for s in st.transfer.default_budget_shapes()} if st.transfer else set()
     out = []
     for arm in (a.name for a in spec.arms):
         lr, sigma = hps[arm]["lr"], hps[arm]["sigma_base"]
         for shape in st.shapes_of(stage):
-            offsets = [0.0]
-            if stage == "check":
-                assert st.check is not None
-                # offset 0 at a ladder shape is the ladder's own trial
-                offsets = [o for o in st.check.log2_offsets
-                           if not (o == 0 and shape.key() in ladder)]
-            for offset in offsets:
+            for offset in st.lr_offsets(stage, shape):
                 for seed in spec.grid.seeds:
                     key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
                     out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage,

@@ -175,3 +175,12 @@ class Stages(SpecModel):
                         key=lambda s: (s.width**2 * s.depth, s.width))]
         section: Any = getattr(self, stage)
         return list(section.shapes) if section is not None else []
+
+    def lr_offsets(self, stage: str, shape: Shape) -> list[float]:
+        """The log2 offsets from the transferred η* a later stage trains at `shape`: the
+        check's bracket without 0 at a ladder shape (that is the ladder's own trial), else 0."""
+        if stage != "check" or self.check is None:
+            return [0.0]
+        ladder = ({s.key() for s in self.transfer.default_budget_shapes()}
+                  if self.transfer else set())
+        return [o for o in self.check.log2_offsets if not (o == 0 and shape.key() in ladder)]
