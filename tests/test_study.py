@@ -83,6 +83,9 @@ def bowl(centre_log2: float):
                                   {"width": 128, "depth": 1}]}},
      "stages.aspect_ratio.shapes[0].tokens_per_param"),  # only ladder shapes take a budget
     ({"tune": {"extend": 9}}, "stages.tune.extend"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "extend": 5}}, "stages.check.extend"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "extend_lrs": 0}},
+     "stages.check.extend_lrs"),
     ({"transfr": {}}, "stages.transfr"),
 ])
 def test_bad_stage_specs_name_the_field(stages, field):
@@ -107,10 +110,11 @@ def test_a_study_tunes_at_the_base_shape():
 def test_trial_cap_counts_every_stage():
     spec = load_spec(study_dict())
     # the most it can plan: tune 2 arms x 5 LRs; per arm an extension of 2 LRs, transfer 2,
-    # check 3 offsets (an upper bound: offset 0 is the ladder's own trial), aspect ratio 4
-    assert spec.trial_count() == 10 + 2 * (2 + 2 + 3 + 4)
+    # check 3 offsets (an upper bound: offset 0 is the ladder's own trial) and one
+    # extension of 1 LR, aspect ratio 4
+    assert spec.trial_count() == 10 + 2 * (2 + 2 + 3 + 1 + 4)
     with pytest.raises(SpecError) as exc:
-        load_spec(study_dict(), max_trials=25)
+        load_spec(study_dict(), max_trials=27)
     assert exc.value.errors[0]["field"] == "grid"
 
 
@@ -192,6 +196,53 @@ def test_grid_edge_extends_then_stops_with_the_reason():
     assert stop.kind == "stop" and not stop.trials
     assert "high edge" in stop.reason and "stages.tune.extend" in stop.reason
     assert stop.state["stop_reason"] == stop.reason
+
+
+def test_check_at_the_bracket_edge_extends_then_reports_a_bound():
+    study = study_dict()
+    study["stages"]["check"] = {"log2_offsets": [-1, 0, 1], "extend": 2}
+    spec = load_spec(study)
+    tune = plan_sweep(spec)
+    centre = {"gpt/sp": -8.3, "gpt/completep": -7.6}
+    later = next_step(spec, initial_state(spec, 10),
+                      frame_of(tune, lambda p: bowl(centre[p.arm])(p)))
+    # at the checked shape (64x2) SP's optimum moved 2.4 octaves up, CompleteP's stayed
+    moved = {"gpt/sp": centre["gpt/sp"] + 2.4, "gpt/completep": centre["gpt/completep"]}
+
+    def loss(p):
+        on_check = (p.width, p.depth) == (64, 2) and p.stage in ("transfer", "check")
+        return bowl(moved[p.arm] if on_check else centre[p.arm])(p)
+
+    done = tune + later.trials
+    step = next_step(spec, later.state, frame_of(done, loss))
+    # one LR one bracket step (1 octave) above SP's highest, at the checked shape, SP only
+    assert step.kind == "plan" and {p.stage for p in step.trials} == {"check"}
+    assert [(p.arm, p.width, p.depth) for p in step.trials] == [("gpt/sp", 64, 2)]
+    assert math.log2(step.trials[0].lr) == pytest.approx(centre["gpt/sp"] + 2, abs=1e-5)
+    assert step.state["check_extensions"] == {"gpt/sp 64x2": 1}
+    assert step.state["stages"][-1]["name"] == "check"
+    # deterministic (restart safety): the same inputs plan the same trial
+    again = next_step(spec, later.state, frame_of(done, loss))
+    assert [p.content_hash for p in again.trials] == [p.content_hash for p in step.trials]
+    # still at the edge: the second (last) allowed round steps once more
+    done += step.trials
+    second = next_step(spec, step.state, frame_of(done, loss))
+    assert [math.log2(p.lr) for p in second.trials] == pytest.approx([centre["gpt/sp"] + 3])
+    # the optimum (+2.4) is inside now: the study is done, and the report measures the shift
+    done += second.trials
+    final = next_step(spec, second.state, frame_of(done, loss))
+    assert final.kind == "done" and final.state["done"] and not final.trials
+    from hptransfer.analysis.staged import transfer_check
+    table = transfer_check(frame_of(done, loss), bootstrap=0).table.set_index("arm")
+    assert table.loc["gpt/sp", "edge"] is None
+    assert table.loc["gpt/sp", "shift_log2"] == pytest.approx(2.4, abs=1e-3)
+    # with no extension left the edge stays a bound: done, and the report says why
+    spent = next_step(spec, step.state | {"check_extensions": {"gpt/sp 64x2": 2}},
+                      frame_of(done[:-1], loss))
+    assert spent.kind == "done" and not spent.trials
+    table = transfer_check(frame_of(done[:-1], loss), bootstrap=0).table.set_index("arm")
+    assert table.loc["gpt/sp", "edge"] == "high" and not table.loc["gpt/sp", "reliable"]
+    assert "stages.check.extend" in table.loc["gpt/sp", "reason"]
 
 
 def test_optuna_tune_at_the_edge_extends_by_one_first_batch_slice():
@@ -418,7 +469,13 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
     transfer = df[df["stage"] == "transfer"]
     assert len(transfer) == 1 and transfer["lr"].iloc[0] == pytest.approx(eta, rel=1e-12)
     check = df[df["stage"] == "check"]
-    assert sorted(check["lr"] / eta) == pytest.approx([0.5, 2.0], rel=1e-5)
+    # the bracket η*·2^±1, and one LR an octave beyond its edge iff its best LR sat there
+    ratios = sorted(check["lr"] / eta)
+    extended = done["study"].get("check_extensions", {})
+    assert extended in ({}, {"gpt/completep 32x2": 1}), extended
+    expected = [0.5, 2.0] if not extended else (
+        [0.25, 0.5, 2.0] if ratios[0] < 0.4 else [0.5, 2.0, 4.0])
+    assert ratios == pytest.approx(expected, rel=1e-5)
     assert df["content_hash"].is_unique
 
 

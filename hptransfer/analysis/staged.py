@@ -117,7 +117,7 @@ def transfer_check(
             side = "below" if c["edge"] == "low" else "above"
             reason = (f"the optimum lies {side} the bracket: η* moved more than the bracket "
                       f"spans (the shift is a bound, not an estimate); widen "
-                      "stages.check.log2_offsets")
+                      "stages.check.log2_offsets or raise stages.check.extend")
         row["reliable"] = bool(c["reliable"]) and bool(b0["reliable"]) and reason is None
         if not bool(b0["reliable"]) and reason is None:
             reason = "η* at the base shape is not reliable"

@@ -10,7 +10,10 @@ Rounds: round 0 is the tune stage (the sweep's own grid, stored at submit); a tu
 whose η* of some arm sits at an edge of the LR range adds LRs beyond that edge (up to
 `stages.tune.extend` times); once every arm has a reliable η*, ONE round plans every later
 stage (transfer, check, aspect_ratio: they all depend on the tune stage only), each trial
-tagged with its stage and planned in stage order, so they lease in that order.
+tagged with its stage and planned in stage order, so they lease in that order. After them,
+a check bracket whose best LR sits at its edge adds LRs beyond that edge (up to
+`stages.check.extend` rounds), so a transfer that moved η* further than the bracket spans is
+measured rather than bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from hptransfer.analysis import optimal_lr
+from hptransfer.analysis.staged import transfer_check
 from hptransfer.status import TrialStatus
 
 from .plan import PlannedTrial, ShapeKey, trial_at
@@ -74,9 +78,7 @@ def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> St
     state = _copy(state)
     planned = {s["name"] for s in state["stages"]}
     if planned - {TUNE}:  # the later stages were planned (and have all finished)
-        state["done"] = True
-        state["round"] += 1
-        return StudyStep("done", state)
+        return _after_later_stages(spec, state, frame)
     tune = frame[frame["stage"] == TUNE] if "stage" in frame else frame.iloc[:0]
     decisions, extend, stops = _tune_decisions(spec, state, tune)
     if stops:
@@ -234,6 +236,55 @@ def _stage_trials(
                     key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
                     out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage,
                                         getattr(shape, "tokens_per_param", None)))
+    return out
+
+
+# ---------------------------------------------------------------- check extensions
+
+
+def _after_later_stages(spec: SweepSpec, state: dict[str, Any],
+                        frame: pd.DataFrame) -> StudyStep:
+    """Extend a check bracket whose best LR is at its edge, or finish the study."""
+    state["round"] += 1
+    extend = _check_extensions(spec, state, frame)
+    if not extend:
+        state["done"] = True
+        return StudyStep("done", state)
+    counts = state.setdefault("check_extensions", {})
+    trials = []
+    for (arm, width, depth), lrs in extend.items():
+        label = f"{arm} {width}x{depth}"
+        counts[label] = counts.get(label, 0) + 1
+        sigma = state["hps"][arm]["sigma_base"]
+        trials += [trial_at(spec, ShapeKey(arm, width, depth, sigma, seed), lr, "check")
+                   for lr in lrs for seed in spec.grid.seeds]
+    state["stages"].append({"name": "check", "round": state["round"], "n_trials": len(trials),
+                            "extends": {f"{a} {w}x{d}": v for (a, w, d), v in extend.items()}})
+    return StudyStep("plan", state, trials)
+
+
+def _check_extensions(spec: SweepSpec, state: dict[str, Any],
+                      frame: pd.DataFrame) -> dict[tuple[str, int, int], list[float]]:
+    """Per (arm, check shape) whose bracket optimum is at an edge, with extension rounds
+    left: the LRs beyond that edge. The edge is the transfer check's own (the report's)."""
+    check = spec.stages.check if spec.stages is not None else None
+    if check is None or check.extend == 0 or "stage" not in frame:
+        return {}
+    table = transfer_check(frame, bootstrap=0).table
+    used = state.get("check_extensions", {})
+    out: dict[tuple[str, int, int], list[float]] = {}
+    for row in table.itertuples():
+        if not isinstance(row.edge, str) or used.get(f"{row.arm} {row.width}x{row.depth}",
+                                                      0) >= check.extend:
+            continue
+        at = frame[(frame["arm"] == row.arm) & (frame["width"] == row.width)
+                   & (frame["depth"] == row.depth)
+                   & frame["stage"].isin(("transfer", "check"))]
+        log2 = np.log2(at["lr"].to_numpy(dtype=float))
+        sign, start = (-1, log2.min()) if row.edge == "low" else (1, log2.max())
+        out[(row.arm, int(row.width), int(row.depth))] = [
+            _round_lr(2.0 ** (start + sign * k * check.step()))
+            for k in range(1, check.extend_lrs + 1)]
     return out
 
 

@@ -305,7 +305,8 @@ class SweepSpec(SpecModel):
         per_arm_seed = st.tune.extend * st.tune.extend_lrs * len(g.sigma_bases)
         for stage in st.enabled()[1:]:
             n = len(st.shapes_of(stage))
-            per_arm_seed += n * len(st.check.log2_offsets) if stage == "check" and st.check \
+            per_arm_seed += n * (len(st.check.log2_offsets) + st.check.extend
+                                 * st.check.extend_lrs) if stage == "check" and st.check \
                 else n
         return tune + len(self.arms) * len(g.seeds) * per_arm_seed
 

@@ -17,6 +17,7 @@ the base shape, the arms) are `SweepSpec`'s.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
@@ -103,12 +104,21 @@ class TransferStage(SpecModel):
 
 class CheckStage(SpecModel):
     """LR bracket η* x 2^offset at `shapes` (default: the transfer ladder's largest shape).
-    Offset 0 at a ladder shape is the ladder's own trial, so it is not trained twice."""
+    Offset 0 at a ladder shape is the ladder's own trial, so it is not trained twice. When
+    the bracket's best LR is at its edge (η* moved further than the bracket spans), up to
+    `extend` more rounds each add `extend_lrs` LRs beyond that edge, spaced like the
+    bracket; past that the shift is reported as a bound."""
 
     shapes: list[Shape] | None = Field(None, min_length=1, max_length=8)
     log2_offsets: list[float] = Field(
         [-1.0, 0.0, 1.0], min_length=3, max_length=9,
     )
+    extend: int = Field(1, ge=0, le=MAX_EXTEND)
+    extend_lrs: int = Field(1, ge=1, le=8)
+
+    def step(self) -> float:
+        """The bracket's spacing in octaves (its closest pair): how far an extension steps."""
+        return min(b - a for a, b in pairwise(self.log2_offsets))
 
     @field_validator("shapes")
     @classmethod
