@@ -572,7 +572,7 @@ def test_results_frame(store: Store) -> None:
     assert list(frame.columns) == [
         "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
         "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
-        "params_embedding", "wall_time_s", "reused", "stage", "steps",
+        "params_embedding", "wall_time_s", "reused", "stage", "steps", "tokens_per_param",
     ] == list(RESULT_FRAME_COLUMNS)
     assert len(frame) == 4 and frame["trial_id"].tolist() == trial_ids(store, sid)
     for col in ("trial_id", "arm", "arch", "parameterization", "status"):
@@ -580,7 +580,8 @@ def test_results_frame(store: Store) -> None:
     for col in ("width", "depth", "seed"):
         assert frame[col].dtype == np.int64, col
     for col in ("lr", "sigma_base", "final_val_loss", "flops", "tokens",
-                "params_non_embedding", "params_embedding", "wall_time_s", "steps"):
+                "params_non_embedding", "params_embedding", "wall_time_s", "steps",
+                "tokens_per_param"):
         assert frame[col].dtype == np.float64, col
     assert frame["reused"].dtype == bool
     assert frame["status"].tolist() == ["completed", "diverged", "pending", "running"]
@@ -592,6 +593,9 @@ def test_results_frame(store: Store) -> None:
     per_step = items[0].trial.batch_size * items[0].trial.seq_len
     assert frame.loc[0, "steps"] == 20480 // per_step and math.isnan(frame.loc[2, "steps"])
     assert math.isnan(frame.loc[1, "final_val_loss"]) and math.isnan(frame.loc[2, "flops"])
+    # the planned budget per parameter: none here (TrialSpec's default budget is in steps)
+    assert items[0].trial.budget.tokens_per_param is None
+    assert frame["tokens_per_param"].isna().all()
     assert not frame["reused"].any()
     assert store.results_frame(reused_sid)["reused"].tolist() == [True]
 

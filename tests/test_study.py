@@ -506,3 +506,29 @@ def test_study_frontier_keeps_each_token_budget_of_a_shape_as_its_own_point():
     assert bool(at["on_frontier"].iloc[1])
     assert not bool(pts[(pts["width"] == 32)]["on_frontier"].iloc[0])  # 2.3 at 1.6e10
     assert len(pts) == 6
+
+
+def test_the_check_bracket_leaves_out_a_second_budget_of_its_shape():
+    """The largest ladder shape may also be on the ladder at a second budget: that trial has
+    the transferred LR but another loss, so it must not enter the bracket's parabola."""
+    from hptransfer.analysis.staged import transfer_check
+
+    rows = []
+
+    def add(stage, lr, loss, tokens_per_param=5.0):
+        rows.append(dict(trial_id=f"t{len(rows)}", arm="gpt/sp", width=64 if stage != "tune"
+                         else 32, depth=2, lr=lr, sigma_base=0.02, seed=0, status="completed",
+                         final_val_loss=loss, stage=stage, tokens_per_param=tokens_per_param))
+
+    bowl_at = lambda centre: lambda k: 3 + 0.02 * (k - centre) ** 2  # noqa: E731
+    for k in range(-10, -4):
+        add("tune", 2.0**k, bowl_at(-8)(k))
+    for k in (-9, -7):  # the bracket 2^-1, 2^+1 around η* = 2^-8; its optimum moved to -8.5
+        add("check", 2.0**k, bowl_at(-8.5)(k))
+    add("transfer", 2.0**-8, bowl_at(-8.5)(-8))
+    shift = transfer_check(pd.DataFrame(rows), bootstrap=0).table["shift_log2"].iloc[0]
+    assert shift == pytest.approx(-0.5, abs=1e-9)
+    # the same shape at 20 tokens per parameter: far lower loss at η*, another budget
+    add("transfer", 2.0**-8, 1.0, tokens_per_param=20.0)
+    again = transfer_check(pd.DataFrame(rows), bootstrap=0).table["shift_log2"].iloc[0]
+    assert again == pytest.approx(-0.5, abs=1e-9)

@@ -91,6 +91,11 @@ def transfer_check(
     shapes = checked[["arm", "width", "depth"]].drop_duplicates()
     at = df.merge(shapes, on=["arm", "width", "depth"])
     at = at[at["stage"].isin(("transfer", "check"))]
+    if "tokens_per_param" in at:
+        # the check trains at the sweep's budget: a ladder shape's second budget (the same
+        # LR, another loss) is not a point of the bracket
+        budget = set(checked["tokens_per_param"].fillna(-1.0))
+        at = at[at["tokens_per_param"].fillna(-1.0).isin(budget)]
     base = optimal_lr(tune, bootstrap=0).shapes
     check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
     check = check_fit.shapes

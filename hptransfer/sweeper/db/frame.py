@@ -14,7 +14,7 @@ from .schema import Trial
 RESULT_FRAME_COLUMNS: tuple[str, ...] = (
     "trial_id", "arm", "arch", "parameterization", "width", "depth", "lr", "sigma_base",
     "seed", "status", "final_val_loss", "flops", "tokens", "params_non_embedding",
-    "params_embedding", "wall_time_s", "reused", "stage", "steps",
+    "params_embedding", "wall_time_s", "reused", "stage", "steps", "tokens_per_param",
 )
 _FRAME_DTYPES: dict[str, Any] = {
     **dict.fromkeys(("trial_id", "arm", "arch", "parameterization", "status", "stage"),
@@ -23,7 +23,7 @@ _FRAME_DTYPES: dict[str, Any] = {
     # tokens/params are counts, but float so rows without a result can hold NaN
     **dict.fromkeys(
         ("lr", "sigma_base", "final_val_loss", "flops", "tokens", "params_non_embedding",
-         "params_embedding", "wall_time_s", "steps"),
+         "params_embedding", "wall_time_s", "steps", "tokens_per_param"),
         "float64",
     ),
     "reused": bool,
@@ -64,6 +64,9 @@ def results_to_frame(rows: Iterable[Row[Any]]) -> pd.DataFrame:
             "params_embedding": r.params_embedding, "wall_time_s": r.wall_time_s,
             "reused": r.reused_from is not None, "stage": r.stage,
             "steps": _steps(r.tokens, spec),
+            # the planned budget (NaN unless per parameter): tells a ladder shape's two
+            # budgets apart, which `tokens` cannot for a trial that stopped early
+            "tokens_per_param": (spec.get("budget") or {}).get("tokens_per_param"),
         }
         for name, value in values.items():
             columns[name].append(value)
