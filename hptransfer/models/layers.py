@@ -122,7 +122,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention, (..., heads, T, d); `bias`: an additive (heads,
     T, T) mask that replaces the causal flag (ALiBi)."""
-    if _FOLD_VMAP_ATTENTION.get():
+    # torch.compile (CUDA only) cannot trace ContextVar.get: asking would break the graph at
+    # every layer; the fold is for packed trials on the CPU, which never compile
+    if not torch.compiler.is_compiling() and _FOLD_VMAP_ATTENTION.get():
         return _VmapAttention.apply(q, k, v, bias, scale)
     return _sdpa(q, k, v, bias, scale)
 

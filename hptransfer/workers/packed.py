@@ -143,13 +143,15 @@ class _Pack:
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
         self.initial: torch.Tensor | None = None
+        # on the CPU, attention folds the members into its batch (no flash batching rule);
+        # CUDA has one, and compiles the model, which the fold's ContextVar would break
+        self.fold_attention = device.type == "cpu"
         self.loss_fn = Compiled(vmap(self._member_loss), device, self.notes, "packed model")
         self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step")
 
     # ---- the batched model -------------------------------------------------------------
     def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        # on the CPU, attention folds the members into its batch (no flash batching rule)
-        folded = vmapped_attention() if self.device.type == "cpu" else contextlib.nullcontext()
+        folded = vmapped_attention() if self.fold_attention else contextlib.nullcontext()
         with autocast(self.device, self.spec.precision), folded:
             return functional_call(self.template, params, (x,))
 

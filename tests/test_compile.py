@@ -1,0 +1,105 @@
+"""The CUDA path compiles the model (`workers/device.Compiled`): checked here on the CPU, where
+nothing compiles by default, so that a graph break or a compile failure shows up without a GPU.
+
+- dynamo traces every arch variant's forward, and the packed trainer's batched loss and
+  AdamW step, as ONE graph (a break per layer would split the model into pieces that
+  compile and launch separately);
+- inductor's compiled forward and backward (its CPU backend) equal eager's;
+- `Compiled` falls back to eager, with a note, when compiling fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from test_packed import CASES, specs_for
+from torch.func import vmap
+
+from hptransfer.models.build import build_from_config
+from hptransfer.workers.device import Compiled
+from hptransfer.workers.packed import _Pack
+from hptransfer.workers.trial import TrialSpec
+
+CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
+
+
+def _model(case: dict) -> tuple[torch.nn.Module, torch.Tensor]:
+    spec: TrialSpec = specs_for(case)[0]
+    cfg = spec.model_config_obj()
+    model = build_from_config(cfg, spec.parameterization_obj(), seed=0).model
+    tokens = torch.randint(0, cfg.vocab_size, (2, spec.seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    return model, tokens
+
+
+def _breaks(explained) -> list[str]:  # noqa: ANN001 (dynamo's ExplainOutput)
+    return [f"{r.reason.splitlines()[0]} at {r.user_stack[-1] if r.user_stack else '?'}"
+            for r in explained.break_reasons]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_model_traces_as_one_graph(name):
+    model, tokens = _model(CASES[name])
+    explained = dynamo.explain(model)(tokens)
+    assert explained.graph_break_count == 0, _breaks(explained)
+    assert explained.graph_count == 1
+
+
+def test_packed_loss_and_update_trace_as_one_graph_each():
+    pack = _Pack(specs_for(CASES["gpt-x0-ve"])[:2], None, None)
+    pack.fold_attention = False  # as on CUDA, where the pack compiles
+    pack._row_idx = torch.tensor(pack.rows)
+    x, y = pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, 0)
+    xs, ys = torch.stack([x, x]), torch.stack([y, y])
+    explained = dynamo.explain(vmap(pack._member_loss))(pack.params, xs, ys)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, _breaks(explained)
+
+    losses = vmap(pack._member_loss)(pack.params, xs, ys)
+    losses.sum().backward()
+    args = ([pack.params[n].grad for n in pack.names], losses.detach(),
+            torch.ones(2, dtype=torch.bool), losses.detach().double(),
+            pack.factors[0, pack._row_idx], pack.bias1[0], pack.bias2_sqrt[0])
+    with torch.no_grad():
+        explained = dynamo.explain(pack._update)(*args)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, _breaks(explained)
+
+
+def test_compiled_forward_and_backward_equal_eager():
+    model, tokens = _model(CASES["gpt-x0-ve"])
+    notes: list[str] = []
+    compiled = Compiled(model, CUDA, notes, "model")
+    assert compiled.fn is not model  # it compiles
+
+    def loss_and_grads(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001
+        model.zero_grad(set_to_none=True)
+        loss = fn(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager_grads = loss_and_grads(model)
+    loss, grads = loss_and_grads(compiled)
+    assert notes == []  # no fallback: the compiled code ran
+    assert loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
+    for g, ref in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_a_failing_compile_falls_back_to_eager_with_a_note():
+    """A worker without a working C++ compiler: inductor cannot build its kernels."""
+    import torch._inductor.config as inductor
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 3 + 1
+
+    notes: list[str] = []
+    compiled = Compiled(fn, CUDA, notes, "model")
+    x = torch.linspace(0, 1, 7)
+    # no cached kernels either, or nothing would need compiling
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False,
+                         "autotune_local_cache": False}):
+        out = compiled(x)
+    assert torch.equal(out, fn(x))
+    assert len(notes) == 1 and notes[0].startswith("torch.compile failed for the model (")
+    assert notes[0].endswith("ran eager")
+    assert torch.equal(compiled(x), fn(x)) and len(notes) == 1  # eager from then on
