@@ -253,14 +253,19 @@ def _after_later_stages(spec: SweepSpec, state: dict[str, Any],
     counts = state.setdefault("check_extensions", {})
     trials = []
     for (arm, width, depth), lrs in extend.items():
-        label = f"{arm} {width}x{depth}"
+        label = _check_label(arm, width, depth)
         counts[label] = counts.get(label, 0) + 1
         sigma = state["hps"][arm]["sigma_base"]
         trials += [trial_at(spec, ShapeKey(arm, width, depth, sigma, seed), lr, "check")
                    for lr in lrs for seed in spec.grid.seeds]
     state["stages"].append({"name": "check", "round": state["round"], "n_trials": len(trials),
-                            "extends": {f"{a} {w}x{d}": v for (a, w, d), v in extend.items()}})
+                            "extends": {_check_label(*k): v for k, v in extend.items()}})
     return StudyStep("plan", state, trials)
+
+
+def _check_label(arm: str, width: int, depth: int) -> str:
+    """A checked shape's key in the study state (JSON keys are strings)."""
+    return f"{arm} {width}x{depth}"
 
 
 def _check_extensions(spec: SweepSpec, state: dict[str, Any],
@@ -274,8 +279,8 @@ def _check_extensions(spec: SweepSpec, state: dict[str, Any],
     used = state.get("check_extensions", {})
     out: dict[tuple[str, int, int], list[float]] = {}
     for row in table.itertuples():
-        if not isinstance(row.edge, str) or used.get(f"{row.arm} {row.width}x{row.depth}",
-                                                      0) >= check.extend:
+        label = _check_label(row.arm, row.width, row.depth)
+        if not isinstance(row.edge, str) or used.get(label, 0) >= check.extend:
             continue
         at = frame[(frame["arm"] == row.arm) & (frame["width"] == row.width)
                    & (frame["depth"] == row.depth)
