@@ -118,3 +118,45 @@ def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
     assert set(coordinator.store.status_counts(bad_id).items()) >= {("cancelled", 3)}
     summary = coordinator.summary(bad_id)  # the listing still answers for it
     assert summary["done"] == summary["total"] == 3
+
+
+def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_later(
+        hpt_home, ray_cluster):
+    """The live-metrics board is a Ray actor; one being restarted (its node lost, or killed by
+    Ray's OOM monitor) answers late. Dispatch ticks go on without it meanwhile (they used to
+    block 10 s each, and the late answer was dropped), and its answer is used when it comes."""
+    import threading
+    from types import SimpleNamespace
+
+    from hptransfer.sweeper.dispatch import InFlight
+    from hptransfer.sweeper.progress import ProgressBoard
+
+    class GatedBoard(ProgressBoard):  # the real board, answering drains only once opened
+        def __init__(self) -> None:
+            super().__init__()
+            self._gate = threading.Event()
+
+        def open(self) -> None:
+            self._gate.set()
+
+        def drain(self):  # noqa: ANN202
+            self._gate.wait()
+            return super().drain()
+
+    dispatcher = Coordinator(get_settings()).dispatcher
+    dispatcher.start(background=False)
+    dispatcher.mirror = None
+    board = ray.remote(num_cpus=0, max_concurrency=4)(GatedBoard).remote()
+    dispatcher._board = board
+    try:
+        ray.get(board.report.remote("t1", {"step": 7}))  # a worker's report
+        dispatcher.in_flight["t1"] = InFlight(
+            trial=SimpleNamespace(optuna_trial_number=None), ref=None, cpus=1, gpus=0)
+        for _ in range(3):  # unanswered: each tick goes on
+            dispatcher._relay_progress()
+        assert dispatcher.in_flight["t1"].last_step == 0
+        ray.get(board.open.remote())
+        wait_for(lambda: dispatcher._relay_progress() or
+                 dispatcher.in_flight["t1"].last_step == 7, 30, "the late answer to be used")
+    finally:
+        ray.kill(board)

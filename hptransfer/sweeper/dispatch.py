@@ -156,6 +156,7 @@ class Dispatcher:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._board = None
+        self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
         self._remote = None
         self._remote_pack = None
         self.last_error: str | None = None
@@ -260,8 +261,17 @@ class Dispatcher:
                     ray.cancel(ref, force=True)
 
     def _relay_progress(self) -> None:
+        # one drain call outstanding at a time, waited for at most one poll interval: a board
+        # actor that is restarting (killed with its node or by Ray's OOM monitor) must not
+        # hold up dispatching, nor a shutdown; its answer is taken on a later tick
+        if self._drain is None:
+            self._drain = self._board.drain.remote()
+        ready, _ = ray.wait([self._drain], timeout=self.poll_interval)
+        if not ready:
+            return
+        ref, self._drain = self._drain, None
         try:
-            updates = ray.get(self._board.drain.remote(), timeout=10)
+            updates = ray.get(ref)
         except Exception as exc:  # live metrics are best effort; results still arrive
             log.warning("progress board unavailable: %s", exc)
             return
