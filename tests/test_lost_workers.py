@@ -75,7 +75,12 @@ def test_node_death_is_retried(tmp_path, tiny_spec):
     tiny_spec["grid"]["lrs"] = [2**-6]
     tiny_spec["budget"] = {"steps": 1500, "batch_size": 4}  # seconds left after step 1
     tiny_spec["retries"] = 1
-    result = run_in_child(SCRIPT, tiny_spec, tmp_path, timeout=400)
+    # Ray's GCS declares a silent node dead after a few missed health checks (3 s apart by
+    # default, 5 misses); checked twice a second here, it notices in ~1.5 s, not ~15 s
+    result = run_in_child(SCRIPT, tiny_spec, tmp_path, timeout=400,
+                          RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="500",
+                          RAY_health_check_failure_threshold="3",
+                          RAY_health_check_initial_delay_ms="0")
     assert result["status"] == "completed"
     assert result["attempts"] == 2  # the lost attempt counts; the retry completed
     # the lost attempt is a FAILED MLflow run that says why
