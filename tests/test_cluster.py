@@ -53,6 +53,10 @@ def cluster():
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HPT_", "RAY_", "MLFLOW_"))}
     env.update(PYTHON=sys.executable, HPT_CLUSTER_DIR=str(folder / "c"), OMP_NUM_THREADS="1")
+    # Ray's GCS declares a silent node dead after missed health checks (every 3 s, 5 misses
+    # by default); checked twice a second, a killed worker host is noticed in ~1.5 s
+    env.update(RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="500",
+               RAY_health_check_failure_threshold="3")
     try:
         out = _script(UP, env=env)
         assert "API" in out and "MLflow server" in out
@@ -206,10 +210,10 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    # trials long enough (~20 s each on an idle core; 4 of them and a retry on 2 CPUs) that
-    # the sweep is still running when the worker has been restarted and when the
-    # coordinator is killed
-    spec = _grid_spec(tiny_spec, "cluster-faults", 8000, [2**-10, 2**-8, 2**-6, 2**-5])
+    # trials long enough (~12 s each on an idle core; 4 of them and their re-runs on 2 CPUs)
+    # that the sweep is still running when the worker has been restarted (only the head's
+    # CPU trains meanwhile) and when the coordinator is killed
+    spec = _grid_spec(tiny_spec, "cluster-faults", 5000, [2**-10, 2**-8, 2**-6, 2**-5])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
