@@ -143,17 +143,24 @@ def reference_grid(module_hpt_home, module_ray_cluster) -> pd.DataFrame:
         return client.trials(grid_id)
 
 
-@pytest.mark.parametrize("pack", [1, "auto"])
-def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, reference_grid, hpt_home,
+# each way of running the search takes one arm of the grid (its two widths): the two
+# together cover the grid's four shapes at half the cost of running both on all four
+@pytest.mark.parametrize("pack, parameterization", [(1, "completep"), ("auto", "sp")])
+def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameterization,
+                                                              reference_grid, hpt_home,
                                                               ray_cluster, record_property):
     """Alone (pack 1: every trial is asked after the previous one finished, so the first
     batch's lowest LR can be pruned) or packed (`auto` packs these widths on the CPU: the
-    first batch trains together, then one trial at a time), each shape's η* is near the
-    grid's best LRs and the search costs a fraction of the grid's tokens."""
+    first batch trains together, then one trial at a time; SP, whose high LRs amplify the
+    packed rounding most), each shape's η* is near the grid's best LRs and the search costs
+    a fraction of the grid's tokens."""
     settings = get_settings()
     full_tokens = STEPS * BATCH * SEQ
-    grid = reference_grid
-    spec = _optuna_spec(COMPARISON_SPEC)
+    arm = {"arch": "gpt", "parameterization": parameterization}
+    assert arm in COMPARISON_SPEC["arms"]
+    grid = reference_grid[reference_grid["arm"] == f"gpt/{parameterization}"]
+    n_shapes = N_SHAPES // 2
+    spec = _optuna_spec({**COMPARISON_SPEC, "arms": [arm]})
     spec["resources"] = {**spec["resources"], "pack": pack}
     with serve_in_thread(settings) as url, Client(url) as client:
         optuna_id = client.submit(spec)["id"]
@@ -162,15 +169,15 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, reference_gr
         fits = client.fits_raw(optuna_id, bootstrap=0)
 
     # the grid: every LR ran to its budget; each shape's argmin is inside the range
-    assert len(grid) == N_SHAPES * len(LOG2_LRS) and (grid["tokens"] == full_tokens).all()
+    assert len(grid) == n_shapes * len(LOG2_LRS) and (grid["tokens"] == full_tokens).all()
     ok = grid[grid["status"] == "completed"]
     argmin = ok.loc[ok.groupby(SHAPE)["final_val_loss"].idxmin()].set_index(SHAPE)
     grid_log2 = argmin["lr"].map(math.log2)
     assert grid_log2.between(LOG2_LRS[0] + 1, LOG2_LRS[-1] - 1).all(), grid_log2
 
     # the search: n_trials LRs per shape in the grid's range, the sweep completed
-    assert seen[-1]["status"] == "completed" and seen[-1]["done"] == N_SHAPES * N_TRIALS
-    assert all(s["total"] == N_SHAPES * N_TRIALS for s in seen)
+    assert seen[-1]["status"] == "completed" and seen[-1]["done"] == n_shapes * N_TRIALS
+    assert all(s["total"] == n_shapes * N_TRIALS for s in seen)
     assert all(s["status"] in ("pending", "running") for s in seen[:-1])
     assert set(found["status"]) <= {"completed", "pruned", "diverged"}
     assert found["lr"].between(2.0 ** LOG2_LRS[0], 2.0 ** LOG2_LRS[-1]).all()
@@ -187,7 +194,7 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, reference_gr
     sequences = {k: [lr for _, lr in sorted(zip(g["optuna_trial_number"], g["lr"],
                                                 strict=True))]
                  for k, g in found.groupby(SHAPE)}
-    assert len(sequences) == N_SHAPES
+    assert len(sequences) == n_shapes
     all_lrs = [lr for seq in sequences.values() for lr in seq]
     assert len(set(all_lrs)) == len(all_lrs), sequences
     # each began with a first batch that covers the range: one LR in each quarter of it
@@ -201,7 +208,7 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, reference_gr
     # grid step of the grid's argmin or of an LR tied with it (within TIE), and the report
     # lists its pruned trials with their steps
     shapes = pd.DataFrame(fits["tables"]["optimal_lr"]).set_index(SHAPE)
-    assert len(shapes) == N_SHAPES
+    assert len(shapes) == n_shapes
     best_loss = ok.groupby(SHAPE)["final_val_loss"].transform("min")
     tied = ok[ok["final_val_loss"] <= best_loss + TIE].groupby(SHAPE)["lr"].agg(
         lambda lrs: sorted(math.log2(lr) for lr in lrs))
@@ -232,7 +239,7 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, reference_gr
 
     # each study in Optuna's own storage holds exactly its shape's trials
     studies = _studies(settings, optuna_id)
-    assert len(studies) == N_SHAPES
+    assert len(studies) == n_shapes
     for study in studies:
         lrs = {t.params["lr"] for t in study.get_trials(deepcopy=False)}
         _check_study_matches(study, found[found["lr"].isin(lrs)])
