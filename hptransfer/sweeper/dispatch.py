@@ -169,6 +169,7 @@ class Dispatcher:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self._board = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
             ProgressBoard).options(scheduling_strategy=here).remote()
+        self._drain = None  # a call to an earlier board (a restart in this process) is moot
         self._remote = ray.remote(execute_trial)
         self._remote_pack = ray.remote(execute_trials)
         n = self.store.requeue_orphans(self.owner)
