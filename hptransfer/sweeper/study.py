@@ -275,16 +275,16 @@ def _check_extensions(spec: SweepSpec, state: dict[str, Any],
     check = spec.stages.check if spec.stages is not None else None
     if check is None or check.extend == 0 or "stage" not in frame:
         return {}
-    table = transfer_check(frame, bootstrap=0).table
+    result = transfer_check(frame, bootstrap=0)
+    curves = result.curves  # the bracket's points, as the check fitted them
     used = state.get("check_extensions", {})
     out: dict[tuple[str, int, int], list[float]] = {}
-    for row in table.itertuples():
+    for row in result.table.itertuples():
         label = _check_label(row.arm, row.width, row.depth)
         if not isinstance(row.edge, str) or used.get(label, 0) >= check.extend:
             continue
-        at = frame[(frame["arm"] == row.arm) & (frame["width"] == row.width)
-                   & (frame["depth"] == row.depth)
-                   & frame["stage"].isin(("transfer", "check"))]
+        at = curves[(curves["arm"] == row.arm) & (curves["width"] == row.width)
+                    & (curves["depth"] == row.depth)]
         log2 = np.log2(at["lr"].to_numpy(dtype=float))
         sign, start = (-1, log2.min()) if row.edge == "low" else (1, log2.max())
         out[(row.arm, int(row.width), int(row.depth))] = [
