@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +25,22 @@ def time_sequential_and_packed(
     packed = run_trials(specs, cache_dir=cache_dir)
     t_pack = time.perf_counter() - t
     return seq, packed, t_seq, t_pack
+
+
+def step_stamps(spec: TrialSpec, cache_dir: str) -> tuple[dict[int, float], TrialResult]:
+    """Train `spec` with `run_trial`, stamping the time of each reporter call by its step
+    (on CUDA the trainer reads losses back to the host before it reports, so the stamps hold
+    the device's work); raises if the run did not complete."""
+    stamps: dict[int, float] = {}
+
+    def reporter(point: dict[str, Any]) -> bool:
+        stamps[point["step"]] = time.perf_counter()
+        return False
+
+    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
+    if result.status != "completed":
+        raise RuntimeError(f"timing run {result.status}: {result.error}")
+    return stamps, result
 
 
 def matmul_flops(m: int, k: int, n: int, threads: int, batch: int = 1, reps: int = 30) -> float:

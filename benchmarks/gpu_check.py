@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
-from _timing import time_sequential_and_packed
+from _timing import step_stamps, time_sequential_and_packed
 
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
 from hptransfer.workers.device import peak_flops, resolve_device
 from hptransfer.workers.plan import load_trial_data
-from hptransfer.workers.trainer import run_trial
 from hptransfer.workers.trial import TrialSpec
 
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}
@@ -49,19 +47,12 @@ def spec(width: int, steps: int, device: str, batch: int, seq_len: int,
 
 def steady_tokens_per_s(s: TrialSpec, cache: str) -> tuple[float, Any]:
     """(tokens/s over the steps after the first third, the trial's result)."""
-    stamps: dict[int, float] = {}
-
-    def reporter(point: dict[str, Any]) -> bool:
-        stamps[point["step"]] = time.perf_counter()
-        return False
-
-    result = run_trial(s, reporter=reporter, cache_dir=cache)
+    stamps, result = step_stamps(s, cache)
     steps = s.budget.steps or 0
     # the last stamp before the final step (which also evaluates)
     window = sorted(k for k in stamps if steps // 3 <= k < steps - 1)
-    if result.status != "completed" or len(window) < 2:
-        raise RuntimeError(f"timing run {result.status} ({result.error}), "
-                           f"{len(window)} reporter calls in the timed window")
+    if len(window) < 2:
+        raise RuntimeError(f"{len(window)} reporter calls in the timed window")
     first, last = window[0], window[-1]
     tokens = (last - first) * s.batch_size * s.seq_len
     return tokens / (stamps[last] - stamps[first]), result

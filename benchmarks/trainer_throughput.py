@@ -37,18 +37,17 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
-from _timing import matmul_flops
+from _timing import matmul_flops, step_stamps
 from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, time_peer
 
 from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.workers.trainer import load_trial_data, run_trial
+from hptransfer.workers.trainer import load_trial_data
 from hptransfer.workers.trial import ArchOptions, Budget, TrialSpec
 
 SEQ_LEN, BATCH, HEAD_DIM, BASE_WIDTH, BASE_DEPTH, LR = 128, 8, 64, 128, 2, 2.0**-7
@@ -111,15 +110,7 @@ def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str,
 
 def time_training(spec: TrialSpec, warmup: int, cache_dir: str) -> tuple[list[float], float]:
     """(seconds of each training step after the warm-up, run_trial's tokens/s)."""
-    stamps: dict[int, float] = {}
-
-    def reporter(point: dict[str, Any]) -> bool:
-        stamps[point["step"]] = time.perf_counter()
-        return False
-
-    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
-    if result.status != "completed":
-        raise RuntimeError(f"timing run {result.status}: {result.error}")
+    stamps, result = step_stamps(spec, cache_dir)
     steps = spec.budget.steps or 0
     first, last = warmup, steps - 1  # step numbers are 1-based; `steps` itself evaluates
     missing = [s for s in (first, last) if s not in stamps]
