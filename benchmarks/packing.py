@@ -34,9 +34,10 @@ from hptransfer.workers.trial import TrialResult, TrialSpec
 BATCH, SEQ_LEN = 8, 64
 
 
-def grid(width: int, k: int, steps: int, threads: int) -> list[TrialSpec]:
+def grid(width: int, k: int, steps: int, threads: int, depth: int = 2) -> list[TrialSpec]:
+    head_dim = 32 if width % 32 == 0 else 8  # 8: the demo's small widths (16, 24, 40)
     return [
-        TrialSpec(width=width, depth=2, head_dim=32, base_width=64, base_depth=2,
+        TrialSpec(width=width, depth=depth, head_dim=head_dim, base_width=64, base_depth=2,
                   parameterization="completep", lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)),
                   seed=i, batch_size=BATCH, seq_len=SEQ_LEN, budget={"steps": steps}, eval_every=50,
                   data={"val_tokens": 8192, "max_corpus_bytes": 2_000_000},

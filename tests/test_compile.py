@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 from test_packed import CASES, specs_for
-from torch.func import vmap
 
 from hptransfer.models.build import build_from_config
 from hptransfer.workers.device import Compiled
@@ -23,6 +22,14 @@ from hptransfer.workers.trial import TrialSpec
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
 
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test traces from scratch: dynamo caches per code object and stops tracing one
+    that hit its recompile limit (eight model variants share GPT.forward)."""
+    dynamo.reset()
+    yield
+    dynamo.reset()
 
 def _model(case: dict) -> tuple[torch.nn.Module, torch.Tensor]:
     spec: TrialSpec = specs_for(case)[0]
@@ -46,23 +53,51 @@ def test_every_model_traces_as_one_graph(name):
     assert explained.graph_count == 1
 
 
-def test_packed_loss_and_update_trace_as_one_graph_each():
-    pack = _Pack(specs_for(CASES["gpt-x0-ve"])[:2], None, None)
-    pack.fold_attention = False  # as on CUDA, where the pack compiles
+def _pack_and_batch(name: str) -> tuple[_Pack, torch.Tensor, torch.Tensor]:
+    pack = _Pack(specs_for(CASES[name])[:2], None, None)
     pack._row_idx = torch.tensor(pack.rows)
-    x, y = pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, 0)
-    xs, ys = torch.stack([x, x]), torch.stack([y, y])
-    explained = dynamo.explain(vmap(pack._member_loss))(pack.params, xs, ys)
+    batches = [pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, seed)
+               for seed in (0, 1)]
+    return pack, torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])
+
+
+def _update_args(pack: _Pack, losses: torch.Tensor) -> tuple:
+    grad = torch.cat([pack.params[n].grad.flatten(1) for n in pack.names], dim=1)
+    return (grad, losses.detach(), torch.ones(2, dtype=torch.bool), losses.detach().double(),
+            pack.factors[0, pack._row_idx], pack.bias1[0], pack.bias2_sqrt[0])
+
+
+@pytest.mark.parametrize("name", ["gpt-x0-ve", "gpt-alibi-bias", "ngpt"])
+def test_packed_loss_and_update_trace_as_one_graph_each(name):
+    pack, xs, ys = _pack_and_batch(name)
+    explained = dynamo.explain(pack._losses)(xs, ys)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, _breaks(explained)
 
-    losses = vmap(pack._member_loss)(pack.params, xs, ys)
+    losses = pack._losses(xs, ys)
     losses.sum().backward()
-    args = ([pack.params[n].grad for n in pack.names], losses.detach(),
-            torch.ones(2, dtype=torch.bool), losses.detach().double(),
-            pack.factors[0, pack._row_idx], pack.bias1[0], pack.bias2_sqrt[0])
     with torch.no_grad():
-        explained = dynamo.explain(pack._update)(*args)
+        explained = dynamo.explain(pack._update)(*_update_args(pack, losses))
     assert explained.graph_break_count == 0 and explained.graph_count == 1, _breaks(explained)
+
+
+def test_compiled_packed_step_equals_eager():
+    """A pack's loss, gradients and AdamW step through dynamo and AOTAutograd equal eager's:
+    its parameters are views into one buffer, which tracing must neither copy nor miss."""
+    def step(compile_: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        pack, xs, ys = _pack_and_batch("gpt-x0-ve")
+        wrap = ((lambda f: torch.compile(f, backend="aot_eager", fullgraph=True)) if compile_
+                else (lambda f: f))
+        losses = wrap(pack._losses)(xs, ys)
+        losses.sum().backward()
+        with torch.no_grad():
+            wrap(pack._update)(*_update_args(pack, losses))
+        return losses.detach(), pack.flat.clone()
+
+    eager_losses, eager_flat = step(False)
+    losses, flat = step(True)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+    assert not torch.equal(flat, _pack_and_batch("gpt-x0-ve")[0].flat)  # the step moved it
+    torch.testing.assert_close(flat, eager_flat, rtol=1e-5, atol=1e-7)
 
 
 def test_compiled_forward_and_backward_equal_eager():

@@ -136,8 +136,7 @@ def test_same_seed_same_weights():
 
 
 def test_relu_squared_matches_autograd_reference():
-    """The hand-written relu^2 (forward and gradient) against autograd's relu().square(), also
-    under vmap (packed trials)."""
+    """The hand-written relu^2 (forward and gradient) against autograd's relu().square()."""
     from hptransfer.models.layers import relu_squared
 
     x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
@@ -147,16 +146,13 @@ def test_relu_squared_matches_autograd_reference():
     torch.testing.assert_close(relu_squared(x), F.relu(x).square())
     torch.testing.assert_close(ours, ref)
     assert torch.autograd.gradcheck(relu_squared, (x,))
-    (vmapped,) = torch.autograd.grad(torch.vmap(relu_squared)(x), x, g)
-    torch.testing.assert_close(vmapped, ref)
 
 
 @pytest.mark.parametrize("alibi", [False, True])
-def test_vmapped_attention_matches_per_member_softmax_attention(alibi):
-    """attention() under vmap with the members folded into the batch (packed trials on the
-    CPU): values and gradients equal textbook softmax attention of each member alone, with
-    q, k, v stacked (in_dims 0), and with k, v shared (in_dims None) as well."""
-    from hptransfer.models.layers import alibi_bias, attention, vmapped_attention
+def test_packed_attention_matches_per_member_softmax_attention(alibi):
+    """attention() on a pack's (members, batch, heads, T, d) tensors: values and gradients
+    equal textbook softmax attention of each member alone."""
+    from hptransfer.models.layers import alibi_bias, attention
 
     members, b, h, t, d = 3, 2, 2, 5, 4
     q, k, v = (torch.randn(members, b, h, t, d, dtype=torch.float64, requires_grad=True)
@@ -170,18 +166,39 @@ def test_vmapped_attention_matches_per_member_softmax_attention(alibi):
         s = s + bias if alibi else s.masked_fill(~causal, float("-inf"))
         return s.softmax(-1) @ v
 
-    def member(q, k, v):
-        with vmapped_attention():
-            return attention(q, k, v, 0.7, bias)
-
-    ours = torch.vmap(member)(q, k, v)
+    ours = attention(q, k, v, 0.7, bias)
     ref = torch.stack([reference(q[i], k[i], v[i]) for i in range(members)])
     torch.testing.assert_close(ours, ref)
     grads = torch.autograd.grad(ours, (q, k, v), g)
     torch.testing.assert_close(grads, torch.autograd.grad(ref, (q, k, v), g))
-    shared = torch.vmap(member, in_dims=(0, None, None))(q, k[0], v[0])
-    torch.testing.assert_close(shared, torch.stack([reference(q[i], k[0], v[0])
-                                                    for i in range(members)]))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_layers_apply_each_members_own_parameters(bias):
+    """Linear, Embedding and LayerNorm with stacked (K, ...) parameters give, for member k,
+    what the plain module with member k's parameters gives on input k; gradients too."""
+    from hptransfer.models.layers import Embedding, LayerNorm, Linear
+
+    torch.manual_seed(0)
+    members = 3
+    cases = [(Linear(6, 5, bias=bias), torch.randn(members, 2, 4, 6, dtype=torch.float64)),
+             (LayerNorm(6, bias=bias), torch.randn(members, 2, 4, 6, dtype=torch.float64)),
+             (Embedding(11, 6), torch.randint(0, 11, (members, 2, 4)))]
+    for module, x in cases:
+        module = module.double()
+        plain = [{n: torch.randn_like(p) for n, p in module.named_parameters()}
+                 for _ in range(members)]
+        stacked = {n: torch.stack([m[n] for m in plain]).requires_grad_() for n in plain[0]}
+        ours = torch.func.functional_call(module, stacked, (x,))
+        g = torch.randn_like(ours)
+        ours.backward(g)
+        for i in range(members):
+            member = {n: p.clone().requires_grad_() for n, p in plain[i].items()}
+            ref = torch.func.functional_call(module, member, (x[i],))
+            torch.testing.assert_close(ours[i], ref)
+            ref.backward(g[i])
+            for n, p in member.items():
+                torch.testing.assert_close(stacked[n].grad[i], p.grad, msg=f"{module} {n}")
 
 
 def test_rotary_matches_pairwise_rotation_formula():

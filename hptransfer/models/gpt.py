@@ -11,7 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ForwardMultipliers, ModelConfig
-from .layers import Rotary, alibi_bias, attention, fused_qkv, relu_squared, residual_add
+from .layers import (
+    Embedding,
+    LayerNorm,
+    Linear,
+    Rotary,
+    alibi_bias,
+    attention,
+    fused_qkv,
+    member_view,
+    relu_squared,
+    residual_add,
+)
 
 
 class Attention(nn.Module):
@@ -19,10 +30,10 @@ class Attention(nn.Module):
         super().__init__()
         n = cfg.width
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.q = nn.Linear(n, n, bias=cfg.bias)
-        self.k = nn.Linear(n, n, bias=cfg.bias)
-        self.v = nn.Linear(n, n, bias=cfg.bias)
-        self.proj = nn.Linear(n, n, bias=cfg.bias)
+        self.q = Linear(n, n, bias=cfg.bias)
+        self.k = Linear(n, n, bias=cfg.bias)
+        self.v = Linear(n, n, bias=cfg.bias)
+        self.proj = Linear(n, n, bias=cfg.bias)
         self.scale = mult.attn_scale if mult.attn_scale is not None else cfg.head_dim**-0.5
         self.position = cfg.position
         if uses_value_embed:
@@ -34,28 +45,29 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None
     ) -> torch.Tensor:
-        b, t, n = x.shape
+        *lead, t, n = x.shape  # lead: (batch,), or (members, batch) in a pack
         qkv = fused_qkv(x, self.q, self.k, self.v, self.n_heads)
         if self.position == "rope":
-            qk, v = qkv.split((2, 1), dim=2)  # split/unbind: no zero-filled slice gradients
-            (q, k), v = rotary(qk, seq_dim=-4).unbind(2), v.squeeze(2)
+            qk, v = qkv.split((2, 1), dim=-3)  # split/unbind: no zero-filled slice gradients
+            (q, k), v = rotary(qk, seq_dim=-4).unbind(-3), v.squeeze(-3)
         else:
-            q, k, v = qkv.unbind(2)
+            q, k, v = qkv.unbind(-3)
         if self.ve_lambdas is not None and ve is not None:
-            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve.view_as(v)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, t, d)
+            lam0, lam1 = (member_view(lam, v, 0) for lam in self.ve_lambdas.unbind(-1))
+            v = lam0 * v + lam1 * ve.view_as(v)
+        q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (.., heads, t, d)
         bias = None if self.position == "rope" else alibi_bias(self.n_heads, t, x.device,
                                                                q.dtype)
         y = attention(q, k, v, self.scale, bias)
-        return self.proj(y.transpose(1, 2).reshape(b, t, n))
+        return self.proj(y.transpose(-3, -2).reshape(*lead, t, n))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.width
-        self.up = nn.Linear(cfg.width, hidden, bias=cfg.bias)
-        self.down = nn.Linear(hidden, cfg.width, bias=cfg.bias)
+        self.up = Linear(cfg.width, hidden, bias=cfg.bias)
+        self.down = Linear(hidden, cfg.width, bias=cfg.bias)
         self.activation = cfg.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +79,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, mult: ForwardMultipliers, uses_value_embed: bool):
         super().__init__()
-        self.ln_attn = nn.LayerNorm(cfg.width)
+        self.ln_attn = LayerNorm(cfg.width)
         self.attn = Attention(cfg, mult, uses_value_embed)
-        self.ln_mlp = nn.LayerNorm(cfg.width)
+        self.ln_mlp = LayerNorm(cfg.width)
         self.mlp = MLP(cfg)
         self.residual = mult.residual
 
@@ -84,9 +96,9 @@ class GPT(nn.Module):
         mult = mult or ForwardMultipliers()
         self.cfg, self.mult = cfg, mult
         n, v = cfg.width, cfg.vocab_size
-        self.embed = nn.Embedding(v, n)
-        self.extra_embeds = nn.ModuleList(nn.Embedding(v, n) for _ in range(cfg.extra_embeddings))
-        self.value_embeds = nn.ModuleList(nn.Embedding(v, n) for _ in range(cfg.value_embeddings))
+        self.embed = Embedding(v, n)
+        self.extra_embeds = nn.ModuleList(Embedding(v, n) for _ in range(cfg.extra_embeddings))
+        self.value_embeds = nn.ModuleList(Embedding(v, n) for _ in range(cfg.value_embeddings))
         self.ve_layer = self._value_embedding_layout(cfg)
         self.blocks = nn.ModuleList(
             Block(cfg, mult, uses_value_embed=i in self.ve_layer) for i in range(cfg.depth)
@@ -98,8 +110,8 @@ class GPT(nn.Module):
             self.x0_lambdas = nn.Parameter(lambdas)
         else:
             self.x0_lambdas = None
-        self.ln_final = nn.LayerNorm(n)
-        self.unembed = nn.Linear(n, v, bias=False)
+        self.ln_final = LayerNorm(n)
+        self.unembed = Linear(n, v, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
 
     @staticmethod
@@ -112,14 +124,14 @@ class GPT(nn.Module):
         return layout
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab)."""
+        """Token ids (B, T) -> logits (B, T, vocab); (K, B, T) -> (K, B, T, vocab) packed."""
         n = self.cfg.width
         x = x00 = self.embed(idx)
         extras = [F.rms_norm(e(idx), (n,)) for e in self.extra_embeds]
         ves = [e(idx) for e in self.value_embeds]
         for i, block in enumerate(self.blocks):
             if self.x0_lambdas is not None:
-                lam = self.x0_lambdas[i]
+                lam = [member_view(c, x, 0) for c in self.x0_lambdas[..., i, :].unbind(-1)]
                 x = lam[0] * x + lam[1] * x00
                 for j, extra in enumerate(extras):
                     x = x + lam[2 + j] * extra

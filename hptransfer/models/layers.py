@@ -1,14 +1,76 @@
-"""Position encodings shared by the architectures (pure torch)."""
+"""Layers shared by the architectures (pure torch), written once for one trial and for packs.
+
+Packed trials (workers/packed.py) stack K members' parameters on a new leading axis and run
+the same model code once, on inputs with that member axis in front: (K, batch, T, ...). Every
+parameter is used through the helpers below, which take a plain parameter or a stacked one
+(one more dimension than its natural rank); with plain parameters they are the ordinary
+torch calls, so a single trial runs exactly the ops it always did.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+
+def member_view(p: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
+    """`p` (natural rank `rank`) ready to broadcast against `like`: a plain p as it is, a
+    stacked one (K, *p) as (K, 1, ..., 1, *p) with like's number of dimensions."""
+    if p.dim() == rank:
+        return p
+    return p.view(p.shape[0], *(1,) * (like.dim() - p.dim()), *p.shape[1:])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a stacked weight (K, out, in) applies member k's matrix to x[k]: one bmm."""
+    if weight.dim() == 2:
+        return F.linear(x, weight, bias)
+    k = weight.shape[0]
+    flat = x.reshape(k, -1, x.shape[-1])  # (K, rows, in): the member's tokens in one matmul
+    if bias is None:
+        y = torch.bmm(flat, weight.transpose(1, 2))
+    else:
+        y = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+def embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding; a stacked table (K, vocab, d) looks idx[k] up in member k's table."""
+    if weight.dim() == 2:
+        return F.embedding(idx, weight)
+    k, vocab = weight.shape[:2]
+    # one lookup in the K tables laid end to end: member k's ids offset by k * vocab
+    offsets = torch.arange(0, k * vocab, vocab, device=idx.device)
+    return F.embedding(idx + offsets.view(k, *(1,) * (idx.dim() - 1)), weight.flatten(0, 1))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, names and init) that also runs stacked weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding (same parameters, names and init) that also runs a stacked table."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return embedding(idx, self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, names and init) that also runs stacked gains/biases."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or self.weight.dim() == 1:
+            return super().forward(x)
+        y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        gain = member_view(self.weight, x, 1)
+        return y * gain if self.bias is None else torch.addcmul(member_view(self.bias, x, 1),
+                                                                y, gain)
 
 
 class Rotary(torch.nn.Module):
@@ -39,17 +101,16 @@ class Rotary(torch.nn.Module):
         return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
 
 
-def fused_qkv(x: torch.Tensor, q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear,
+def fused_qkv(x: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear,
               n_heads: int) -> torch.Tensor:
-    """(batch, T, width) -> (batch, T, 3, heads, head_dim): q, k and v in one matmul.
+    """(..., T, width) -> (..., T, 3, heads, head_dim): q, k and v in one matmul.
 
     They stay three Linear modules (their names, init and optimizer groups are the
     parameterization's contract); one matmul on the concatenated weights is faster than
     three at the small widths a sweep trains, and rotary then rotates q and k together."""
-    weight = torch.cat((q.weight, k.weight, v.weight))
-    bias = None if q.bias is None else torch.cat((q.bias, k.bias, v.bias))
-    b, t, _ = x.shape
-    return F.linear(x, weight, bias).view(b, t, 3, n_heads, -1)
+    weight = torch.cat((q.weight, k.weight, v.weight), dim=-2)  # the out axis, stacked or not
+    bias = None if q.bias is None else torch.cat((q.bias, k.bias, v.bias), dim=-1)
+    return linear(x, weight, bias).view(*x.shape[:-1], 3, n_heads, -1)
 
 
 def alibi_bias(n_heads: int, t: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +129,7 @@ def alibi_bias(n_heads: int, t: int, device: torch.device, dtype: torch.dtype) -
 class _ReluSquared(torch.autograd.Function):
     """relu(x)^2 with a two-pass backward (2 relu(x) * grad): autograd's pow + threshold
     backward of `F.relu(x).square()` is ~3x slower on the CPU, where it was a tenth of a
-    width-128 training step. Same values; vmap-able (packed trials), compiles on CUDA."""
+    width-128 training step. Same values; compiles on CUDA."""
 
     @staticmethod
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,12 +149,6 @@ class _ReluSquared(torch.autograd.Function):
         (r,) = ctx.saved_tensors
         return (grad * r).mul_(2.0)  # in place: no second large allocation
 
-    @staticmethod
-    def vmap(info, in_dims, x):  # noqa: ANN001, ANN205 (torch.func's signature)
-        """Elementwise: apply to the stacked tensor as it is (packed trials). The generated
-        rule (generate_vmap_rule) re-traced forward and backward per call: 6x slower."""
-        return _ReluSquared.apply(x), (in_dims[0], in_dims[0])
-
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return _ReluSquared.apply(x)[0]
@@ -104,28 +159,13 @@ def residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.T
     return x + branch if scale == 1.0 else torch.add(x, branch, alpha=scale)
 
 
-# set by the packed trainer on the CPU while it runs the model under vmap (see attention())
-_FOLD_VMAP_ATTENTION = contextvars.ContextVar("fold_vmap_attention", default=False)
-
-
-@contextlib.contextmanager
-def vmapped_attention() -> Iterator[None]:
-    """Within: attention() is being called under torch.func.vmap on the CPU (packed trials)."""
-    token = _FOLD_VMAP_ATTENTION.set(True)
-    try:
-        yield
-    finally:
-        _FOLD_VMAP_ATTENTION.reset(token)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention, (..., heads, T, d); `bias`: an additive (heads,
     T, T) mask that replaces the causal flag (ALiBi)."""
-    # torch.compile (CUDA only) cannot trace ContextVar.get: asking would break the graph at
-    # every layer; the fold is for packed trials on the CPU, which never compile
-    if not torch.compiler.is_compiling() and _FOLD_VMAP_ATTENTION.get():
-        return _VmapAttention.apply(q, k, v, bias, scale)
+    if q.dim() > 4:  # packed (K, batch, ...): the members are more batch for the kernel
+        out = _sdpa(q.flatten(0, -4), k.flatten(0, -4), v.flatten(0, -4), bias, scale)
+        return out.view(*q.shape[:-1], v.shape[-1])
     return _sdpa(q, k, v, bias, scale)
 
 
@@ -134,38 +174,3 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor 
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-
-
-class _VmapAttention(torch.autograd.Function):
-    """SDPA with a vmap rule: the CPU flash kernel has none, so vmap would run it once per
-    packed member (and copy); this folds the vmapped dim into the batch dim and calls SDPA
-    once on the stacked tensors, where autograd records SDPA's own backward. Outside vmap
-    (not used there) forward/backward are plain SDPA, the backward by recomputation."""
-
-    @staticmethod
-    def forward(q, k, v, bias, scale):  # noqa: ANN001, ANN205
-        return _sdpa(q, k, v, bias, scale)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-        q, k, v, bias, scale = inputs
-        ctx.save_for_backward(q, k, v)
-        ctx.bias, ctx.scale = bias, scale
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-            out = _sdpa(q, k, v, ctx.bias, ctx.scale)
-            return (*torch.autograd.grad(out, (q, k, v), grad), None, None)
-
-    @staticmethod
-    def vmap(info, in_dims, q, k, v, bias, scale):  # noqa: ANN001, ANN205
-        if in_dims[3] is not None:  # a per-member mask: not how the models call it
-            raise NotImplementedError("attention(): the mask cannot differ per packed member")
-        size = info.batch_size
-        q, k, v = (t.movedim(d, 0) if d is not None else t.expand(size, *t.shape)
-                   for t, d in zip((q, k, v), in_dims[:3], strict=True))
-        # (members, batch, heads, T, d) -> (members * batch, heads, T, d): one kernel call
-        out = _sdpa(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bias, scale)
-        return out.unflatten(0, (size, -1)), 0

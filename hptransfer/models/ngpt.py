@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import Rotary, attention, fused_qkv
+from .layers import Embedding, Linear, Rotary, attention, fused_qkv, member_view
 
 
 def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -29,8 +29,13 @@ class ScaleVector(nn.Module):
         self.init, self.scale = init, scale
         self.weight = nn.Parameter(torch.full((size,), scale))
 
-    def forward(self) -> torch.Tensor:
-        return self.weight * (self.init / self.scale)
+    def forward(self, like: torch.Tensor, groups: tuple[int, ...] = ()) -> torch.Tensor:
+        """The effective scale, broadcastable against `like` (one trial's or a pack's);
+        `groups` splits the last axis, e.g. (heads, head_dim)."""
+        value = self.weight * (self.init / self.scale)
+        if groups:
+            value = value.unflatten(-1, groups)
+        return member_view(value, like, len(groups) or 1)
 
 
 class NormalizedAttention(nn.Module):
@@ -38,39 +43,42 @@ class NormalizedAttention(nn.Module):
         super().__init__()
         n = cfg.width
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.q = nn.Linear(n, n, bias=False)
-        self.k = nn.Linear(n, n, bias=False)
-        self.v = nn.Linear(n, n, bias=False)
-        self.proj = nn.Linear(n, n, bias=False)
+        self.q = Linear(n, n, bias=False)
+        self.k = Linear(n, n, bias=False)
+        self.v = Linear(n, n, bias=False)
+        self.proj = Linear(n, n, bias=False)
         self.s_qk = ScaleVector(n, init=1.0, scale=base_scale)
 
     def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        b, t, n = h.shape
-        qkv = fused_qkv(h, self.q, self.k, self.v, self.n_heads)  # (b, t, 3, heads, d)
-        qk, v = qkv.split((2, 1), dim=2)  # split/unbind: no zero-filled slice gradients
-        # q and k rotated, normalised and scaled together: (b, t, 2, heads, d)
-        qk = self.s_qk().view(self.n_heads, self.head_dim) * unit(rotary(qk, -4))
-        q, k, v = (t_.transpose(1, 2) for t_ in (*qk.unbind(2), v.squeeze(2)))
+        *lead, t, n = h.shape  # lead: (batch,), or (members, batch) in a pack
+        qkv = fused_qkv(h, self.q, self.k, self.v, self.n_heads)  # (.., t, 3, heads, d)
+        qk, v = qkv.split((2, 1), dim=-3)  # split/unbind: no zero-filled slice gradients
+        # q and k rotated, normalised and scaled together: (.., t, 2, heads, d)
+        qk = unit(rotary(qk, -4))
+        qk = self.s_qk(qk, (self.n_heads, self.head_dim)) * qk
+        q, k, v = (t_.transpose(-3, -2) for t_ in (*qk.unbind(-3), v.squeeze(-3)))
         # q, k are unit-norm per head, so the softmax scale is sqrt(d_head), not its inverse
         y = attention(q, k, v, math.sqrt(self.head_dim))
-        return self.proj(y.transpose(1, 2).reshape(b, t, n))
+        return self.proj(y.transpose(-3, -2).reshape(*lead, t, n))
 
 
 class NormalizedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         n, hidden = cfg.width, cfg.mlp_ratio * cfg.width
-        self.up_u = nn.Linear(n, hidden, bias=False)
-        self.up_v = nn.Linear(n, hidden, bias=False)
-        self.down = nn.Linear(hidden, n, bias=False)
+        self.up_u = Linear(n, hidden, bias=False)
+        self.up_v = Linear(n, hidden, bias=False)
+        self.down = Linear(hidden, n, bias=False)
         self.s_u = ScaleVector(hidden, init=1.0, scale=1.0)
         self.s_v = ScaleVector(hidden, init=1.0, scale=1.0)
         self.sqrt_width = math.sqrt(n)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        u = self.s_u() * self.up_u(h)
+        u = self.up_u(h)
+        u = self.s_u(u) * u
         # sqrt(d_model) keeps the SiLU input in its non-linear range for unit-norm h
-        v = self.s_v() * self.up_v(h) * self.sqrt_width
+        v = self.up_v(h)
+        v = self.s_v(v) * v * self.sqrt_width
         return self.down(u * F.silu(v))
 
 
@@ -84,9 +92,9 @@ class NormalizedBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         h_a = unit(self.attn(h, rotary))
-        h = unit(h + self.alpha_attn() * (h_a - h))
+        h = unit(h + self.alpha_attn(h) * (h_a - h))
         h_m = unit(self.mlp(h))
-        return unit(h + self.alpha_mlp() * (h_m - h))
+        return unit(h + self.alpha_mlp(h) * (h_m - h))
 
 
 class NGPT(nn.Module):
@@ -95,9 +103,9 @@ class NGPT(nn.Module):
         self.cfg = cfg
         n, v = cfg.width, cfg.vocab_size
         self.base_scale = 1.0 / math.sqrt(n)
-        self.embed = nn.Embedding(v, n)
+        self.embed = Embedding(v, n)
         self.blocks = nn.ModuleList(NormalizedBlock(cfg, self.base_scale) for _ in range(cfg.depth))
-        self.unembed = nn.Linear(n, v, bias=False)
+        self.unembed = Linear(n, v, bias=False)
         self.s_z = ScaleVector(v, init=1.0, scale=self.base_scale)
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
 
@@ -105,7 +113,8 @@ class NGPT(nn.Module):
         h = self.embed(idx)  # rows are unit-norm after normalize_matrices()
         for block in self.blocks:
             h = block(h, self.rotary)
-        return self.s_z() * self.unembed(h)  # no final norm: h is already on the sphere
+        logits = self.unembed(h)
+        return self.s_z(logits) * logits  # no final norm: h is already on the sphere
 
     def unit_norm_axes(self) -> dict[str, int]:
         """Parameter name -> the d_model axis that matrix is kept unit-norm along.

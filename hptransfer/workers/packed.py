@@ -1,13 +1,17 @@
 """run_trials: K trial specs of one shape trained together as one batched model.
 
-The members' parameters are stacked on a new leading axis and the unchanged model code runs
-once for all of them under `torch.func.vmap(functional_call(...))`, so every linear layer is
-one batched matmul. Each member keeps what makes it its own trial: its init (built exactly as
-run_trial builds it), its data order (its seed), LR / sigma / weight decay / eps / schedule,
-its AdamW state and gradient clipping, its curve, evaluations and status. A member that
-diverges has its updates masked on the device from that very step (no host round trip); a
-member that diverges or is pruned by the reporter is dropped from the stacks at the next
-sync step, so the others go on at the cost of the smaller pack.
+The members' parameters are stacked on a new leading axis and become the parameters of one
+copy of the model, whose code runs once for all of them on inputs with that member axis in
+front (models/layers.py: every linear layer is one batched matmul, every lookup one gather,
+attention one kernel call). No torch.func.vmap: its per-op batching cost more than the pack
+saved at the small widths a sweep tunes at. The stacks are views into one (K, P) buffer, so
+the AdamW step is a few ops per optimizer group. Each member keeps what makes it its own
+trial: its init (built exactly as run_trial builds it), its data order (its seed), LR /
+sigma / weight decay / eps / schedule, its AdamW state and gradient clipping, its curve,
+evaluations and status. A member that diverges has its updates masked on the device from
+that very step (no host round trip); a member that diverges or is pruned by the reporter is
+dropped from the stacks at the next sync step, so the others go on at the cost of the
+smaller pack.
 
 Every member's result equals run_trial's for its spec alone up to fp32 rounding
 (tests/test_packed.py), because both share the plan, the divergence rule and the result
@@ -16,7 +20,6 @@ assembly (plan.py) and the batched AdamW below follows torch.optim.AdamW's updat
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,11 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, vmap
 
 from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
-from hptransfer.models.layers import vmapped_attention
 from hptransfer.models.ngpt import NGPT, unit
 
 from .device import Compiled, autocast, resolve_device
@@ -109,27 +110,38 @@ class _Pack:
             built.append(b)
             self.members.append(_Member(s, plan, b.table, Progress()))
         self.plan = self.members[0].plan  # shape, steps, curve and eval points are shared
+        named = [dict(b.model.named_parameters()) for b in built]
+        groups = [[g.params for g in b.table.groups] for b in built]
+        if any(g != groups[0] for g in groups):  # same shape and rule: cannot happen
+            raise ValueError("packed members must have the same parameter groups")
+        # every member's parameters side by side in one (K, P) buffer, each parameter a
+        # column block of it, grouped by optimizer group: the AdamW step is a dozen ops per
+        # group on whole column ranges, not a dozen per parameter (at the widths a sweep tunes
+        # at, those cost more than the model)
+        self.names = names = [n for params in groups[0] for n in params]
+        self.blocks: dict[str, tuple[int, int, torch.Size]] = {}
+        self.segments: list[tuple[int, int]] = []  # column range of each group
+        start = 0
+        for params in groups[0]:
+            first = start
+            for n in params:
+                shape = named[0][n].shape
+                self.blocks[n] = (start, start + shape.numel(), shape)
+                start += shape.numel()
+            self.segments.append((first, start))
         self.template: nn.Module = built[0].model.to(device)  # code + buffers, not weights
         self.ngpt_axes = (self.template.unit_norm_axes()
                           if isinstance(self.template, NGPT) else {})
-        names = [n for n, _ in self.template.named_parameters()]
-        self.names = names
-        self.params = {
-            n: torch.stack([dict(b.model.named_parameters())[n].detach() for b in built])
-            .to(device).requires_grad_() for n in names
-        }
-        self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        # per-member, per-parameter AdamW numbers from each member's own group table
-        hp = {key: {n: [] for n in names} for key in ("lr", "weight_decay", "eps")}
-        for b in built:
-            for g in b.table.groups:
-                for n in g.params:
-                    hp["lr"][n].append(g.lr)
-                    hp["weight_decay"][n].append(g.weight_decay)
-                    hp["eps"][n].append(g.eps)
-        self.hp = {key: {n: torch.tensor(v, device=device) for n, v in d.items()}
-                   for key, d in hp.items()}
+        self._set_params(torch.stack([
+            torch.cat([m[n].detach().flatten() for n in names]) for m in named
+        ]).to(device))
+        self.exp_avg = torch.zeros_like(self.flat)
+        self.exp_avg_sq = torch.zeros_like(self.flat)
+        self.grad, self.scratch = torch.empty_like(self.flat), torch.empty_like(self.flat)
+        # (K, groups): each member's own AdamW numbers, from its own group table
+        self.hp = {key: torch.tensor([[getattr(g, key) for g in b.table.groups] for b in built],
+                                     device=device)
+                   for key in ("lr", "weight_decay", "eps")}
         self.factors = torch.tensor(  # (steps, K): each member's own LR schedule
             [[m.plan.factor(step) for m in self.members] for step in range(self.plan.total_steps)],
             device=device,
@@ -143,75 +155,78 @@ class _Pack:
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
         self.initial: torch.Tensor | None = None
-        # on the CPU, attention folds the members into its batch (no flash batching rule);
-        # CUDA has one, and compiles the model, which the fold's ContextVar would break
-        self.fold_attention = device.type == "cpu"
-        self.loss_fn = Compiled(vmap(self._member_loss), device, self.notes, "packed model")
+        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model")
         self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step")
 
     # ---- the batched model -------------------------------------------------------------
-    def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        folded = vmapped_attention() if self.fold_attention else contextlib.nullcontext()
-        with autocast(self.device, self.spec.precision), folded:
-            return functional_call(self.template, params, (x,))
+    def _block(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name` of every member: a (K, *shape) view into a (K, P) buffer."""
+        start, stop, shape = self.blocks[name]
+        return flat[:, start:stop].view(flat.shape[0], *shape)
 
-    def _member_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor,
-                     y: torch.Tensor) -> torch.Tensor:
-        logits = self._logits(params, x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    def _set_params(self, flat: torch.Tensor) -> None:
+        """Make views into `flat` the template's parameters (leaves that get .grad; an
+        nn.Parameter made from a view shares its storage, so updating `flat` updates them)."""
+        self.flat = flat
+        self.params = {n: nn.Parameter(self._block(flat, n)) for n in self.names}
+        for name, p in self.params.items():
+            owner, _, leaf = name.rpartition(".")
+            self.template.get_submodule(owner)._parameters[leaf] = p
 
-    def _member_val_loss(self, params: dict[str, torch.Tensor], x: torch.Tensor,
-                         y: torch.Tensor) -> torch.Tensor:
-        logits = self._logits(params, x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+    def _token_losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """(members, batch, T) ids and targets -> (members, batch * T) cross-entropies."""
+        with autocast(self.device, self.spec.precision):
+            logits = self.template(x)
+        ce = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="none")
+        return ce.view(y.shape[0], -1)
+
+    def _losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each member's mean training loss on its own batch: (members,)."""
+        return self._token_losses(x, y).mean(dim=1)
 
     @torch.no_grad()
     def evaluate(self) -> list[float]:
         """Every active member's mean validation loss (the same batches as run_trial)."""
         self.template.eval()
-        params = {n: p.detach() for n, p in self.params.items()}
-        total = torch.zeros(len(self.rows), dtype=torch.float64, device=self.device)
+        k = len(self.rows)
+        total = torch.zeros(k, dtype=torch.float64, device=self.device)
         count = 0
-        fn = vmap(self._member_val_loss, in_dims=(0, None, None))
         for x, y in self.data.val_batches(self.spec.batch_size, self.spec.seq_len):
             x, y = x.to(self.device), y.to(self.device)
-            total += fn(params, x, y).double()
+            shared = (k, *x.shape)  # every member sees the same validation batch
+            total += self._token_losses(x.expand(shared), y.expand(shared)).sum(dim=1).double()
             count += y.numel()
         self.template.train()
         return (total / count).tolist()
 
     # ---- one optimizer step for all active members ---------------------------------------
-    def _update(self, grads: list[torch.Tensor], losses: torch.Tensor, alive: torch.Tensor,
+    def _update(self, grad: torch.Tensor, losses: torch.Tensor, alive: torch.Tensor,
                 initial: torch.Tensor, factors: torch.Tensor, bias1: torch.Tensor,
                 bias2_sqrt: torch.Tensor) -> torch.Tensor:
-        """Divergence mask, per-member clipping and torch.optim.AdamW's update; returns the
-        new alive mask. All on the device, nothing read back."""
+        """Divergence mask, per-member clipping and torch.optim.AdamW's update on the (K, P)
+        buffers; returns the new alive mask. All on the device, nothing read back."""
         spec = self.spec
         lossd = losses.detach().double()
-        ok = torch.isfinite(lossd) & ~(lossd > self.div_factor[self._row_idx] * initial)
-        alive = alive & ok
-        if spec.grad_clip:
-            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads])
-            coef = (spec.grad_clip / (norms.norm(dim=0) + 1e-6)).clamp(max=1.0)
-        else:
-            coef = torch.ones_like(losses)
-        beta1, beta2 = spec.beta1, spec.beta2
-        for n, g in zip(self.names, grads, strict=True):
-            p, m, v = self.params[n], self.exp_avg[n], self.exp_avg_sq[n]
-            shape = (-1,) + (1,) * (p.dim() - 1)
-            keep = alive.view(shape)
-            g = torch.where(keep, g * coef.view(shape), 0.0)  # a stopped member: no update
-            lr = (self.hp["lr"][n][self._row_idx] * factors * alive).view(shape)
-            wd = self.hp["weight_decay"][n][self._row_idx].view(shape)
-            eps = self.hp["eps"][n][self._row_idx].view(shape)
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias2_sqrt).add_(eps)
-            p.sub_((lr / bias1) * m / denom)
+        alive = alive & torch.isfinite(lossd) & ~(lossd > self.div_factor * initial)
+        # in place on grad and into the scratch buffer: on the CPU a fresh temporary the size
+        # of the model is mostly page faults (large allocations are new mappings every time)
+        if spec.grad_clip:  # each member's global norm, as clip_grad_norm_ over its params
+            grad.mul_((spec.grad_clip / (grad.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0))
+        grad.masked_fill_(~alive.unsqueeze(1), 0.0)  # a stopped member: no update
+        lrs = self.hp["lr"] * (factors * alive).unsqueeze(1)  # (K, groups)
+        for g, (start, stop) in enumerate(self.segments):
+            p, m, v, grad_g, scratch = (t[:, start:stop] for t in (
+                self.flat, self.exp_avg, self.exp_avg_sq, grad, self.scratch))
+            lr = lrs[:, g:g + 1]
+            p.mul_(1 - lr * self.hp["weight_decay"][:, g:g + 1])
+            m.lerp_(grad_g, 1 - spec.beta1)
+            v.mul_(spec.beta2).addcmul_(grad_g, grad_g, value=1 - spec.beta2)
+            denom = scratch.copy_(v).sqrt_().div_(bias2_sqrt).add_(self.hp["eps"][:, g:g + 1])
+            # exp_avg / denom, then times lr / bias1 (AdamW's order), in grad's spent columns
+            p.sub_(grad_g.copy_(m).div_(denom).mul_(lr / bias1))
         for n, axis in self.ngpt_axes.items():  # nGPT: back onto the sphere, per member
-            p = self.params[n]
-            p.copy_(unit(p, dim=axis + 1))
+            block = self._block(self.flat, n)
+            block.copy_(unit(block, dim=axis + 1))
         return alive
 
     def _compact(self) -> None:
@@ -221,9 +236,11 @@ class _Pack:
             return
         idx = torch.tensor(keep, device=self.device)
         self.rows = [self.rows[r] for r in keep]
-        self.params = {n: p.detach()[idx].requires_grad_() for n, p in self.params.items()}
-        self.exp_avg = {n: t[idx] for n, t in self.exp_avg.items()}
-        self.exp_avg_sq = {n: t[idx] for n, t in self.exp_avg_sq.items()}
+        self._set_params(self.flat.detach()[idx])
+        self.exp_avg, self.exp_avg_sq = self.exp_avg[idx], self.exp_avg_sq[idx]
+        self.grad, self.scratch = self.grad[idx], self.scratch[idx]
+        self.hp = {key: table[idx] for key, table in self.hp.items()}
+        self.div_factor = self.div_factor[idx]
         if self.initial is not None:
             self.initial = self.initial[idx]
         self._row_idx = torch.tensor(self.rows, device=self.device)
@@ -242,7 +259,7 @@ class _Pack:
                            for i in self.rows), strict=True)
             x = torch.stack(xs).to(device, non_blocking=True)
             y = torch.stack(ys).to(device, non_blocking=True)
-            losses = self.loss_fn(self.params, x, y)
+            losses = self.loss_fn(x, y)
             for p in self.params.values():
                 p.grad = None
             losses.sum().backward()  # members are independent: each gets its own gradient
@@ -250,8 +267,10 @@ class _Pack:
                 self.initial = losses.detach().double().clone()
             t = step + 1
             with torch.no_grad():
+                grad = torch.cat([self.params[n].grad.flatten(1) for n in self.names], dim=1,
+                                 out=self.grad)
                 alive = self.update_fn(
-                    [self.params[n].grad for n in self.names], losses, alive, self.initial,
+                    grad, losses, alive, self.initial,
                     self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
                 )
             pending_steps.append(step)
