@@ -15,7 +15,7 @@ packing speedup from above; "mm GFLOP/s" (one member's matmul alone) shows wheth
 the matmuls makes them any faster on this machine at all.
 
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
-        [--threads N]
+        [--threads N] [--depth L]
 """
 
 from __future__ import annotations
@@ -57,18 +57,19 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="*", default=[64, 128, 256])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--depth", type=int, default=2)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
           f"1-min load {load:.1f}; K={args.k}, {args.steps} steps, batch {BATCH} x seq "
-          f"{SEQ_LEN}, depth 2")
+          f"{SEQ_LEN}, depth {args.depth}")
     print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
           f"{'packed trials/s':>15} {'ratio':>5} | {'trial':>6} {'packed':>7} {'mm':>5} "
           f"{'bmm':>5} {'max x':>5}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
         run_trial(grid(64, 1, 2, args.threads)[0], cache_dir=cache)  # data cache + warm-up
         for width in args.widths:
-            specs = grid(width, args.k, args.steps, args.threads)
+            specs = grid(width, args.k, args.steps, args.threads, args.depth)
             shape = (BATCH * SEQ_LEN, width, 4 * width)
             mm = matmul_flops(*shape, args.threads)
             bmm = matmul_flops(*shape, args.threads, batch=args.k)

@@ -43,7 +43,7 @@ def _trial(i: int, width: int, lr: float) -> SimpleNamespace:
 
 
 def test_auto_pack_follows_the_measured_rule():
-    assert [auto_pack(w, gpu=False) for w in (32, 64, 128, 256)] == [1, 8, 8, 1]
+    assert [auto_pack(w, gpu=False) for w in (16, 32, 64, 128, 256)] == [8, 8, 8, 8, 1]
     assert auto_pack(256, gpu=True) > auto_pack(1024, gpu=True) > auto_pack(4096, gpu=True) == 1
 
 

@@ -19,12 +19,13 @@ from hptransfer.workers.packed import PACKABLE_FIELDS
 from .spec import SweepSpec
 
 # `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads, on
-# a shared 2-core machine, so noisy): 1.15x at widths 64 and 128 but 0.97x at 256 (K=8);
-# 1.24x at 64 and 0.93x at 32 (K=6, one thread); 0.98-1.11x at the demo's 32x2 and 56x3
-# (vmap has no batching rule for the CPU attention kernel). So the CPU packs 64..128 only.
-CPU_PACK_WIDTHS = (64, 128)
+# a shared 2-core machine, so noisy), with packs that run the model code on stacked weights:
+# K=8, 2 threads: 1.30-1.70x at width 64, 1.08-1.34x at 128, 0.94-1.17x at 256; one thread:
+# 1.42x at 16 and 1.24-1.56x at 32 (K=5), 1.23x at the demo's 40x3 (K=3). The CPU packs
+# shapes up to 128 wide.
+CPU_PACK_MAX_WIDTH = 128
 CPU_PACK = 8
-CPU_GAIN = 1.15  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
+CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
 # CUDA: a small model leaves most of the GPU idle, so a pack costs about one trial up to K
 # (HFTA); not measured here (no GPU lent): larger K for smaller widths, none from 2048.
 CUDA_PACKS = ((256, 16), (512, 8), (1024, 4))  # (widest shape, K)
@@ -39,8 +40,7 @@ def auto_pack(width: int, gpu: bool) -> int:
     """The pack size `auto` picks for a shape of this width on this kind of device."""
     if gpu:
         return next((k for widest, k in CUDA_PACKS if width <= widest), 1)
-    low, high = CPU_PACK_WIDTHS
-    return CPU_PACK if low <= width <= high else 1
+    return CPU_PACK if width <= CPU_PACK_MAX_WIDTH else 1
 
 
 def pack_size(spec: SweepSpec, width: int) -> int:
