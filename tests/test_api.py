@@ -152,6 +152,8 @@ def test_cancel_stops_pending_and_running(server, tiny_spec):
 def test_two_sweeps_share_the_cluster_without_overcommitting(server, tiny_spec):
     url, _ = server  # the test cluster has 2 CPUs; each trial asks for 1
     tiny_spec["budget"] = {"steps": 40, "batch_size": 4}
+    # one trial per task, so that running trials count the CPUs in use (a pack is one task)
+    tiny_spec["resources"] = {"cpus": 1, "gpus": 0, "pack": 1}
     with Client(url) as c:
         a = c.submit({**tiny_spec, "name": "a"})
         b = c.submit({**tiny_spec, "name": "b", "grid": {**tiny_spec["grid"], "seeds": [1]}})

@@ -161,6 +161,8 @@ def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, server
     tiny_spec["grid"]["lrs"] = [2.0**-k for k in range(7, 13)]  # 6 trials, all well-behaved
     tiny_spec["budget"] = {"steps": 300, "batch_size": 4}  # 1-2 s each on one core
     tiny_spec["fixed"]["eval_every"] = 100
+    # one trial per task, so some finish while another runs (packs: test_packed_dispatch.py)
+    tiny_spec["resources"] = {"cpus": 1, "gpus": 0, "pack": 1}
     first = servers(hpt_home)
     with Client(first.url) as c:
         sweep_id = c.submit(tiny_spec)["id"]
