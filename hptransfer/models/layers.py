@@ -4,7 +4,7 @@ Packed trials (workers/packed.py) stack K members' parameters on a new leading a
 the same model code once, on inputs with that member axis in front: (K, batch, T, ...). Every
 parameter is used through the helpers below, which take a plain parameter or a stacked one
 (one more dimension than its natural rank); with plain parameters they are the ordinary
-torch calls, so a single trial runs exactly the ops it always did.
+torch calls, so a single trial computes exactly what it always did.
 """
 
 from __future__ import annotations
