@@ -62,9 +62,9 @@ def _pack_and_batch(name: str) -> tuple[_Pack, torch.Tensor, torch.Tensor]:
 
 
 def _update_args(pack: _Pack, losses: torch.Tensor) -> tuple:
-    grad = torch.cat([pack.params[n].grad.flatten(1) for n in pack.names], dim=1)
-    return (grad, losses.detach(), torch.ones(2, dtype=torch.bool), losses.detach().double(),
-            pack.factors[0, pack._row_idx], pack.bias1[0], pack.bias2_sqrt[0])
+    return (pack.gather_grads(), losses.detach(), torch.ones(2, dtype=torch.bool),
+            losses.detach().double(), pack.factors[0, pack._row_idx], pack.bias1[0],
+            pack.bias2_sqrt[0])
 
 
 @pytest.mark.parametrize("name", ["gpt-x0-ve", "gpt-alibi-bias", "ngpt"])

@@ -200,6 +200,11 @@ class _Pack:
         return (total / count).tolist()
 
     # ---- one optimizer step for all active members ---------------------------------------
+    def gather_grads(self) -> torch.Tensor:
+        """The parameters' gradients laid out as the (K, P) buffer, in its scratch `grad`."""
+        return torch.cat([self.params[n].grad.flatten(1) for n in self.names], dim=1,
+                         out=self.grad)
+
     def _update(self, grad: torch.Tensor, losses: torch.Tensor, alive: torch.Tensor,
                 initial: torch.Tensor, factors: torch.Tensor, bias1: torch.Tensor,
                 bias2_sqrt: torch.Tensor) -> torch.Tensor:
@@ -267,10 +272,8 @@ class _Pack:
                 self.initial = losses.detach().double().clone()
             t = step + 1
             with torch.no_grad():
-                grad = torch.cat([self.params[n].grad.flatten(1) for n in self.names], dim=1,
-                                 out=self.grad)
                 alive = self.update_fn(
-                    grad, losses, alive, self.initial,
+                    self.gather_grads(), losses, alive, self.initial,
                     self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
                 )
             pending_steps.append(step)
