@@ -27,8 +27,15 @@ step is marked `!` (the machine was busy during it: rerun, or use --threads 1, w
 far less from a shared core than threads waiting on each other). The load average is printed
 too.
 
+--compile also times our trainer under torch.compile (HPT_COMPILE=all, which a user sets for
+long CPU runs; the CPU default is eager) in every round, after a dynamo reset so that each
+round compiles again: its median step, the ratio to eager and to the peer (still eager), and
+the compile's cost as seconds and as the steps that repay it, for the first round (the first
+compile in the process: imports, inductor's worker pool) and the later ones (inductor's
+on-disk kernel cache makes a shape compiled before on this machine cheaper).
+
     .venv/bin/python benchmarks/trainer_throughput.py [--steps 16] [--warmup 3] [--threads N]
-        [--peer DIR] [--rounds 3] [--only gpt:128:2 ...]
+        [--peer DIR] [--rounds 3] [--only gpt:128:2 ...] [--compile]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -85,6 +93,8 @@ class Row:
     trial_tokens_per_s: float  # run_trial's own figure: warm-up and final eval included
     peer_ms: float | None = None  # nanoGPT-mup's median step at this shape
     peer_best_ms: float | None = None
+    compiled_ms: float | None = None  # with --compile: our median step under torch.compile
+    compile_s: list[float] | None = None  # its first step's extra time (compiling), per round
 
     @property
     def ratio(self) -> float:
@@ -93,6 +103,12 @@ class Row:
     @property
     def vs_peer(self) -> float | None:
         return None if self.peer_ms is None else self.peer_ms / self.step_ms
+
+    @property
+    def compiled_vs_peer(self) -> float | None:
+        if self.peer_ms is None or self.compiled_ms is None:
+            return None
+        return self.peer_ms / self.compiled_ms
 
 
 def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str, Any],
@@ -108,16 +124,24 @@ def trial_spec(arch: str, param: str, width: int, depth: int, options: dict[str,
     )
 
 
-def time_training(spec: TrialSpec, warmup: int, cache_dir: str) -> tuple[list[float], float]:
-    """(seconds of each training step after the warm-up, run_trial's tokens/s)."""
-    stamps, result = step_stamps(spec, cache_dir)
+def time_training(spec: TrialSpec, warmup: int, cache_dir: str,
+                  compiled: bool = False) -> tuple[list[float], float, float]:
+    """(seconds of each training step after the warm-up, run_trial's tokens/s, seconds to the
+    first step's end); `compiled`: the trainer under torch.compile (HPT_COMPILE=all)."""
+    before = os.environ.get("HPT_COMPILE")
+    os.environ["HPT_COMPILE"] = "all" if compiled else "0"
+    try:
+        start = time.perf_counter()
+        stamps, result = step_stamps(spec, cache_dir)
+    finally:
+        os.environ.pop("HPT_COMPILE") if before is None else os.environ.update(HPT_COMPILE=before)
     steps = spec.budget.steps or 0
     first, last = warmup, steps - 1  # step numbers are 1-based; `steps` itself evaluates
     missing = [s for s in (first, last) if s not in stamps]
     if missing:
         raise RuntimeError(f"no reporter call at steps {missing} (is steps <= 50?)")
     times = [stamps[s + 1] - stamps[s] for s in range(first, last)]
-    return times, result.tokens_per_s or 0.0
+    return times, result.tokens_per_s or 0.0, stamps[1] - start
 
 
 def time_matmul(width: int, threads: int, reps: int = 30) -> float:
@@ -127,7 +151,7 @@ def time_matmul(width: int, threads: int, reps: int = 30) -> float:
 
 def measure(label: str, arch: str, param: str, width: int, depth: int,
             options: dict[str, Any], steps: int, warmup: int, threads: int,
-            cache_dir: str, peer: ModuleType | None, rounds: int) -> Row:
+            cache_dir: str, peer: ModuleType | None, rounds: int, compiled: bool) -> Row:
     spec = trial_spec(arch, param, width, depth, options, steps, threads)
     data = load_trial_data(spec, cache_dir)
     cfg = spec.model_config_obj(vocab_size=data.vocab_size)
@@ -137,10 +161,17 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     step_times: list[float] = []
     peer_times: list[float] = []
     trial_tps: list[float] = []
+    compiled_times: list[float] = []
+    compile_s: list[float] = []
     for _ in range(rounds if with_peer else 1):
-        times, tps = time_training(spec, warmup, cache_dir)
+        times, tps, _ = time_training(spec, warmup, cache_dir)
         step_times += times
         trial_tps.append(tps)
+        if compiled:
+            torch._dynamo.reset()  # every round compiles again (inductor's disk cache stays)
+            times, _, first = time_training(spec, warmup, cache_dir, compiled=True)
+            compiled_times += times
+            compile_s.append(first - statistics.median(times))
         if with_peer:
             peer_times += time_peer(
                 peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
@@ -157,6 +188,8 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         trial_tokens_per_s=statistics.median(trial_tps),
         peer_ms=1e3 * statistics.median(peer_times) if peer_times else None,
         peer_best_ms=1e3 * min(peer_times) if peer_times else None,
+        compiled_ms=1e3 * statistics.median(compiled_times) if compiled_times else None,
+        compile_s=compile_s or None,
     )
 
 
@@ -184,6 +217,20 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
           "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
           "steps and the final eval included; vs peer = our tok/s / nanoGPT-mup's tok/s (median "
           "steps, alternating rounds; > 1: ours is faster)")
+    compiled = [r for r in rows if r.compiled_ms is not None]
+    if compiled:
+        print("\nunder torch.compile (HPT_COMPILE=all; off on the CPU by default):")
+        for r in compiled:
+            first, later = r.compile_s[0], statistics.median(r.compile_s[1:] or r.compile_s)
+            print(f"{r.label:<8} {r.width:>5} {r.depth:>5}: {r.compiled_ms:.1f} ms/step, "
+                  f"{r.step_ms / r.compiled_ms:.3f} x eager"
+                  + (f", {r.compiled_vs_peer:.3f} x nanoGPT-mup's tok/s" if r.compiled_vs_peer
+                     else "")
+                  + f"; compiling took {first:.1f} s in round 1 (first in this process), "
+                  f"{later:.1f} s later, repaid after "
+                  + (f"{first / ((r.step_ms - r.compiled_ms) / 1e3):.0f} / "
+                     f"{later / ((r.step_ms - r.compiled_ms) / 1e3):.0f} steps"
+                     if r.step_ms > r.compiled_ms else "never"))
 
 
 def main() -> None:
@@ -194,6 +241,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--only", nargs="*", help="labels or arch:width:depth to run")
     parser.add_argument("--peer", help="folder with nanoGPT-mup's model.py (branch completep)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time our trainer under torch.compile, each round")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating ours/peer rounds per shape (with --peer)")
     args = parser.parse_args()
@@ -210,7 +259,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpt-bench-") as cache_dir:
         for label, arch, param, width, depth, options in shapes:
             rows.append(measure(label, arch, param, width, depth, options, args.steps,
-                                args.warmup, args.threads, cache_dir, peer, args.rounds))
+                                args.warmup, args.threads, cache_dir, peer, args.rounds,
+                                args.compile))
             r = rows[-1]
             print(f"{label} w{width} d{depth}: {r.tokens_per_s:.0f} tok/s, "
                   f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul"

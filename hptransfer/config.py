@@ -124,9 +124,17 @@ def ray_required_resources() -> list[str]:
     return (_env(RAY_REQUIRE_ENV) or "").replace(",", " ").split()
 
 
-def compile_enabled() -> bool:
-    """$HPT_COMPILE: torch.compile on CUDA unless it is 0 (read on the worker)."""
-    return (_env("HPT_COMPILE") or "1") != "0"
+COMPILE_MODES = ("0", "1", "all")  # off; CUDA only (the default); CUDA and the CPU
+
+
+def compile_mode() -> str:
+    """$HPT_COMPILE (read on the worker): 0 = never torch.compile, 1 = on CUDA, all = on the
+    CPU too, for long CPU runs (a compile costs seconds to half a minute per shape: see
+    `benchmarks/trainer_throughput.py --compile`)."""
+    mode = _env("HPT_COMPILE") or "1"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"HPT_COMPILE={mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    return mode
 
 
 def get_settings() -> Settings:

@@ -16,7 +16,7 @@ import torch._dynamo as dynamo
 from test_packed import CASES, specs_for
 
 from hptransfer.models.build import build_from_config
-from hptransfer.workers.device import Compiled
+from hptransfer.workers.device import Compiled, compile_wanted
 from hptransfer.workers.packed import _Pack
 from hptransfer.workers.trial import TrialSpec
 
@@ -139,3 +139,25 @@ def test_a_failing_compile_falls_back_to_eager_with_a_note():
     assert len(notes) == 1 and notes[0].startswith("torch.compile failed for the model (")
     assert notes[0].endswith("ran eager")
     assert torch.equal(compiled(x), fn(x)) and len(notes) == 1  # eager from then on
+
+
+@pytest.mark.parametrize(
+    ("mode", "on_cuda", "on_cpu"),
+    [(None, True, False), ("1", True, False), ("0", False, False), ("all", True, True)],
+)
+def test_hpt_compile_picks_the_devices_that_compile(monkeypatch, mode, on_cuda, on_cpu):
+    """Default: CUDA only (short CPU trials would not repay a compile); `all` adds the CPU."""
+    if mode is None:
+        monkeypatch.delenv("HPT_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("HPT_COMPILE", mode)
+    assert compile_wanted(CUDA) is on_cuda
+    assert compile_wanted(torch.device("cpu")) is on_cpu
+    fn = torch.sin
+    assert (Compiled(fn, torch.device("cpu"), [], "model").fn is not fn) is on_cpu
+
+
+def test_an_unknown_hpt_compile_is_an_error_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("HPT_COMPILE", "yes")
+    with pytest.raises(ValueError, match=r"HPT_COMPILE='yes': use one of 0, 1, all"):
+        compile_wanted(torch.device("cpu"))

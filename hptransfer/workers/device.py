@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hptransfer.config import compile_enabled
+from hptransfer.config import compile_mode
 
 # dense bf16 tensor-core peaks (FLOP/s) of common accelerators, for MFU; None = unknown
 _PEAK_BF16 = {
@@ -47,9 +47,11 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def compile_wanted(device: torch.device) -> bool:
-    """torch.compile on CUDA by default (HPT_COMPILE=0 turns it off); never on the CPU, where
-    the eager kernels are the reference and compiling costs more than it saves on short runs."""
-    return device.type == "cuda" and compile_enabled()
+    """torch.compile on CUDA by default (HPT_COMPILE=0 turns it off); on the CPU only with
+    HPT_COMPILE=all: there the eager kernels are the reference, and compiling (up to half a
+    minute per shape) costs more than it saves on the short trials a sweep runs."""
+    mode = compile_mode()
+    return mode == "all" or (mode == "1" and device.type == "cuda")
 
 
 class Compiled:
