@@ -124,13 +124,13 @@ def ray_required_resources() -> list[str]:
     return (_env(RAY_REQUIRE_ENV) or "").replace(",", " ").split()
 
 
-COMPILE_MODES = ("0", "1", "all")  # off; CUDA only (the default); CUDA and the CPU
+COMPILE_MODES = ("0", "1", "all")  # never; CUDA and long CPU runs (the default); always
 
 
 def compile_mode() -> str:
-    """$HPT_COMPILE (read on the worker): 0 = never torch.compile, 1 = on CUDA, all = on the
-    CPU too, for long CPU runs (a compile costs seconds to half a minute per shape: see
-    `benchmarks/trainer_throughput.py --compile`)."""
+    """$HPT_COMPILE (read on the worker): 0 = never torch.compile; 1 (the default) = on CUDA,
+    and on the CPU for runs long enough to repay it (`workers/device.compile_wanted`); all =
+    always, the CPU included."""
     mode = _env("HPT_COMPILE") or "1"
     if mode not in COMPILE_MODES:
         raise ValueError(f"HPT_COMPILE={mode!r}: use one of {', '.join(COMPILE_MODES)}")

@@ -16,9 +16,9 @@ import torch._dynamo as dynamo
 from test_packed import CASES, specs_for
 
 from hptransfer.models.build import build_from_config
-from hptransfer.workers.device import Compiled, compile_wanted
+from hptransfer.workers.device import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
 from hptransfer.workers.packed import _Pack
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.workers.trial import Budget, TrialSpec
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
 
@@ -142,19 +142,44 @@ def test_a_failing_compile_falls_back_to_eager_with_a_note():
 
 
 @pytest.mark.parametrize(
-    ("mode", "on_cuda", "on_cpu"),
-    [(None, True, False), ("1", True, False), ("0", False, False), ("all", True, True)],
+    ("mode", "on_cuda", "short_on_cpu", "long_on_cpu"),
+    [(None, True, False, True), ("1", True, False, True), ("0", False, False, False),
+     ("all", True, True, True)],
 )
-def test_hpt_compile_picks_the_devices_that_compile(monkeypatch, mode, on_cuda, on_cpu):
-    """Default: CUDA only (short CPU trials would not repay a compile); `all` adds the CPU."""
+def test_hpt_compile_picks_the_runs_that_compile(monkeypatch, mode, on_cuda, short_on_cpu,
+                                                 long_on_cpu):
+    """Default: CUDA, and CPU runs long enough to repay a compile (a sweep's short CPU trials
+    stay eager); `all` compiles every run, `0` none."""
     if mode is None:
         monkeypatch.delenv("HPT_COMPILE", raising=False)
     else:
         monkeypatch.setenv("HPT_COMPILE", mode)
-    assert compile_wanted(CUDA) is on_cuda
-    assert compile_wanted(torch.device("cpu")) is on_cpu
+    cpu, short, long = torch.device("cpu"), CPU_COMPILE_MIN_FLOPS / 2, CPU_COMPILE_MIN_FLOPS
+    assert compile_wanted(CUDA, short) is on_cuda
+    assert compile_wanted(cpu, short) is short_on_cpu
+    assert compile_wanted(cpu, long) is long_on_cpu
+    notes: list[str] = []
     fn = torch.sin
-    assert (Compiled(fn, torch.device("cpu"), [], "model").fn is not fn) is on_cpu
+    assert (Compiled(fn, cpu, notes, "model", long).fn is not fn) is long_on_cpu
+    # a CPU trial that compiles says so (it is not the default reference path there)
+    assert notes == (["the model runs under torch.compile on the CPU (HPT_COMPILE=0 keeps it "
+                      "eager)"] if long_on_cpu else [])
+
+
+def test_a_trials_training_flops_decide_its_cpu_compile():
+    """The trainer passes the whole run's training FLOPs: small trials stay far below the CPU
+    threshold, a 3M-parameter model at 20 tokens per parameter is over it."""
+    from hptransfer.workers.plan import load_trial_data, plan_trial
+
+    small = specs_for(CASES["gpt-completep"])[0]
+    data = load_trial_data(small)
+    plan = plan_trial(small, data, torch.device("cpu"))
+    expected = plan.flops.training * small.batch_size * small.seq_len * plan.total_steps
+    assert plan.training_flops == pytest.approx(expected)
+    assert 0 < plan.training_flops < CPU_COMPILE_MIN_FLOPS / 1000
+    large = small.model_copy(update={"width": 256, "depth": 4, "head_dim": 64,
+                                     "budget": Budget(tokens_per_param=20)})
+    assert plan_trial(large, data, torch.device("cpu")).training_flops > CPU_COMPILE_MIN_FLOPS
 
 
 def test_an_unknown_hpt_compile_is_an_error_naming_the_choices(monkeypatch):

@@ -46,22 +46,35 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def compile_wanted(device: torch.device) -> bool:
-    """torch.compile on CUDA by default (HPT_COMPILE=0 turns it off); on the CPU only with
-    HPT_COMPILE=all: there the eager kernels are the reference, and compiling (up to half a
-    minute per shape) costs more than it saves on the short trials a sweep runs."""
+# A CPU run compiles by default only when this much training follows: a cold compile took up
+# to 34 s per shape (47 s for a pack of 8), and compiled steps ran 1.05-1.16x eager at widths
+# 128-256 (benchmarks/trainer_throughput.py --compile), so a compile is repaid after roughly
+# 10 minutes of eager training, ~3e13 FLOPs at the 50-70 GFLOP/s one CPU thread reaches there.
+CPU_COMPILE_MIN_FLOPS = 3e13
+
+
+def compile_wanted(device: torch.device, work_flops: float | None = None) -> bool:
+    """torch.compile on CUDA by default; on the CPU when `work_flops` (the training run's
+    FLOPs) would repay it, where the eager kernels are otherwise the reference: a sweep's
+    short CPU trials stay eager. HPT_COMPILE=0 never compiles, HPT_COMPILE=all always."""
     mode = compile_mode()
-    return mode == "all" or (mode == "1" and device.type == "cuda")
+    if mode != "1":
+        return mode == "all"
+    return device.type == "cuda" or (work_flops or 0.0) >= CPU_COMPILE_MIN_FLOPS
 
 
 class Compiled:
     """`fn` under torch.compile where wanted, falling back to eager (with a note) if compiling
     or the first compiled call fails; results are the same either way."""
 
-    def __init__(self, fn: Callable, device: torch.device, notes: list[str], what: str):
+    def __init__(self, fn: Callable, device: torch.device, notes: list[str], what: str,
+                 work_flops: float | None = None):
         self.eager, self.notes, self.what = fn, notes, what
-        self.fn = torch.compile(fn) if compile_wanted(device) else fn
+        self.fn = torch.compile(fn) if compile_wanted(device, work_flops) else fn
         self.checked = self.fn is fn
+        if not self.checked and device.type == "cpu":
+            notes.append(f"the {what} runs under torch.compile on the CPU (HPT_COMPILE=0 keeps "
+                         "it eager)")
 
     def __call__(self, *args: Any) -> Any:
         if self.checked:

@@ -155,8 +155,9 @@ class _Pack:
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
         self.initial: torch.Tensor | None = None
-        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model")
-        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step")
+        work = self.plan.training_flops * len(specs)
+        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", work)
+        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step", work)
 
     # ---- the batched model -------------------------------------------------------------
     def _block(self, flat: torch.Tensor, name: str) -> torch.Tensor:

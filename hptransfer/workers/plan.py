@@ -49,6 +49,11 @@ class TrialPlan:
     curve_every: int
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def training_flops(self) -> float:
+        """The whole run's training FLOPs (the final count may be lower: a stop ends it)."""
+        return self.flops.training * self.tokens_per_step * self.total_steps
+
     def factor(self, step: int) -> float:
         return self.spec.schedule.factor(step, self.total_steps, warmup=self.warmup)
 

@@ -76,7 +76,7 @@ def _train(
     built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
                               device=device)
     notes: list[str] = []
-    model = Compiled(built.model, device, notes, "model")
+    model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
     groups = optimizer_groups(built.model, built.table)
     # fused on CUDA; foreach on the CPU (one C++ loop per op, not a Python loop per tensor)
     cuda = device.type == "cuda"
