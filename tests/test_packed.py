@@ -125,17 +125,3 @@ def test_single_member_pack_and_dict_specs(tmp_path):
     spec = specs_for(CASES["gpt-sp"])[0]
     [packed] = run_trials([spec.model_dump()], cache_dir=str(tmp_path))
     assert_same_result(packed, run_trial(spec, cache_dir=str(tmp_path)))
-
-
-def test_a_pack_may_mix_parameterizations(tmp_path):
-    """A study's arms at one shape: SP, µP, CompleteP and depth-α (different residual, logit
-    and softmax multipliers, init and per-group LRs) in one pack, each equal to its solo run;
-    the diverging one leaves and the others keep their own multipliers."""
-    arms = [dict(parameterization="sp", lr=2**-9), dict(parameterization="mup", lr=2**-8),
-            dict(parameterization="completep", lr=50.0, seed=5),  # diverges: the pack shrinks
-            dict(parameterization="depth_alpha", alpha=0.75, lr=2**-7, seed=2)]
-    specs = [TrialSpec(**{**TINY, "depth": 3, **arm}) for arm in arms]
-    packed = run_trials(specs, cache_dir=str(tmp_path))
-    assert [r.status for r in packed] == ["completed", "completed", "diverged", "completed"]
-    for spec, result in zip(specs, packed, strict=True):
-        assert_same_result(result, run_trial(spec, cache_dir=str(tmp_path)))

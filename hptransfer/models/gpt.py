@@ -6,8 +6,6 @@ parameter by name; a new layer without a rule fails fast there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +22,6 @@ from .layers import (
     member_view,
     relu_squared,
     residual_add,
-    scale_by,
 )
 
 
@@ -37,7 +34,7 @@ class Attention(nn.Module):
         self.k = Linear(n, n, bias=cfg.bias)
         self.v = Linear(n, n, bias=cfg.bias)
         self.proj = Linear(n, n, bias=cfg.bias)
-        self.scale: float | torch.Tensor = attn_scale(cfg, mult)  # (K,): a mixed pack
+        self.scale = mult.attn_scale if mult.attn_scale is not None else cfg.head_dim**-0.5
         self.position = cfg.position
         if uses_value_embed:
             # v = lambda0 * v + lambda1 * ve; init (1, 0) so the block starts as plain GPT
@@ -61,10 +58,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)  # (.., heads, t, d)
         bias = None if self.position == "rope" else alibi_bias(self.n_heads, t, x.device,
                                                                q.dtype)
-        scale = self.scale
-        if isinstance(scale, torch.Tensor):  # each member's own softmax scale, folded into q
-            q, scale = scale_by(q, scale), 1.0
-        y = attention(q, k, v, scale, bias)
+        y = attention(q, k, v, self.scale, bias)
         return self.proj(y.transpose(-3, -2).reshape(*lead, t, n))
 
 
@@ -89,7 +83,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, mult, uses_value_embed)
         self.ln_mlp = LayerNorm(cfg.width)
         self.mlp = MLP(cfg)
-        self.residual: float | torch.Tensor = mult.residual
+        self.residual = mult.residual
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, ve: torch.Tensor | None):
         x = residual_add(x, self.attn(self.ln_attn(x), rotary, ve), self.residual)
@@ -101,7 +95,6 @@ class GPT(nn.Module):
         super().__init__()
         mult = mult or ForwardMultipliers()
         self.cfg, self.mult = cfg, mult
-        self.logits_mult: float | torch.Tensor = mult.logits
         n, v = cfg.width, cfg.vocab_size
         self.embed = Embedding(v, n)
         self.extra_embeds = nn.ModuleList(Embedding(v, n) for _ in range(cfg.extra_embeddings))
@@ -144,27 +137,4 @@ class GPT(nn.Module):
                     x = x + lam[2 + j] * extra
             ve = ves[self.ve_layer[i]] if i in self.ve_layer else None
             x = block(x, self.rotary, ve)
-        return scale_by(self.unembed(self.ln_final(x)), self.logits_mult)
-
-    def use_member_multipliers(self, mults: Sequence[ForwardMultipliers],
-                               device: torch.device) -> None:
-        """Run a pack whose member k (row k of the stacked weights) has the forward
-        multipliers mults[k]: (K,) tensors where the members differ (parameterizations mixed
-        in one pack), this model's own plain numbers where they all agree (so a pack of one
-        parameterization computes exactly what it did)."""
-
-        def per_member(values: list[float]) -> float | torch.Tensor:
-            if all(v == values[0] for v in values):
-                return values[0]
-            return torch.tensor(values, device=device)
-
-        self.logits_mult = per_member([m.logits for m in mults])
-        residual = per_member([m.residual for m in mults])
-        scale = per_member([attn_scale(self.cfg, m) for m in mults])
-        for block in self.blocks:
-            block.residual, block.attn.scale = residual, scale
-
-
-def attn_scale(cfg: ModelConfig, mult: ForwardMultipliers) -> float:
-    """The softmax scale: the parameterization's, or 1/sqrt(d_head)."""
-    return mult.attn_scale if mult.attn_scale is not None else cfg.head_dim**-0.5
+        return self.unembed(self.ln_final(x)) * self.mult.logits

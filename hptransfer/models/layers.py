@@ -154,18 +154,9 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return _ReluSquared.apply(x)[0]
 
 
-def residual_add(x: torch.Tensor, branch: torch.Tensor,
-                 scale: float | torch.Tensor) -> torch.Tensor:
-    """x + scale * branch in one op (no separate multiply; none at all when scale is 1); a
-    (K,) `scale`: member k's own multiplier (a pack that mixes parameterizations)."""
-    if isinstance(scale, torch.Tensor):
-        return torch.addcmul(x, member_view(scale, x, 0), branch)
+def residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.Tensor:
+    """x + scale * branch in one op (no separate multiply; none at all when scale is 1)."""
     return x + branch if scale == 1.0 else torch.add(x, branch, alpha=scale)
-
-
-def scale_by(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
-    """x * factor; a (K,) `factor` multiplies member k's slice by its own number."""
-    return x * (member_view(factor, x, 0) if isinstance(factor, torch.Tensor) else factor)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -8,11 +8,10 @@ saved at the small widths a sweep tunes at. The stacks are views into one (K, P)
 the AdamW step is a few ops per optimizer group. Each member keeps what makes it its own
 trial: its init (built exactly as run_trial builds it), its data order (its seed), LR /
 sigma / weight decay / eps / schedule, its AdamW state and gradient clipping, its curve,
-evaluations and status. GPT members may even differ in parameterization (a study's arms at
-one shape): the residual, logit and softmax multipliers then become per-member tensors.
-A member that diverges has its updates masked on the device from that very step (no host
-round trip); a member that diverges or is pruned by the reporter is dropped from the stacks
-at the next sync step, so the others go on at the cost of the smaller pack.
+evaluations and status. A member that diverges has its updates masked on the device from
+that very step (no host round trip); a member that diverges or is pruned by the reporter is
+dropped from the stacks at the next sync step, so the others go on at the cost of the
+smaller pack.
 
 Every member's result equals run_trial's for its spec alone up to fp32 rounding
 (tests/test_packed.py), because both share the plan, the divergence rule and the result
@@ -33,9 +32,7 @@ from torch import nn
 
 from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
-from hptransfer.models.gpt import GPT
 from hptransfer.models.ngpt import NGPT, unit
-from hptransfer.models.parameterization import forward_multipliers
 
 from .device import Compiled, autocast, resolve_device
 from .plan import Progress, TrialPlan, failed_result, load_trial_data, plan_trial, trial_result
@@ -44,10 +41,10 @@ from .trial import TrialResult, TrialSpec
 # reporter(member, metrics) -> True stops that member (pruned); member indexes `specs`
 PackedReporter = Callable[[int, dict[str, Any]], bool | None]
 
-# the fields packed members may differ in; every other field defines the shared shape (the
-# parameterizations of one arch share their parameter groups; see _Pack)
-PACKABLE_FIELDS = frozenset({"lr", "sigma_base", "weight_decay", "eps", "seed", "schedule",
-                             "divergence_factor", "parameterization", "alpha"})
+# the fields packed members may differ in; every other field defines the shared shape
+PACKABLE_FIELDS = frozenset(
+    {"lr", "sigma_base", "weight_decay", "eps", "seed", "schedule", "divergence_factor"}
+)
 
 
 def check_packable(specs: Sequence[TrialSpec]) -> None:
@@ -115,9 +112,8 @@ class _Pack:
         self.plan = self.members[0].plan  # shape, steps, curve and eval points are shared
         named = [dict(b.model.named_parameters()) for b in built]
         groups = [[g.params for g in b.table.groups] for b in built]
-        if any(g != groups[0] for g in groups):  # one arch's parameterizations share them
-            raise ValueError("the packed members' parameterizations group the parameters "
-                             "differently: train them in separate packs")
+        if any(g != groups[0] for g in groups):  # same shape and rule: cannot happen
+            raise ValueError("packed members must have the same parameter groups")
         # every member's parameters side by side in one (K, P) buffer, each parameter a
         # column block of it, grouped by optimizer group: the AdamW step is a dozen ops per
         # group on whole column ranges, not a dozen per parameter (at the widths a sweep tunes
@@ -136,9 +132,6 @@ class _Pack:
         self.template: nn.Module = built[0].model.to(device)  # code + buffers, not weights
         self.ngpt_axes = (self.template.unit_norm_axes()
                           if isinstance(self.template, NGPT) else {})
-        self.mults = [forward_multipliers(b.config, b.parameterization) for b in built]
-        if any(m != self.mults[0] for m in self.mults) and not isinstance(self.template, GPT):
-            raise ValueError("only gpt members may differ in forward multipliers")
         self._set_params(torch.stack([
             torch.cat([m[n].detach().flatten() for n in names]) for m in named
         ]).to(device))
@@ -161,7 +154,6 @@ class _Pack:
         self.div_factor = torch.tensor([s.divergence_factor for s in specs],
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
-        self._use_multipliers()
         self.initial: torch.Tensor | None = None
         work = self.plan.training_flops * len(specs)
         self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", work)
@@ -258,13 +250,6 @@ class _Pack:
         if self.initial is not None:
             self.initial = self.initial[idx]
         self._row_idx = torch.tensor(self.rows, device=self.device)
-        self._use_multipliers()
-
-    def _use_multipliers(self) -> None:
-        """The template runs the stacked rows with their own members' forward multipliers."""
-        if isinstance(self.template, GPT):
-            self.template.use_member_multipliers([self.mults[i] for i in self.rows],
-                                                 self.device)
 
     # ---- the loop ----------------------------------------------------------------------
     def train(self, started: float) -> list[TrialResult]:
