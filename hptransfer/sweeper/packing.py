@@ -20,7 +20,7 @@ from .spec import SweepSpec
 
 # `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads, on
 # a shared 2-core machine, so noisy), with packs that run the model code on stacked weights:
-# K=8, 2 threads: 1.30-1.70x at width 64, 1.02-1.34x at 128, 0.94-1.17x at 256; one thread:
+# K=8, 2 threads: 1.30-1.75x at width 64, 1.02-1.34x at 128, 0.94-1.21x at 256; one thread:
 # 1.42x at 16 and 1.24-1.56x at 32 (K=5), 1.23x at the demo's 40x3 (K=3). The CPU packs
 # shapes up to 128 wide.
 CPU_PACK_MAX_WIDTH = 128
