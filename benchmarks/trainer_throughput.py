@@ -27,12 +27,13 @@ step is marked `!` (the machine was busy during it: rerun, or use --threads 1, w
 far less from a shared core than threads waiting on each other). The load average is printed
 too.
 
---compile also times our trainer under torch.compile (HPT_COMPILE=all, which a user sets for
-long CPU runs; the CPU default is eager) in every round, after a dynamo reset so that each
-round compiles again: its median step, the ratio to eager and to the peer (still eager), and
-the compile's cost as seconds and as the steps that repay it, for the first round (the first
-compile in the process: imports, inductor's worker pool) and the later ones (inductor's
-on-disk kernel cache makes a shape compiled before on this machine cheaper).
+--compile also times our trainer under torch.compile (HPT_COMPILE=all; by default the CPU
+compiles only runs of 3e13+ training FLOPs, and these timing runs are far shorter) in every
+round, after a dynamo reset so that each round compiles again: its median step, the ratio
+to eager and to the peer (still eager), and the compile's cost as seconds and as the steps
+that repay it, for the first round (the first compile in the process: imports, inductor's
+worker pool) and the later ones (inductor's on-disk kernel cache makes a shape compiled
+before on this machine cheaper).
 
     .venv/bin/python benchmarks/trainer_throughput.py [--steps 16] [--warmup 3] [--threads N]
         [--peer DIR] [--rounds 3] [--only gpt:128:2 ...] [--compile]
@@ -134,7 +135,10 @@ def time_training(spec: TrialSpec, warmup: int, cache_dir: str,
         start = time.perf_counter()
         stamps, result = step_stamps(spec, cache_dir)
     finally:
-        os.environ.pop("HPT_COMPILE") if before is None else os.environ.update(HPT_COMPILE=before)
+        if before is None:
+            del os.environ["HPT_COMPILE"]
+        else:
+            os.environ["HPT_COMPILE"] = before
     steps = spec.budget.steps or 0
     first, last = warmup, steps - 1  # step numbers are 1-based; `steps` itself evaluates
     missing = [s for s in (first, last) if s not in stamps]
@@ -219,18 +223,19 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
           "steps, alternating rounds; > 1: ours is faster)")
     compiled = [r for r in rows if r.compiled_ms is not None]
     if compiled:
-        print("\nunder torch.compile (HPT_COMPILE=all; off on the CPU by default):")
+        print("\nunder torch.compile (HPT_COMPILE=all; by default the CPU compiles only "
+              "runs of 3e13+ training FLOPs):")
         for r in compiled:
             first, later = r.compile_s[0], statistics.median(r.compile_s[1:] or r.compile_s)
+            saved_s = (r.step_ms - r.compiled_ms) / 1e3  # per step
             print(f"{r.label:<8} {r.width:>5} {r.depth:>5}: {r.compiled_ms:.1f} ms/step, "
                   f"{r.step_ms / r.compiled_ms:.3f} x eager"
                   + (f", {r.compiled_vs_peer:.3f} x nanoGPT-mup's tok/s" if r.compiled_vs_peer
                      else "")
                   + f"; compiling took {first:.1f} s in round 1 (first in this process), "
                   f"{later:.1f} s later, repaid after "
-                  + (f"{first / ((r.step_ms - r.compiled_ms) / 1e3):.0f} / "
-                     f"{later / ((r.step_ms - r.compiled_ms) / 1e3):.0f} steps"
-                     if r.step_ms > r.compiled_ms else "never"))
+                  + (f"{first / saved_s:.0f} / {later / saved_s:.0f} steps" if saved_s > 0
+                     else "never"))
 
 
 def main() -> None:

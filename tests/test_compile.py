@@ -18,6 +18,7 @@ from test_packed import CASES, specs_for
 from hptransfer.models.build import build_from_config
 from hptransfer.workers.device import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
 from hptransfer.workers.packed import _Pack
+from hptransfer.workers.plan import load_trial_data, plan_trial
 from hptransfer.workers.trial import Budget, TrialSpec
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
@@ -169,8 +170,6 @@ def test_hpt_compile_picks_the_runs_that_compile(monkeypatch, mode, on_cuda, sho
 def test_a_trials_training_flops_decide_its_cpu_compile():
     """The trainer passes the whole run's training FLOPs: small trials stay far below the CPU
     threshold, a 3M-parameter model at 20 tokens per parameter is over it."""
-    from hptransfer.workers.plan import load_trial_data, plan_trial
-
     small = specs_for(CASES["gpt-completep"])[0]
     data = load_trial_data(small)
     plan = plan_trial(small, data, torch.device("cpu"))
