@@ -1,5 +1,5 @@
 """The CUDA path compiles the model (`workers/device.Compiled`): checked here on the CPU, where
-nothing compiles by default, so that a graph break or a compile failure shows up without a GPU.
+short runs stay eager, so that a graph break or a compile failure shows up without a GPU.
 
 - dynamo traces every arch variant's forward, and the packed trainer's batched loss and
   AdamW step, as ONE graph (a break per layer would split the model into pieces that
