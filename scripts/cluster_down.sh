@@ -25,12 +25,12 @@ running() {  # running PID: exists and is not a zombie
   state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
   [ -n "$state" ] && [ "${state#Z}" = "$state" ]
 }
-stop_group() {  # stop_group NAME: SIGTERM its session, SIGKILL what is left after 20 s
-  local name=$1 pid
+stop_group() {  # stop_group NAME [GRACE]: SIGTERM its session, SIGKILL what is left after GRACE s
+  local name=$1 grace=${2:-20} pid
   pid=$(cat "$DIR/pids/$name" 2>/dev/null) || return 0
   if running "$pid"; then
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do running "$pid" || break; sleep 0.5; done
+    for _ in $(seq 1 $((grace * 2))); do running "$pid" || break; sleep 0.5; done
     kill -KILL -- "-$pid" 2>/dev/null || true
     echo "cluster_down: stopped $name" >&2
   fi
@@ -56,7 +56,9 @@ for name in "${NAMES[@]}"; do
         fi
       fi ;;
     ray-head|ray-worker|ray-coordinator)
-      stop_group "$name"
+      # Ray's daemons keep nothing to flush here (no GCS fault tolerance, results live in the
+      # app DB), and a head's raylet and GCS can linger 20 s and more after SIGTERM
+      stop_group "$name" 5
       stop_ray_leftovers "${RAY_TMP:+$RAY_TMP/$name}" ;;
     *) stop_group "$name" ;;
   esac
