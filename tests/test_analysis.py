@@ -691,3 +691,22 @@ def test_band_reaching_the_tested_edge_is_not_reliable() -> None:
     assert row["edge"] is None and row["nl_opt"] == pytest.approx(8.0, rel=0.02)
     assert row["nl_within_high"] == pytest.approx(64.0)
     assert not row["reliable"] and any("band reaches" in w for w in row["warnings"])
+
+
+@pytest.mark.parametrize("shallowest, advice", [(1, "no wider shape exists"),
+                                                (2, "run wider (larger N:L) shapes")])
+def test_an_optimum_at_the_widest_shape_says_whether_a_wider_one_exists(shallowest: int,
+                                                                      advice: str) -> None:
+    # loss falls all the way to the widest shape: at depth 1 nothing wider exists at this
+    # size, so the report must call N:L a bound instead of asking for wider shapes
+    rows = []
+    for d in (24, 12, 6, 3, shallowest):
+        w = round(math.sqrt(7_000 * 24 / d))
+        rows.append({"arm": "sp", "width": w, "depth": d, "lr": 1e-3,
+                     "params_non_embedding": 12 * w * w * d,
+                     "final_val_loss": 3.0 - 0.05 * math.log(w / d)})
+    row = optimal_aspect_ratio(trial_frame(rows)).to_frame().iloc[0]
+    assert row["edge"] == "high" and not row["reliable"]
+    notes = " ".join(row["warnings"])
+    assert advice in notes
+    assert ("is a bound" in notes) == (shallowest == 1)

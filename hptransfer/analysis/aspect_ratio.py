@@ -169,7 +169,15 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) ->
         return row
     fit = fit_cubic_optimum(pts["log_aspect"], pts["loss"].astype(float), within)
     notes = []
-    if fit.edge is not None:
+    if fit.edge == "high" and int(pts["depth"][np.argmax(pts["log_aspect"])]) == 1:
+        # no wider shape exists at this size: the advice to run one would be impossible
+        notes.append(
+            f"the optimum is at the widest shape tested (N:L={np.exp(fit.x_opt):.3g}), which "
+            f"has depth 1: no wider shape exists at this size, so N:L >= "
+            f"{np.exp(fit.x_low):.3g} is a bound, not a fitted optimum (a larger size may "
+            "move the optimum inside the range)"
+        )
+    elif fit.edge is not None:
         side = "wider (larger N:L)" if fit.edge == "high" else "deeper (smaller N:L)"
         notes.append(
             f"the optimum is at the edge of the tested aspect ratios "
