@@ -210,10 +210,11 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    # trials long enough (~12 s each on an idle core; 4 of them and their re-runs on 2 CPUs)
-    # that the sweep is still running when the worker has been restarted (only the head's
-    # CPU trains meanwhile) and when the coordinator is killed
-    spec = _grid_spec(tiny_spec, "cluster-faults", 5000, [2**-10, 2**-8, 2**-6, 2**-5])
+    # 4 LRs of one shape train as two packs of 2, one per CPU. Long enough (a pack takes
+    # 20-30 s here) that the sweep is still running when the worker has been restarted (the
+    # killed worker's pack waits for a CPU: the head's is busy with the other pack) and when
+    # the coordinator is killed
+    spec = _grid_spec(tiny_spec, "cluster-faults", 2000, [2**-10, 2**-8, 2**-6, 2**-5])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
