@@ -58,9 +58,10 @@ for name in "${NAMES[@]}"; do
     ray-head|ray-worker|ray-coordinator)
       # Ray's daemons keep nothing to flush here (no GCS fault tolerance, results live in the
       # app DB), and a head's raylet and GCS can linger 20 s and more after SIGTERM
-      stop_group "$name" 5
+      stop_group "$name" "$((PURGE ? 1 : 5))"
       stop_ray_leftovers "${RAY_TMP:+$RAY_TMP/$name}" ;;
-    *) stop_group "$name" ;;
+    # --purge deletes what a graceful stop would have flushed: a second is enough
+    *) stop_group "$name" "$((PURGE ? 1 : 20))" ;;
   esac
 done
 
