@@ -8,10 +8,13 @@ import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from hptransfer.models import ModelConfig, Parameterization
-from hptransfer.models.config import ACTIVATIONS, ARCHES, POSITIONS
-from hptransfer.models.parameterization import PRESETS
+# torch-free: the client commands (submit, status, fits, ...) start without importing torch
+from hptransfer.models.config import ACTIVATIONS, ARCHES, POSITIONS, PRESETS, ModelConfig
+
+if TYPE_CHECKING:
+    from hptransfer.models import Parameterization
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 _MODEL = ModelConfig()  # the CLI's model defaults are the model's own
@@ -67,6 +70,8 @@ def _model_config(a: argparse.Namespace, seq_len: int = 1024) -> ModelConfig:
 
 
 def _parameterization(a: argparse.Namespace) -> Parameterization:
+    from hptransfer.models import Parameterization
+
     name = a.param or ("ngpt" if a.arch == "ngpt" else "completep")
     return Parameterization(
         name=name, alpha=a.alpha, base_width=a.base_width, base_depth=a.base_depth, lr=a.lr,

@@ -100,3 +100,22 @@ def test_demo_end_to_end(hpt_home, ray_cluster, tiny_spec, tmp_path, capsys):
     index = Path(out_dir) / "index.html"
     assert index.exists() and "plotly" in index.read_text()[:200_000].lower()
     assert (hpt_home / "mlflow.db").exists()
+
+
+def test_client_commands_start_without_torch():
+    # `hpt status`, `fits`, `submit`... parse and talk HTTP: importing torch (~2 s) for them
+    # would make every one of them slow; the model commands load it when they run
+    probe = ("import sys; from hptransfer.cli import build_parser; "
+             "build_parser().parse_args(['status']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_every_name_of_the_models_package_loads():
+    import hptransfer.models as models
+
+    for name in models.__all__:
+        assert getattr(models, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = models.nope

@@ -1,32 +1,48 @@
-"""Pure-torch models, parameterizations and FLOP accounting (imports nothing else of hptransfer)."""
+"""Pure-torch models, parameterizations and FLOP accounting (imports nothing else of hptransfer).
 
-from .build import BuiltModel, build_from_config, build_model, table_for
-from .config import ForwardMultipliers, ModelConfig, ModelConfigError
-from .flops import FlopBreakdown, ParamCounts, flops_per_token, param_counts, training_flops
-from .parameterization import (
-    Parameterization,
-    ParameterizationError,
-    ParamGroup,
-    ParamTable,
-    optimizer_groups,
-)
+The names below load on first use, so that `hptransfer.models.config` (the model's choices and
+bounds) can be imported without torch: the CLI's client commands start faster for it.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .build import BuiltModel, build_from_config, build_model, table_for
+    from .config import ForwardMultipliers, ModelConfig, ModelConfigError
+    from .flops import FlopBreakdown, ParamCounts, flops_per_token, param_counts, training_flops
+    from .parameterization import (
+        Parameterization,
+        ParameterizationError,
+        ParamGroup,
+        ParamTable,
+        optimizer_groups,
+    )
+
+_HOME = {
+    "build": ("BuiltModel", "build_from_config", "build_model", "table_for"),
+    "config": ("ForwardMultipliers", "ModelConfig", "ModelConfigError"),
+    "flops": ("FlopBreakdown", "ParamCounts", "flops_per_token", "param_counts",
+              "training_flops"),
+    "parameterization": ("Parameterization", "ParameterizationError", "ParamGroup",
+                         "ParamTable", "optimizer_groups"),
+}
+_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
 
 __all__ = [
-    "FlopBreakdown",
-    "ParamCounts",
-    "flops_per_token",
-    "param_counts",
-    "training_flops",
-    "BuiltModel",
-    "ForwardMultipliers",
-    "ModelConfig",
-    "ModelConfigError",
-    "ParamGroup",
-    "ParamTable",
-    "Parameterization",
-    "ParameterizationError",
-    "build_from_config",
-    "build_model",
-    "table_for",
-    "optimizer_groups",
+    "BuiltModel", "FlopBreakdown", "ForwardMultipliers", "ModelConfig", "ModelConfigError",
+    "ParamCounts", "ParamGroup", "ParamTable", "Parameterization", "ParameterizationError",
+    "build_from_config", "build_model", "flops_per_token", "optimizer_groups", "param_counts",
+    "table_for", "training_flops",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -12,6 +12,8 @@ Position = Literal["rope", "alibi"]
 ARCHES: tuple[str, ...] = get_args(Arch)
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 POSITIONS: tuple[str, ...] = get_args(Position)
+# the parameterization presets by name (their rules: parameterization.py)
+PRESETS = ("sp", "mup", "depth_mup", "completep", "depth_alpha", "ngpt")
 
 # Upper bounds of the model's sizes: far past anything a sweep of this service trains, and
 # small enough that parameter and FLOP arithmetic never overflows a float.

@@ -31,9 +31,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .config import ForwardMultipliers, ModelConfig
+from .config import PRESETS, ForwardMultipliers, ModelConfig
 
-PRESETS = ("sp", "mup", "depth_mup", "completep", "depth_alpha", "ngpt")
 PRESET_ALPHA = {"depth_mup": 0.5, "completep": 1.0}
 
 
