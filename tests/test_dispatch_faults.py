@@ -59,9 +59,9 @@ def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
 
     monkeypatch.setattr(dispatcher, "run_once", counted_tick)
     caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
-    # the database and its write-ahead log, where every write lands; not the -shm index, which
-    # SQLite memory-maps: growing a mapped file that cannot be extended ends in SIGBUS, which
-    # killed the whole test process once
+    # the database and its write-ahead log, where every write lands; not the -shm index, the
+    # one file SQLite memory-maps: with it immutable too, a CI run's pytest once died of
+    # SIGBUS inside SQLite
     db_files = [Path(settings.home) / name for name in ("hpt.db", "hpt.db-wal")]
     coordinator.start()
     locked = False
