@@ -21,16 +21,6 @@ if TYPE_CHECKING:
         optimizer_groups,
     )
 
-_HOME = {
-    "build": ("BuiltModel", "build_from_config", "build_model", "table_for"),
-    "config": ("ForwardMultipliers", "ModelConfig", "ModelConfigError"),
-    "flops": ("FlopBreakdown", "ParamCounts", "flops_per_token", "param_counts",
-              "training_flops"),
-    "parameterization": ("Parameterization", "ParameterizationError", "ParamGroup",
-                         "ParamTable", "optimizer_groups"),
-}
-_MODULE_OF = {name: module for module, names in _HOME.items() for name in names}
-
 __all__ = [
     "BuiltModel", "FlopBreakdown", "ForwardMultipliers", "ModelConfig", "ModelConfigError",
     "ParamCounts", "ParamGroup", "ParamTable", "Parameterization", "ParameterizationError",
@@ -39,10 +29,14 @@ __all__ = [
 ]
 
 
+_SUBMODULES = ("config", "flops", "parameterization", "build")  # torch-free ones first
+
+
 def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    if name in __all__:
+        for submodule in _SUBMODULES:
+            module = import_module(f".{submodule}", __name__)
+            if hasattr(module, name):
+                globals()[name] = value = getattr(module, name)  # later lookups skip this
+                return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
