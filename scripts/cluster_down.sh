@@ -25,8 +25,8 @@ running() {  # running PID: exists and is not a zombie
   state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
   [ -n "$state" ] && [ "${state#Z}" = "$state" ]
 }
-stop_group() {  # stop_group NAME [GRACE]: SIGTERM its session, SIGKILL what is left after GRACE s
-  local name=$1 grace=${2:-20} pid
+stop_group() {  # stop_group NAME GRACE: SIGTERM its session, SIGKILL what is left after GRACE s
+  local name=$1 grace=$2 pid
   pid=$(cat "$DIR/pids/$name" 2>/dev/null) || return 0
   if running "$pid"; then
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
