@@ -288,15 +288,16 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 @command("mlflow-ui")
 def cmd_mlflow_ui(a: argparse.Namespace) -> int:
+    import os
     import subprocess
 
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.mlflow.tracking import ui_command, ui_url
+    from hptransfer.sweeper.mlflow.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()
     cmd = ui_command(settings.mlflow_uri, a.host, a.port)
     print(f"MLflow UI on {ui_url(f'http://{a.host}:{a.port}')} for {settings.mlflow_uri}")
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env={**os.environ, **SERVER_ENV})
 
 
 @command("demo")

@@ -177,7 +177,8 @@ done
 if alive mlflow; then
   say "mlflow already running"
 else
-  start_bg mlflow "$BIN/mlflow" server \
+  # without MLflow's GenAI job runner (SERVER_ENV in hptransfer/sweeper/mlflow/tracking.py)
+  start_bg mlflow env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server \
     --backend-store-uri "postgresql+psycopg://hpt:$PG_PASSWORD@127.0.0.1:$PG_PORT/mlflow" \
     --artifacts-destination "$DIR/mlartifacts" --host 127.0.0.1 --port "$MLFLOW_PORT" \
     --workers "$MLFLOW_WORKERS" --allowed-hosts "127.0.0.1:$MLFLOW_PORT,localhost:$MLFLOW_PORT"
@@ -203,21 +204,34 @@ else
 fi
 wait_for ray-head "a running Ray head" log_has ray-head "Ray runtime started"
 
-join_ray() {  # join_ray NAME AGENT_PORT ARGS...
+join_ray() {  # join_ray NAME AGENT_PORT ARGS...: start a Ray node, wait until it joined
   local name=$1 agent=$2; shift 2
   if alive "$name"; then say "$name already running"; return; fi
-  clear_node "$name"
-  start_bg "$name" "$BIN/ray" start --address="$RAY_ADDRESS_" --node-ip-address=127.0.0.1 \
-    --dashboard-agent-listen-port="$agent" --object-store-memory="$OBJECT_STORE_BYTES" \
-    --temp-dir="$RAY_TMP/$name" --disable-usage-stats --block "$@"
+  local attempt deadline
+  for attempt in 1 2; do
+    clear_node "$name"
+    start_bg "$name" "$BIN/ray" start --address="$RAY_ADDRESS_" --node-ip-address=127.0.0.1 \
+      --dashboard-agent-listen-port="$agent" --object-store-memory="$OBJECT_STORE_BYTES" \
+      --temp-dir="$RAY_TMP/$name" --disable-usage-stats --block "$@"
+    deadline=$((SECONDS + TIMEOUT))
+    while alive "$name" && ! log_has "$name" "Ray runtime started" && [ $SECONDS -lt $deadline ]
+    do sleep 1; done
+    # Ray gives a new raylet a fixed 30 s to register with the GCS, and the node exits when
+    # it misses that; a loaded host can make it miss, so such a node starts once more
+    if [ "$attempt" = 1 ] && ! alive "$name" && log_has "$name" "timed out during startup"
+    then
+      say "$name did not register with the head within Ray's 30 s; starting it again"
+      mv "$DIR/logs/$name.log" "$DIR/logs/$name.1.log"
+      continue
+    fi
+    break
+  done
+  wait_for "$name" "a Ray node joined to the head" log_has "$name" "Ray runtime started"
 }
 join_ray ray-worker "$RAY_AGENT_PORT_WORKER" --num-cpus="$WORKER_CPUS" \
   --resources='{"hpt_worker": 1}'
 # the coordinator's own raylet: no CPUs, so no trial lands beside the API
 join_ray ray-coordinator "$RAY_AGENT_PORT_COORD" --num-cpus=0 --num-gpus=0
-wait_for ray-worker "a Ray node joined to the head" log_has ray-worker "Ray runtime started"
-wait_for ray-coordinator "a Ray node joined to the head" \
-  log_has ray-coordinator "Ray runtime started"
 wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
 
 # ---------------------------------------------------------------- coordinator

@@ -128,3 +128,14 @@ def test_coordinator_environment_matches_cluster_up(compose):
     assert {"HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS",
             "HPT_API_TOKEN", "RAY_AUTH_TOKEN"} <= exported
     assert compose["services"]["coordinator"]["command"].count("--num-cpus=0") == 1
+
+
+def test_every_mlflow_server_runs_with_the_server_environment(compose):
+    """cluster_up.sh and compose start `mlflow server` with SERVER_ENV (its job runner off),
+    as `hpt mlflow-ui` does (tests/test_mlflow_ui.py checks the processes)."""
+    from hptransfer.sweeper.mlflow.tracking import SERVER_ENV
+
+    local = _script_command(CLUSTER_UP.read_text(), '"$BIN/mlflow" server')
+    prefix = local[:local.index('"$BIN/mlflow" server')]
+    assert dict(re.findall(r"(\w+)=(\S+)", prefix)) == SERVER_ENV, prefix
+    assert compose["services"]["mlflow"]["environment"] == SERVER_ENV

@@ -7,17 +7,21 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 from test_dashboards import chromium, needs_chromium
 from test_tracking import Planned, curve, result, trial_spec
 
 from hptransfer.api.server import free_port
 from hptransfer.sweeper.db.store import Store
 from hptransfer.sweeper.mlflow.mirror import Mirror
-from hptransfer.sweeper.mlflow.tracking import ui_command, ui_url
+from hptransfer.sweeper.mlflow.tracking import ui_url
+
+HPT = Path(sys.executable).with_name("hpt")
 
 
 @needs_chromium
@@ -38,7 +42,9 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
 
     port = free_port()
     log = open(tmp_path / "mlflow-ui.log", "wb")
-    ui = subprocess.Popen(ui_command(uri, "127.0.0.1", port), stdout=log,
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPT_", "MLFLOW_"))}
+    ui = subprocess.Popen([str(HPT), "mlflow-ui", "--host", "127.0.0.1", "--port", str(port)],
+                          env={**env, "HPT_HOME": str(tmp_path)}, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
@@ -51,6 +57,9 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
                 pass
             assert time.monotonic() < deadline, "mlflow ui did not start"
             time.sleep(0.5)
+        # MLflow's GenAI job runner (huey consumers) is off: only the UI's own processes
+        tree = [" ".join(p.cmdline()) for p in psutil.Process(ui.pid).children(recursive=True)]
+        assert tree and not [c for c in tree if "huey" in c or "jobs._job_runner" in c], tree
         # the experiment's landing page as hpt links it, in a fresh browser profile (whose
         # stored workflow choice is MLflow's default, GenAI): it must open on the runs
         url = ui_url(f"http://127.0.0.1:{port}", experiment_id)

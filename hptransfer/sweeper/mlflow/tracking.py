@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 UI_WORKFLOW = "workflowType=machine_learning"
 UI_HOST, UI_PORT = "127.0.0.1", 5000  # where `hpt mlflow-ui` serves by default
 
+# Environment for every MLflow server this project starts (`hpt mlflow-ui`, cluster_up.sh,
+# docker-compose.yml). MLflow 3's server also runs a job runner for its GenAI jobs: eight more
+# processes, measured at ~25 more CPU-seconds in its first 20 s and 2.4 GB against 0.5 GB of
+# memory. hptransfer only tracks runs and proxies artifacts, so the runner stays off.
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
 
 def ui_url(ui_base: str, experiment_id: str | None = None) -> str:
     """The MLflow UI at `ui_base` in its model-training view: the experiment list, or one
@@ -69,7 +75,8 @@ def ui_command(
     tracking_uri: str, host: str = UI_HOST, port: int = UI_PORT,
     allowed_hosts: str | None = None,
 ) -> list[str]:
-    """argv for `hpt mlflow-ui`: `mlflow ui --backend-store-uri URI --host H --port P`."""
+    """argv for `hpt mlflow-ui`: `mlflow ui --backend-store-uri URI --host H --port P`
+    (run it with SERVER_ENV added to the environment)."""
     uri = normalize_tracking_uri(tracking_uri)
     if uri.startswith(("http://", "https://")):
         raise ValueError(f"{uri} is already an MLflow server: open {ui_url(uri)}")
