@@ -10,6 +10,7 @@
 # the same ports, password and token. `source DIR/env` gives a shell the coordinator's
 # settings (hpt status, hpt doctor, the Python client). Stop it all: scripts/cluster_down.sh.
 set -euo pipefail
+unset WAIT_UNTIL  # wait_for's per-call deadline: never inherited from the environment
 # The daemons started below must not inherit the caller's descriptors (a `flock` held around
 # this script would otherwise stay held by PostgreSQL for as long as it runs).
 for fd in /proc/$$/fd/*; do
@@ -110,9 +111,9 @@ start_bg() {  # start_bg NAME CMD...: in a session of its own, so cluster_down s
   setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! > "$DIR/pids/$name"
 }
-wait_for() {  # wait_for NAME DESCRIPTION CHECK...: poll CHECK until it succeeds
-  local name=$1 what=$2; shift 2
-  local deadline=$((SECONDS + TIMEOUT))
+wait_for() {  # wait_for NAME DESCRIPTION CHECK...: poll CHECK until it succeeds, for TIMEOUT s
+  local name=$1 what=$2; shift 2  # (or until WAIT_UNTIL, in $SECONDS, when a caller sets it)
+  local deadline=${WAIT_UNTIL:-$((SECONDS + TIMEOUT))}
   until "$@" >/dev/null 2>&1; do
     if [ -f "$DIR/pids/$name" ] && ! alive "$name"; then
       tail -n 30 "$DIR/logs/$name.log" >&2 || true
@@ -226,7 +227,9 @@ join_ray() {  # join_ray NAME AGENT_PORT ARGS...: start a Ray node, wait until i
     fi
     break
   done
-  wait_for "$name" "a Ray node joined to the head" log_has "$name" "Ray runtime started"
+  # what is left of the last attempt's TIMEOUT: a node that hangs is not waited for twice
+  WAIT_UNTIL=$deadline wait_for "$name" "a Ray node joined to the head" \
+    log_has "$name" "Ray runtime started"
 }
 join_ray ray-worker "$RAY_AGENT_PORT_WORKER" --num-cpus="$WORKER_CPUS" \
   --resources='{"hpt_worker": 1}'
