@@ -7,21 +7,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 from test_dashboards import chromium, needs_chromium
+from test_health import HPT
 from test_tracking import Planned, curve, result, trial_spec
 
 from hptransfer.api.server import free_port
 from hptransfer.sweeper.db.store import Store
 from hptransfer.sweeper.mlflow.mirror import Mirror
 from hptransfer.sweeper.mlflow.tracking import ui_url
-
-HPT = Path(sys.executable).with_name("hpt")
 
 
 @needs_chromium
