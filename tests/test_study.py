@@ -18,6 +18,7 @@ from hptransfer.sweeper.db.store import Store
 from hptransfer.sweeper.plan import plan_sweep
 from hptransfer.sweeper.spec import SpecError, load_spec
 from hptransfer.sweeper.study import initial_state, next_step
+from hptransfer.workers.trial import Budget
 
 LRS = [2.0**k for k in range(-10, -5)]  # 2^-10 ... 2^-6
 
@@ -82,6 +83,9 @@ def bowl(centre_log2: float):
                                   {"width": 64, "depth": 2}, {"width": 96, "depth": 1},
                                   {"width": 128, "depth": 1}]}},
      "stages.aspect_ratio.shapes[0].tokens_per_param"),  # only ladder shapes take a budget
+    ({"aspect_ratio": {"tokens_per_param": 0, "shapes": [
+        {"width": 32, "depth": 8}, {"width": 64, "depth": 2}, {"width": 96, "depth": 1},
+        {"width": 128, "depth": 1}]}}, "stages.aspect_ratio.tokens_per_param"),
     ({"tune": {"extend": 9}}, "stages.tune.extend"),
     ({"check": {"shapes": [{"width": 32, "depth": 2}], "extend": 5}}, "stages.check.extend"),
     ({"check": {"shapes": [{"width": 32, "depth": 2}], "extend_lrs": 0}},
@@ -142,6 +146,29 @@ def test_a_ladder_shape_at_a_second_token_budget_is_its_own_trial():
     check = [p for p in step.trials if p.stage == "check"]
     assert {(p.width, p.depth) for p in check} == {(64, 2)} and len(check) == 2 * 2
     assert all(p.trial.budget == default for p in check)
+
+
+def test_the_aspect_ratio_stage_trains_every_shape_at_its_own_budget():
+    stages = study_dict()["stages"]
+    stages["aspect_ratio"]["tokens_per_param"] = 4
+    spec = load_spec(study_dict(**stages))
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(-8)))
+    by_stage: dict[str, list] = {}
+    for p in step.trials:
+        by_stage.setdefault(p.stage, []).append(p)
+    # one budget for the whole stage (N:L compares its shapes at equal tokens per parameter)
+    assert len(by_stage["aspect_ratio"]) == 8
+    assert {p.trial.budget for p in by_stage["aspect_ratio"]} == {Budget(tokens_per_param=4)}
+    # the other stages keep the sweep's budget
+    default = spec.budget.trial_budget()
+    assert default != Budget(tokens_per_param=4)
+    assert all(p.trial.budget == default for p in by_stage["transfer"] + by_stage["check"])
+    # (64, 2) is both a ladder shape and an aspect-ratio shape: two budgets, two trials
+    both = [p for p in step.trials if (p.width, p.depth) == (64, 2) and p.lr == pytest.approx(
+        step.state["hps"][p.arm]["lr"])]
+    assert {p.stage for p in both} == {"transfer", "aspect_ratio"}
+    assert len({p.content_hash for p in both}) == len(both)
 
 
 def test_planner_transfers_the_tuned_lr_to_every_later_stage():

@@ -235,7 +235,7 @@ def _stage_trials(
                 for seed in spec.grid.seeds:
                     key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
                     out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage,
-                                        getattr(shape, "tokens_per_param", None)))
+                                        st.tokens_per_param(stage, shape)))
     return out
 
 

@@ -143,9 +143,12 @@ class CheckStage(SpecModel):
 
 class AspectRatioStage(SpecModel):
     """Shapes of about equal non-embedding parameter count (12·N²·L), at least 4 width:depth
-    ratios (the cubic in log N:L needs 4; a reliable fit needs 5)."""
+    ratios (the cubic in log N:L needs 4; a reliable fit needs 5). `tokens_per_param` trains
+    all of them at that budget instead of the sweep's: one budget for the stage, since N:L
+    compares its shapes at equal size and equal tokens."""
 
     shapes: Annotated[list[Shape], Field(min_length=4, max_length=MAX_STAGE_SHAPES)]
+    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
 
     @field_validator("shapes")
     @classmethod
@@ -185,6 +188,13 @@ class Stages(SpecModel):
                         key=lambda s: (s.width**2 * s.depth, s.width))]
         section: Any = getattr(self, stage)
         return list(section.shapes) if section is not None else []
+
+    def tokens_per_param(self, stage: str, shape: Shape) -> float | None:
+        """The budget (tokens per parameter) a later stage trains `shape` at; None: the
+        sweep's own budget."""
+        if stage == "aspect_ratio" and self.aspect_ratio is not None:
+            return self.aspect_ratio.tokens_per_param
+        return getattr(shape, "tokens_per_param", None)  # a ladder shape's second budget
 
     def lr_offsets(self, stage: str, shape: Shape) -> list[float]:
         """The log2 offsets from the transferred η* a later stage trains at `shape`: the
