@@ -35,6 +35,7 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
 from .device import Compiled, autocast, resolve_device
+from .host_memory import keep_freed_memory
 from .plan import Progress, TrialPlan, failed_result, load_trial_data, plan_trial, trial_result
 from .trial import TrialResult, TrialSpec
 
@@ -97,6 +98,7 @@ class _Pack:
         spec = specs[0]
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
+        keep_freed_memory()
         self.spec, self.reporter = spec, reporter
         self.device = device = resolve_device(spec.device)
         self.data = data = load_trial_data(spec, cache_dir)

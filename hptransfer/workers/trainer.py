@@ -25,6 +25,7 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
 from .device import Compiled, autocast, resolve_device
+from .host_memory import keep_freed_memory
 from .plan import Progress, failed_result, load_trial_data, plan_trial, trial_result
 from .trial import TrialResult, TrialSpec
 
@@ -70,6 +71,7 @@ def _train(
 ) -> TrialResult:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
+    keep_freed_memory()
     device = resolve_device(spec.device)
     data = load_trial_data(spec, cache_dir)
     plan = plan_trial(spec, data, device)
