@@ -29,4 +29,5 @@ if ! bash scripts/install_chromium.sh; then
   echo "warning: Chromium could not be installed; the browser tests skip" >&2
 fi
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
+# --durations: the slowest tests in every log (the suite must stay under 15 minutes on 2 cores)
+exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=25 "$@"

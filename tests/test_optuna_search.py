@@ -42,6 +42,7 @@ from hptransfer.sweeper.spec.sections import MIN_FULL_BUDGET
 from hptransfer.workers.trial import Budget, TrialSpec
 
 TERMINAL_TRIAL = {"completed", "pruned", "diverged", "failed", "cancelled"}
+FINAL_SWEEP = ("completed", "cancelled", "failed")
 LOG2_LRS = range(-13, -2)  # 2^-13 .. 2^-3: 11 LRs, one log2 step apart (the grid step)
 STEPS, BATCH, SEQ = 100, 8, 64
 N_TRIALS = 7  # 4 covering the range, 2 around the best of them, 1 from TPE
@@ -87,14 +88,22 @@ def _optuna_spec(base: dict[str, Any], **search: Any) -> dict[str, Any]:
 
 def _watch(client: Client, sweep_id: str, timeout: float = 600) -> list[dict[str, Any]]:
     """Poll GET /sweeps/{id} until the sweep ends; every summary seen, in order."""
-    seen = []
+    return _watch_all(client, [sweep_id], timeout)[sweep_id]
+
+
+def _watch_all(client: Client, sweep_ids: list[str],
+               timeout: float = 600) -> dict[str, list[dict[str, Any]]]:
+    """Poll GET /sweeps/{id} of every sweep until all have ended; each one's summaries."""
+    seen: dict[str, list[dict[str, Any]]] = {i: [] for i in sweep_ids}
     deadline = time.time() + timeout
     while True:
-        summary = client.get(sweep_id)
-        seen.append(summary)
-        if summary["status"] in ("completed", "cancelled", "failed"):
+        for sweep_id, summaries in seen.items():
+            if not summaries or summaries[-1]["status"] not in FINAL_SWEEP:
+                summaries.append(client.get(sweep_id))
+        running = [s[-1] for s in seen.values() if s[-1]["status"] not in FINAL_SWEEP]
+        if not running:
             return seen
-        assert time.time() < deadline, f"sweep still {summary['status']}: {summary['counts']}"
+        assert time.time() < deadline, [(s["status"], s["counts"]) for s in running]
         time.sleep(0.2)
 
 
@@ -145,28 +154,44 @@ def reference_grid(module_hpt_home, module_ray_cluster) -> pd.DataFrame:
 
 # each way of running the search takes one arm of the grid (its two widths): the two
 # together cover the grid's four shapes at half the cost of running both on all four
-@pytest.mark.parametrize("pack, parameterization", [(1, "completep"), ("auto", "sp")])
+SEARCHES = [(1, "completep"), ("auto", "sp")]
+
+
+@pytest.fixture(scope="module")
+def searches(reference_grid, module_hpt_home, module_ray_cluster) -> dict[tuple, dict]:
+    """Both searches of SEARCHES, run at once in the grid's home: each asks one trial at a
+    time (max_concurrent 1), so together they keep the two CPUs busy, and neither's ask/tell
+    order depends on the other. Per search: its summaries as watched, trials and fits."""
+    settings = get_settings()
+    ids = {}
+    with serve_in_thread(settings) as url, Client(url) as client:
+        for pack, parameterization in SEARCHES:
+            arm = {"arch": "gpt", "parameterization": parameterization}
+            assert arm in COMPARISON_SPEC["arms"]
+            spec = _optuna_spec({**COMPARISON_SPEC, "arms": [arm]})
+            spec["resources"] = {**spec["resources"], "pack": pack}
+            ids[pack, parameterization] = client.submit(spec)["id"]
+        seen = _watch_all(client, list(ids.values()))
+        return {key: {"id": i, "seen": seen[i], "found": client.trials(i),
+                      "fits": client.fits_raw(i, bootstrap=0), "settings": settings}
+                for key, i in ids.items()}
+
+
+@pytest.mark.parametrize("pack, parameterization", SEARCHES)
 def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameterization,
-                                                              reference_grid, hpt_home,
-                                                              ray_cluster, record_property):
+                                                              reference_grid, searches,
+                                                              record_property):
     """Alone (pack 1: every trial is asked after the previous one finished, so the first
     batch's lowest LR can be pruned) or packed (`auto` packs these widths on the CPU: the
     first batch trains together, then one trial at a time; SP, whose high LRs amplify the
     packed rounding most), each shape's η* is near the grid's best LRs and the search costs
     a fraction of the grid's tokens."""
-    settings = get_settings()
+    run = searches[pack, parameterization]
+    settings, optuna_id, seen = run["settings"], run["id"], run["seen"]
+    found, fits = run["found"], run["fits"]
     full_tokens = STEPS * BATCH * SEQ
-    arm = {"arch": "gpt", "parameterization": parameterization}
-    assert arm in COMPARISON_SPEC["arms"]
     grid = reference_grid[reference_grid["arm"] == f"gpt/{parameterization}"]
     n_shapes = N_SHAPES // 2
-    spec = _optuna_spec({**COMPARISON_SPEC, "arms": [arm]})
-    spec["resources"] = {**spec["resources"], "pack": pack}
-    with serve_in_thread(settings) as url, Client(url) as client:
-        optuna_id = client.submit(spec)["id"]
-        seen = _watch(client, optuna_id)
-        found = client.trials(optuna_id)
-        fits = client.fits_raw(optuna_id, bootstrap=0)
 
     # the grid: every LR ran to its budget; each shape's argmin is inside the range
     assert len(grid) == n_shapes * len(LOG2_LRS) and (grid["tokens"] == full_tokens).all()
