@@ -35,8 +35,15 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
 from .device import Compiled, autocast, resolve_device
-from .host_memory import keep_freed_memory
-from .plan import Progress, TrialPlan, failed_result, load_trial_data, plan_trial, trial_result
+from .plan import (
+    Progress,
+    TrialPlan,
+    failed_result,
+    load_trial_data,
+    plan_trial,
+    prepare_process,
+    trial_result,
+)
 from .trial import TrialResult, TrialSpec
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes `specs`
@@ -96,9 +103,7 @@ class _Pack:
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
                  cache_dir: str | None):
         spec = specs[0]
-        if spec.num_threads:
-            torch.set_num_threads(spec.num_threads)
-        keep_freed_memory()
+        prepare_process(spec)
         self.spec, self.reporter = spec, reporter
         self.device = device = resolve_device(spec.device)
         self.data = data = load_trial_data(spec, cache_dir)

@@ -1,5 +1,6 @@
-"""What run_trial and run_trials share: a trial's plan (steps, schedule, curve and evaluation
-points, FLOPs), its curve points, the divergence rule and how a TrialResult is assembled.
+"""What run_trial and run_trials share: the process settings they start with, a trial's plan
+(steps, schedule, curve and evaluation points, FLOPs), its curve points, the divergence rule
+and how a TrialResult is assembled.
 
 Both trainers read training losses back from the device only at "sync" steps (curve points,
 evaluations and every DIVERGENCE_CHECK_EVERY steps), never every step; the divergence rule is
@@ -22,11 +23,20 @@ from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTabl
 from hptransfer.models.flops import flops_per_token, param_counts
 
 from .device import peak_flops
+from .host_memory import keep_freed_memory
 from .trial import TrialResult, TrialSpec
 
 CURVE_POINTS = 50
 # at most this many optimizer steps between two host reads of the losses (divergence check)
 DIVERGENCE_CHECK_EVERY = 32
+
+
+def prepare_process(spec: TrialSpec) -> None:
+    """Settings a trainer applies before anything else: the spec's thread budget, and freed
+    memory kept for the next step (host_memory.py)."""
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    keep_freed_memory()
 
 
 def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:

@@ -25,8 +25,14 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
 from .device import Compiled, autocast, resolve_device
-from .host_memory import keep_freed_memory
-from .plan import Progress, failed_result, load_trial_data, plan_trial, trial_result
+from .plan import (
+    Progress,
+    failed_result,
+    load_trial_data,
+    plan_trial,
+    prepare_process,
+    trial_result,
+)
 from .trial import TrialResult, TrialSpec
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
@@ -69,9 +75,7 @@ def run_trial(
 def _train(
     spec: TrialSpec, reporter: Reporter | None, cache_dir: str | None, started: float
 ) -> TrialResult:
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
-    keep_freed_memory()
+    prepare_process(spec)
     device = resolve_device(spec.device)
     data = load_trial_data(spec, cache_dir)
     plan = plan_trial(spec, data, device)
