@@ -142,8 +142,9 @@ def _check_in_mlflow(cluster, sweep_id: str, rows: list[dict]) -> None:
             break
         assert time.time() < deadline, paths
         time.sleep(2)
+    # into the cluster's folder, which its teardown removes
     local = ml.download_artifacts(parent.info.run_id, next(p for p in paths if "fits" in p),
-                                  tempfile.mkdtemp(prefix="hptart"))
+                                  tempfile.mkdtemp(prefix="art", dir=cluster["dir"]))
     assert Path(local).stat().st_size > 0
 
 

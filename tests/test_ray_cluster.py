@@ -7,6 +7,7 @@ A real head node is started with `ray start --head` (its own temp dir and port),
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,6 +62,7 @@ def ray_head():
         time.sleep(0.5)
     yield f"127.0.0.1:{port}"
     _kill(proc, marker=temp_dir)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
