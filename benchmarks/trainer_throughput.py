@@ -257,6 +257,11 @@ def main() -> None:
         print(HOW_TO_GET + "\n(running without the peer column)\n")
     if not 2 <= args.warmup + 2 <= args.steps <= 50:
         parser.error("need warmup + 2 <= steps <= 50")
+    names = {n for s in SHAPES for n in (s[0], f"{s[0]}:{s[3]}:{s[4]}")}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:  # a typo would otherwise time fewer shapes than asked, silently
+        parser.error(f"--only {' '.join(unknown)}: no such shape; choose from "
+                     f"{', '.join(sorted(names))}")
     shapes = [s for s in SHAPES if not args.only
               or s[0] in args.only or f"{s[0]}:{s[3]}:{s[4]}" in args.only]
     rows = []
