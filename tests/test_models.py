@@ -229,3 +229,18 @@ def test_fused_qkv_equals_three_linears():
     out = fused_qkv(x, q, k, v, n_heads=4)
     for i, lin in enumerate((q, k, v)):
         torch.testing.assert_close(out[:, :, i], lin(x).view(2, 5, 4, 4))
+
+
+@pytest.mark.parametrize("param, base_width, multiplier", [
+    ("sp", 32, 1.0), ("mup", 32, 0.25), ("completep", 128, 1.0)])
+def test_logits_are_the_unembedding_times_the_forward_multiplier(param, base_width,
+                                                                 multiplier):
+    """µP's logits are unembed(h)/m_N (Table 1); at m_N = 1, and under SP, exactly unembed(h):
+    the skipped multiply by 1.0 must change nothing."""
+    b = build_model("gpt", 128, 2, param, head_dim=32, base_width=base_width, seed=1)
+    assert b.table.multipliers.logits == pytest.approx(multiplier)
+    final: list[torch.Tensor] = []
+    b.model.ln_final.register_forward_hook(lambda _m, _i, out: final.append(out))
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = b.model(x)
+    assert torch.equal(logits, b.model.unembed(final[0]) * multiplier)
