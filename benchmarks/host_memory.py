@@ -23,7 +23,7 @@ CHILD = """
 import sys, time, torch
 from hptransfer.workers import host_memory
 if sys.argv[1] == "defaults":
-    host_memory._done = False  # as if already applied: run_trial leaves glibc's defaults
+    host_memory._done = False  # marked done without applying: run_trial keeps the defaults
 else:
     assert host_memory.keep_freed_memory()
 torch.set_num_threads(int(sys.argv[3]))

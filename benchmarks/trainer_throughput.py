@@ -238,6 +238,11 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
                      else "never"))
 
 
+def _names(shape: tuple) -> set[str]:
+    """What --only accepts for a SHAPES entry: its label, or label:width:depth."""
+    return {shape[0], f"{shape[0]}:{shape[3]}:{shape[4]}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16,
@@ -257,13 +262,12 @@ def main() -> None:
         print(HOW_TO_GET + "\n(running without the peer column)\n")
     if not 2 <= args.warmup + 2 <= args.steps <= 50:
         parser.error("need warmup + 2 <= steps <= 50")
-    names = {n for s in SHAPES for n in (s[0], f"{s[0]}:{s[3]}:{s[4]}")}
-    unknown = sorted(set(args.only or ()) - names)
-    if unknown:  # a typo would otherwise time fewer shapes than asked, silently
-        parser.error(f"--only {' '.join(unknown)}: no such shape; choose from "
+    only = set(args.only or ())
+    names = {n for s in SHAPES for n in _names(s)}
+    if only - names:  # a typo would otherwise time fewer shapes than asked, silently
+        parser.error(f"--only {' '.join(sorted(only - names))}: no such shape; choose from "
                      f"{', '.join(sorted(names))}")
-    shapes = [s for s in SHAPES if not args.only
-              or s[0] in args.only or f"{s[0]}:{s[3]}:{s[4]}" in args.only]
+    shapes = [s for s in SHAPES if not only or only & _names(s)]
     rows = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="hpt-bench-") as cache_dir:
