@@ -22,6 +22,9 @@ from hptransfer.workers.plan import load_trial_data, plan_trial
 from hptransfer.workers.trial import Budget, TrialSpec
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
+# head_dim 8: attention takes the explicit small-head path (a custom autograd function)
+SMALL_HEADS = {"small-heads-rope": {**CASES["gpt-completep"], "head_dim": 8},
+               "small-heads-alibi": {**CASES["gpt-alibi-bias"], "head_dim": 8}}
 
 
 @pytest.fixture(autouse=True)
@@ -46,9 +49,9 @@ def _breaks(explained) -> list[str]:  # noqa: ANN001 (dynamo's ExplainOutput)
             for r in explained.break_reasons]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *SMALL_HEADS])
 def test_every_model_traces_as_one_graph(name):
-    model, tokens = _model(CASES[name])
+    model, tokens = _model({**CASES, **SMALL_HEADS}[name])
     explained = dynamo.explain(model)(tokens)
     assert explained.graph_break_count == 0, _breaks(explained)
     assert explained.graph_count == 1
@@ -101,12 +104,13 @@ def test_compiled_packed_step_equals_eager():
     torch.testing.assert_close(flat, eager_flat, rtol=1e-5, atol=1e-7)
 
 
-def test_compiled_forward_and_backward_equal_eager():
-    """Through dynamo and AOTAutograd (which see our custom autograd function for relu²),
-    forward and gradients equal eager's. The `aot_eager` backend runs
+@pytest.mark.parametrize("name", ["gpt-x0-ve", *SMALL_HEADS])
+def test_compiled_forward_and_backward_equal_eager(name):
+    """Through dynamo and AOTAutograd (which see our custom autograd functions for relu² and
+    small-head attention), forward and gradients equal eager's. The `aot_eager` backend runs
     the traced graphs without inductor's code generation (a C++ build per kernel here, half a
     minute), which is torch's own to test."""
-    model, tokens = _model(CASES["gpt-x0-ve"])
+    model, tokens = _model({**CASES, **SMALL_HEADS}[name])
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
 
     def loss_and_grads(fn) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001

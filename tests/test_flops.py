@@ -5,6 +5,8 @@ What FlopCounterMode counts for attention (torch 2.13, CPU) - established by the
   which has no FLOP formula: attention counts 0, forward and backward;
 - alibi path (float attn_mask), and any path under ``sdpa_kernel(SDPBackend.MATH)``, is
   decomposed into two bmm's over the full T x T scores: counted dense, never causal-halved;
+- tiny heads (``layers.uses_small_head_path``: head_dim <= 8, T <= 64) skip SDPA for our
+  explicit baddbmm / bmm products: counted dense too, forward and backward;
 - CUDA flash / efficient kernels (checked here on meta tensors): dense forward, backward
   2.5x forward (it recomputes the scores), so 3.5x rather than 3x forward for attention.
 So the agreement test runs under the math backend and compares with ``causal=False``; our
@@ -33,6 +35,7 @@ from hptransfer.models.flops import (
     param_counts,
     training_flops,
 )
+from hptransfer.models.layers import SMALL_HEAD_DIM, SMALL_HEAD_MAX_SEQ
 
 VOCAB_TABLES = ("embed.", "unembed.", "extra_embeds.", "value_embeds.")
 ARCHES = {
@@ -47,6 +50,7 @@ SHAPES = [
     (128, 64, 2, 64, 512),
     (192, 64, 3, 48, 384),
     (256, 32, 4, 128, 1024),
+    (32, 8, 2, 32, 256),  # tiny heads: the explicit small-head attention (layers.py)
 ]
 BATCH = 2
 
@@ -133,11 +137,12 @@ def test_flop_counter_agrees_with_analytic(name, shape):
     assert dense - causal == half
     assert counted - causal == pytest.approx(half, rel=0.02)
 
-    # default CPU backend: the fused rope kernel is invisible to the counter, alibi is not;
-    # exact equality, since attention can be under 2 % of the total at these shapes
+    # default CPU backend: the fused rope kernel is invisible to the counter; alibi and the
+    # small-head path are not; exact equality, since attention can be under 2 % of the total
     counted_default = _counted_training_flops(built.model, t, vocab, math=False)
     attention = 3 * flops_per_token(cfg, t, causal=False).attention * tokens
-    expected_default = dense if cfg.position == "alibi" else dense - attention
+    small_heads = head_dim <= SMALL_HEAD_DIM and t <= SMALL_HEAD_MAX_SEQ
+    expected_default = dense if cfg.position == "alibi" or small_heads else dense - attention
     assert counted_default == expected_default
 
 

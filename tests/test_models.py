@@ -148,15 +148,17 @@ def test_relu_squared_matches_autograd_reference():
     assert torch.autograd.gradcheck(relu_squared, (x,))
 
 
+@pytest.mark.parametrize("d", [4, 16], ids=["small-head-path", "fused-kernel"])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_packed_attention_matches_per_member_softmax_attention(alibi):
+def test_packed_attention_matches_per_member_softmax_attention(alibi, d):
     """attention() on a pack's (members, batch, heads, T, d) tensors: values and gradients
-    equal textbook softmax attention of each member alone."""
-    from hptransfer.models.layers import alibi_bias, attention
+    equal textbook softmax attention of each member alone, on both of its CPU paths."""
+    from hptransfer.models.layers import alibi_bias, attention, uses_small_head_path
 
-    members, b, h, t, d = 3, 2, 2, 5, 4
+    members, b, h, t = 3, 2, 2, 5
     q, k, v = (torch.randn(members, b, h, t, d, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
+    assert uses_small_head_path(q) == (d == 4)
     g = torch.randn(members, b, h, t, d, dtype=torch.float64)
     bias = alibi_bias(h, t, q.device, q.dtype) if alibi else None
     causal = torch.ones(t, t, dtype=torch.bool).tril()

@@ -32,6 +32,8 @@ tests/test_flops.py) - it never applies the causal halving:
     - CPU, alibi path (float ``attn_mask``) or any path under ``sdpa_kernel(MATH)``: SDPA
       decomposes into two ``bmm``s over the full T x T, so the counter agrees exactly with
       ``causal=False`` here;
+    - CPU, tiny heads (``layers.uses_small_head_path``): our own two ``bmm``s over the full
+      T x T (four in the backward), counted like the math path;
     - CUDA flash / efficient / cuDNN kernels: full T x T forward ("We aren't accounting for
       causal attention here" in torch's source) and a backward of 2.5x forward (it counts the
       recomputed scores), i.e. 3.5x forward for attention rather than our 3x.

@@ -162,15 +162,79 @@ def residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.T
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention, (..., heads, T, d); `bias`: an additive (heads,
-    T, T) mask that replaces the causal flag (ALiBi)."""
+    T, T) mask that replaces the causal flag (ALiBi). torch's fused kernel, except for tiny
+    heads on the CPU (uses_small_head_path)."""
     if q.dim() > 4:  # packed (K, batch, ...): the members are more batch for the kernel
         out = _sdpa(q.flatten(0, -4), k.flatten(0, -4), v.flatten(0, -4), bias, scale)
         return out.view(*q.shape[:-1], v.shape[-1])
     return _sdpa(q, k, v, bias, scale)
 
 
+# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel took 1.3-2.1x
+# as long (forward + backward) as the explicit T x T products below; from head_dim 16 or 128
+# tokens on, the fused kernel was as fast or faster, and it keeps no T x T matrix for the
+# backward (benchmarks/attention.py measures both on the machine at hand).
+SMALL_HEAD_DIM = 8
+SMALL_HEAD_MAX_SEQ = 64
+
+
+def uses_small_head_path(q: torch.Tensor) -> bool:
+    """Whether attention on `q` (..., T, head_dim) takes the explicit small-head path."""
+    return (q.device.type == "cpu" and q.shape[-1] <= SMALL_HEAD_DIM
+            and q.shape[-2] <= SMALL_HEAD_MAX_SEQ)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
           scale: float) -> torch.Tensor:
+    if uses_small_head_path(q):
+        return _small_head_attention(q, k, v, bias, scale)
     if bias is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+
+def _small_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v over (batch, heads, T, d) by the explicit products."""
+    t = q.shape[-2]
+    if bias is None:  # causal: -inf above the diagonal
+        mask = torch.full((t, t), -math.inf, dtype=q.dtype, device=q.device).triu_(1)
+    else:  # (heads, T, T): one copy per (batch, head), as the batched product wants
+        mask = bias.expand(*q.shape[:-1], t).reshape(-1, t, t)
+    out = _SmallHeadAttention.apply(q.reshape(-1, t, q.shape[-1]), k.reshape(-1, t, k.shape[-1]),
+                                    v.reshape(-1, t, v.shape[-1]), mask, scale)[0]
+    return out.view(*q.shape[:-1], v.shape[-1])
+
+
+class _SmallHeadAttention(torch.autograd.Function):
+    """Attention on (N, T, d) with every product laid out as MKL runs it fastest at tiny d:
+    the T x T matrix as the right-hand operand (o^T = v^T p^T and so on), which autograd's
+    own backward of `p @ v` does not do."""
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale).softmax(dim=-1)
+        return torch.bmm(v.transpose(1, 2), p.transpose(1, 2)).transpose(1, 2), p
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (autograd's signature)
+        q, k, v, _, scale = inputs
+        ctx.save_for_backward(q, k, v, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None, _grad_p: None):  # noqa: ANN001, ANN205
+        if grad is None:
+            return None, None, None, None, None
+        q, k, v, p = ctx.saved_tensors
+        grad_v = torch.bmm(grad.transpose(1, 2), p).transpose(1, 2)
+        grad_p = torch.bmm(grad, v.transpose(1, 2))
+        # autograd's own softmax backward, p * (dp - rowsum(dp * p)), in one kernel (twice as
+        # fast as those four ops); the scale of the scores goes on the (N, d, T) products
+        grad_s = torch._softmax_backward_data(grad_p, p, -1, p.dtype)
+        grad_q = torch.bmm(k.transpose(1, 2), grad_s.transpose(1, 2)).mul_(ctx.scale)
+        grad_k = torch.bmm(q.transpose(1, 2), grad_s).mul_(ctx.scale)
+        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v, None, None

@@ -1,0 +1,125 @@
+"""Attention on the CPU: torch's fused SDPA kernel against the explicit small-head path
+(`models/layers.py`, taken when `uses_small_head_path`: head_dim <= 8 and T <= 64).
+
+1. The op alone, forward + backward, causal, over a grid of (batch, heads, T, head_dim) on
+   both sides of that rule: "x" = fused time / small-head time (> 1: the small-head path is
+   faster), median of alternating rounds in this one process.
+2. `run_trial` at the demo's shapes (head_dim 8, batch 16 x seq 64, 1 thread), the small-head
+   path on against forced off, alternating: ms per step and the same ratio.
+
+    .venv/bin/python benchmarks/attention.py [--rounds 5] [--threads 1] [--steps 40]
+        [--shapes 16x24 24x11 40x4 32x2] [--skip-trials]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hptransfer.models.layers as layers
+from hptransfer.workers.trainer import run_trial
+from hptransfer.workers.trial import TrialSpec
+
+# (batch, heads, T, head_dim): the demo's heads (width / 8 at batch 16 x 64), then past the rule
+OP_CASES = [(16, 2, 64, 8), (16, 3, 64, 8), (16, 5, 64, 8), (16, 10, 64, 8),
+            (16, 2, 64, 16), (16, 4, 64, 16), (8, 8, 128, 8), (8, 4, 128, 32)]
+
+
+def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+
+
+def small_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return layers._small_head_attention(q, k, v, None, q.shape[-1] ** -0.5)
+
+
+def time_op(fn, q, k, v, grad, reps: int = 20) -> float:  # noqa: ANN001
+    """Seconds per forward + backward."""
+    for _ in range(2):
+        fn(q, k, v).backward(grad)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn(q, k, v).backward(grad)
+    return (time.perf_counter() - t) / reps
+
+
+def op_table(rounds: int) -> None:
+    print(f"{'batch':>5} {'heads':>5} {'T':>4} {'d':>3} {'rule':>5} {'fused us':>9} "
+          f"{'small us':>9} {'x':>5}")
+    for b, h, t, d in OP_CASES:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(b, h, t, d, generator=gen, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, t, d, generator=gen)
+        torch.testing.assert_close(small_head(q, k, v), fused(q, k, v))
+        a, s = [], []
+        for r in range(rounds):
+            order = ((fused, a), (small_head, s)) if r % 2 == 0 else ((small_head, s), (fused, a))
+            for fn, acc in order:
+                acc.append(time_op(fn, q, k, v, grad))
+        ratio = statistics.median(x / y for x, y in zip(a, s, strict=True))
+        rule = "small" if layers.uses_small_head_path(q) else "fused"
+        print(f"{b:>5} {h:>5} {t:>4} {d:>3} {rule:>5} {statistics.median(a) * 1e6:>9.0f} "
+              f"{statistics.median(s) * 1e6:>9.0f} {ratio:>5.2f}")
+
+
+def trial_spec(width: int, depth: int, steps: int, threads: int) -> TrialSpec:
+    return TrialSpec(width=width, depth=depth, head_dim=8, base_width=32, base_depth=2,
+                     parameterization="completep", lr=2.0**-7, batch_size=16, seq_len=64,
+                     budget={"steps": steps}, eval_every=10**6, device="cpu",
+                     num_threads=threads, data={"val_tokens": 1024})
+
+
+def ms_per_step(spec: TrialSpec, cache: str, small: bool) -> float:
+    layers.SMALL_HEAD_DIM = 8 if small else 0  # 0: no head is small, every call is fused
+    try:
+        result = run_trial(spec, cache_dir=cache)
+    finally:
+        layers.SMALL_HEAD_DIM = 8
+    if result.status != "completed":
+        raise RuntimeError(f"{result.status}: {result.error}")
+    return spec.batch_size * spec.seq_len / result.tokens_per_s * 1e3
+
+
+def trial_table(shapes: list[str], rounds: int, steps: int, threads: int) -> None:
+    print(f"\n{'shape':>6} {'fused ms':>9} {'small ms':>9} {'x':>5}  per round")
+    with tempfile.TemporaryDirectory(prefix="hpt-attn-") as cache:
+        for shape in shapes:
+            width, depth = (int(n) for n in shape.split("x"))
+            spec = trial_spec(width, depth, steps, threads)
+            ms_per_step(spec, cache, small=True)  # data cache and warm-up
+            a, s = [], []
+            for r in range(rounds):
+                order = (False, True) if r % 2 == 0 else (True, False)
+                for small in order:
+                    (s if small else a).append(ms_per_step(spec, cache, small))
+            ratios = [x / y for x, y in zip(a, s, strict=True)]
+            print(f"{shape:>6} {statistics.median(a):>9.1f} {statistics.median(s):>9.1f} "
+                  f"{statistics.median(ratios):>5.2f}  {' '.join(f'{x:.2f}' for x in ratios)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--shapes", nargs="*", default=["16x24", "24x11", "40x4", "32x2"])
+    parser.add_argument("--skip-trials", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs, "
+          f"1-min load {os.getloadavg()[0]:.1f}; {args.rounds} alternating rounds")
+    op_table(args.rounds)
+    if not args.skip_trials:
+        trial_table(args.shapes, args.rounds, args.steps, args.threads)
+    print("\nx = fused / small-head time (> 1: the small-head path is faster); rule = the path "
+          "attention() takes for that shape")
+
+
+if __name__ == "__main__":
+    main()
