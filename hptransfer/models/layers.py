@@ -170,10 +170,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _sdpa(q, k, v, bias, scale)
 
 
-# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel took 1.3-2.1x
-# as long (forward + backward) as the explicit T x T products below; from head_dim 16 or 128
-# tokens on, the fused kernel was as fast or faster, and it keeps no T x T matrix for the
-# backward (benchmarks/attention.py measures both on the machine at hand).
+# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel spends more on
+# its tiling than on the math; the explicit T x T products below made a whole training step
+# (run_trial) 1.12-1.21x faster at the demo's shapes. From head_dim 16 or 128 tokens on, the
+# fused kernel was as fast or faster, and it keeps no T x T matrix for the backward
+# (benchmarks/attention.py measures both, the op alone and whole steps).
 SMALL_HEAD_DIM = 8
 SMALL_HEAD_MAX_SEQ = 64
 
