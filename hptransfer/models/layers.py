@@ -170,8 +170,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return _sdpa(q, k, v, bias, scale)
 
 
-# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel spends more on
-# its tiling than on the math; the explicit T x T products below made a whole training step
+# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel is slower than
+# the explicit T x T products below, which made a whole training step
 # (run_trial) 1.12-1.21x faster at the demo's shapes. From head_dim 16 or 128 tokens on, the
 # fused kernel was as fast or faster, and it keeps no T x T matrix for the backward
 # (benchmarks/attention.py measures both, the op alone and whole steps).
