@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from pathlib import Path
 
@@ -102,6 +103,75 @@ def test_case8_admission_refuses_a_trial_no_worker_can_hold(client, tiny_spec):
     assert "width 65536, depth 1024" in message and "GB" in message
     assert "more memory than" in message and "parameters" in message
     assert nothing_stored(client)
+
+
+@pytest.mark.parametrize("stage", ["transfer", "check", "aspect_ratio"])
+def test_admission_refuses_a_study_stage_shape_no_worker_can_hold(client, stage):
+    # The grid (the tune stage) is tiny; one later stage asks for ~17 trillion parameters.
+    from test_study import study_dict
+
+    spec = study_dict()
+    huge = {"width": 65536, "depth": 320}
+    if stage == "check":
+        spec["stages"]["check"] = {"shapes": [huge]}
+    else:
+        spec["stages"][stage]["shapes"].append(huge)
+    r = client.post("/sweeps", json=spec)
+    assert r.status_code == 422, r.text
+    # one problem per arm, each under the field that asks for the shape
+    assert fields(r) == [f"stages.{stage}.shapes"] * 2, r.text
+    assert "width 65536, depth 320" in r.json()["error"]
+    assert nothing_stored(client)
+
+
+def test_admission_prices_every_shape_a_study_trains_at_its_own_budget():
+    from test_study import study_dict
+
+    from hptransfer.models import build_model
+    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.sweeper.spec import load_spec
+
+    spec = study_dict()  # budget: 10 steps of 4 x 32 tokens
+    spec["stages"]["transfer"]["shapes"].append({"width": 64, "depth": 2,
+                                                 "tokens_per_param": 40})
+    spec["stages"]["aspect_ratio"]["tokens_per_param"] = 20
+    costs = trial_costs(load_spec(spec))
+
+    def tokens(tokens_per_param: float, width: int, depth: int) -> int:
+        # non-embedding parameters counted on the real model (torch), not by flops.py
+        model = build_model("gpt", width, depth, "sp", head_dim=32, max_seq_len=32).model
+        params = sum(p.numel() for n, p in model.named_parameters()
+                     if not n.startswith(("embed.", "unembed.")))
+        per_step = 4 * 32
+        return per_step * math.ceil(tokens_per_param * params / per_step)
+
+    for arm in ("gpt/sp", "gpt/completep"):
+        priced = sorted((c.field, c.width, c.depth, c.tokens) for c in costs if c.arm == arm)
+        assert priced == sorted([
+            ("grid", 32, 1, 1280),  # the tune stage
+            ("stages.transfer.shapes", 32, 2, 1280), ("stages.transfer.shapes", 64, 2, 1280),
+            ("stages.transfer.shapes", 64, 2, tokens(40, 64, 2)),
+            ("stages.aspect_ratio.shapes", 32, 8, tokens(20, 32, 8)),
+            ("stages.aspect_ratio.shapes", 64, 2, tokens(20, 64, 2)),
+            ("stages.aspect_ratio.shapes", 96, 1, tokens(20, 96, 1)),
+            ("stages.aspect_ratio.shapes", 128, 1, tokens(20, 128, 1)),
+        ])  # the check shape (64x2 at the sweep's budget, by default) is the ladder's
+
+
+def test_admission_prices_the_small_head_paths_saved_softmax(tiny_spec):
+    # head_dim 8 at seq 32: attention keeps its (batch x heads, T, T) softmax for backward
+    import torch
+
+    from hptransfer.models.layers import uses_small_head_path
+    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.sweeper.spec import load_spec
+
+    assert uses_small_head_path(torch.empty(4, 4, 32, 8))
+    tiny_spec["fixed"]["head_dim"] = 8
+    (cost,) = trial_costs(load_spec(tiny_spec))
+    heads, t = 32 // 8, 32
+    # 4 bytes x batch 4 x seq 32 x (depth 1 x (width 32 x 17 + heads 4 x T 32) + 3 x 256)
+    assert cost.activation_bytes == 4 * 4 * t * (32 * 17 + heads * t + 3 * 256)
 
 
 def test_admission_caps_from_the_environment(hpt_home, monkeypatch, tiny_spec):

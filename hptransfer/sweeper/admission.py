@@ -1,6 +1,8 @@
 """Resource admission: refuse, at submit, a sweep with a trial no worker could run.
 
-Each (arm, width, depth) shape is priced before anything is stored:
+Each (arm, width, depth) shape a sweep can train is priced before anything is stored: the
+grid's, and a study's later stages' (transfer ladder, check and aspect-ratio shapes, at their
+own token budgets):
 
 memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 autocast):
     16 x params                weights 4 + gradients 4 + AdamW's two moments 8 per parameter
@@ -10,6 +12,8 @@ memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 a
                                layer at 2 bytes each, with the MLP's share as 2 r), a = 4 bytes
                                (fp32) or 2 (bf16); the T x T attention scores are left out,
                                since SDPA's fused kernels do not keep them
+  + a x B x T x L x H x T      ... except where attention takes the small-head path
+                               (models/layers.py), which keeps its softmax for backward
   + a x 3 x B x T x V          logits, their softmax and its gradient
 compute: analytic training FLOPs (`models.flops`) x the trial's token budget.
 
@@ -26,8 +30,10 @@ from dataclasses import dataclass
 
 from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
+from hptransfer.models.layers import SMALL_HEAD_DIM, SMALL_HEAD_MAX_SEQ
 
 from .spec import SpecError, SweepSpec
+from .spec.stages import STAGE_ORDER
 
 GB = 1e9
 _STATE_BYTES_PER_PARAM = 16
@@ -47,6 +53,7 @@ class TrialCost:
     activation_bytes: float
     tokens: float
     flops: float
+    field: str = "grid"  # the spec field that asks for this shape (where an error points)
 
     @property
     def memory_bytes(self) -> float:
@@ -62,32 +69,48 @@ class TrialCost:
         )
 
 
+def trained_shapes(spec: SweepSpec) -> dict[tuple[int, int, float | None], str]:
+    """Every (width, depth, tokens_per_param) the sweep can train -> the spec field that
+    first asks for it: the grid's shapes (at the sweep's budget: None), then a study's later
+    stages' shapes at their budgets (the tune stage is the grid; extension rounds add LRs,
+    never shapes)."""
+    shapes = {(w, d, None): "grid" for d in spec.grid.depths for w in spec.grid.widths}
+    if spec.stages is not None:
+        for stage in STAGE_ORDER[1:]:
+            for s in spec.stages.shapes_of(stage):
+                key = (s.width, s.depth, spec.stages.tokens_per_param(stage, s))
+                shapes.setdefault(key, f"stages.{stage}.shapes")
+    return shapes
+
+
 def trial_costs(spec: SweepSpec) -> list[TrialCost]:
-    """The cost of every (arm, width, depth) of `spec` (LR, sigma and seed change nothing)."""
+    """The cost of every trained shape of every arm of `spec` (LR, sigma and seed change
+    nothing)."""
     lr, sigma, seed = spec.grid.lr_values()[0], spec.grid.sigma_bases[0], spec.grid.seeds[0]
     vocab = spec.model_vocab_size()
     act_bytes = 2 if spec.fixed.precision == "bf16" else 4
     costs = []
     for arm in spec.arms:
-        for depth in spec.grid.depths:
-            for width in spec.grid.widths:
-                trial = spec.trial_spec(arm, width, depth, lr, sigma, seed)
-                cfg = trial.model_config_obj(vocab_size=vocab)
-                counts = param_counts(cfg)
-                b, t = trial.batch_size, trial.seq_len
-                per_block = _ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio
-                activations = act_bytes * b * t * (
-                    cfg.depth * cfg.width * per_block + _LOGIT_COPIES * vocab)
-                steps = trial.budget.steps_for(b * t, counts.non_embedding)
-                tokens = float(steps) * b * t
-                costs.append(TrialCost(
-                    arm=arm.name, width=width, depth=depth, batch_size=b, seq_len=t,
-                    params=counts.total,
-                    state_bytes=float(_STATE_BYTES_PER_PARAM * counts.total),
-                    activation_bytes=float(activations),
-                    tokens=tokens,
-                    flops=tokens * flops_per_token(cfg, t).training,
-                ))
+        for (width, depth, tokens_per_param), field in trained_shapes(spec).items():
+            trial = spec.trial_spec(arm, width, depth, lr, sigma, seed, tokens_per_param)
+            cfg = trial.model_config_obj(vocab_size=vocab)
+            counts = param_counts(cfg)
+            b, t = trial.batch_size, trial.seq_len
+            per_block = (_ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio) * cfg.width
+            if cfg.head_dim <= SMALL_HEAD_DIM and t <= SMALL_HEAD_MAX_SEQ:
+                per_block += cfg.n_heads * t  # the small-head path's saved softmax
+            activations = act_bytes * b * t * (cfg.depth * per_block + _LOGIT_COPIES * vocab)
+            steps = trial.budget.steps_for(b * t, counts.non_embedding)
+            tokens = float(steps) * b * t
+            costs.append(TrialCost(
+                arm=arm.name, width=width, depth=depth, batch_size=b, seq_len=t,
+                params=counts.total,
+                state_bytes=float(_STATE_BYTES_PER_PARAM * counts.total),
+                activation_bytes=float(activations),
+                tokens=tokens,
+                flops=tokens * flops_per_token(cfg, t).training,
+                field=field,
+            ))
     return costs
 
 
@@ -108,7 +131,8 @@ def largest_worker_memory() -> tuple[float, str]:
 
 
 def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
-    """Raise SpecError (field ``grid``) with the figures for every shape that cannot run."""
+    """Raise SpecError with the figures for every shape that cannot run, each under the
+    field that asks for it (``grid`` or ``stages.<stage>.shapes``)."""
     worker_bytes, where = largest_worker_memory()
     limits = [(worker_bytes, f"the {worker_bytes / GB:.3g} GB of {where}")]
     if settings.max_trial_memory_gb is not None:
@@ -119,12 +143,12 @@ def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
     for cost in costs:
         for limit, name in limits:
             if cost.memory_bytes > limit:
-                problems.append(f"{cost.describe()}; needs more memory than {name}")
+                problems.append((cost.field, f"{cost.describe()}; needs more memory than {name}"))
                 break
         if settings.max_trial_flops is not None and cost.flops > settings.max_trial_flops:
-            problems.append(f"{cost.describe()}; exceeds "
-                            f"HPT_MAX_TRIAL_FLOPS={settings.max_trial_flops:.3g}")
+            problems.append((cost.field, f"{cost.describe()}; exceeds "
+                                         f"HPT_MAX_TRIAL_FLOPS={settings.max_trial_flops:.3g}"))
     if problems:
-        raise SpecError([{"field": "grid", "message": "trial too large: " + p}
-                         for p in problems[:10]])
+        raise SpecError([{"field": field, "message": "trial too large: " + p}
+                         for field, p in problems[:10]])
     return costs
