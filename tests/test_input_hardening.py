@@ -174,6 +174,21 @@ def test_admission_prices_the_small_head_paths_saved_softmax(tiny_spec):
     assert cost.activation_bytes == 4 * 4 * t * (32 * 17 + heads * t + 3 * 256)
 
 
+def test_micro_batches_bound_the_admitted_activations(client, tiny_spec):
+    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.sweeper.spec import load_spec
+
+    (whole,) = trial_costs(load_spec(tiny_spec))
+    tiny_spec["fixed"]["micro_batch_size"] = 1  # of batch 4: a quarter of the activations
+    (micro,) = trial_costs(load_spec(tiny_spec))
+    assert micro.activation_bytes == whole.activation_bytes / 4
+    assert (micro.state_bytes, micro.tokens) == (whole.state_bytes, whole.tokens)
+    tiny_spec["fixed"]["micro_batch_size"] = 0
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422 and fields(r) == ["fixed.micro_batch_size"], r.text
+    assert nothing_stored(client)
+
+
 def test_admission_caps_from_the_environment(hpt_home, monkeypatch, tiny_spec):
     monkeypatch.setenv("HPT_MAX_TRIAL_FLOPS", "1e6")
     monkeypatch.setenv("HPT_MAX_TRIAL_MEMORY_GB", "1e-4")  # 100 kB

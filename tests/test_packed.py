@@ -125,3 +125,40 @@ def test_single_member_pack_and_dict_specs(tmp_path):
     spec = specs_for(CASES["gpt-sp"])[0]
     [packed] = run_trials([spec.model_dump()], cache_dir=str(tmp_path))
     assert_same_result(packed, run_trial(spec, cache_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("name", ["gpt-completep", "ngpt"])
+def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeypatch):
+    """micro_batch_size 3 of batch 4 (pieces of 3 and 1 sequences, gradients accumulated):
+    the same run as the whole batch at once, solo and packed, while the model never sees
+    more than 3 sequences per pass."""
+    import hptransfer.workers.packed as packed_module
+    import hptransfer.workers.trainer as trainer_module
+
+    seen: list[int] = []  # sequences per training forward pass
+    real_build = trainer_module.build_from_config
+
+    def build_and_watch(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        built.model.register_forward_pre_hook(
+            lambda module, inputs: seen.append(inputs[0].shape[-2]) if module.training else None)
+        return built
+
+    whole = specs_for(CASES[name])[:2]
+    micro = [TrialSpec(**{**s.model_dump(), "micro_batch_size": 3}) for s in whole]
+    assert [s.content_hash() for s in micro] == [s.content_hash() for s in whole]
+    ref_solo = run_trial(whole[0], cache_dir=str(tmp_path))
+    ref_packed = run_trials(whole, cache_dir=str(tmp_path))
+    for module in (trainer_module, packed_module):
+        monkeypatch.setattr(module, "build_from_config", build_and_watch)
+    solo = run_trial(micro[0], cache_dir=str(tmp_path))
+    assert seen[:4] == [3, 1, 3, 1] and max(seen) == 3  # two passes per step
+    n_solo = len(seen)
+    packed = run_trials(micro, cache_dir=str(tmp_path))
+    assert seen[n_solo:n_solo + 4] == [3, 1, 3, 1] and max(seen[n_solo:]) == 3
+    for result, ref in ((solo, ref_solo), *zip(packed, ref_packed, strict=True)):
+        assert result.status == ref.status == "completed", (result.error, ref.error)
+        assert result.steps == ref.steps and result.tokens == ref.tokens
+        assert result.curve[0]["train_loss"] == pytest.approx(ref.curve[0]["train_loss"],
+                                                              rel=1e-6)
+        assert result.final_val_loss == pytest.approx(ref.final_val_loss, rel=1e-4)

@@ -522,6 +522,11 @@ def test_examples_load_and_plan(path):
     elif spec.search.method == "grid":
         assert len(plan) == spec.trial_count()
         assert len({p.content_hash for p in plan}) == len(plan)
+    # every shape it trains (a study's later stages too) fits one 80 GB accelerator or host
+    from hptransfer.sweeper.admission import trial_costs
+
+    largest = max(trial_costs(spec), key=lambda c: c.memory_bytes)
+    assert largest.memory_bytes < 80e9, largest.describe()
 
 
 def test_cpu_small_is_small():

@@ -10,8 +10,9 @@ memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 a
                                activations kept for backward per block (Korthikanti et al.
                                2022, "Reducing Activation Recomputation", 34 s b h bytes per
                                layer at 2 bytes each, with the MLP's share as 2 r), a = 4 bytes
-                               (fp32) or 2 (bf16); the T x T attention scores are left out,
-                               since SDPA's fused kernels do not keep them
+                               (fp32) or 2 (bf16), B the micro-batch (fixed.micro_batch_size)
+                               where it is smaller than the batch; the T x T attention scores
+                               are left out, since SDPA's fused kernels do not keep them
   + a x B x T x L x H x T      ... except where attention takes the small-head path
                                (models/layers.py), which keeps its softmax for backward
   + a x 3 x B x T x V          logits, their softmax and its gradient
@@ -99,7 +100,9 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
             per_block = (_ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio) * cfg.width
             if cfg.head_dim <= SMALL_HEAD_DIM and t <= SMALL_HEAD_MAX_SEQ:
                 per_block += cfg.n_heads * t  # the small-head path's saved softmax
-            activations = act_bytes * b * t * (cfg.depth * per_block + _LOGIT_COPIES * vocab)
+            # activations live for one micro-batch at a time
+            live = min(b, trial.micro_batch_size or b)
+            activations = act_bytes * live * t * (cfg.depth * per_block + _LOGIT_COPIES * vocab)
             steps = trial.budget.steps_for(b * t, counts.non_embedding)
             tokens = float(steps) * b * t
             costs.append(TrialCost(

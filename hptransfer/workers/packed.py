@@ -40,6 +40,7 @@ from .plan import (
     TrialPlan,
     failed_result,
     load_trial_data,
+    micro_batches,
     plan_trial,
     prepare_process,
     trial_result,
@@ -272,10 +273,16 @@ class _Pack:
                            for i in self.rows), strict=True)
             x = torch.stack(xs).to(device, non_blocking=True)
             y = torch.stack(ys).to(device, non_blocking=True)
-            losses = self.loss_fn(x, y)
             for p in self.params.values():
                 p.grad = None
-            losses.sum().backward()  # members are independent: each gets its own gradient
+            losses = torch.zeros(len(self.rows), device=device)
+            # micro-batches along the batch axis (1); gradients accumulate in .grad
+            for xc, yc, weight in micro_batches(x, y, spec, dim=1):
+                part = self.loss_fn(xc, yc)
+                if weight != 1.0:
+                    part = part * weight
+                part.sum().backward()  # members are independent: each gets its own gradient
+                losses += part.detach()
             if self.initial is None:
                 self.initial = losses.detach().double().clone()
             t = step + 1

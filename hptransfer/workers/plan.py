@@ -39,6 +39,18 @@ def prepare_process(spec: TrialSpec) -> None:
     keep_freed_memory()
 
 
+def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec, dim: int = 0):  # noqa: ANN201
+    """(x, y, weight) per micro-batch of at most spec.micro_batch_size sequences along `dim`
+    (the last one may be smaller); weight = its share of the batch, so the weighted sum of
+    the micro-batches' mean losses is the batch's mean loss. One piece, weight 1.0, when the
+    batch fits."""
+    size = spec.micro_batch_size or x.shape[dim]
+    if size >= x.shape[dim]:
+        return [(x, y, 1.0)]
+    return [(xs, ys, xs.shape[dim] / x.shape[dim])
+            for xs, ys in zip(x.split(size, dim), y.split(size, dim), strict=True)]
+
+
 def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:
     return load_dataset(spec.data, cache_dir=cache_dir)
 

@@ -29,6 +29,7 @@ from .plan import (
     Progress,
     failed_result,
     load_trial_data,
+    micro_batches,
     plan_trial,
     prepare_process,
     trial_result,
@@ -98,17 +99,22 @@ def _train(
             g["lr"] = g["initial_lr"] * factor
         x, y = data.train_batch(step, spec.batch_size, spec.seq_len, spec.seed)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, spec.precision):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros((), device=device)
+        for xs, ys, weight in micro_batches(x, y, spec):  # gradients accumulate in .grad
+            with autocast(device, spec.precision):
+                logits = model(xs)
+            part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
+            if weight != 1.0:
+                part = part * weight
+            part.backward()
+            loss += part.detach()
         if spec.grad_clip:
             torch.nn.utils.clip_grad_norm_(built.model.parameters(), spec.grad_clip)
         opt.step()
         built.after_step()
         pending_steps.append(step)
-        pending_losses.append(loss.detach())
+        pending_losses.append(loss)
 
         done = step + 1
         if not plan.is_sync_step(done):

@@ -141,6 +141,9 @@ class TrialSpec(BaseModel):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     batch_size: int = Field(16, gt=0, le=MAX_BATCH_SIZE)
+    # at most this many sequences per forward/backward pass: a larger batch accumulates its
+    # gradient over micro-batches (the same update, up to rounding; bounded activations)
+    micro_batch_size: int | None = Field(None, gt=0, le=MAX_BATCH_SIZE)
     seq_len: int = Field(128, gt=1, le=MAX_SEQ_LEN)
     budget: Budget = Budget(steps=100)
     schedule: Schedule = Schedule()
@@ -178,8 +181,9 @@ class TrialSpec(BaseModel):
         )
 
     def content_hash(self) -> str:
-        """Hash of everything that changes the result (device/threads excluded)."""
-        d = self.model_dump(mode="json", exclude={"device", "num_threads"})
+        """Hash of everything that changes the result (device, threads and micro-batching
+        excluded: they change only the rounding)."""
+        d = self.model_dump(mode="json", exclude={"device", "num_threads", "micro_batch_size"})
         blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -177,6 +177,8 @@ class Fixed(SpecModel):
     divergence_factor: float = Field(2.0, gt=1, le=MAX_DIVERGENCE_FACTOR)
     eval_every: int | None = Field(None, gt=0, le=MAX_STEPS)
     seq_len: int = Field(128, gt=1, le=MAX_SEQ_LEN)
+    # sequences per forward/backward pass; larger batches accumulate gradients (see TrialSpec)
+    micro_batch_size: int | None = Field(None, gt=0, le=MAX_BATCH_SIZE)
 
 
 class SweepBudget(Budget):
