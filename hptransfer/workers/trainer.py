@@ -85,9 +85,9 @@ def _train(
     notes: list[str] = []
     model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
     groups = optimizer_groups(built.model, built.table)
-    # fused on CUDA; foreach on the CPU (one C++ loop per op, not a Python loop per tensor)
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(groups, betas=(spec.beta1, spec.beta2), fused=cuda, foreach=not cuda)
+    # fused: one kernel per parameter, on CUDA and on the CPU (there 2.5-3x faster than
+    # foreach, which falls back to a loop of per-tensor ops with scalar-tensor copies)
+    opt = torch.optim.AdamW(groups, betas=(spec.beta1, spec.beta2), fused=True)
 
     progress = Progress()
     pending_steps: list[int] = []
