@@ -7,7 +7,7 @@ progress through the `reporter` callback (MLflow logging, Optuna pruning).
 Device work is never waited on per step: losses stay on the device and are read back in
 one transfer at sync steps (plan.py), where divergence is checked for every buffered step.
 On CUDA the model runs under torch.compile (eager fallback with a note), bf16 autocast when
-the spec asks for it, and fused AdamW.
+the spec asks for it; fused AdamW on every device.
 """
 
 from __future__ import annotations
