@@ -39,7 +39,8 @@ def prepare_process(spec: TrialSpec) -> None:
     keep_freed_memory()
 
 
-def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec, dim: int = 0):  # noqa: ANN201
+def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec,
+                  dim: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """(x, y, weight) per micro-batch of at most spec.micro_batch_size sequences along `dim`
     (the last one may be smaller); weight = its share of the batch, so the weighted sum of
     the micro-batches' mean losses is the batch's mean loss. One piece, weight 1.0, when the
