@@ -211,3 +211,25 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_serve_holds_its_port_before_ray_starts(hpt_home, monkeypatch):
+    """`hpt serve` binds its port before starting Ray, whose processes bind free ports as
+    they start: a restart on the same port once found Ray's metrics agent answering there."""
+    import socket
+
+    import hptransfer.sweeper.dispatch as dispatch
+    from hptransfer.api.server import free_port, serve_forever
+
+    port = free_port()
+    seen: list[bool] = []
+
+    def init_ray_checking_the_port(settings):  # noqa: ANN001, ANN202
+        with socket.socket() as probe:
+            seen.append(probe.connect_ex(("127.0.0.1", port)) == 0)  # 0: something listens
+        raise RuntimeError("stop here: only the order is under test")
+
+    monkeypatch.setattr(dispatch, "init_ray", init_ray_checking_the_port)
+    with pytest.raises(RuntimeError, match="stop here"):
+        serve_forever(get_settings(), "127.0.0.1", port)
+    assert seen == [True]

@@ -36,19 +36,28 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
 
     from hptransfer.sweeper.dispatch import init_ray
 
+    sock = listen(host, port)  # before Ray, whose processes pick free ports as they start
     init_ray(settings)
     # uvicorn puts these back after a signal-initiated stop and re-raises the signal into
     # them: they only note it, so the clean-up below runs.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(create_app(settings, freeze_gc=True), host=host, port=port,
-                    log_level=log_level,
-                    **SERVER_OPTIONS)
+        config = uvicorn.Config(create_app(settings, freeze_gc=True), host=host, port=port,
+                                log_level=log_level, **SERVER_OPTIONS)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         if ray.is_initialized():
             ray.shutdown()
         print("hpt serve: shutdown complete", file=sys.stderr, flush=True)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The API's listening socket, bound now: a port freed by a stopped server stays free
+    only until some other process binds it, and starting Ray starts several that bind
+    ports of their own (a restart on the same port once found Ray's metrics agent on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
 
 
 def free_port() -> int:
@@ -62,10 +71,12 @@ def serve_in_thread(settings: Settings, port: int | None = None,
                     startup_timeout: float = 120.0) -> Iterator[str]:
     """Yield the base URL of a running server; shut it down on exit."""
     port = port or free_port()
+    sock = listen("127.0.0.1", port)  # before the app's start-up starts Ray (see listen)
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
                             log_level="warning", lifespan="on", **SERVER_OPTIONS)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="hpt-api", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hpt-api",
+                              daemon=True)
     thread.start()
     deadline = time.time() + startup_timeout
     while not server.started:
@@ -79,3 +90,4 @@ def serve_in_thread(settings: Settings, port: int | None = None,
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()  # uvicorn closes it on a clean stop; this covers a failed start
