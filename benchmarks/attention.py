@@ -76,11 +76,13 @@ def trial_spec(width: int, depth: int, steps: int, threads: int) -> TrialSpec:
 
 
 def ms_per_step(spec: TrialSpec, cache: str, small: bool) -> float:
-    layers.SMALL_HEAD_DIM = 8 if small else 0  # 0: no head is small, every call is fused
+    rule = layers.SMALL_HEAD_DIM
+    if not small:
+        layers.SMALL_HEAD_DIM = 0  # no head is small: every call takes the fused kernel
     try:
         result = run_trial(spec, cache_dir=cache)
     finally:
-        layers.SMALL_HEAD_DIM = 8
+        layers.SMALL_HEAD_DIM = rule
     if result.status != "completed":
         raise RuntimeError(f"{result.status}: {result.error}")
     return spec.batch_size * spec.seq_len / result.tokens_per_s * 1e3

@@ -35,7 +35,7 @@ from hptransfer.models.flops import (
     param_counts,
     training_flops,
 )
-from hptransfer.models.layers import SMALL_HEAD_DIM, SMALL_HEAD_MAX_SEQ
+from hptransfer.models.layers import small_heads
 
 VOCAB_TABLES = ("embed.", "unembed.", "extra_embeds.", "value_embeds.")
 ARCHES = {
@@ -141,8 +141,8 @@ def test_flop_counter_agrees_with_analytic(name, shape):
     # small-head path are not; exact equality, since attention can be under 2 % of the total
     counted_default = _counted_training_flops(built.model, t, vocab, math=False)
     attention = 3 * flops_per_token(cfg, t, causal=False).attention * tokens
-    small_heads = head_dim <= SMALL_HEAD_DIM and t <= SMALL_HEAD_MAX_SEQ
-    expected_default = dense if cfg.position == "alibi" or small_heads else dense - attention
+    explicit = small_heads(head_dim, t)  # the small-head path's products are counted
+    expected_default = dense if cfg.position == "alibi" or explicit else dense - attention
     assert counted_default == expected_default
 
 

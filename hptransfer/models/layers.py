@@ -179,10 +179,14 @@ SMALL_HEAD_DIM = 8
 SMALL_HEAD_MAX_SEQ = 64
 
 
+def small_heads(head_dim: int, seq_len: int) -> bool:
+    """Whether heads of this size take the explicit small-head path on the CPU."""
+    return head_dim <= SMALL_HEAD_DIM and seq_len <= SMALL_HEAD_MAX_SEQ
+
+
 def uses_small_head_path(q: torch.Tensor) -> bool:
     """Whether attention on `q` (..., T, head_dim) takes the explicit small-head path."""
-    return (q.device.type == "cpu" and q.shape[-1] <= SMALL_HEAD_DIM
-            and q.shape[-2] <= SMALL_HEAD_MAX_SEQ)
+    return q.device.type == "cpu" and small_heads(q.shape[-1], q.shape[-2])
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.models.layers import SMALL_HEAD_DIM, SMALL_HEAD_MAX_SEQ
+from hptransfer.models.layers import small_heads
 
 from .spec import SpecError, SweepSpec
 from .spec.stages import STAGE_ORDER
@@ -98,7 +98,7 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
             counts = param_counts(cfg)
             b, t = trial.batch_size, trial.seq_len
             per_block = (_ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio) * cfg.width
-            if cfg.head_dim <= SMALL_HEAD_DIM and t <= SMALL_HEAD_MAX_SEQ:
+            if small_heads(cfg.head_dim, t):
                 per_block += cfg.n_heads * t  # the small-head path's saved softmax
             # activations live for one micro-batch at a time
             live = min(b, trial.micro_batch_size or b)
