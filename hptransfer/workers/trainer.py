@@ -7,7 +7,8 @@ progress through the `reporter` callback (MLflow logging, Optuna pruning).
 Device work is never waited on per step: losses stay on the device and are read back in
 one transfer at sync steps (plan.py), where divergence is checked for every buffered step.
 On CUDA the model runs under torch.compile (eager fallback with a note), bf16 autocast when
-the spec asks for it, and fused AdamW.
+the spec asks for it, and fused AdamW; on the CPU, FlatAdamW (flat_adamw.py): foreach
+AdamW's numbers to the bit, a few ops per parameter group rather than per parameter.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
 from .device import Compiled, autocast, resolve_device
+from .flat_adamw import FlatAdamW
 from .plan import (
     Progress,
     failed_result,
@@ -85,9 +87,10 @@ def _train(
     notes: list[str] = []
     model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
     groups = optimizer_groups(built.model, built.table)
-    # fused on CUDA; foreach on the CPU (one C++ loop per op, not a Python loop per tensor)
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(groups, betas=(spec.beta1, spec.beta2), fused=cuda, foreach=not cuda)
+    # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group (flat_adamw.py)
+    betas = (spec.beta1, spec.beta2)
+    opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
+           else FlatAdamW(groups, betas=betas))
 
     progress = Progress()
     pending_steps: list[int] = []
