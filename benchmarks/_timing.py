@@ -1,4 +1,5 @@
-"""Timing pieces the benchmarks share: sequential vs packed trials, and matmul FLOP/s."""
+"""Timing pieces the benchmarks share: sequential vs packed trials, matmul FLOP/s, and the
+time a pack spends in its matmuls."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.workers.trainer import run_trial, run_trials
-from hptransfer.workers.trial import TrialResult, TrialSpec
+from hptransfer.workers.trial import Budget, TrialResult, TrialSpec
 
 
 def time_sequential_and_packed(
@@ -68,3 +70,39 @@ def matmul_flops(m: int, k: int, n: int, threads: int, batch: int = 1, reps: int
         op()
         times.append(time.perf_counter() - t)
     return 2.0 * batch * m * k * n / statistics.median(times)
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
+
+
+class MatmulClock(TorchDispatchMode):
+    """Seconds spent inside matrix multiplies (forward and autograd's backward ones alike)
+    while active: the real calls at their real shapes and layouts, each timed alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func not in _MATMULS:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def packed_matmul_seconds_per_step(specs: Sequence[TrialSpec], cache_dir: str,
+                                   short: int = 4, long: int = 12) -> float:
+    """Seconds per training step that a pack of `specs` spends in matmuls: two short packs
+    (`short` and `long` steps, one final evaluation each) under MatmulClock, differenced, so
+    set-up and evaluation cancel."""
+    spent = []
+    for steps in (short, long):
+        clock = MatmulClock()
+        with clock:
+            run_trials([s.model_copy(update={"budget": Budget(steps=steps)}) for s in specs],
+                       cache_dir=cache_dir)
+        spent.append(clock.seconds)
+    return (spent[1] - spent[0]) / (long - short)
