@@ -39,8 +39,9 @@ class _FlatGroup:
             start += n
         self.exp_avg = torch.zeros_like(self.flat)
         self.exp_avg_sq = torch.zeros_like(self.flat)
+        # the gathered gradients; once the moments are updated, the denominator goes here too,
+        # so the step needs no more memory than foreach's (which allocates that temporary)
         self.grad = torch.empty_like(self.flat)
-        self.denom = torch.empty_like(self.flat)
         self.steps = 0
 
 
@@ -80,7 +81,7 @@ class FlatAdamW:
             flat.exp_avg.lerp_(flat.grad, 1 - beta1)
             flat.exp_avg_sq.mul_(beta2)
             flat.exp_avg_sq.addcmul_(flat.grad, flat.grad, value=1 - beta2)
-            denom = torch.sqrt(flat.exp_avg_sq, out=flat.denom)
+            denom = torch.sqrt(flat.exp_avg_sq, out=flat.grad)  # the gradients are spent
             denom.div_(bias_correction2**0.5)
             denom.add_(eps)
             flat.flat.addcdiv_(flat.exp_avg, denom, value=step_size)
