@@ -1,14 +1,16 @@
-"""Attention on the CPU: torch's fused SDPA kernel against the explicit small-head path
+"""Attention on the CPU: torch's fused SDPA kernel against the explicit T x T products
 (`models/layers.py`, taken when `uses_small_head_path`: head_dim <= 8 and T <= 64).
 
 1. The op alone, forward + backward, causal, over a grid of (batch, heads, T, head_dim) on
-   both sides of that rule: "x" = fused time / small-head time (> 1: the small-head path is
-   faster), median of alternating rounds in this one process.
-2. `run_trial` at the demo's shapes (head_dim 8, batch 16 x seq 64, 1 thread), the small-head
-   path on against forced off, alternating: ms per step and the same ratio.
+   both sides of that rule: "x" = fused time / explicit time (> 1: the explicit path is
+   faster), median of alternating rounds in this one process, on --threads threads.
+2. `run_trial` (batch 16 x seq 64, --head-dim, --threads), the explicit path for every head
+   size up to --head-dim against the fused kernel everywhere, alternating: ms per step and
+   the same ratio.
 
     .venv/bin/python benchmarks/attention.py [--rounds 5] [--threads 1] [--steps 40]
-        [--shapes 16x24 24x11 40x4 32x2] [--skip-trials]
+        [--shapes 16x24 24x11 40x4 32x2] [--head-dim 8] [--skip-trials]
+    (wider heads on two threads: --threads 2 --head-dim 32 --shapes 64x2 128x2)
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from hptransfer.workers.trial import TrialSpec
 
 # (batch, heads, T, head_dim): the demo's heads (width / 8 at batch 16 x 64), then past the rule
 OP_CASES = [(16, 2, 64, 8), (16, 3, 64, 8), (16, 5, 64, 8), (16, 10, 64, 8),
-            (16, 2, 64, 16), (16, 4, 64, 16), (8, 8, 128, 8), (8, 4, 128, 32)]
+            (16, 2, 64, 16), (16, 4, 64, 16), (8, 8, 128, 8), (8, 4, 128, 32),
+            (64, 2, 64, 32), (8, 4, 128, 64), (8, 4, 256, 32), (2, 4, 512, 32)]
 
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -68,8 +71,8 @@ def op_table(rounds: int) -> None:
               f"{statistics.median(s) * 1e6:>9.0f} {ratio:>5.2f}")
 
 
-def trial_spec(width: int, depth: int, steps: int, threads: int) -> TrialSpec:
-    return TrialSpec(width=width, depth=depth, head_dim=8, base_width=32, base_depth=2,
+def trial_spec(width: int, depth: int, steps: int, threads: int, head_dim: int) -> TrialSpec:
+    return TrialSpec(width=width, depth=depth, head_dim=head_dim, base_width=32, base_depth=2,
                      parameterization="completep", lr=2.0**-7, batch_size=16, seq_len=64,
                      budget={"steps": steps}, eval_every=10**6, device="cpu",
                      num_threads=threads, data={"val_tokens": 1024})
@@ -77,8 +80,8 @@ def trial_spec(width: int, depth: int, steps: int, threads: int) -> TrialSpec:
 
 def ms_per_step(spec: TrialSpec, cache: str, small: bool) -> float:
     rule = layers.SMALL_HEAD_DIM
-    if not small:
-        layers.SMALL_HEAD_DIM = 0  # no head is small: every call takes the fused kernel
+    # fused: no head is small; explicit: every head up to this trial's is
+    layers.SMALL_HEAD_DIM = spec.head_dim if small else 0
     try:
         result = run_trial(spec, cache_dir=cache)
     finally:
@@ -88,12 +91,13 @@ def ms_per_step(spec: TrialSpec, cache: str, small: bool) -> float:
     return spec.batch_size * spec.seq_len / result.tokens_per_s * 1e3
 
 
-def trial_table(shapes: list[str], rounds: int, steps: int, threads: int) -> None:
+def trial_table(shapes: list[str], rounds: int, steps: int, threads: int,
+                head_dim: int) -> None:
     print(f"\n{'shape':>6} {'fused ms':>9} {'small ms':>9} {'x':>5}  per round")
     with tempfile.TemporaryDirectory(prefix="hpt-attn-") as cache:
         for shape in shapes:
             width, depth = (int(n) for n in shape.split("x"))
-            spec = trial_spec(width, depth, steps, threads)
+            spec = trial_spec(width, depth, steps, threads, head_dim)
             ms_per_step(spec, cache, small=True)  # data cache and warm-up
             a, s = [], []
             for r in range(rounds):
@@ -111,6 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--shapes", nargs="*", default=["16x24", "24x11", "40x4", "32x2"])
+    parser.add_argument("--head-dim", type=int, default=8)
     parser.add_argument("--skip-trials", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,9 +123,9 @@ def main() -> None:
           f"1-min load {os.getloadavg()[0]:.1f}; {args.rounds} alternating rounds")
     op_table(args.rounds)
     if not args.skip_trials:
-        trial_table(args.shapes, args.rounds, args.steps, args.threads)
-    print("\nx = fused / small-head time (> 1: the small-head path is faster); rule = the path "
-          "attention() takes for that shape")
+        trial_table(args.shapes, args.rounds, args.steps, args.threads, args.head_dim)
+    print("\nx = fused / explicit time (> 1: the explicit path is faster); rule = the path "
+          "attention() takes for that shape on these threads ('small': explicit)")
 
 
 if __name__ == "__main__":

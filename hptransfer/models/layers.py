@@ -174,7 +174,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 # the explicit T x T products below, which made a whole training step
 # (run_trial) 1.12-1.21x faster at the demo's shapes. From head_dim 16 or 128 tokens on, the
 # fused kernel was as fast or faster, and it keeps no T x T matrix for the backward
-# (benchmarks/attention.py measures both, the op alone and whole steps).
+# (benchmarks/attention.py measures both, the op alone and whole steps). On two threads the
+# fused kernel hardly speeds up and the explicit path does: 1.2-2.6x for the op alone up to
+# head_dim 64 and T 128 (0.53x at T 256). But a whole step at head_dim 32 (64x2, 128x2) gained
+# only 1.01-1.03x, too little for a rule that would change the path, and the rounding, with
+# the thread count, so the rule stays as it is.
 SMALL_HEAD_DIM = 8
 SMALL_HEAD_MAX_SEQ = 64
 
