@@ -24,15 +24,16 @@ from torch import nn
 
 
 class _FlatGroup:
-    """One param group's parameters re-pointed into a buffer, its moments and scratch."""
+    """One param group: its parameters re-pointed into one buffer, its AdamW moments and a
+    buffer for its gathered gradients."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
-        self.sizes = [p.numel() for p in params]
         with torch.no_grad():
             self.flat = torch.cat([p.detach().reshape(-1) for p in params])
         start = 0
-        for p, n in zip(params, self.sizes, strict=True):
+        for p in params:
+            n = p.numel()
             # the Parameter object stays (the model and clipping keep seeing it); its data
             # becomes a view, so updating the buffer updates the model
             p.data = self.flat[start:start + n].view_as(p)
@@ -57,6 +58,7 @@ class FlatAdamW:
         self._flat = [_FlatGroup(list(g["params"])) for g in self.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient (always to None: the step gathers fresh ones)."""
         for group in self._flat:
             for p in group.params:
                 p.grad = None
