@@ -15,6 +15,12 @@ from hptransfer.workers.trainer import run_trial, run_trials
 from hptransfer.workers.trial import Budget, TrialResult, TrialSpec
 
 
+def bench_head_dim(width: int) -> int:
+    """The head size the benchmarks give a width: 32, or 8 at the demo's small widths (16,
+    24, 40), which 32 does not divide."""
+    return 32 if width % 32 == 0 else 8
+
+
 def time_sequential_and_packed(
     specs: Sequence[TrialSpec], cache_dir: str
 ) -> tuple[list[TrialResult], list[TrialResult], float, float]:

@@ -21,7 +21,8 @@ import tempfile
 import time
 
 import torch
-from _timing import step_stamps
+from _timing import bench_head_dim
+from trainer_throughput import time_training
 
 import hptransfer.workers.trainer as trainer
 from hptransfer.models import optimizer_groups
@@ -30,20 +31,18 @@ from hptransfer.workers.flat_adamw import FlatAdamW
 from hptransfer.workers.trial import TrialSpec
 
 BETAS = (0.9, 0.95)
+WARMUP = 3  # training steps left out of the timing
 
 
 def foreach_adamw(groups: list[dict], betas: tuple[float, float]) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, betas=betas, foreach=True)
 
 
-def head_dim(width: int) -> int:
-    return 32 if width % 32 == 0 else 8  # 8: the demo's small widths
-
-
-def step_ms(make, width: int, depth: int, reps: int = 30) -> float:
-    """Median ms of one optimizer step (grads set, then step) on a fresh model."""
+def step_ms(make, width: int, depth: int, reps: int = 30) -> tuple[float, int]:
+    """Median ms of one optimizer step (grads set, then step) on a fresh model, and the
+    model's number of parameter tensors."""
     built = build_model(arch="gpt", parameterization="completep", width=width, depth=depth,
-                        head_dim=head_dim(width), base_width=64, base_depth=2,
+                        head_dim=bench_head_dim(width), base_width=64, base_depth=2,
                         weight_decay=0.1)
     opt = make(optimizer_groups(built.model, built.table), BETAS)
     params = list(built.model.parameters())
@@ -55,19 +54,17 @@ def step_ms(make, width: int, depth: int, reps: int = 30) -> float:
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[3:]) * 1e3
+    return statistics.median(times[3:]) * 1e3, len(params)
 
 
 def trial_ms(width: int, depth: int, steps: int, threads: int, cache: str) -> float:
-    spec = TrialSpec(width=width, depth=depth, head_dim=head_dim(width), base_width=64,
+    spec = TrialSpec(width=width, depth=depth, head_dim=bench_head_dim(width), base_width=64,
                      base_depth=2, parameterization="completep", lr=2.0**-7,
                      batch_size=16, seq_len=64, budget={"steps": steps},
                      eval_every=10**9, data={"val_tokens": 2048}, device="cpu",
                      num_threads=threads, divergence_factor=1e9)  # never stops early
-    stamps, _ = step_stamps(spec, cache)
-    ordered = [stamps[s] for s in sorted(stamps)]
-    gaps = [b - a for a, b in zip(ordered[3:-1], ordered[4:-1], strict=False)]
-    return statistics.median(gaps) * 1e3
+    times, _, _ = time_training(spec, WARMUP, cache)
+    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -89,9 +86,8 @@ def main() -> None:
         got: dict[str, list[float]] = {"flat": [], "foreach": []}
         for r in range(args.rounds):
             for name in (("flat", "foreach") if r % 2 == 0 else ("foreach", "flat")):
-                got[name].append(step_ms(sides[name], width, depth))
-        tensors = len(list(build_model(width=width, depth=depth, head_dim=head_dim(width))
-                           .model.parameters()))
+                ms, tensors = step_ms(sides[name], width, depth)
+                got[name].append(ms)
         a, f = statistics.median(got["foreach"]), statistics.median(got["flat"])
         print(f"{width}x{depth:<4} {tensors:>7} {a:>10.2f} {f:>8.2f} {a / f:>5.2f}")
     if args.skip_trials:
@@ -102,6 +98,7 @@ def main() -> None:
     print(f"{'shape':>7} {'foreach ms':>10} {'flat ms':>8} {'x':>5}")
     with tempfile.TemporaryDirectory(prefix="hpt-opt-") as cache:
         for width, depth in shapes:
+            trial_ms(width, depth, args.steps, args.threads, cache)  # data cache and warm-up
             got = {"flat": [], "foreach": []}
             for r in range(args.rounds):
                 for name in (("flat", "foreach") if r % 2 == 0 else ("foreach", "flat")):

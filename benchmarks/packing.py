@@ -33,7 +33,12 @@ import statistics
 import tempfile
 
 import torch
-from _timing import matmul_flops, packed_matmul_seconds_per_step, time_sequential_and_packed
+from _timing import (
+    bench_head_dim,
+    matmul_flops,
+    packed_matmul_seconds_per_step,
+    time_sequential_and_packed,
+)
 
 from hptransfer.workers.trainer import run_trial
 from hptransfer.workers.trial import TrialResult, TrialSpec
@@ -42,11 +47,11 @@ BATCH, SEQ_LEN = 8, 64
 
 
 def grid(width: int, k: int, steps: int, threads: int, depth: int = 2) -> list[TrialSpec]:
-    head_dim = 32 if width % 32 == 0 else 8  # 8: the demo's small widths (16, 24, 40)
     return [
-        TrialSpec(width=width, depth=depth, head_dim=head_dim, base_width=64, base_depth=2,
-                  parameterization="completep", lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)),
-                  seed=i, batch_size=BATCH, seq_len=SEQ_LEN, budget={"steps": steps}, eval_every=50,
+        TrialSpec(width=width, depth=depth, head_dim=bench_head_dim(width), base_width=64,
+                  base_depth=2, parameterization="completep",
+                  lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)), seed=i, batch_size=BATCH,
+                  seq_len=SEQ_LEN, budget={"steps": steps}, eval_every=50,
                   data={"val_tokens": 8192, "max_corpus_bytes": 2_000_000},
                   device="cpu", num_threads=threads, divergence_factor=1e9)
         for i in range(k)
