@@ -10,10 +10,12 @@ Achieved FLOP/s = analytic training FLOPs per token
 The peer is nanoGPT-mup's `model.py` (EleutherAI, branch `completep`, CompleteP alpha = 1),
 timed at the same width, depth, heads, batch, sequence length, vocabulary and threads, in the
 same process: for every plain `gpt` shape the two are timed in alternating rounds (ours, peer,
-ours, peer, ...; --rounds) so that a busy moment of a shared machine hits both, and "vs peer"
-is our tokens/s over the peer's (median steps). The models differ as designed: ours has rotary
-positions, relu^2, untied embeddings and LayerNorm biases; the peer learned positions, GELU and
-a tied unembedding. The peer is not vendored: pass its folder with --peer (see nanogpt_peer.py).
+peer, ours, ...; --rounds) so that a busy moment of a shared machine hits both, and "vs peer"
+is our tokens/s over the peer's (median steps); "rounds" gives the lowest and highest of that
+ratio taken round by round, the run-to-run spread the verdict must clear. The models differ
+as designed: ours has rotary positions, relu^2, untied embeddings and LayerNorm biases; the peer
+learned positions, GELU and a tied unembedding. The peer is not vendored: pass its folder with
+--peer (see nanogpt_peer.py).
 
 The reference is the FLOP/s of one fp32 matmul of the MLP's first projection,
 (batch*seq) x width @ width x 4*width, timed in the same process with the same thread count
@@ -96,6 +98,7 @@ class Row:
     peer_best_ms: float | None = None
     compiled_ms: float | None = None  # with --compile: our median step under torch.compile
     compile_s: list[float] | None = None  # its first step's extra time (compiling), per round
+    round_ratios: list[float] | None = None  # per round: peer median step / our median step
 
     @property
     def ratio(self) -> float:
@@ -167,20 +170,35 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     trial_tps: list[float] = []
     compiled_times: list[float] = []
     compile_s: list[float] = []
-    for _ in range(rounds if with_peer else 1):
-        times, tps, _ = time_training(spec, warmup, cache_dir)
-        step_times += times
+    round_ratios: list[float] = []  # each round's pair, timed back to back
+    def time_ours() -> list[float]:
+        eager, tps, _ = time_training(spec, warmup, cache_dir)
+        step_times.extend(eager)
         trial_tps.append(tps)
         if compiled:
             torch._dynamo.reset()  # every round compiles again (inductor's disk cache stays)
             times, _, first = time_training(spec, warmup, cache_dir, compiled=True)
-            compiled_times += times
+            compiled_times.extend(times)
             compile_s.append(first - statistics.median(times))
+        return eager
+
+    def time_theirs() -> list[float]:
+        times = time_peer(
+            peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
+            base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, steps=steps - 1,
+            warmup=warmup, threads=threads)
+        peer_times.extend(times)
+        return times
+
+    for i in range(rounds if with_peer else 1):
+        if not with_peer:
+            time_ours()
+        elif i % 2 == 0:  # who goes first alternates, so an order effect cancels out
+            ours, theirs = time_ours(), time_theirs()
+        else:
+            theirs, ours = time_theirs(), time_ours()
         if with_peer:
-            peer_times += time_peer(
-                peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
-                base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, steps=steps - 1,
-                warmup=warmup, threads=threads)
+            round_ratios.append(statistics.median(theirs) / statistics.median(ours))
     matmul = max(matmul_before, time_matmul(width, threads))
     step_s = statistics.median(step_times)
     tokens_per_s = BATCH * SEQ_LEN / step_s
@@ -194,6 +212,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         peer_best_ms=1e3 * min(peer_times) if peer_times else None,
         compiled_ms=1e3 * statistics.median(compiled_times) if compiled_times else None,
         compile_s=compile_s or None,
+        round_ratios=round_ratios or None,
     )
 
 
@@ -205,7 +224,8 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
           f"{steps} steps per shape, steps {warmup + 1}..{steps - 1} timed")
     header = (f"{'arch':<8} {'width':>5} {'depth':>5} {'params':>8} {'MFLOP/tok':>9} "
               f"{'ms/step':>8} {'best ms':>8} {'tok/s':>8} {'GFLOP/s':>8} {'mm GFLOP/s':>10} "
-              f"{'vs matmul':>9} {'trial tok/s':>11} {'peer ms':>8} {'vs peer':>7}")
+              f"{'vs matmul':>9} {'trial tok/s':>11} {'peer ms':>8} {'vs peer':>7} "
+              f"{'rounds':>11}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -214,13 +234,16 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
               f"{r.tokens_per_s:>8.0f} "
               f"{r.achieved / 1e9:>8.2f} {r.matmul / 1e9:>10.2f} {r.ratio:>9.2f} "
               f"{r.trial_tokens_per_s:>11.0f} "
-              + (f"{r.peer_ms:>8.1f} {r.vs_peer:>7.3f}" if r.vs_peer else f"{'-':>8} {'-':>7}")
+              + (f"{r.peer_ms:>8.1f} {r.vs_peer:>7.3f} {_spread(r.round_ratios):>11}"
+                 if r.vs_peer else f"{'-':>8} {'-':>7} {'-':>11}")
               + (" !" if r.step_ms > NOISY * r.best_ms
                  or (r.peer_ms and r.peer_ms > NOISY * (r.peer_best_ms or 0)) else ""))
     print("\nms/step, tok/s, GFLOP/s: median step; vs matmul = achieved / matmul FLOP/s (the "
           "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
           "steps and the final eval included; vs peer = our tok/s / nanoGPT-mup's tok/s (median "
-          "steps, alternating rounds; > 1: ours is faster)")
+          "steps, alternating rounds; > 1: ours is faster); rounds = the lowest and highest "
+          "of the same ratio taken per round (each round's pair ran back to back), so a "
+          "spread that straddles 1 means the two are level within this machine's noise")
     compiled = [r for r in rows if r.compiled_ms is not None]
     if compiled:
         print("\nunder torch.compile (HPT_COMPILE=all; by default the CPU compiles only "
@@ -236,6 +259,10 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
                   f"{later:.1f} s later, repaid after "
                   + (f"{first / saved_s:.0f} / {later / saved_s:.0f} steps" if saved_s > 0
                      else "never"))
+
+
+def _spread(ratios: list[float] | None) -> str:
+    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
 
 
 def _names(shape: tuple) -> set[str]:
@@ -278,7 +305,8 @@ def main() -> None:
             r = rows[-1]
             print(f"{label} w{width} d{depth}: {r.tokens_per_s:.0f} tok/s, "
                   f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul"
-                  + (f", {r.vs_peer:.3f} x nanoGPT-mup's tok/s" if r.vs_peer else ""),
+                  + (f", {r.vs_peer:.3f} x nanoGPT-mup's tok/s (rounds "
+                     f"{_spread(r.round_ratios)})" if r.vs_peer else ""),
                   flush=True)
     print_table(rows, args.threads, args.steps, args.warmup,
                 (load_before, os.getloadavg()[0]))
