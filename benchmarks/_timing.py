@@ -82,33 +82,44 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
             torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
 
 
-class MatmulClock(TorchDispatchMode):
-    """Seconds spent inside matrix multiplies (forward and autograd's backward ones alike)
-    while active: the real calls at their real shapes and layouts, each timed alone."""
+def kernel_kind(func: torch._ops.OpOverload) -> str | None:
+    """"matmul", "attention" (torch's fused attention kernels, forward and backward) or None."""
+    if func in _MATMULS:
+        return "matmul"
+    if func.name().startswith("aten::_scaled_dot_product"):
+        return "attention"
+    return None
+
+
+class KernelClock(TorchDispatchMode):
+    """Seconds spent inside matrix multiplies and inside attention kernels (forward and
+    autograd's backward ones alike) while active: the real calls at their real shapes and
+    layouts, each timed alone."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.seconds = 0.0
+        self.seconds = {"matmul": 0.0, "attention": 0.0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func not in _MATMULS:
+        kind = kernel_kind(func)
+        if kind is None:
             return func(*args, **(kwargs or {}))
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        self.seconds += time.perf_counter() - start
+        self.seconds[kind] += time.perf_counter() - start
         return out
 
 
-def packed_matmul_seconds_per_step(specs: Sequence[TrialSpec], cache_dir: str,
-                                   short: int = 4, long: int = 12) -> float:
-    """Seconds per training step that a pack of `specs` spends in matmuls: two short packs
-    (`short` and `long` steps, one final evaluation each) under MatmulClock, differenced, so
-    set-up and evaluation cancel."""
+def packed_kernel_seconds_per_step(specs: Sequence[TrialSpec], cache_dir: str,
+                                   short: int = 4, long: int = 12) -> dict[str, float]:
+    """Seconds per training step that a pack of `specs` spends in matmuls and in attention
+    kernels: two short packs (`short` and `long` steps, one final evaluation each) under
+    KernelClock, differenced, so set-up and evaluation cancel."""
     spent = []
     for steps in (short, long):
-        clock = MatmulClock()
+        clock = KernelClock()
         with clock:
             run_trials([s.model_copy(update={"budget": Budget(steps=steps)}) for s in specs],
                        cache_dir=cache_dir)
         spent.append(clock.seconds)
-    return (spent[1] - spent[0]) / (long - short)
+    return {kind: (spent[1][kind] - spent[0][kind]) / (long - short) for kind in spent[0]}

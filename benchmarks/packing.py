@@ -19,7 +19,10 @@ pack spends inside its matrix multiplies (every linear layer's forward and backw
 their real shapes and layouts, timed call by call), "trial ms" one sequential trial's whole
 training step (median of the K). Packing cannot make those matmuls cheaper than they are, so
 K x trial ms / pack mm ms ("mm bound x") is the most the pack could gain even if everything
-else in its step (attention, norms, activations, the loss, AdamW) cost nothing.
+else in its step (attention, norms, activations, the loss, AdamW) cost nothing. "attn ms" is
+the pack's time per step inside torch's attention kernels, timed the same way; "+attn bound x"
+= K x trial ms / (pack mm ms + attn ms) is the ceiling with those counted too, since a pack
+runs its attention as well.
 
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
         [--threads N] [--depth L]
@@ -36,7 +39,7 @@ import torch
 from _timing import (
     bench_head_dim,
     matmul_flops,
-    packed_matmul_seconds_per_step,
+    packed_kernel_seconds_per_step,
     time_sequential_and_packed,
 )
 
@@ -77,7 +80,8 @@ def main() -> None:
           f"{SEQ_LEN}, depth {args.depth}")
     print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
           f"{'packed trials/s':>15} {'ratio':>5} | {'trial':>6} {'packed':>7} {'mm':>5} "
-          f"{'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} {'mm bound x':>10}")
+          f"{'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} {'mm bound x':>10} "
+          f"{'attn ms':>7} {'+attn bound x':>13}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
         run_trial(grid(64, 1, 2, args.threads)[0], cache_dir=cache)  # data cache + warm-up
         for width in args.widths:
@@ -93,11 +97,14 @@ def main() -> None:
             trial = statistics.median(achieved(r) for r in seq)
             pack = sum(achieved(r) for r in packed)
             step = statistics.median(BATCH * SEQ_LEN / r.tokens_per_s for r in seq)
-            mm_floor = packed_matmul_seconds_per_step(specs, cache)
+            kernels = packed_kernel_seconds_per_step(specs, cache)
+            mm_floor = kernels["matmul"]
+            floor = mm_floor + kernels["attention"]
             print(f"{width:>5} {t_seq:>7.2f} {t_pack:>8.2f} {args.k / t_seq:>12.2f} "
                   f"{args.k / t_pack:>15.2f} {t_seq / t_pack:>5.2f} | {trial / 1e9:>6.1f} "
                   f"{pack / 1e9:>7.1f} {mm / 1e9:>5.0f} {bmm / 1e9:>5.0f} {bmm / trial:>5.2f} | "
-                  f"{step * 1e3:>8.2f} {mm_floor * 1e3:>10.2f} {args.k * step / mm_floor:>10.2f}",
+                  f"{step * 1e3:>8.2f} {mm_floor * 1e3:>10.2f} {args.k * step / mm_floor:>10.2f} "
+                  f"{kernels['attention'] * 1e3:>7.2f} {args.k * step / floor:>13.2f}",
                   flush=True)
     print(f"1-min load after: {os.getloadavg()[0]:.1f}")
     print("ratio = packed trials/s over sequential (whole trials: set-up, training, "
@@ -107,7 +114,10 @@ def main() -> None:
           "max x = bmm / trial: the most packing could speed up training on these threads. "
           "trial ms = one sequential trial's training step (median), pack mm ms = the pack's "
           "time in matmuls per step, mm bound x = K x trial ms / pack mm ms: the most packing "
-          "could gain if nothing but its matmuls cost time.")
+          "could gain if nothing but its matmuls cost time; attn ms = the pack's time in "
+          "attention kernels per step, +attn bound x = K x trial ms / (pack mm ms + attn "
+          "ms): the same bound with attention's kernels, which no pack can skip, counted "
+          "too.")
 
 
 if __name__ == "__main__":
