@@ -18,12 +18,11 @@ from hptransfer.workers.packed import PACKABLE_FIELDS
 
 from .spec import SweepSpec
 
-# `pack: auto`, from benchmarks/packing.py (packed vs sequential trials/s, same threads, on
-# a shared 2-core machine, so noisy), with packs that run the model code on stacked weights:
-# K=8, 2 threads: 1.30-1.75x at width 64, 1.02-1.34x at 128, 0.94-1.21x at 256; one thread:
-# 1.42x at 16 and 1.24-1.56x at 32 (K=5), 1.23x at the demo's 40x3 (K=3). With the trainer's
-# faster CPU optimizer step (FlatAdamW, sequential side only): 1.30-1.47x at 64, 1.11-1.12x at
-# 128, 1.00x at 256 (K=8, 2 threads). The CPU packs shapes up to 128 wide.
+# `pack: auto` on the CPU, from benchmarks/packing.py (packed vs sequential trials/s, K=8, same
+# threads, on a shared 2-core machine): 1.30-1.75x at width 64 and 1.02-1.34x at 128 over
+# several runs (1.23-1.56x at the demo's widths 16-40 on one thread, K=3-5), but 0.94-1.21x
+# at 256 on two threads and 0.89x there on one, so the CPU packs shapes up to 128 wide
+# (README, Performance, has the latest figures and their ceiling).
 CPU_PACK_MAX_WIDTH = 128
 CPU_PACK = 8
 CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
