@@ -171,6 +171,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     compiled_times: list[float] = []
     compile_s: list[float] = []
     round_ratios: list[float] = []  # each round's pair, timed back to back
+
     def time_ours() -> list[float]:
         eager, tps, _ = time_training(spec, warmup, cache_dir)
         step_times.extend(eager)
@@ -193,12 +194,12 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     for i in range(rounds if with_peer else 1):
         if not with_peer:
             time_ours()
-        elif i % 2 == 0:  # who goes first alternates, so an order effect cancels out
+            continue
+        if i % 2 == 0:  # who goes first alternates, so an order effect cancels out
             ours, theirs = time_ours(), time_theirs()
         else:
             theirs, ours = time_theirs(), time_ours()
-        if with_peer:
-            round_ratios.append(statistics.median(theirs) / statistics.median(ours))
+        round_ratios.append(statistics.median(theirs) / statistics.median(ours))
     matmul = max(matmul_before, time_matmul(width, threads))
     step_s = statistics.median(step_times)
     tokens_per_s = BATCH * SEQ_LEN / step_s
