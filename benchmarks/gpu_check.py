@@ -11,6 +11,8 @@ one pack of K, wall time.
 
 `--device cpu` runs the same script on the CPU (fp32, small widths by default, no peak so
 no MFU): a dry run of every code path except CUDA's, for machines without a GPU.
+`scripts/gpu_check.sh` runs it on the GPU machine that the device tool lends (after
+`scripts/gpu_wheels.sh` here fetched the wheels that machine lacks).
 
     .venv/bin/python benchmarks/gpu_check.py [--steps 60] [--k 8] [--device cuda|cpu]
         [--widths 256 1024 2048] [--pack-width 256]
@@ -81,6 +83,9 @@ def main() -> None:
           f"batch {batch} x seq {seq_len}, depth 4, {args.steps} steps")
     with tempfile.TemporaryDirectory(prefix="hpt-gpu-") as cache:
         for width in widths:
+            # compiled afresh, as in a new worker process: a second width in one process
+            # would otherwise make dynamo recompile with dynamic shapes
+            torch._dynamo.reset()
             s = spec(width, args.steps, args.device, batch, seq_len)
             data = load_trial_data(s, cache)
             fpt = flops_per_token(s.model_config_obj(vocab_size=data.vocab_size),
@@ -91,6 +96,7 @@ def main() -> None:
             print(f"width {width}: steady {tps:,.0f} tok/s, {fpt * tps / 1e12:.2f} TFLOP/s, "
                   f"MFU {steady}; trial (compile and eval included) "
                   f"{r.tokens_per_s:,.0f} tok/s, MFU {trial}; notes={r.notes}", flush=True)
+        torch._dynamo.reset()
         specs = [spec(pack_width, args.steps, args.device, batch, seq_len,
                       lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(args.k)]
         seq, packed, t_seq, t_pack = time_sequential_and_packed(specs, cache)
