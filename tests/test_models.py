@@ -221,6 +221,27 @@ def test_rotary_matches_pairwise_rotation_formula():
     torch.testing.assert_close(rot(y, seq_dim=-4)[:, :, 1], ref.permute(0, 2, 1, 3))
 
 
+@pytest.mark.parametrize("n_heads", [1, 3, 5, 8, 12])
+def test_alibi_bias_is_the_press_et_al_table_to_the_bit(n_heads):
+    """ALiBi's (heads, T, T) bias against the formula, element by element in Python:
+    -2^(-8 h / H) * (i - j) on and below the diagonal (h = 1..H), -inf above it."""
+    import numpy as np
+
+    from hptransfer.models.layers import alibi_bias
+
+    t = 7
+    bias = alibi_bias(n_heads, t, torch.device("cpu"), torch.float32)
+    expected = torch.empty(n_heads, t, t)
+    for h in range(n_heads):
+        slope = float(np.float32(2.0 ** (-8.0 * (h + 1) / n_heads)))
+        for i in range(t):
+            for j in range(t):
+                # a float32 slope times a small integer is exact in float64, so rounding the
+                # product once to float32 is what a float32 multiply gives
+                expected[h, i, j] = -slope * (i - j) if j <= i else -math.inf
+    assert torch.equal(bias, expected)
+
+
 def test_fused_qkv_equals_three_linears():
     from torch import nn
 

@@ -115,10 +115,11 @@ def fused_qkv(x: torch.Tensor, q: nn.Linear, k: nn.Linear, v: nn.Linear,
 
 def alibi_bias(n_heads: int, t: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Causal ALiBi additive bias (heads, T, T): -slope_h * distance, -inf above the diagonal."""
-    # geometric slopes 2^(-8 i / H) as in Press et al.; exact for powers of two
-    slopes = torch.tensor(
-        [2.0 ** (-8.0 * (i + 1) / n_heads) for i in range(n_heads)], device=device
-    )
+    # geometric slopes 2^(-8 i / H) as in Press et al.; exact for powers of two. Made on the
+    # device (float64, then float32: Python's 2.0 ** x to the bit): a table copied from the
+    # host would make every forward on CUDA wait for the queued kernels
+    i = torch.arange(1, n_heads + 1, dtype=torch.float64, device=device)
+    slopes = torch.exp2(-8.0 * i / n_heads).float()
     pos = torch.arange(t, device=device)
     distance = (pos[:, None] - pos[None, :]).clamp(min=0).float()
     bias = -slopes[:, None, None] * distance

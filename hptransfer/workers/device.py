@@ -36,6 +36,16 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: a copy to CUDA from pageable
+    memory makes the host wait for every kernel already queued (a host sync each step), so
+    the tensor is staged in pinned memory first (torch's pinned-memory cache keeps it alive
+    until the copy is done). Elsewhere a plain `.to`."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None

@@ -34,7 +34,7 @@ from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
-from .device import Compiled, autocast, resolve_device
+from .device import Compiled, autocast, resolve_device, to_device
 from .plan import (
     Progress,
     TrialPlan,
@@ -201,7 +201,7 @@ class _Pack:
         total = torch.zeros(k, dtype=torch.float64, device=self.device)
         count = 0
         for x, y in self.data.val_batches(self.spec.batch_size, self.spec.seq_len):
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(x, self.device), to_device(y, self.device)
             shared = (k, *x.shape)  # every member sees the same validation batch
             total += self._token_losses(x.expand(shared), y.expand(shared)).sum(dim=1).double()
             count += y.numel()
@@ -271,8 +271,7 @@ class _Pack:
             xs, ys = zip(*(self.data.train_batch(step, spec.batch_size, spec.seq_len,
                                                  self.members[i].spec.seed)
                            for i in self.rows), strict=True)
-            x = torch.stack(xs).to(device, non_blocking=True)
-            y = torch.stack(ys).to(device, non_blocking=True)
+            x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
             for p in self.params.values():
                 p.grad = None
             losses = torch.zeros(len(self.rows), device=device)

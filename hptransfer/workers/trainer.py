@@ -25,7 +25,7 @@ from hptransfer.data import TokenDataset
 from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
-from .device import Compiled, autocast, resolve_device
+from .device import Compiled, autocast, resolve_device, to_device
 from .flat_adamw import FlatAdamW
 from .plan import (
     Progress,
@@ -52,7 +52,7 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for x, y in data.val_batches(spec.batch_size, spec.seq_len):
-        x, y = x.to(device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         with autocast(device, spec.precision):
             logits = forward(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
@@ -101,7 +101,7 @@ def _train(
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * factor
         x, y = data.train_batch(step, spec.batch_size, spec.seq_len, spec.seed)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = to_device(x, device), to_device(y, device)
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
         for xs, ys, weight in micro_batches(x, y, spec):  # gradients accumulate in .grad
