@@ -1,18 +1,32 @@
-"""Timing pieces the benchmarks share: sequential vs packed trials, matmul FLOP/s, and the
-time a pack spends in its matmuls."""
+"""Timing pieces the benchmarks share: alternating rounds, sequential vs packed trials, matmul
+FLOP/s, and the time a pack spends in its matmuls and attention kernels."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.workers.trainer import run_trial, run_trials
 from hptransfer.workers.trial import Budget, TrialResult, TrialSpec
+
+T = TypeVar("T")
+
+
+def alternating(sides: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+    """Each side's result per round, the sides run one after the other in every round and in
+    reverse order every other round (A B, B A, ...), so a busy moment of a shared machine and
+    any order effect hit both alike."""
+    names = list(sides)
+    got: dict[str, list[T]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            got[name].append(sides[name]())
+    return got
 
 
 def bench_head_dim(width: int) -> int:

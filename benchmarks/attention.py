@@ -20,9 +20,11 @@ import os
 import statistics
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from _timing import alternating
 
 import hptransfer.models.layers as layers
 from hptransfer.workers.trainer import run_trial
@@ -60,11 +62,9 @@ def op_table(rounds: int) -> None:
         q, k, v = (torch.randn(b, h, t, d, generator=gen, requires_grad=True) for _ in range(3))
         grad = torch.randn(b, h, t, d, generator=gen)
         torch.testing.assert_close(small_head(q, k, v), fused(q, k, v))
-        a, s = [], []
-        for r in range(rounds):
-            order = ((fused, a), (small_head, s)) if r % 2 == 0 else ((small_head, s), (fused, a))
-            for fn, acc in order:
-                acc.append(time_op(fn, q, k, v, grad))
+        got = alternating({"fused": partial(time_op, fused, q, k, v, grad),
+                           "small": partial(time_op, small_head, q, k, v, grad)}, rounds)
+        a, s = got["fused"], got["small"]
         ratio = statistics.median(x / y for x, y in zip(a, s, strict=True))
         rule = "small" if layers.uses_small_head_path(q) else "fused"
         print(f"{b:>5} {h:>5} {t:>4} {d:>3} {rule:>5} {statistics.median(a) * 1e6:>9.0f} "
@@ -99,11 +99,9 @@ def trial_table(shapes: list[str], rounds: int, steps: int, threads: int,
             width, depth = (int(n) for n in shape.split("x"))
             spec = trial_spec(width, depth, steps, threads, head_dim)
             ms_per_step(spec, cache, small=True)  # data cache and warm-up
-            a, s = [], []
-            for r in range(rounds):
-                order = (False, True) if r % 2 == 0 else (True, False)
-                for small in order:
-                    (s if small else a).append(ms_per_step(spec, cache, small))
+            got = alternating({"fused": partial(ms_per_step, spec, cache, small=False),
+                               "small": partial(ms_per_step, spec, cache, small=True)}, rounds)
+            a, s = got["fused"], got["small"]
             ratios = [x / y for x, y in zip(a, s, strict=True)]
             print(f"{shape:>6} {statistics.median(a):>9.1f} {statistics.median(s):>9.1f} "
                   f"{statistics.median(ratios):>5.2f}  {' '.join(f'{x:.2f}' for x in ratios)}")

@@ -19,9 +19,11 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
-from _timing import bench_head_dim
+from _timing import alternating, bench_head_dim
 from trainer_throughput import time_training
 
 import hptransfer.workers.trainer as trainer
@@ -57,13 +59,20 @@ def step_ms(make, width: int, depth: int, reps: int = 30) -> tuple[float, int]:
     return statistics.median(times[3:]) * 1e3, len(params)
 
 
-def trial_ms(width: int, depth: int, steps: int, threads: int, cache: str) -> float:
+def trial_ms(width: int, depth: int, steps: int, threads: int, cache: str,
+             optimizer: Callable = FlatAdamW) -> float:
+    """Median ms of a `run_trial` training step, the trainer's CPU optimizer swapped for
+    `optimizer` for the run."""
+    trainer.FlatAdamW = optimizer
     spec = TrialSpec(width=width, depth=depth, head_dim=bench_head_dim(width), base_width=64,
                      base_depth=2, parameterization="completep", lr=2.0**-7,
                      batch_size=16, seq_len=64, budget={"steps": steps},
                      eval_every=10**9, data={"val_tokens": 2048}, device="cpu",
                      num_threads=threads, divergence_factor=1e9)  # never stops early
-    times, _, _ = time_training(spec, WARMUP, cache)
+    try:
+        times, _, _ = time_training(spec, WARMUP, cache)
+    finally:
+        trainer.FlatAdamW = FlatAdamW
     return statistics.median(times) * 1e3
 
 
@@ -83,12 +92,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s); optimizer step alone")
     print(f"{'shape':>7} {'tensors':>7} {'foreach ms':>10} {'flat ms':>8} {'x':>5}")
     for width, depth in shapes:
-        got: dict[str, list[float]] = {"flat": [], "foreach": []}
-        for r in range(args.rounds):
-            for name in (("flat", "foreach") if r % 2 == 0 else ("foreach", "flat")):
-                ms, tensors = step_ms(sides[name], width, depth)
-                got[name].append(ms)
-        a, f = statistics.median(got["foreach"]), statistics.median(got["flat"])
+        got = alternating({name: partial(step_ms, make, width, depth)
+                           for name, make in sides.items()}, args.rounds)
+        tensors = got["flat"][0][1]
+        a, f = (statistics.median(ms for ms, _ in got[name]) for name in ("foreach", "flat"))
         print(f"{width}x{depth:<4} {tensors:>7} {a:>10.2f} {f:>8.2f} {a / f:>5.2f}")
     if args.skip_trials:
         return
@@ -99,12 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpt-opt-") as cache:
         for width, depth in shapes:
             trial_ms(width, depth, args.steps, args.threads, cache)  # data cache and warm-up
-            got = {"flat": [], "foreach": []}
-            for r in range(args.rounds):
-                for name in (("flat", "foreach") if r % 2 == 0 else ("foreach", "flat")):
-                    trainer.FlatAdamW = sides[name]  # the trainer's CPU optimizer, swapped
-                    got[name].append(trial_ms(width, depth, args.steps, args.threads, cache))
-            trainer.FlatAdamW = FlatAdamW
+            got = alternating({name: partial(trial_ms, width, depth, args.steps, args.threads,
+                                             cache, optimizer=make)
+                               for name, make in sides.items()}, args.rounds)
             a, f = statistics.median(got["foreach"]), statistics.median(got["flat"])
             print(f"{width}x{depth:<4} {a:>10.2f} {f:>8.2f} {a / f:>5.2f}", flush=True)
     print("\nx = foreach time / flat time (> 1: FlatAdamW is faster); the two give the same "

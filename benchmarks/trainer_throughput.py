@@ -53,7 +53,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from _timing import matmul_flops, step_stamps
+from _timing import alternating, matmul_flops, step_stamps
 from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, time_peer
 
 from hptransfer.data import DataSpec
@@ -170,7 +170,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     trial_tps: list[float] = []
     compiled_times: list[float] = []
     compile_s: list[float] = []
-    round_ratios: list[float] = []  # each round's pair, timed back to back
+    round_ratios: list[float] = []  # per round: peer median step / our median step
 
     def time_ours() -> list[float]:
         eager, tps, _ = time_training(spec, warmup, cache_dir)
@@ -191,15 +191,12 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         peer_times.extend(times)
         return times
 
-    for i in range(rounds if with_peer else 1):
-        if not with_peer:
-            time_ours()
-            continue
-        if i % 2 == 0:  # who goes first alternates, so an order effect cancels out
-            ours, theirs = time_ours(), time_theirs()
-        else:
-            theirs, ours = time_theirs(), time_ours()
-        round_ratios.append(statistics.median(theirs) / statistics.median(ours))
+    if with_peer:
+        got = alternating({"ours": time_ours, "theirs": time_theirs}, rounds)
+        round_ratios = [statistics.median(theirs) / statistics.median(ours)
+                        for ours, theirs in zip(got["ours"], got["theirs"], strict=True)]
+    else:
+        time_ours()
     matmul = max(matmul_before, time_matmul(width, threads))
     step_s = statistics.median(step_times)
     tokens_per_s = BATCH * SEQ_LEN / step_s
