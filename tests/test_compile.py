@@ -163,6 +163,9 @@ def test_hpt_compile_picks_the_runs_that_compile(monkeypatch, mode, on_cuda, sho
     assert compile_wanted(CUDA, short) is on_cuda
     assert compile_wanted(cpu, short) is short_on_cpu
     assert compile_wanted(cpu, long) is long_on_cpu
+    # a pack compiles on CUDA as a trial does; on the CPU only when told to (all)
+    assert compile_wanted(CUDA, short, packed=True) is on_cuda
+    assert compile_wanted(cpu, long * 1000, packed=True) is (mode == "all")
     notes: list[str] = []
     fn = torch.sin
     assert (Compiled(fn, cpu, notes, "model", long).fn is not fn) is long_on_cpu
@@ -183,6 +186,26 @@ def test_a_trials_training_flops_decide_its_cpu_compile():
     large = small.model_copy(update={"width": 256, "depth": 4, "head_dim": 64,
                                      "budget": Budget(tokens_per_param=20)})
     assert plan_trial(large, data, torch.device("cpu")).training_flops > CPU_COMPILE_MIN_FLOPS
+
+
+@pytest.mark.parametrize("mode", [None, "all"])
+def test_a_long_cpu_pack_stays_eager_unless_all(monkeypatch, mode):
+    """Two members of a shape whose single trial would compile on the CPU: the pack's loss
+    and AdamW step stay eager by default (compiled, a CPU pack stepped slower), and compile
+    under HPT_COMPILE=all, each with its note."""
+    if mode is None:
+        monkeypatch.delenv("HPT_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("HPT_COMPILE", mode)
+    small = specs_for(CASES["gpt-completep"])[:2]
+    large = [s.model_copy(update={"width": 256, "depth": 4, "head_dim": 64,
+                                  "budget": Budget(tokens_per_param=20)}) for s in small]
+    pack = _Pack(large, None, None)
+    assert pack.plan.training_flops > CPU_COMPILE_MIN_FLOPS  # a trial alone would compile
+    compiled = mode == "all"
+    assert (pack.loss_fn.fn is not pack.loss_fn.eager) is compiled
+    assert (pack.update_fn.fn is not pack.update_fn.eager) is compiled
+    assert any("packed model runs under torch.compile" in n for n in pack.notes) is compiled
 
 
 def test_an_unknown_hpt_compile_is_an_error_naming_the_choices(monkeypatch):

@@ -164,8 +164,10 @@ class _Pack:
         self.rows = list(range(len(specs)))  # member index of each stacked row
         self.initial: torch.Tensor | None = None
         work = self.plan.training_flops * len(specs)
-        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", work)
-        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step", work)
+        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", work,
+                                packed=True)
+        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step", work,
+                                  packed=True)
 
     # ---- the batched model -------------------------------------------------------------
     def _block(self, flat: torch.Tensor, name: str) -> torch.Tensor:
