@@ -19,6 +19,7 @@ compile's own cost is the difference of the fixed parts.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -93,8 +94,8 @@ def main() -> None:
             for compiled in (False, True):  # untimed: data cache, inductor's kernel cache
                 measure(width, args.k, args.threads, 2, 3, compiled, cache)
             got = alternating({
-                mode: (lambda c=(mode == "compiled"): measure(
-                    width, args.k, args.threads, args.short, args.long, c, cache))
+                mode: functools.partial(measure, width, args.k, args.threads, args.short,
+                                        args.long, mode == "compiled", cache)
                 for mode in ("eager", "compiled")}, args.rounds)
             med = {mode: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
                    for mode, rows in got.items()}
