@@ -163,10 +163,10 @@ class _Pack:
                                        dtype=torch.float64, device=device)
         self.rows = list(range(len(specs)))  # member index of each stacked row
         self.initial: torch.Tensor | None = None
-        work = self.plan.training_flops * len(specs)
-        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", work,
-                                packed=True)
-        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step", work,
+        # no FLOPs to weigh: a pack compiles on CUDA (and under HPT_COMPILE=all), never by
+        # default on the CPU (workers/device.compile_wanted)
+        self.loss_fn = Compiled(self._losses, device, self.notes, "packed model", packed=True)
+        self.update_fn = Compiled(self._update, device, self.notes, "packed AdamW step",
                                   packed=True)
 
     # ---- the batched model -------------------------------------------------------------
