@@ -27,6 +27,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (scripts/test.sh), before the workers start: the Ray token that a
+    new local cluster uses (~/.ray/auth_token, created by the first `ray.init` when missing).
+    Two workers starting their clusters at once on a fresh machine would each write one, and
+    a cluster whose token was overwritten turns its own workers away."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", 0):
+        try:
+            from ray._private.authentication.authentication_token_setup import (
+                _get_default_token_path,
+                generate_and_save_token,
+            )
+        except ImportError:  # a Ray without token authentication: nothing to share
+            return
+        if not _get_default_token_path().exists():
+            generate_and_save_token()
+
+
 def _local_ray():
     """One local cluster for the whole run, started from the main thread (Ray kills the
     daemons a thread started when that thread ends) and started again if a test shut it."""
