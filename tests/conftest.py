@@ -30,8 +30,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (scripts/test.sh), before the workers start: the Ray token that a
     new local cluster uses (~/.ray/auth_token, created by the first `ray.init` when missing).
-    Two workers starting their clusters at once on a fresh machine would each write one, and
-    a cluster whose token was overwritten turns its own workers away."""
+    Two workers starting their clusters at once on a fresh machine could each write one, the
+    second over the first; written once here, both clusters read the same token."""
     if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", 0):
         try:
             from ray._private.authentication.authentication_token_setup import (
@@ -42,6 +42,15 @@ def pytest_configure(config: pytest.Config) -> None:
             return
         if not _get_default_token_path().exists():
             generate_and_save_token()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with a `slow` test first, each file's own order kept. Under pytest-xdist
+    (--dist loadfile --no-loadscope-reorder) the workers take files in this order, so the
+    long end-to-end files start early and the many quick files fill in around them; last,
+    they would leave one worker running a long file alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 def _local_ray():

@@ -159,6 +159,7 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, tmp_path,
                                                                   tiny_spec):

@@ -13,7 +13,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """

@@ -177,6 +177,7 @@ def searches(reference_grid, module_hpt_home, module_ray_cluster) -> dict[tuple,
                 for key, i in ids.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pack, parameterization", SEARCHES)
 def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameterization,
                                                               reference_grid, searches,

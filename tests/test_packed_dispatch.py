@@ -193,6 +193,7 @@ def _ray_workers(title: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
                                                                  tiny_spec):
     spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)

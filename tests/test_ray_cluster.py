@@ -65,6 +65,7 @@ def ray_head():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
     port = _free_port()
     env = {**os.environ, "RAY_ADDRESS": ray_head, "HPT_HOME": str(tmp_path / "hpt"),

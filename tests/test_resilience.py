@@ -156,6 +156,7 @@ def trial_runs(mlflow_uri: str, experiment_id: str) -> dict[str, list[Any]]:
 # ------------------------------------------------------------------ coordinator killed
 
 
+@pytest.mark.slow
 def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, servers, tiny_spec):
     tiny_spec.update(name="coordinator-restart", max_concurrent=1, retries=1, reuse=False)
     tiny_spec["grid"]["lrs"] = [2.0**-k for k in range(7, 13)]  # 6 trials, all well-behaved
