@@ -30,11 +30,8 @@ if ! bash scripts/install_chromium.sh; then
 fi
 .venv/bin/ruff check .
 # --durations: the slowest tests in every log (the suite must stay under 15 minutes on 2 cores).
-# Two pytest workers (HPT_TEST_WORKERS; 0 runs in this process), a test file to each at a
-# time (a file's module fixtures run once): one process alone keeps 2 cores only ~40 % busy,
-# its wall time mostly process starts, Ray startups and waits for a trial or a server. Files
-# in collection order, which tests/conftest.py starts with the slow ones (xdist's own order,
-# most tests first, left the long end-to-end files for last).
+# Two workers (HPT_TEST_WORKERS; 0: one process, which keeps 2 cores only ~40 % busy), a whole
+# file to each at a time, in collection order (tests/conftest.py puts the slow files first).
 workers=${HPT_TEST_WORKERS:-2}
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=25 \
   -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
