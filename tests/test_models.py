@@ -148,6 +148,31 @@ def test_relu_squared_matches_autograd_reference():
     assert torch.autograd.gradcheck(relu_squared, (x,))
 
 
+def test_relu_squared_in_place_gives_the_same_bits_and_guards_its_buffer():
+    """In place (a Linear's fresh output): values and gradients equal the out-of-place
+    version's to the bit; a second backward through the graph raises instead of reading the
+    spent buffer; a view falls back to out of place and leaves its base alone."""
+    from hptransfer.models.layers import relu_squared
+
+    w = torch.randn(16, 24, requires_grad=True)
+    x, g = torch.randn(5, 16), torch.randn(5, 24)
+    results = []
+    for in_place in (False, True):
+        h = x @ w
+        y = relu_squared(h, in_place=in_place)
+        assert torch.equal(h, F.relu(x @ w)) == in_place  # in place: relu(h) overwrote h
+        (grad_w,) = torch.autograd.grad(y, w, g, retain_graph=True)
+        results.append((y, grad_w))
+        if in_place:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(y, w, g)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    base = torch.randn(4, 6)
+    kept = base.clone()
+    relu_squared(base.view(2, 12), in_place=True)
+    assert torch.equal(base, kept)
+
+
 @pytest.mark.parametrize("d", [4, 16], ids=["small-head-path", "fused-kernel"])
 @pytest.mark.parametrize("alibi", [False, True])
 def test_packed_attention_matches_per_member_softmax_attention(alibi, d):
@@ -204,21 +229,45 @@ def test_stacked_layers_apply_each_members_own_parameters(bias):
 
 
 def test_rotary_matches_pairwise_rotation_formula():
-    """Rotary against the textbook formula on (i, i + d/2) pairs, in both layouts."""
+    """Rotary against RoFormer's formula (eq. 34) on adjacent pairs (2i, 2i + 1), element by
+    element, in both layouts."""
     from hptransfer.models.layers import Rotary
 
     d, t = 8, 10
     rot = Rotary(d, 16)
     x = torch.randn(2, 3, t, d)
-    pos = torch.arange(t, dtype=torch.float32)[:, None]
-    angle = pos * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    ref = torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()),
-                    dim=-1)
+    ref = torch.empty_like(x)
+    for pos in range(t):
+        for i in range(d // 2):
+            angle = torch.tensor(pos * 10000.0 ** (-2 * i / d), dtype=torch.float32)
+            even, odd = x[..., pos, 2 * i], x[..., pos, 2 * i + 1]
+            ref[..., pos, 2 * i] = even * angle.cos() - odd * angle.sin()
+            ref[..., pos, 2 * i + 1] = even * angle.sin() + odd * angle.cos()
     torch.testing.assert_close(rot(x), ref)
     # (batch, T, 2, heads, d) layout, T at dim -4: same rotation per position
     y = x.permute(0, 2, 1, 3).unsqueeze(2).expand(2, t, 2, 3, d)
     torch.testing.assert_close(rot(y, seq_dim=-4)[:, :, 1], ref.permute(0, 2, 1, 3))
+
+
+def test_rotary_complex_and_real_paths_agree_to_the_bit():
+    """Eager fp32 turns pairs as complex numbers; an odd storage offset (no complex view) takes
+    the real products that torch.compile traces. Values and gradients: the same bits."""
+    from hptransfer.models.layers import Rotary, _complex_view_fits
+
+    rot = Rotary(16, 32)
+    grad = torch.randn(4, 32, 2, 3, 16)
+    values = torch.randn(grad.numel())
+    shifted = torch.empty(values.numel() + 1)  # the same values one element further on
+    shifted[1:] = values
+    outs = []
+    for flat, complex_path in ((values, True), (shifted[1:], False)):
+        x = flat.view_as(grad).requires_grad_()
+        assert _complex_view_fits(x) == complex_path
+        y = rot(x, seq_dim=-4)
+        (g,) = torch.autograd.grad(y, x, grad)
+        outs.append((y, g))
+    (y_complex, g_complex), (y_real, g_real) = outs
+    assert torch.equal(y_complex, y_real) and torch.equal(g_complex, g_real)
 
 
 @pytest.mark.parametrize("n_heads", [1, 3, 5, 8, 12])

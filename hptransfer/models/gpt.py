@@ -71,8 +71,8 @@ class MLP(nn.Module):
         self.activation = cfg.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        h = relu_squared(h) if self.activation == "relu2" else F.gelu(h)
+        h = self.up(x)  # fresh, read by nothing else: the activation may overwrite it
+        h = relu_squared(h, in_place=True) if self.activation == "relu2" else F.gelu(h)
         return self.down(h)
 
 
