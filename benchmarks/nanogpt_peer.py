@@ -14,6 +14,7 @@ import importlib.util
 import io
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -52,10 +53,11 @@ def load_peer(folder: Path) -> ModuleType:
     return module
 
 
-def time_peer(peer: ModuleType, data: TokenDataset, *, width: int, depth: int, head_dim: int,
-              base_width: int, base_depth: int, lr: float, batch: int, seq_len: int,
-              steps: int, warmup: int, threads: int) -> list[float]:
-    """Seconds of each of the peer's training steps after `warmup` (CompleteP, alpha = 1)."""
+def peer_trainer(peer: ModuleType, data: TokenDataset, *, width: int, depth: int, head_dim: int,
+                 base_width: int, base_depth: int, lr: float, batch: int, seq_len: int,
+                 threads: int) -> Callable[[int], torch.Tensor]:
+    """The peer's model and AdamW at one of our shapes (CompleteP, alpha = 1), as a function
+    that runs training step `step` and returns its loss."""
     torch.set_num_threads(threads)
     cfg = peer.GPTConfig(
         block_size=seq_len, vocab_size=data.vocab_size, n_layer=depth,
@@ -67,17 +69,29 @@ def time_peer(peer: ModuleType, data: TokenDataset, *, width: int, depth: int, h
         model = peer.GPT(cfg)
         opt = model.configure_optimizers(0.0, lr, (0.9, 0.95), 1e-12, "cpu")
     model.train()
-    times = []
-    for step in range(steps):
-        t = time.perf_counter()
+
+    def step(number: int) -> torch.Tensor:
         for group in opt.param_groups:
             group["lr"] = lr * group["lr_scale"]
-        x, y = data.train_batch(step, batch, seq_len, 0)
+        x, y = data.train_batch(number, batch, seq_len, 0)
         _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def time_peer(peer: ModuleType, data: TokenDataset, *, steps: int, warmup: int,
+              **shape: int | float) -> list[float]:
+    """Seconds of each of the peer's training steps after `warmup` (shape: peer_trainer's)."""
+    step = peer_trainer(peer, data, **shape)
+    times = []
+    for number in range(steps):
+        t = time.perf_counter()
+        loss = step(number)
         times.append(time.perf_counter() - t)
     if not torch.isfinite(loss):
         raise RuntimeError("the peer's timing run diverged")

@@ -11,11 +11,13 @@ The peer is nanoGPT-mup's `model.py` (EleutherAI, branch `completep`, CompleteP 
 timed at the same width, depth, heads, batch, sequence length, vocabulary and threads, in the
 same process: for every plain `gpt` shape the two are timed in alternating rounds (ours, peer,
 peer, ours, ...; --rounds) so that a busy moment of a shared machine hits both, and "vs peer"
-is our tokens/s over the peer's (median steps); "rounds" gives the lowest and highest of that
-ratio taken round by round, the run-to-run spread the verdict must clear. The models differ
-as designed: ours has rotary positions, relu^2, untied embeddings and LayerNorm biases; the peer
-learned positions, GELU and a tied unembedding. The peer is not vendored: pass its folder with
---peer (see nanogpt_peer.py).
+is our tokens/s over the peer's (median steps). With --interleave a round is one run in which
+the two take turns step by step (our trainer's reporter runs one step of the peer after each
+of ours), which keeps the ratio steadier on a noisy shared machine. "rounds" gives the lowest
+and highest of that ratio taken round by round, the run-to-run spread the verdict must clear.
+The models differ as designed: ours has rotary positions, relu^2, untied embeddings and
+LayerNorm biases; the peer learned positions, GELU and a tied unembedding. The peer is not
+vendored: pass its folder with --peer (see nanogpt_peer.py).
 
 The reference is the FLOP/s of one fp32 matmul of the MLP's first projection,
 (batch*seq) x width @ width x 4*width, timed in the same process with the same thread count
@@ -44,21 +46,23 @@ before on this machine cheaper).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 from _timing import alternating, matmul_flops, step_stamps
-from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, time_peer
+from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, peer_trainer, time_peer
 
 from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.workers.trainer import load_trial_data
+from hptransfer.workers.trainer import load_trial_data, run_trial
 from hptransfer.workers.trial import ArchOptions, Budget, TrialSpec
 
 SEQ_LEN, BATCH, HEAD_DIM, BASE_WIDTH, BASE_DEPTH, LR = 128, 8, 64, 128, 2, 2.0**-7
@@ -151,6 +155,35 @@ def time_training(spec: TrialSpec, warmup: int, cache_dir: str,
     return times, result.tokens_per_s or 0.0, stamps[1] - start
 
 
+def time_interleaved(spec: TrialSpec, peer_step: Callable[[int], torch.Tensor], warmup: int,
+                     cache_dir: str) -> tuple[list[float], list[float]]:
+    """(seconds of our steps, of the peer's) from one `run_trial` whose reporter runs one step of
+    the peer after each of ours: the two alternate step by step, so each of their steps starts
+    after one of the other's, and a busy moment of the machine hits both alike."""
+    entered: dict[int, float] = {}
+    left: dict[int, float] = {}
+    losses: list[torch.Tensor] = []
+
+    def reporter(point: dict[str, Any]) -> bool:
+        entered[point["step"]] = time.perf_counter()
+        losses.append(peer_step(point["step"]))
+        left[point["step"]] = time.perf_counter()
+        return False
+
+    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
+    if result.status != "completed":
+        raise RuntimeError(f"timing run {result.status}: {result.error}")
+    if not torch.isfinite(losses[-1]):
+        raise RuntimeError("the peer's timing run diverged")
+    steps = spec.budget.steps or 0
+    first, last = warmup, steps - 1  # our step s+1 runs from left[s] to entered[s+1]
+    if any(s not in entered for s in range(first, last + 1)):
+        raise RuntimeError("the reporter missed a step (is steps <= 50?)")
+    ours = [entered[s + 1] - left[s] for s in range(first, last)]
+    theirs = [left[s] - entered[s] for s in range(first + 1, last + 1)]
+    return ours, theirs
+
+
 def time_matmul(width: int, threads: int, reps: int = 30) -> float:
     """FLOP/s of (batch*seq) x width @ width x 4*width in fp32 (median of `reps`)."""
     return matmul_flops(BATCH * SEQ_LEN, width, 4 * width, threads, reps=reps)
@@ -158,7 +191,8 @@ def time_matmul(width: int, threads: int, reps: int = 30) -> float:
 
 def measure(label: str, arch: str, param: str, width: int, depth: int,
             options: dict[str, Any], steps: int, warmup: int, threads: int,
-            cache_dir: str, peer: ModuleType | None, rounds: int, compiled: bool) -> Row:
+            cache_dir: str, peer: ModuleType | None, rounds: int, compiled: bool,
+            interleave: bool) -> Row:
     spec = trial_spec(arch, param, width, depth, options, steps, threads)
     data = load_trial_data(spec, cache_dir)
     cfg = spec.model_config_obj(vocab_size=data.vocab_size)
@@ -191,7 +225,19 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         peer_times.extend(times)
         return times
 
-    if with_peer:
+    def time_together() -> None:  # one round, the two sides step by step
+        peer_step = peer_trainer(
+            peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
+            base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, threads=threads)
+        ours, theirs = time_interleaved(spec, peer_step, warmup, cache_dir)
+        step_times.extend(ours)
+        peer_times.extend(theirs)
+        round_ratios.append(statistics.median(theirs) / statistics.median(ours))
+
+    if with_peer and interleave:
+        for _ in range(rounds):
+            time_together()
+    elif with_peer:
         got = alternating({"ours": time_ours, "theirs": time_theirs}, rounds)
         round_ratios = [statistics.median(theirs) / statistics.median(ours)
                         for ours, theirs in zip(got["ours"], got["theirs"], strict=True)]
@@ -205,7 +251,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         flops_per_token=fpt, step_ms=1e3 * step_s, best_ms=1e3 * min(step_times),
         tokens_per_s=tokens_per_s,
         achieved=fpt * tokens_per_s, matmul=matmul,
-        trial_tokens_per_s=statistics.median(trial_tps),
+        trial_tokens_per_s=statistics.median(trial_tps) if trial_tps else math.nan,
         peer_ms=1e3 * statistics.median(peer_times) if peer_times else None,
         peer_best_ms=1e3 * min(peer_times) if peer_times else None,
         compiled_ms=1e3 * statistics.median(compiled_times) if compiled_times else None,
@@ -215,7 +261,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
 
 
 def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
-                load: tuple[float, float]) -> None:
+                load: tuple[float, float], interleave: bool) -> None:
     print(f"\ntorch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()} "
           f"(requested {threads}), {os.cpu_count()} CPUs, 1-min load average "
           f"{load[0]:.1f} before / {load[1]:.1f} after; seq {SEQ_LEN}, batch {BATCH}; "
@@ -231,16 +277,19 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
               f"{r.flops_per_token / 1e6:>9.1f} {r.step_ms:>8.1f} {r.best_ms:>8.1f} "
               f"{r.tokens_per_s:>8.0f} "
               f"{r.achieved / 1e9:>8.2f} {r.matmul / 1e9:>10.2f} {r.ratio:>9.2f} "
-              f"{r.trial_tokens_per_s:>11.0f} "
+              f"{_or_dash(r.trial_tokens_per_s, '.0f'):>11} "
               + (f"{r.peer_ms:>8.1f} {r.vs_peer:>7.3f} {_spread(r.round_ratios):>11}"
                  if r.vs_peer else f"{'-':>8} {'-':>7} {'-':>11}")
               + (" !" if r.step_ms > NOISY * r.best_ms
                  or (r.peer_ms and r.peer_ms > NOISY * (r.peer_best_ms or 0)) else ""))
     print("\nms/step, tok/s, GFLOP/s: median step; vs matmul = achieved / matmul FLOP/s (the "
           "practical limit at this width); trial tok/s = run_trial's own figure, warm-up "
-          "steps and the final eval included; vs peer = our tok/s / nanoGPT-mup's tok/s (median "
-          "steps, alternating rounds; > 1: ours is faster); rounds = the lowest and highest "
-          "of the same ratio taken per round (each round's pair ran back to back), so a "
+          "steps and the final eval included (- when interleaved: its clock holds the peer's "
+          "steps too); vs peer = our tok/s / nanoGPT-mup's tok/s (median steps; > 1: ours is "
+          "faster), "
+          + ("each round one run, ours and the peer taking turns step by step"
+             if interleave else "alternating rounds, each round's pair back to back")
+          + "; rounds = the lowest and highest of the same ratio taken per round, so a "
           "spread that straddles 1 means the two are level within this machine's noise")
     compiled = [r for r in rows if r.compiled_ms is not None]
     if compiled:
@@ -257,6 +306,10 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
                   f"{later:.1f} s later, repaid after "
                   + (f"{first / saved_s:.0f} / {later / saved_s:.0f} steps" if saved_s > 0
                      else "never"))
+
+
+def _or_dash(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 def _spread(ratios: list[float] | None) -> str:
@@ -279,7 +332,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time our trainer under torch.compile, each round")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating ours/peer rounds per shape (with --peer)")
+                        help="ours/peer rounds per shape (with --peer)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --peer: each round one run in which ours and the peer "
+                             "take turns step by step (default: whole runs, alternating)")
     args = parser.parse_args()
     folder = peer_dir(args.peer)
     peer = load_peer(folder) if folder else None
@@ -299,7 +355,7 @@ def main() -> None:
         for label, arch, param, width, depth, options in shapes:
             rows.append(measure(label, arch, param, width, depth, options, args.steps,
                                 args.warmup, args.threads, cache_dir, peer, args.rounds,
-                                args.compile))
+                                args.compile, args.interleave))
             r = rows[-1]
             print(f"{label} w{width} d{depth}: {r.tokens_per_s:.0f} tok/s, "
                   f"{r.achieved / 1e9:.2f} GFLOP/s, {r.ratio:.2f} of matmul"
@@ -307,7 +363,7 @@ def main() -> None:
                      f"{_spread(r.round_ratios)})" if r.vs_peer else ""),
                   flush=True)
     print_table(rows, args.threads, args.steps, args.warmup,
-                (load_before, os.getloadavg()[0]))
+                (load_before, os.getloadavg()[0]), args.interleave)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ def test_relu_squared_matches_autograd_reference():
 def test_relu_squared_in_place_gives_the_same_bits_and_guards_its_buffer():
     """In place (a Linear's fresh output): values and gradients equal the out-of-place
     version's to the bit; a second backward through the graph raises instead of reading the
-    spent buffer; a view falls back to out of place and leaves its base alone."""
+    spent buffer. A reshaped view of a whole tensor is done in place on that tensor; a view of
+    part of one falls back to out of place and leaves the rest alone."""
     from hptransfer.models.layers import relu_squared
 
     w = torch.randn(16, 24, requires_grad=True)
@@ -167,9 +168,16 @@ def test_relu_squared_in_place_gives_the_same_bits_and_guards_its_buffer():
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 torch.autograd.grad(y, w, g)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    # a pack's (K, B, T, hidden) view of its (K, B*T, hidden) batched matmul: in place on the
+    # base, the same bits; a view of part of a tensor: out of place, its base left alone
+    batched = torch.bmm(torch.randn(2, 6, 16), w.expand(2, 16, 24).detach())
+    before = batched.clone()
+    assert torch.equal(relu_squared(batched.view(2, 3, 2, 24), in_place=True),
+                       F.relu(before).square().view(2, 3, 2, 24))
+    assert torch.equal(batched, F.relu(before))
     base = torch.randn(4, 6)
     kept = base.clone()
-    relu_squared(base.view(2, 12), in_place=True)
+    relu_squared(base[:2], in_place=True)
     assert torch.equal(base, kept)
 
 

@@ -196,12 +196,23 @@ class _ReluSquaredInPlace(torch.autograd.Function):
 
 
 def relu_squared(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """relu(x)^2; `in_place`: x may be overwritten (nothing else reads it). A view (a pack's
-    reshaped batched matmul) and a traced graph (torch.compile fuses the ops anyway) take the
-    out-of-place version."""
-    if in_place and not torch.compiler.is_compiling() and not x._is_view():
+    """relu(x)^2; `in_place`: x may be overwritten (nothing else reads it). A traced graph
+    takes the out-of-place version (torch.compile fuses the ops anyway)."""
+    if not in_place or torch.compiler.is_compiling():
+        return _ReluSquared.apply(x)[0]
+    if not x._is_view():
         return _ReluSquaredInPlace.apply(x)[0]
-    return _ReluSquared.apply(x)[0]
+    base = x._base
+    if base._is_view() or not _same_memory_in_order(x, base):
+        return _ReluSquared.apply(x)[0]
+    # a reshaped view of a whole fresh tensor (a pack's batched matmul): in place on the base,
+    # which is x's memory in x's order; autograd would copy a view's gradient (CopySlices)
+    return _ReluSquaredInPlace.apply(base)[0].view(x.shape)
+
+
+def _same_memory_in_order(x: torch.Tensor, base: torch.Tensor) -> bool:
+    return (x.is_contiguous() and base.is_contiguous() and x.numel() == base.numel()
+            and x.data_ptr() == base.data_ptr())
 
 
 def residual_add(x: torch.Tensor, branch: torch.Tensor, scale: float) -> torch.Tensor:
