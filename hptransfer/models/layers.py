@@ -177,7 +177,7 @@ class _ReluSquaredInPlace(torch.autograd.Function):
     guards it: had an op saved x, or were the graph run backward twice, it raises "modified by
     an inplace operation" instead of computing with the spent buffer. On this project's Xeon
     CPU host (one thread, steps interleaved with the out-of-place version in one process), a
-    whole training step ran 1.02-1.03x faster at 128 x 2 to 512 x 2."""
+    whole training step ran 1.01-1.03x faster at 128 x 2 to 512 x 2."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
