@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.models import ModelConfigError, build_model
 
@@ -148,6 +149,18 @@ def test_relu_squared_matches_autograd_reference():
     assert torch.autograd.gradcheck(relu_squared, (x,))
 
 
+class _RecordedOps(TorchDispatchMode):
+    """The names of the aten ops that run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_relu_squared_in_place_gives_the_same_bits_and_guards_its_buffer():
     """In place (a Linear's fresh output): values and gradients equal the out-of-place
     version's to the bit; a second backward through the graph raises instead of reading the
@@ -168,6 +181,11 @@ def test_relu_squared_in_place_gives_the_same_bits_and_guards_its_buffer():
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 torch.autograd.grad(y, w, g)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    for in_place in (False, True):  # no zero-filled gradient for relu(x), which gets none
+        y = relu_squared(x @ w, in_place=in_place)
+        with _RecordedOps() as ops:
+            torch.autograd.grad(y, w, g)
+        assert not {"fill_", "zero_", "zeros", "zeros_like"} & ops.names, ops.names
     # a pack's (K, B, T, hidden) view of its (K, B*T, hidden) batched matmul: in place on the
     # base, the same bits; a view of part of a tensor: out of place, its base left alone
     batched = torch.bmm(torch.randn(2, 6, 16), w.expand(2, 16, 24).detach())

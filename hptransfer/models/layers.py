@@ -185,6 +185,7 @@ class _ReluSquaredInPlace(torch.autograd.Function):
         ctx.mark_dirty(r)
         ctx.mark_non_differentiable(r)
         ctx.save_for_backward(r)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for r, which has none
         return r * r, r
 
     @staticmethod
