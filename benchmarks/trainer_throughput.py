@@ -13,7 +13,8 @@ same process: for every plain `gpt` shape the two are timed in alternating round
 peer, ours, ...; --rounds) so that a busy moment of a shared machine hits both, and "vs peer"
 is our tokens/s over the peer's (median steps). With --interleave a round is one run in which
 the two take turns step by step (our trainer's reporter runs one step of the peer after each
-of ours), which keeps the ratio steadier on a noisy shared machine. "rounds" gives the lowest
+of ours), and "vs peer" is the median over steps of the peer's step time over ours just
+before it, which keeps the ratio steady on a noisy shared machine. "rounds" gives the lowest
 and highest of that ratio taken round by round, the run-to-run spread the verdict must clear.
 The models differ as designed: ours has rotary positions, relu^2, untied embeddings and
 LayerNorm biases; the peer learned positions, GELU and a tied unembedding. The peer is not
@@ -103,6 +104,7 @@ class Row:
     compiled_ms: float | None = None  # with --compile: our median step under torch.compile
     compile_s: list[float] | None = None  # its first step's extra time (compiling), per round
     round_ratios: list[float] | None = None  # per round: peer median step / our median step
+    pair_ratio: float | None = None  # --interleave: median over steps of peer step / our step
 
     @property
     def ratio(self) -> float:
@@ -110,6 +112,8 @@ class Row:
 
     @property
     def vs_peer(self) -> float | None:
+        if self.pair_ratio is not None:
+            return self.pair_ratio
         return None if self.peer_ms is None else self.peer_ms / self.step_ms
 
     @property
@@ -159,7 +163,8 @@ def time_interleaved(spec: TrialSpec, peer_step: Callable[[int], torch.Tensor], 
                      cache_dir: str) -> tuple[list[float], list[float]]:
     """(seconds of our steps, of the peer's) from one `run_trial` whose reporter runs one step of
     the peer after each of ours: the two alternate step by step, so each of their steps starts
-    after one of the other's, and a busy moment of the machine hits both alike."""
+    after one of the other's, and a busy moment of the machine hits both alike. Item i of both
+    lists is the same step number, the peer's run right after ours."""
     entered: dict[int, float] = {}
     left: dict[int, float] = {}
     losses: list[torch.Tensor] = []
@@ -205,6 +210,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
     compiled_times: list[float] = []
     compile_s: list[float] = []
     round_ratios: list[float] = []  # per round: peer median step / our median step
+    pair_ratios: list[float] = []  # interleaved: each step of the peer over our step before it
 
     def time_ours() -> list[float]:
         eager, tps, _ = time_training(spec, warmup, cache_dir)
@@ -232,7 +238,9 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         ours, theirs = time_interleaved(spec, peer_step, warmup, cache_dir)
         step_times.extend(ours)
         peer_times.extend(theirs)
-        round_ratios.append(statistics.median(theirs) / statistics.median(ours))
+        pairs = [t / o for o, t in zip(ours, theirs, strict=True)]
+        pair_ratios.extend(pairs)
+        round_ratios.append(statistics.median(pairs))
 
     if with_peer and interleave:
         for _ in range(rounds):
@@ -257,6 +265,7 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
         compiled_ms=1e3 * statistics.median(compiled_times) if compiled_times else None,
         compile_s=compile_s or None,
         round_ratios=round_ratios or None,
+        pair_ratio=statistics.median(pair_ratios) if pair_ratios else None,
     )
 
 
@@ -287,7 +296,8 @@ def print_table(rows: list[Row], threads: int, steps: int, warmup: int,
           "steps and the final eval included (- when interleaved: its clock holds the peer's "
           "steps too); vs peer = our tok/s / nanoGPT-mup's tok/s (median steps; > 1: ours is "
           "faster), "
-          + ("each round one run, ours and the peer taking turns step by step"
+          + ("the median over steps of the peer's step over ours just before it, ours and "
+             "the peer taking turns step by step, one run per round"
              if interleave else "alternating rounds, each round's pair back to back")
           + "; rounds = the lowest and highest of the same ratio taken per round, so a "
           "spread that straddles 1 means the two are level within this machine's noise")
