@@ -49,14 +49,18 @@ def time_sequential_and_packed(
     return seq, packed, t_seq, t_pack
 
 
-def step_stamps(spec: TrialSpec, cache_dir: str) -> tuple[dict[int, float], TrialResult]:
+def step_stamps(spec: TrialSpec, cache_dir: str, between: Callable[[int], Any] | None = None
+                ) -> tuple[dict[int, float], TrialResult]:
     """Train `spec` with `run_trial`, stamping the time of each reporter call by its step
     (on CUDA the trainer reads losses back to the host before it reports, so the stamps hold
-    the device's work); raises if the run did not complete."""
+    the device's work); `between(step)` then runs inside that call, before training goes on.
+    Raises if the run did not complete."""
     stamps: dict[int, float] = {}
 
     def reporter(point: dict[str, Any]) -> bool:
         stamps[point["step"]] = time.perf_counter()
+        if between is not None:
+            between(point["step"])
         return False
 
     result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)

@@ -63,7 +63,7 @@ from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, peer_trainer, time_pee
 
 from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.workers.trainer import load_trial_data, run_trial
+from hptransfer.workers.trainer import load_trial_data
 from hptransfer.workers.trial import ArchOptions, Budget, TrialSpec
 
 SEQ_LEN, BATCH, HEAD_DIM, BASE_WIDTH, BASE_DEPTH, LR = 128, 8, 64, 128, 2, 2.0**-7
@@ -165,19 +165,14 @@ def time_interleaved(spec: TrialSpec, peer_step: Callable[[int], torch.Tensor], 
     the peer after each of ours: the two alternate step by step, so each of their steps starts
     after one of the other's, and a busy moment of the machine hits both alike. Item i of both
     lists is the same step number, the peer's run right after ours."""
-    entered: dict[int, float] = {}
     left: dict[int, float] = {}
     losses: list[torch.Tensor] = []
 
-    def reporter(point: dict[str, Any]) -> bool:
-        entered[point["step"]] = time.perf_counter()
-        losses.append(peer_step(point["step"]))
-        left[point["step"]] = time.perf_counter()
-        return False
+    def peer_turn(step: int) -> None:
+        losses.append(peer_step(step))
+        left[step] = time.perf_counter()
 
-    result = run_trial(spec, reporter=reporter, cache_dir=cache_dir)
-    if result.status != "completed":
-        raise RuntimeError(f"timing run {result.status}: {result.error}")
+    entered, _ = step_stamps(spec, cache_dir, between=peer_turn)
     if not torch.isfinite(losses[-1]):
         raise RuntimeError("the peer's timing run diverged")
     steps = spec.budget.steps or 0
