@@ -91,6 +91,15 @@ def run_trials(
         return [failed_result(spec, exc, started) for spec in specs]
 
 
+def _into(buffer: torch.Tensor, op: Callable[..., torch.Tensor], *args: torch.Tensor
+          ) -> torch.Tensor:
+    """op(*args) written into `buffer` in one pass (out=). Traced by torch.compile, which
+    cannot write out= into a view, it is op(*args) copied in: the same values."""
+    if torch.compiler.is_compiling():
+        return buffer.copy_(op(*args))
+    return op(*args, out=buffer)
+
+
 @dataclass
 class _Member:
     spec: TrialSpec
@@ -150,6 +159,9 @@ class _Pack:
         self.hp = {key: torch.tensor([[getattr(g, key) for g in b.table.groups] for b in built],
                                      device=device)
                    for key in ("lr", "weight_decay", "eps")}
+        # groups whose weight decay is 0 for every member skip the decay's pass (x * 1.0 is x)
+        self.decays = [any(b.table.groups[g].weight_decay != 0 for b in built)
+                       for g in range(len(self.segments))]
         self.factors = torch.tensor(  # (steps, K): each member's own LR schedule
             [[m.plan.factor(step) for m in self.members] for step in range(self.plan.total_steps)],
             device=device,
@@ -234,12 +246,13 @@ class _Pack:
             p, m, v, grad_g, scratch = (t[:, start:stop] for t in (
                 self.flat, self.exp_avg, self.exp_avg_sq, grad, self.scratch))
             lr = lrs[:, g:g + 1]
-            p.mul_(1 - lr * self.hp["weight_decay"][:, g:g + 1])
+            if self.decays[g]:
+                p.mul_(1 - lr * self.hp["weight_decay"][:, g:g + 1])
             m.lerp_(grad_g, 1 - spec.beta1)
             v.mul_(spec.beta2).addcmul_(grad_g, grad_g, value=1 - spec.beta2)
-            denom = scratch.copy_(v).sqrt_().div_(bias2_sqrt).add_(self.hp["eps"][:, g:g + 1])
+            denom = _into(scratch, torch.sqrt, v).div_(bias2_sqrt).add_(self.hp["eps"][:, g:g + 1])
             # exp_avg / denom, then times lr / bias1 (AdamW's order), in grad's spent columns
-            p.sub_(grad_g.copy_(m).div_(denom).mul_(lr / bias1))
+            p.sub_(_into(grad_g, torch.div, m, denom).mul_(lr / bias1))
         for n, axis in self.ngpt_axes.items():  # nGPT: back onto the sphere, per member
             block = self._block(self.flat, n)
             block.copy_(unit(block, dim=axis + 1))
