@@ -128,16 +128,21 @@ class KernelClock(TorchDispatchMode):
         return out
 
 
-def packed_kernel_seconds_per_step(specs: Sequence[TrialSpec], cache_dir: str,
-                                   short: int = 4, long: int = 12) -> dict[str, float]:
-    """Seconds per training step that a pack of `specs` spends in matmuls and in attention
-    kernels: two short packs (`short` and `long` steps, one final evaluation each) under
-    KernelClock, differenced, so set-up and evaluation cancel."""
+def kernel_seconds_per_step(specs: Sequence[TrialSpec], cache_dir: str, packed: bool,
+                            short: int = 4, long: int = 12) -> dict[str, float]:
+    """Seconds per training step that `specs` spend in matmuls and in attention kernels, all
+    of them together: trained as one pack (`packed`) or one after the other. Two short runs
+    (`short` and `long` steps, one final evaluation each) under KernelClock, differenced, so
+    set-up and evaluation cancel."""
     spent = []
     for steps in (short, long):
+        runs = [s.model_copy(update={"budget": Budget(steps=steps)}) for s in specs]
         clock = KernelClock()
         with clock:
-            run_trials([s.model_copy(update={"budget": Budget(steps=steps)}) for s in specs],
-                       cache_dir=cache_dir)
+            if packed:
+                run_trials(runs, cache_dir=cache_dir)
+            else:
+                for spec in runs:
+                    run_trial(spec, cache_dir=cache_dir)
         spent.append(clock.seconds)
     return {kind: (spent[1][kind] - spent[0][kind]) / (long - short) for kind in spent[0]}

@@ -22,7 +22,10 @@ K x trial ms / pack mm ms ("mm bound x") is the most the pack could gain even if
 else in its step (attention, norms, activations, the loss, AdamW) cost nothing. "attn ms" is
 the pack's time per step inside torch's attention kernels, timed the same way; "+attn bound x"
 = K x trial ms / (pack mm ms + attn ms) is the ceiling with those counted too, since a pack
-runs its attention as well.
+runs its attention as well. "seq kern ms" is the same kernel time of the K trials run one by
+one, and "kern x" = seq kern ms / (pack mm ms + attn ms): whether batching makes those kernels
+themselves any faster. Where it does not (kern x near 1), packing can only save the rest of
+the step.
 
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
         [--threads N] [--depth L]
@@ -38,8 +41,8 @@ import tempfile
 import torch
 from _timing import (
     bench_head_dim,
+    kernel_seconds_per_step,
     matmul_flops,
-    packed_kernel_seconds_per_step,
     time_sequential_and_packed,
 )
 
@@ -81,7 +84,7 @@ def main() -> None:
     print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
           f"{'packed trials/s':>15} {'ratio':>5} | {'trial':>6} {'packed':>7} {'mm':>5} "
           f"{'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} {'mm bound x':>10} "
-          f"{'attn ms':>7} {'+attn bound x':>13}")
+          f"{'attn ms':>7} {'+attn bound x':>13} | {'seq kern ms':>11} {'kern x':>7}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
         run_trial(grid(64, 1, 2, args.threads)[0], cache_dir=cache)  # data cache + warm-up
         for width in args.widths:
@@ -97,14 +100,17 @@ def main() -> None:
             trial = statistics.median(achieved(r) for r in seq)
             pack = sum(achieved(r) for r in packed)
             step = statistics.median(BATCH * SEQ_LEN / r.tokens_per_s for r in seq)
-            kernels = packed_kernel_seconds_per_step(specs, cache)
+            kernels = kernel_seconds_per_step(specs, cache, packed=True)
+            own = kernel_seconds_per_step(specs, cache, packed=False)  # the K trials' own
             mm_floor = kernels["matmul"]
             floor = mm_floor + kernels["attention"]
+            own_floor = own["matmul"] + own["attention"]
             print(f"{width:>5} {t_seq:>7.2f} {t_pack:>8.2f} {args.k / t_seq:>12.2f} "
                   f"{args.k / t_pack:>15.2f} {t_seq / t_pack:>5.2f} | {trial / 1e9:>6.1f} "
                   f"{pack / 1e9:>7.1f} {mm / 1e9:>5.0f} {bmm / 1e9:>5.0f} {bmm / trial:>5.2f} | "
                   f"{step * 1e3:>8.2f} {mm_floor * 1e3:>10.2f} {args.k * step / mm_floor:>10.2f} "
-                  f"{kernels['attention'] * 1e3:>7.2f} {args.k * step / floor:>13.2f}",
+                  f"{kernels['attention'] * 1e3:>7.2f} {args.k * step / floor:>13.2f} | "
+                  f"{own_floor * 1e3:>11.2f} {own_floor / floor:>7.2f}",
                   flush=True)
     print(f"1-min load after: {os.getloadavg()[0]:.1f}")
     print("ratio = packed trials/s over sequential (whole trials: set-up, training, "
@@ -117,7 +123,9 @@ def main() -> None:
           "could gain if nothing but its matmuls cost time; attn ms = the pack's time in "
           "attention kernels per step, +attn bound x = K x trial ms / (pack mm ms + attn "
           "ms): the same bound with attention's kernels, which no pack can skip, counted "
-          "too.")
+          f"too. seq kern ms = the {args.k} sequential trials' own time in matmuls and "
+          "attention kernels per step, together; kern x = seq kern ms / (pack mm ms + attn "
+          "ms): how much faster batching made those kernels (1.0: not at all).")
 
 
 if __name__ == "__main__":
