@@ -40,13 +40,33 @@ def time_sequential_and_packed(
 ) -> tuple[list[TrialResult], list[TrialResult], float, float]:
     """(sequential results, packed results, sequential s, packed s): every spec trained by
     its own `run_trial`, one after the other, then all of them by one `run_trials`."""
-    t = time.perf_counter()
-    seq = [run_trial(s, cache_dir=cache_dir) for s in specs]
-    t_seq = time.perf_counter() - t
-    t = time.perf_counter()
-    packed = run_trials(specs, cache_dir=cache_dir)
-    t_pack = time.perf_counter() - t
+    (seq, t_seq), (packed, t_pack) = _timed_sequential(specs, cache_dir), _timed_packed(
+        specs, cache_dir)
     return seq, packed, t_seq, t_pack
+
+
+def sequential_and_packed_rounds(
+    specs: Sequence[TrialSpec], cache_dir: str, rounds: int
+) -> tuple[list[TrialResult], list[TrialResult], list[float], list[float]]:
+    """time_sequential_and_packed `rounds` times, the two sides alternating (`alternating`):
+    the last round's results and each round's seconds, sequential then packed."""
+    got = alternating({"seq": lambda: _timed_sequential(specs, cache_dir),
+                       "pack": lambda: _timed_packed(specs, cache_dir)}, rounds)
+    return (got["seq"][-1][0], got["pack"][-1][0], [t for _, t in got["seq"]],
+            [t for _, t in got["pack"]])
+
+
+def _timed_sequential(specs: Sequence[TrialSpec], cache_dir: str
+                      ) -> tuple[list[TrialResult], float]:
+    t = time.perf_counter()
+    results = [run_trial(s, cache_dir=cache_dir) for s in specs]
+    return results, time.perf_counter() - t
+
+
+def _timed_packed(specs: Sequence[TrialSpec], cache_dir: str) -> tuple[list[TrialResult], float]:
+    t = time.perf_counter()
+    results = run_trials(specs, cache_dir=cache_dir)
+    return results, time.perf_counter() - t
 
 
 def step_stamps(spec: TrialSpec, cache_dir: str, between: Callable[[int], Any] | None = None

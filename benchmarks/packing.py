@@ -1,7 +1,9 @@
 """Trials/s of K packed trials (`run_trials`) against K sequential `run_trial` calls.
 
 Same specs (an LR grid of K members, one seed each), same thread budget, same process, one
-after the other per width; printed as the ratio packed/sequential. Each side trains every
+after the other per width, in --rounds rounds of alternating order (this host's speed drifts
+from minute to minute); printed as the ratio packed/sequential, its median over the rounds
+and its range. Each side trains every
 member to its budget with its evaluations, as a sweep would. Run under the heavy lock on a
 shared machine; a loaded machine makes both sides slower, the ratio less so.
 
@@ -28,7 +30,7 @@ themselves any faster. Where it does not (kern x near 1), packing can only save 
 the step.
 
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
-        [--threads N] [--depth L]
+        [--threads N] [--depth L] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from _timing import (
     bench_head_dim,
     kernel_seconds_per_step,
     matmul_flops,
-    time_sequential_and_packed,
+    sequential_and_packed_rounds,
 )
 
 from hptransfer.workers.trainer import run_trial
@@ -76,13 +78,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="sequential and packed runs per width, alternating")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs, "
           f"1-min load {load:.1f}; K={args.k}, {args.steps} steps, batch {BATCH} x seq "
           f"{SEQ_LEN}, depth {args.depth}")
     print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
-          f"{'packed trials/s':>15} {'ratio':>5} | {'trial':>6} {'packed':>7} {'mm':>5} "
+          f"{'packed trials/s':>15} {'ratio':>5} {'rounds':>9} | {'trial':>6} {'packed':>7} "
+          f"{'mm':>5} "
           f"{'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} {'mm bound x':>10} "
           f"{'attn ms':>7} {'+attn bound x':>13} | {'seq kern ms':>11} {'kern x':>7}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
@@ -92,7 +97,9 @@ def main() -> None:
             shape = (BATCH * SEQ_LEN, width, 4 * width)
             mm = matmul_flops(*shape, args.threads)
             bmm = matmul_flops(*shape, args.threads, batch=args.k)
-            seq, packed, t_seq, t_pack = time_sequential_and_packed(specs, cache)
+            seq, packed, seq_s, pack_s = sequential_and_packed_rounds(specs, cache, args.rounds)
+            t_seq, t_pack = statistics.median(seq_s), statistics.median(pack_s)
+            ratios = [s / p for s, p in zip(seq_s, pack_s, strict=True)]
             bad = [r.error for r in seq + packed if r.status == "failed"]
             if bad:
                 raise RuntimeError(bad[0])
@@ -106,15 +113,18 @@ def main() -> None:
             floor = mm_floor + kernels["attention"]
             own_floor = own["matmul"] + own["attention"]
             print(f"{width:>5} {t_seq:>7.2f} {t_pack:>8.2f} {args.k / t_seq:>12.2f} "
-                  f"{args.k / t_pack:>15.2f} {t_seq / t_pack:>5.2f} | {trial / 1e9:>6.1f} "
+                  f"{args.k / t_pack:>15.2f} {statistics.median(ratios):>5.2f} "
+                  f"{min(ratios):>4.2f}-{max(ratios):<4.2f} | {trial / 1e9:>6.1f} "
                   f"{pack / 1e9:>7.1f} {mm / 1e9:>5.0f} {bmm / 1e9:>5.0f} {bmm / trial:>5.2f} | "
                   f"{step * 1e3:>8.2f} {mm_floor * 1e3:>10.2f} {args.k * step / mm_floor:>10.2f} "
                   f"{kernels['attention'] * 1e3:>7.2f} {args.k * step / floor:>13.2f} | "
                   f"{own_floor * 1e3:>11.2f} {own_floor / floor:>7.2f}",
                   flush=True)
     print(f"1-min load after: {os.getloadavg()[0]:.1f}")
-    print("ratio = packed trials/s over sequential (whole trials: set-up, training, "
-          "evaluations). GFLOP/s (training loops only): trial = one sequential trial "
+    print(f"ratio = packed trials/s over sequential (whole trials: set-up, training, "
+          f"evaluations), the median over {args.rounds} rounds of the two run one after the "
+          "other, in alternating order; rounds = its lowest and highest; seq s, packed s = "
+          "median seconds. GFLOP/s (training loops only): trial = one sequential trial "
           "(median), packed = the pack's members together, mm / bmm = one fp32 matmul "
           f"(batch*seq) x width @ width x 4*width alone / {args.k} of them in one bmm; "
           "max x = bmm / trial: the most packing could speed up training on these threads. "
