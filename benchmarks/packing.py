@@ -27,7 +27,8 @@ the pack's time per step inside torch's attention kernels, timed the same way; "
 runs its attention as well. "seq kern ms" is the same kernel time of the K trials run one by
 one, and "kern x" = seq kern ms / (pack mm ms + attn ms): whether batching makes those kernels
 themselves any faster. Where it does not (kern x near 1), packing can only save the rest of
-the step.
+the step. Kernel times come from two short runs (4 and 12 steps) differenced, the pack's and
+the trials' alternating over the --rounds rounds, median per kind.
 
     .venv/bin/python benchmarks/packing.py [--k 8] [--widths 64 128 256] [--steps 60]
         [--threads N] [--depth L] [--rounds 3]
@@ -36,12 +37,14 @@ the step.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
 
 import torch
 from _timing import (
+    alternating,
     bench_head_dim,
     kernel_seconds_per_step,
     matmul_flops,
@@ -107,8 +110,12 @@ def main() -> None:
             trial = statistics.median(achieved(r) for r in seq)
             pack = sum(achieved(r) for r in packed)
             step = statistics.median(BATCH * SEQ_LEN / r.tokens_per_s for r in seq)
-            kernels = kernel_seconds_per_step(specs, cache, packed=True)
-            own = kernel_seconds_per_step(specs, cache, packed=False)  # the K trials' own
+            # the pack's kernel time and the K trials' own, alternating, median per kind
+            timed = alternating({side: functools.partial(kernel_seconds_per_step, specs, cache,
+                                                         packed=side == "pack")
+                                 for side in ("pack", "seq")}, args.rounds)
+            kernels, own = ({kind: statistics.median(r[kind] for r in timed[side])
+                             for kind in timed[side][0]} for side in ("pack", "seq"))
             mm_floor = kernels["matmul"]
             floor = mm_floor + kernels["attention"]
             own_floor = own["matmul"] + own["attention"]
