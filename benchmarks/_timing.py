@@ -40,8 +40,8 @@ def time_sequential_and_packed(
 ) -> tuple[list[TrialResult], list[TrialResult], float, float]:
     """(sequential results, packed results, sequential s, packed s): every spec trained by
     its own `run_trial`, one after the other, then all of them by one `run_trials`."""
-    (seq, t_seq), (packed, t_pack) = _timed_sequential(specs, cache_dir), _timed_packed(
-        specs, cache_dir)
+    seq, t_seq = _timed_sequential(specs, cache_dir)
+    packed, t_pack = _timed_packed(specs, cache_dir)
     return seq, packed, t_seq, t_pack
 
 

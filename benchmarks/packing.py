@@ -3,9 +3,9 @@
 Same specs (an LR grid of K members, one seed each), same thread budget, same process, one
 after the other per width, in --rounds rounds of alternating order (this host's speed drifts
 from minute to minute); printed as the ratio packed/sequential, its median over the rounds
-and its range. Each side trains every
-member to its budget with its evaluations, as a sweep would. Run under the heavy lock on a
-shared machine; a loaded machine makes both sides slower, the ratio less so.
+and its range. Each side trains every member to its budget with its evaluations, as a sweep
+would. Run under the heavy lock on a shared machine; a loaded machine makes both sides
+slower, the ratio less so.
 
 The ceiling, measured in the same run: packing can only help by running the same FLOPs at a
 higher rate. "trial GFLOP/s" is what one sequential trial achieves in its training loop
@@ -90,8 +90,8 @@ def main() -> None:
           f"{SEQ_LEN}, depth {args.depth}")
     print(f"{'width':>5} {'seq s':>7} {'packed s':>8} {'seq trials/s':>12} "
           f"{'packed trials/s':>15} {'ratio':>5} {'rounds':>9} | {'trial':>6} {'packed':>7} "
-          f"{'mm':>5} "
-          f"{'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} {'mm bound x':>10} "
+          f"{'mm':>5} {'bmm':>5} {'max x':>5} | {'trial ms':>8} {'pack mm ms':>10} "
+          f"{'mm bound x':>10} "
           f"{'attn ms':>7} {'+attn bound x':>13} | {'seq kern ms':>11} {'kern x':>7}")
     with tempfile.TemporaryDirectory(prefix="hpt-pack-") as cache:
         run_trial(grid(64, 1, 2, args.threads)[0], cache_dir=cache)  # data cache + warm-up
