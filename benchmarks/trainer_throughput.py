@@ -218,19 +218,19 @@ def measure(label: str, arch: str, param: str, width: int, depth: int,
             compile_s.append(first - statistics.median(times))
         return eager
 
+    # the peer at our shape: nanogpt_peer.peer_trainer's arguments
+    peer_shape = dict(width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
+                      base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN,
+                      threads=threads)
+
     def time_theirs() -> list[float]:
-        times = time_peer(
-            peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
-            base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, steps=steps - 1,
-            warmup=warmup, threads=threads)
+        times = time_peer(peer, data, steps=steps - 1, warmup=warmup, **peer_shape)
         peer_times.extend(times)
         return times
 
     def time_together() -> None:  # one round, the two sides step by step
-        peer_step = peer_trainer(
-            peer, data, width=width, depth=depth, head_dim=HEAD_DIM, base_width=BASE_WIDTH,
-            base_depth=BASE_DEPTH, lr=LR, batch=BATCH, seq_len=SEQ_LEN, threads=threads)
-        ours, theirs = time_interleaved(spec, peer_step, warmup, cache_dir)
+        ours, theirs = time_interleaved(spec, peer_trainer(peer, data, **peer_shape), warmup,
+                                        cache_dir)
         step_times.extend(ours)
         peer_times.extend(theirs)
         pairs = [t / o for o, t in zip(ours, theirs, strict=True)]

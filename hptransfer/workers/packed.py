@@ -160,8 +160,7 @@ class _Pack:
                                      device=device)
                    for key in ("lr", "weight_decay", "eps")}
         # groups whose weight decay is 0 for every member skip the decay's pass (x * 1.0 is x)
-        self.decays = [any(b.table.groups[g].weight_decay != 0 for b in built)
-                       for g in range(len(self.segments))]
+        self.decays = (self.hp["weight_decay"] != 0).any(dim=0).tolist()  # once, at set-up
         self.factors = torch.tensor(  # (steps, K): each member's own LR schedule
             [[m.plan.factor(step) for m in self.members] for step in range(self.plan.total_steps)],
             device=device,
