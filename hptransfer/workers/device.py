@@ -63,23 +63,20 @@ def peak_flops(device: torch.device) -> float | None:
 CPU_COMPILE_MIN_FLOPS = 3e13
 
 
-# A pack (workers/packed.py) on the CPU never compiles by default: compiled, its steady step
-# ran at 0.71x eager's speed at width 64 and 0.57x at 128 (K = 8, 2 threads; one trial alone:
-# 1.52x and 0.96x), benchmarks/packing_compile.py on a 2-core Xeon host, 2026-12-03.
-
-
-def compile_wanted(device: torch.device, work_flops: float | None = None,
-                   packed: bool = False) -> bool:
+def compile_wanted(device: torch.device, work_flops: float | None = None) -> bool:
     """torch.compile on CUDA by default; on the CPU when `work_flops` (the training run's
-    FLOPs) would repay it and the run is not a pack, where the eager kernels are otherwise
-    the reference: a sweep's short CPU trials stay eager. HPT_COMPILE=0 never compiles,
-    HPT_COMPILE=all always."""
+    FLOPs: a pack's are all its members') would repay it, where the eager kernels are
+    otherwise the reference: a sweep's short CPU trials and packs stay eager. A compiled pack
+    of 8 stepped 1.12-1.28x faster than an eager one at width 64 and 1.08-1.15x at 128 on the
+    CPU (benchmarks/packing_compile.py, 2 threads, 2026-12-03), a single trial 1.05-1.16x at
+    128-256, so the same threshold serves both. HPT_COMPILE=0 never compiles, HPT_COMPILE=all
+    always."""
     mode = compile_mode()
     if mode != "1":
         return mode == "all"
     if device.type == "cuda":
         return True
-    return not packed and (work_flops or 0.0) >= CPU_COMPILE_MIN_FLOPS
+    return (work_flops or 0.0) >= CPU_COMPILE_MIN_FLOPS
 
 
 class Compiled:
@@ -87,9 +84,9 @@ class Compiled:
     or the first compiled call fails; results are the same either way."""
 
     def __init__(self, fn: Callable, device: torch.device, notes: list[str], what: str,
-                 work_flops: float | None = None, packed: bool = False):
+                 work_flops: float | None = None):
         self.eager, self.notes, self.what = fn, notes, what
-        self.fn = torch.compile(fn) if compile_wanted(device, work_flops, packed) else fn
+        self.fn = torch.compile(fn) if compile_wanted(device, work_flops) else fn
         self.checked = self.fn is fn
         if not self.checked and device.type == "cpu":
             notes.append(f"the {what} runs under torch.compile on the CPU (HPT_COMPILE=0 keeps "
