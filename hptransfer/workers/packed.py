@@ -282,8 +282,9 @@ class _Pack:
 
     def _renormalise_traced(self) -> None:
         """nGPT's renormalisation for torch.compile: the whole buffer rebuilt in column order
-        and written back once (traced, a copy into each matrix's view became a pass over the
-        whole buffer per matrix: 1.3x eager's time at width 64, ad hoc)."""
+        and written back once. Traced, a copy into each matrix's view became a pass over the
+        whole buffer per matrix: the traced nGPT step took 13.6 ms against eager's 10.4 at width
+        64, 6.6 ms now (K = 8, 2 threads, ad hoc)."""
         pieces = []
         for n in self.names:  # the buffer's column order
             block = self._block(self.flat, n)
