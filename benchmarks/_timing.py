@@ -35,20 +35,11 @@ def bench_head_dim(width: int) -> int:
     return 32 if width % 32 == 0 else 8
 
 
-def time_sequential_and_packed(
-    specs: Sequence[TrialSpec], cache_dir: str
-) -> tuple[list[TrialResult], list[TrialResult], float, float]:
-    """(sequential results, packed results, sequential s, packed s): every spec trained by
-    its own `run_trial`, one after the other, then all of them by one `run_trials`."""
-    seq, t_seq = _timed_sequential(specs, cache_dir)
-    packed, t_pack = _timed_packed(specs, cache_dir)
-    return seq, packed, t_seq, t_pack
-
-
 def sequential_and_packed_rounds(
     specs: Sequence[TrialSpec], cache_dir: str, rounds: int
 ) -> tuple[list[TrialResult], list[TrialResult], list[float], list[float]]:
-    """time_sequential_and_packed `rounds` times, the two sides alternating (`alternating`):
+    """Every spec trained by its own `run_trial`, one after the other, and all of them by one
+    `run_trials`, `rounds` times, the two sides alternating (`alternating`; sequential first):
     the last round's results and each round's seconds, sequential then packed."""
     got = alternating({"seq": lambda: _timed_sequential(specs, cache_dir),
                        "pack": lambda: _timed_packed(specs, cache_dir)}, rounds)

@@ -26,7 +26,7 @@ import tempfile
 from typing import Any
 
 import torch
-from _timing import step_stamps, time_sequential_and_packed
+from _timing import sequential_and_packed_rounds, step_stamps
 
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
@@ -99,7 +99,7 @@ def main() -> None:
         torch._dynamo.reset()
         specs = [spec(pack_width, args.steps, args.device, batch, seq_len,
                       lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(args.k)]
-        seq, packed, t_seq, t_pack = time_sequential_and_packed(specs, cache)
+        seq, packed, [t_seq], [t_pack] = sequential_and_packed_rounds(specs, cache, 1)
         print(f"width {pack_width}, K={args.k}: sequential {t_seq:.1f} s, packed {t_pack:.1f} "
               f"s, ratio {t_seq / t_pack:.2f}; statuses "
               f"{sorted({TrialStatus(r.status).value for r in seq + packed})}")
