@@ -147,7 +147,7 @@ def alibi_bias(n_heads: int, t: int, device: torch.device, dtype: torch.dtype) -
 
 
 class _ReluSquared(torch.autograd.Function):
-    """relu(x)^2 with a two-pass backward (2 relu(x) * grad): autograd's pow + threshold
+    """relu(x)^2 with a one-pass backward (2 relu(x) * grad): autograd's pow + threshold
     backward of `F.relu(x).square()` is ~3x slower on the CPU, where it was a tenth of a
     width-128 training step. Same values; compiles on CUDA."""
 
@@ -161,13 +161,14 @@ class _ReluSquared(torch.autograd.Function):
         ctx.save_for_backward(output[1])
         ctx.mark_non_differentiable(output[1])
         ctx.set_materialize_grads(False)  # no zeros tensor for r's (absent) gradient
+        ctx.zero = output[1].new_zeros(())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None, _grad_r: None) -> torch.Tensor | None:  # noqa: ANN001
         if grad is None:  # not materialised: the squared output took no part in the loss
             return None
         (r,) = ctx.saved_tensors
-        return (grad * r).mul_(2.0)  # in place: no second large allocation
+        return _doubled_product(ctx.zero, grad, r)
 
 
 class _ReluSquaredInPlace(torch.autograd.Function):
@@ -186,6 +187,7 @@ class _ReluSquaredInPlace(torch.autograd.Function):
         ctx.mark_non_differentiable(r)
         ctx.save_for_backward(r)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for r, which has none
+        ctx.zero = r.new_zeros(())
         return r * r, r
 
     @staticmethod
@@ -193,7 +195,16 @@ class _ReluSquaredInPlace(torch.autograd.Function):
         if grad is None:
             return None
         (r,) = ctx.saved_tensors
-        return r.mul_(grad).mul_(2.0)  # r * grad is grad * r, and doubling is exact
+        return _doubled_product(ctx.zero, r, grad, out=r)  # r * grad is grad * r
+
+
+def _doubled_product(zero: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """2 * a * b in one pass over memory (a product, then doubling, took two): 0 + 2 a b with
+    a broadcast zero. Doubling is exact, so the values are those of (a * b) * 2; only the
+    sign of an exact zero can differ (+0 where a * b was -0). The relu² backward on
+    (8, 128, 1024), one thread on the Xeon host: 0.43 against 0.64 ms in place."""
+    return torch.addcmul(zero, a, b, value=2.0, out=out)
 
 
 def relu_squared(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
