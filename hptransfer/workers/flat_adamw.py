@@ -5,10 +5,13 @@ On the CPU, torch's foreach AdamW has no multi-tensor kernel: every `_foreach_*`
 the parameters in C++ (and `addcdiv_` with per-parameter step sizes makes a scalar tensor per
 parameter), so a model of a few hundred small tensors pays ~10 dispatches per tensor per step.
 Here each group's parameters are views into one contiguous buffer (as are their AdamW moments),
-the gradients are gathered into a matching buffer, and each op of foreach's sequence runs once
-per group on the whole buffer, with the same Python-float scalars. Elementwise ops compute
-each element on its own, so the result is foreach's to the bit
-(tests/test_flat_adamw.py): the trainer's numbers do not move, only its optimizer step time.
+and each op of foreach's sequence runs once per group on the whole buffer, with the same
+Python-float scalars. The two ops that read gradients stay foreach ops over the per-parameter
+gradients and moment views: gathering the gradients into one buffer first cost a copy of them
+all, which made the step 1.03-1.12x slower at every shape from 40 x 4 to 512 x 4 and no faster
+at 16 x 24 (ad hoc, the step alone, one thread, Xeon host, 2026-12-03). Elementwise ops compute
+each element on its own, so the result is foreach's to the bit (tests/test_flat_adamw.py):
+the trainer's numbers do not move, only its optimizer step time.
 
 `fused=True` (torch's one-kernel AdamW) would be faster still, but rounds differently, and
 packed trials (workers/packed.py) follow foreach's update; this keeps one numeric reference.
@@ -24,8 +27,8 @@ from torch import nn
 
 
 class _FlatGroup:
-    """One param group: its parameters re-pointed into one buffer, its AdamW moments and a
-    buffer for its gathered gradients."""
+    """One param group: its parameters re-pointed into one buffer, its AdamW moments (one
+    buffer each, with per-parameter views) and a scratch buffer for the step."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
@@ -40,9 +43,13 @@ class _FlatGroup:
             start += n
         self.exp_avg = torch.zeros_like(self.flat)
         self.exp_avg_sq = torch.zeros_like(self.flat)
-        # the gathered gradients; once the moments are updated, the denominator goes here too,
-        # so the step needs no more memory than foreach's (which allocates that temporary)
-        self.grad = torch.empty_like(self.flat)
+        sizes = [p.numel() for p in params]
+        self.exp_avg_views = [m.view_as(p) for m, p in
+                              zip(self.exp_avg.split(sizes), params, strict=True)]
+        self.exp_avg_sq_views = [m.view_as(p) for m, p in
+                                 zip(self.exp_avg_sq.split(sizes), params, strict=True)]
+        # the step's denominator, the temporary foreach allocates, kept from step to step
+        self.denom = torch.empty_like(self.flat)
         self.steps = 0
 
 
@@ -58,7 +65,7 @@ class FlatAdamW:
         self._flat = [_FlatGroup(list(g["params"])) for g in self.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop every gradient (always to None: the step gathers fresh ones)."""
+        """Drop every gradient (always to None: backward then hands over fresh ones)."""
         for group in self._flat:
             for p in group.params:
                 p.grad = None
@@ -71,7 +78,6 @@ class FlatAdamW:
             if any(grad is None for grad in grads):
                 raise RuntimeError(f"FlatAdamW: a parameter of group {g.get('name', '?')!r} "
                                    "has no gradient (use torch.optim.AdamW for such models)")
-            torch.cat([grad.reshape(-1) for grad in grads], out=flat.grad)
             flat.steps += 1
             lr, wd, eps = g["lr"], g["weight_decay"], g["eps"]
             # the scalars exactly as torch.optim.adam._multi_tensor_adam computes them
@@ -80,10 +86,10 @@ class FlatAdamW:
             step_size = (lr / bias_correction1) * -1
             if wd != 0:
                 flat.flat.mul_(1 - lr * wd)
-            flat.exp_avg.lerp_(flat.grad, 1 - beta1)
+            torch._foreach_lerp_(flat.exp_avg_views, grads, 1 - beta1)
             flat.exp_avg_sq.mul_(beta2)
-            flat.exp_avg_sq.addcmul_(flat.grad, flat.grad, value=1 - beta2)
-            denom = torch.sqrt(flat.exp_avg_sq, out=flat.grad)  # the gradients are spent
+            torch._foreach_addcmul_(flat.exp_avg_sq_views, grads, grads, value=1 - beta2)
+            denom = torch.sqrt(flat.exp_avg_sq, out=flat.denom)
             denom.div_(bias_correction2**0.5)
             denom.add_(eps)
             flat.flat.addcdiv_(flat.exp_avg, denom, value=step_size)
