@@ -1,7 +1,7 @@
 """The CPU optimizer step: the trainer's FlatAdamW against torch.optim.AdamW(foreach=True),
 whose arithmetic it repeats to the bit (tests/test_flat_adamw.py).
 
-1. The step alone (gradient gather included) on a model of each shape with random
+1. The step alone on a model of each shape with random
    gradients: ms per step, "x" = foreach / flat (> 1: FlatAdamW is faster).
 2. `run_trial` at the same shapes (batch 16 x seq 64), the trainer with FlatAdamW against the
    trainer with foreach AdamW swapped in: ms per training step and the same ratio.
