@@ -296,6 +296,54 @@ def test_rotary_complex_and_real_paths_agree_to_the_bit():
     assert torch.equal(y_complex, y_real) and torch.equal(g_complex, g_real)
 
 
+@pytest.mark.parametrize("members", [None, 3])
+def test_turn_qk_in_place_gives_the_same_bits_and_guards_its_buffer(members):
+    """Rotary.turn_qk on a fresh q/k/v matmul output (a single model's, or a pack's batched
+    one viewed per member) turns q and k in that output's memory; q, k, v and the gradients
+    of the input and weight equal those of turning q and k out of place, to the bit, and v
+    is left as it was. Had an op saved that output for its backward, autograd raises instead
+    of using the turned values; a view of part of a tensor is turned out of place, its base
+    left alone."""
+    from hptransfer.models.layers import Rotary
+
+    rot, t, heads, d = Rotary(16, 32), 12, 3, 16
+    lead = (2,) if members is None else (members, 2)
+    x = torch.randn(*lead, t, 8)
+    w = torch.randn(*lead[:-1], 8, 3 * heads * d, requires_grad=True)
+    grads = [torch.randn(*lead, t, heads, d) for _ in range(3)]
+
+    def qkv_of(x, w):  # the matmul's own output, then the (..., T, 3, heads, d) view
+        flat = (x @ w) if members is None else torch.bmm(x.flatten(1, 2), w)
+        return flat, flat.view(*lead, t, 3, heads, d)
+
+    flat, qkv = qkv_of(x, w)
+    before = qkv.detach().clone()
+    q, k, v = rot.turn_qk(qkv)
+    assert q.data_ptr() == flat.data_ptr()  # turned in the matmul output's memory
+    assert torch.equal(flat.view_as(before)[..., :2, :, :], torch.stack((q, k), dim=-3))
+    grad_w = torch.autograd.grad((q, k, v), w, grads, retain_graph=True)[0]
+    # nothing saved the overwritten output, so a second backward gives the same gradient
+    assert torch.equal(torch.autograd.grad((q, k, v), w, grads)[0], grad_w)
+    # had an op saved it before the turn, autograd refuses rather than use the turned values
+    saved_flat, saved_qkv = qkv_of(x, w)
+    reads_it = saved_flat.sin()
+    q2, _, _ = rot.turn_qk(saved_qkv)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(reads_it.sum() + q2.sum(), w)
+    _, fresh = qkv_of(x, w)
+    qk_ref, v_ref = fresh.split((2, 1), dim=-3)
+    (q_ref, k_ref), v_ref = rot(qk_ref, seq_dim=-4).unbind(-3), v_ref.squeeze(-3)
+    grad_w_ref = torch.autograd.grad((q_ref, k_ref, v_ref), w, grads)[0]
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert torch.equal(v, before[..., 2, :, :])
+    assert torch.equal(grad_w, grad_w_ref)
+
+    part = torch.randn(4, t, 3, heads, d)
+    kept = part.clone()
+    q, k, v = rot.turn_qk(part[:2])
+    assert torch.equal(part, kept) and torch.equal(q, rot(kept[:2, :, :2], seq_dim=-4)[:, :, 0])
+
+
 @pytest.mark.parametrize("n_heads", [1, 3, 5, 8, 12])
 def test_alibi_bias_is_the_press_et_al_table_to_the_bit(n_heads):
     """ALiBi's (heads, T, T) bias against the formula, element by element in Python:

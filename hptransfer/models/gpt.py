@@ -48,8 +48,7 @@ class Attention(nn.Module):
         *lead, t, n = x.shape  # lead: (batch,), or (members, batch) in a pack
         qkv = fused_qkv(x, self.q, self.k, self.v, self.n_heads)
         if self.position == "rope":
-            qk, v = qkv.split((2, 1), dim=-3)  # split/unbind: no zero-filled slice gradients
-            (q, k), v = rotary(qk, seq_dim=-4).unbind(-3), v.squeeze(-3)
+            q, k, v = rotary.turn_qk(qkv)
         else:
             q, k, v = qkv.unbind(-3)
         if self.ve_lambdas is not None and ve is not None:
