@@ -118,8 +118,8 @@ class Rotary(torch.nn.Module):
         qkv must be a Linear's fresh output that nothing else reads: where it can, the turn
         overwrites it (see _TurnQKInPlace). Elsewhere (traced, bf16, odd strides) q and k
         are turned into a new tensor. Both give the same bits (tests/test_models.py)."""
-        # the complex check first: it says no while tracing, where whole_base would break
-        if _complex_view_fits(qkv) and (base := whole_base(qkv)) is not None:
+        # the complex check first: it says no while tracing, where _whole_base would break
+        if _complex_view_fits(qkv) and (base := _whole_base(qkv)) is not None:
             t = qkv.shape[-4]
             turns = self.turns[:t].view(t, 1, 1, qkv.shape[-1] // 2)
             return _TurnQKInPlace.apply(base, turns, qkv.shape).view(qkv.shape).unbind(-3)
@@ -161,7 +161,7 @@ def _qk_pairs(base: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return torch.view_as_complex(pairs.narrow(-4, 0, 2))
 
 
-def whole_base(x: torch.Tensor) -> torch.Tensor | None:
+def _whole_base(x: torch.Tensor) -> torch.Tensor | None:
     """The tensor x's memory belongs to, when x covers all of it in its own order: x itself
     when it is no view, or the base of a reshaped view of a whole tensor (a pack's batched
     matmul viewed per member). None otherwise. An op in place on that tensor changes x and
@@ -271,7 +271,7 @@ def _doubled_product(zero: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 def relu_squared(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """relu(x)^2; `in_place`: x may be overwritten (nothing else reads it). A traced graph
     takes the out-of-place version (torch.compile fuses the ops anyway)."""
-    base = whole_base(x) if in_place and not torch.compiler.is_compiling() else None
+    base = _whole_base(x) if in_place and not torch.compiler.is_compiling() else None
     if base is None:
         return _ReluSquared.apply(x)[0]
     return _ReluSquaredInPlace.apply(base)[0].view(x.shape)
