@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sqlite3
 import subprocess
 from pathlib import Path
 
+import optuna
 import pytest
 import ray
+from sqlalchemy.exc import OperationalError
 from waiting import run_sweep, wait_for
 
 from hptransfer.config import get_settings
+from hptransfer.status import ACTIVE
+from hptransfer.sweeper.db.store import Store
 from hptransfer.sweeper.plan import plan_sweep
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import load_spec
@@ -101,6 +106,83 @@ def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
     assert sum("dispatch failing" in m for m in lines) == 1, lines
     assert sum("dispatch recovered" in m for m in lines) == 1, lines
     assert len(lines) == 2, lines
+
+
+def test_a_connection_opened_while_the_database_was_unwritable_is_not_kept(
+        tmp_path, tiny_spec):
+    """SQLite opens a connection read-only for good when its files are unwritable at the time
+    (a full disk, a read-only remount, `chattr +i` here): after the outage every write on it
+    still fails "attempt to write a readonly database". Such a connection is dropped from the
+    pool on that error, so the first write after the outage succeeds on a fresh one."""
+    if not immutable_supported(tmp_path):
+        pytest.skip("needs chattr +i (root on ext4/xfs) to make the database unwritable")
+    db = tmp_path / "app.db"
+    store = Store(f"sqlite:///{db}")
+    store.migrate()
+    spec = load_spec(tiny_spec)
+    sweep_id = store.create_sweep(name="outage", spec=spec.model_dump(mode="json"),
+                                  spec_hash="x", search="grid", planned=plan_sweep(spec),
+                                  reuse=False, max_concurrent=2)
+    keeper = sqlite3.connect(db)  # holds the write-ahead log open, as a busy server would
+    keeper.execute("SELECT count(*) FROM sweeps").fetchone()
+    store.engine.dispose()  # the next write opens its connection during the outage
+    files = [db, tmp_path / "app.db-wal"]
+    assert chattr("+i", files)
+    try:
+        with pytest.raises(OperationalError, match="readonly database"):
+            store.set_sweep_status(sweep_id, "running")
+    finally:
+        assert chattr("-i", files)
+    store.set_sweep_status(sweep_id, "running")
+    store.set_sweep_status(sweep_id, "cancelled")
+    assert store.get_sweep(sweep_id).status == "cancelled"
+    store.close()
+    keeper.close()
+
+
+def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """Once a trial's result is stored, its Optuna tell and its sweep's status update are
+    still to write; when those writes fail (a database outage that outlasts the result's own
+    write), a later tick writes them. They used to leave with the trial's in-flight entry: the
+    last trial's failed refresh left its sweep 'running' forever with every trial done, and a
+    failed tell left the Optuna trial running, its result unheard."""
+    tiny_spec.update(name="owed", max_concurrent=1, reuse=False,
+                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3})
+    settings = get_settings()
+    coordinator = Coordinator(settings)
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    outage = OperationalError("UPDATE sweeps", {}, Exception("disk I/O error"))
+    failures = {"tell": 0, "refresh": 0}
+    real_tell, real_refresh = dispatcher.optuna.tell, store.refresh_sweep_status
+
+    def flaky_tell(*args, **kwargs):  # the first tell of each trial fails
+        failures["tell"] += 1
+        if failures["tell"] % 2:
+            raise outage
+        return real_tell(*args, **kwargs)
+
+    def flaky_refresh(sweep_id: str) -> str:  # fails twice once the last trial is stored
+        if not store.count_trials(sweep_id, status=list(ACTIVE)) and failures["refresh"] < 2:
+            failures["refresh"] += 1
+            raise outage
+        return real_refresh(sweep_id)
+
+    monkeypatch.setattr(dispatcher.optuna, "tell", flaky_tell)
+    monkeypatch.setattr(store, "refresh_sweep_status", flaky_refresh)
+    sweep_id = run_sweep(coordinator, tiny_spec, 180)
+    assert failures == {"tell": 6, "refresh": 2} and not dispatcher.owed
+    rows = store.trials(sweep_id, limit=None)
+    assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
+    # every result reached its study, once
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    told = {t.number: t for t in optuna.load_study(
+        study_name=name, storage=settings.optuna_url).get_trials(deepcopy=False)}
+    assert sorted(told) == sorted(r.optuna_trial_number for r in rows)
+    for row in rows:
+        frozen = told[row.optuna_trial_number]
+        assert frozen.state == optuna.trial.TrialState.COMPLETE
+        assert frozen.value == pytest.approx(row.final_val_loss, rel=1e-12)
 
 
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(

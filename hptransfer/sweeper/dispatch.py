@@ -86,6 +86,17 @@ class InFlight:
     member: int | None = None  # index in its pack's results; None: the task ran it alone
 
 
+@dataclass
+class Owed:
+    """What a trial's stored outcome still owes: its Optuna tell and its sweep's status.
+    Kept until written, so a write that fails (the loop backs off) is retried next tick
+    rather than lost with the in-flight entry the outcome has already left."""
+    trial: TrialRecord
+    status: str
+    result: dict | None
+    tell: bool  # the trial's Optuna study has yet to hear its outcome
+
+
 def init_ray(settings: Settings) -> None:
     """Join RAY_ADDRESS when set, else start an in-process local cluster.
 
@@ -149,6 +160,7 @@ class Dispatcher:
         self.owner = owner or f"coord-{uuid.uuid4().hex[:10]}"
         self.poll_interval = poll_interval
         self.in_flight: dict[str, InFlight] = {}
+        self.owed: dict[str, Owed] = {}  # trial id -> follow-ups of its stored outcome
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
@@ -224,6 +236,7 @@ class Dispatcher:
     def run_once(self) -> bool:
         self._cancel_cancelled()
         self._relay_progress()
+        self._settle_owed()
         collected = self._collect()
         started = self._fill()
         return bool(collected or started)
@@ -322,15 +335,27 @@ class Dispatcher:
             self.store.finish_trial(trial_id, status, out.result, out.error, node)
         del self.in_flight[trial_id]  # durably written: the slot is free
         self._board.forget.remote(trial_id)
+        self.optuna.forget(trial_id)  # no longer live: nothing left to prune
         self._wake_mirror()
+        tell = f.trial.optuna_trial_number is not None and status != "pending"
+        self.owed[trial_id] = Owed(f.trial, status, out.result, tell)
+        self._settle(trial_id)
+
+    def _settle_owed(self) -> None:
+        """Retry the follow-ups a failed write left owing (see Owed)."""
+        for trial_id in list(self.owed):
+            self._settle(trial_id)
+
+    def _settle(self, trial_id: str) -> None:
+        owed = self.owed[trial_id]
         try:
-            if f.trial.optuna_trial_number is not None and status != "pending":
-                self._tell_optuna(f.trial, status, out.result)
-            self._refresh(f.trial.sweep_id)
+            if owed.tell:
+                self._tell_optuna(owed.trial, owed.status, owed.result)
+                owed.tell = False  # told: a retry of the refresh must not tell twice
+            self._refresh(owed.trial.sweep_id)
         except BadSweep:
             pass  # marked failed: nothing more to do for its trials
-        finally:
-            self.optuna.forget(trial_id)
+        del self.owed[trial_id]
 
     def _refresh(self, sweep_id: str) -> None:
         sweep = self.store.get_sweep(sweep_id)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import functools
 import json
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, event
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.pool import StaticPool
 
 from hptransfer.analysis.serialize import json_safe
@@ -78,12 +79,29 @@ def make_engine(url: str | URL, echo: bool = False) -> Engine:
         finally:
             cursor.close()
 
+    @event.listens_for(engine, "handle_error")
+    def _drop_read_only_connection(context: ExceptionContext) -> None:
+        # SQLite opens a connection read-only for good when the database's files cannot be
+        # written at that moment (full disk, read-only remount); once they can, the pool
+        # would still hand it out. Treated as a disconnect, it is discarded with the pool's
+        # other connections (those may date from the outage too) and reopened on next use.
+        if _is_read_only(context.original_exception):
+            context.is_disconnect = True
+
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         immediate = conn.get_execution_options().get(_IMMEDIATE, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def _is_read_only(exc: BaseException) -> bool:
+    """SQLite's "attempt to write a readonly database" (SQLITE_READONLY and its variants)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF == sqlite3.SQLITE_READONLY
+    return isinstance(exc, sqlite3.OperationalError) and "readonly database" in str(exc)
 
 
 def for_writing(engine: Engine) -> Engine:
