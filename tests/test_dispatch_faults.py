@@ -185,6 +185,29 @@ def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
         assert frozen.value == pytest.approx(row.final_val_loss, rel=1e-12)
 
 
+def test_a_restart_completes_a_sweep_whose_last_refresh_died_with_its_coordinator(
+        hpt_home, ray_cluster, tiny_spec):
+    """Every trial stored, the sweep not yet refreshed, the coordinator gone (`owed` lives in
+    its memory): the next coordinator's start completes the sweep. An Optuna sweep with
+    trials still to ask stays active."""
+    settings = get_settings()
+    dead = Coordinator(settings)
+    grid_id = dead.submit(dict(tiny_spec, name="settled"))["id"]
+    optuna_id = dead.submit(dict(tiny_spec, name="asking", search={
+        "method": "optuna", "sampler": "tpe", "n_trials": 3}))["id"]
+    for trial in dead.store.lease_pending("dead-coordinator", 10, sweep_id=grid_id):
+        assert dead.store.finish_trial(trial.id, "completed", None, None, None)
+    dead.store.set_sweep_status(grid_id, "running")
+    assert dead.store.count_trials(grid_id, status="completed") == 3
+    coordinator = Coordinator(settings)
+    coordinator.start(background=False)
+    try:
+        assert coordinator.store.get_sweep(grid_id).status == "completed"
+        assert coordinator.store.get_sweep(optuna_id).status in ("pending", "running")
+    finally:
+        coordinator.stop()
+
+
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
         hpt_home, ray_cluster, tiny_spec):
     coordinator = Coordinator(get_settings())

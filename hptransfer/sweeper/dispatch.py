@@ -187,11 +187,24 @@ class Dispatcher:
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
+        self._refresh_settled_sweeps()
         if self.mirror:
             self.mirror.wake()
         if background:
             self._thread = threading.Thread(target=self._loop, name="hpt-dispatch", daemon=True)
             self._thread.start()
+
+    def _refresh_settled_sweeps(self) -> None:
+        """A coordinator that died between storing a sweep's last result and refreshing the
+        sweep (what `owed` held is gone with it) left the sweep active with no trial to run:
+        on start, each active sweep without pending or running trials is refreshed once."""
+        for sweep in self.store.active_sweeps():
+            if self.store.count_trials(sweep.id, status=list(ACTIVE)):
+                continue
+            try:
+                self._refresh(sweep.id)  # an Optuna search or a study with more to do waits
+            except BadSweep:
+                pass  # marked failed
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
