@@ -351,8 +351,12 @@ class Dispatcher:
         self.optuna.forget(trial_id)  # no longer live: nothing left to prune
         self._wake_mirror()
         tell = f.trial.optuna_trial_number is not None and status != "pending"
-        self.owed[trial_id] = Owed(f.trial, status, out.result, tell)
-        self._settle(trial_id)
+        self._owe(f.trial, status, out.result, tell)
+
+    def _owe(self, trial: TrialRecord, status: str, result: dict | None, tell: bool) -> None:
+        """Record what a stored outcome still owes (see Owed) and try to write it now."""
+        self.owed[trial.id] = Owed(trial, status, result, tell)
+        self._settle(trial.id)
 
     def _settle_owed(self) -> None:
         """Retry the follow-ups a failed write left owing (see Owed)."""
@@ -531,9 +535,8 @@ class Dispatcher:
         added = self.store.get_trial(trial_id)
         if added is not None and added.status != "pending":
             # reused from an identical earlier trial: it never runs, so tell it now
-            self._tell_optuna(added, added.status, added.result)
             self.optuna.forget(trial_id)
-            self._refresh(sweep_id)
+            self._owe(added, added.status, added.result, tell=True)
 
     def _optuna_left(self, sweep_id: str, spec: SweepSpec) -> int:
         """Trials the Optuna studies still have to ask (never negative: a study's later
