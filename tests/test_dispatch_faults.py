@@ -208,6 +208,48 @@ def test_a_restart_completes_a_sweep_whose_last_refresh_died_with_its_coordinato
         coordinator.stop()
 
 
+def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tell(
+        hpt_home, ray_cluster, tiny_spec):
+    """A coordinator killed between storing a trial's result and telling Optuna, or between
+    asking Optuna and adding the trial's row, left those Optuna trials RUNNING: the sampler
+    never heard the value and the bracketing waited on them. The next coordinator's start
+    tells each its stored outcome (FAIL when no row has it) and leaves unfinished ones open."""
+    settings = get_settings()
+    dead = Coordinator(settings)
+    sweep_id = dead.submit(dict(tiny_spec, name="untold", search={
+        "method": "optuna", "sampler": "tpe", "n_trials": 6}))["id"]
+    sweep = dead.store.get_sweep(sweep_id)
+    spec = load_spec(sweep.spec)
+    dead.dispatcher._ask_optuna(sweep, spec, free=1)  # the first batch: rows + RUNNING trials
+    asked = dead.store.trials(sweep_id, limit=None)
+    assert len(asked) >= 3
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
+    phantom = study.ask().number  # asked, then killed before its row was added
+    leased = {t.id: t for t in dead.store.lease_pending("dead", 2, sweep_id=sweep_id)}
+    done, diverged = list(leased)
+    assert dead.store.finish_trial(done, "completed", {"status": "completed",
+                                                       "final_val_loss": 3.25}, None, None)
+    assert dead.store.finish_trial(diverged, "diverged", {"status": "diverged"}, None, None)
+    coordinator = Coordinator(settings)
+    coordinator.start(background=False)
+    try:
+        states = {t.number: t for t in optuna.load_study(
+            study_name=name, storage=settings.optuna_url).get_trials(deepcopy=False)}
+        number = {tid: leased[tid].optuna_trial_number for tid in leased}
+        assert states[number[done]].state == optuna.trial.TrialState.COMPLETE
+        assert states[number[done]].value == 3.25
+        assert states[number[diverged]].state == optuna.trial.TrialState.COMPLETE
+        assert states[number[diverged]].user_attrs.get("hpt_diverged") is True
+        assert states[phantom].state == optuna.trial.TrialState.FAIL
+        untouched = [t for t in asked if t.id not in leased]
+        assert untouched and all(  # not finished: told when they are
+            states[t.optuna_trial_number].state == optuna.trial.TrialState.RUNNING
+            for t in untouched)
+    finally:
+        coordinator.stop()
+
+
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
         hpt_home, ray_cluster, tiny_spec):
     coordinator = Coordinator(get_settings())

@@ -187,6 +187,7 @@ class Dispatcher:
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
+        self._tell_untold()
         self._refresh_settled_sweeps()
         if self.mirror:
             self.mirror.wake()
@@ -205,6 +206,35 @@ class Dispatcher:
                 self._refresh(sweep.id)  # an Optuna search or a study with more to do waits
             except BadSweep:
                 pass  # marked failed
+
+    def _tell_untold(self) -> None:
+        """A coordinator that died between storing a result and telling Optuna (or between
+        asking Optuna and adding the trial's row) left the Optuna trial RUNNING for good: the
+        sampler would never learn its value and the bracketing would wait on it. On start,
+        every such trial of an active Optuna sweep is told its stored outcome, or FAIL when
+        no row has its number. Trials still pending or running are told when they finish."""
+        studies = set(optuna.get_all_study_names(self.optuna.storage))
+        for sweep in self.store.active_sweeps():
+            try:
+                spec = self._spec(sweep)
+            except BadSweep:
+                continue
+            if spec.search.method != "optuna":
+                continue
+            rows: dict[tuple[ShapeKey, int], TrialRecord] = {
+                (_shape_of(t), t.optuna_trial_number): t
+                for t in self.store.trials(sweep.id, limit=None)
+                if t.optuna_trial_number is not None}
+            for shape in plan_shapes(spec):
+                if self._study_name(sweep.id, shape) not in studies:
+                    continue  # nothing asked yet
+                study = self._study(sweep.id, spec, shape)
+                for number in self.optuna.running_numbers(study):
+                    row = rows.get((shape, number))
+                    if row is None:
+                        self.optuna.tell(study, number, TrialStatus.FAILED, None, 0)
+                    elif row.status not in ACTIVE:
+                        self._tell_optuna(row, row.status, row.result)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -547,13 +577,17 @@ class Dispatcher:
     def _tell_optuna(self, trial: TrialRecord, status: str, result: dict | None) -> None:
         sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
-        shape = ShapeKey(trial.arm, trial.width, trial.depth, trial.sigma_base, trial.seed)
-        study = self._study(sweep.id, spec, shape)
+        study = self._study(sweep.id, spec, _shape_of(trial))
         value = (result or {}).get("final_val_loss")
         vocab = 256
         if result and result.get("param_table"):
             vocab = trial.spec.get("data", {}).get("vocab_size") or 256
         self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
+
+
+def _shape_of(trial: TrialRecord) -> ShapeKey:
+    """The shape (and so the Optuna study) a trial belongs to."""
+    return ShapeKey(trial.arm, trial.width, trial.depth, trial.sigma_base, trial.seed)
 
 
 def _tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:

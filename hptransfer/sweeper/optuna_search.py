@@ -311,6 +311,12 @@ class OptunaSearch:
         return False
 
     @staticmethod
+    def running_numbers(study: optuna.Study) -> list[int]:
+        """The numbers of the study's asked trials that have not been told."""
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return [t.number for t in running]
+
+    @staticmethod
     def full_budget_count(study: optuna.Study) -> int:
         """Trials of the study that completed their budget without diverging."""
         done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
