@@ -20,7 +20,8 @@ from waiting import run_sweep, wait_for
 from hptransfer.config import get_settings
 from hptransfer.status import ACTIVE
 from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.plan import plan_sweep
+from hptransfer.sweeper.optuna_search import first_batch
+from hptransfer.sweeper.plan import plan_shapes, plan_sweep
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import load_spec
 
@@ -213,7 +214,8 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
     """A coordinator killed between storing a trial's result and telling Optuna, or between
     asking Optuna and adding the trial's row, left those Optuna trials RUNNING: the sampler
     never heard the value and the bracketing waited on them. The next coordinator's start
-    tells each its stored outcome (FAIL when no row has it) and leaves unfinished ones open."""
+    tells each its stored outcome, retracts one without a row (FAIL, its LR enqueued again)
+    and leaves unfinished ones open."""
     settings = get_settings()
     dead = Coordinator(settings)
     sweep_id = dead.submit(dict(tiny_spec, name="untold", search={
@@ -224,8 +226,9 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
     asked = dead.store.trials(sweep_id, limit=None)
     assert len(asked) >= 3
     (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
-    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
-    phantom = study.ask().number  # asked, then killed before its row was added
+    # asked, then killed before its row was added
+    phantom, phantom_lr = dead.dispatcher.optuna.ask(
+        dead.dispatcher.optuna._studies[name], *spec.grid.lr_bounds())
     leased = {t.id: t for t in dead.store.lease_pending("dead", 2, sweep_id=sweep_id)}
     done, diverged = list(leased)
     assert dead.store.finish_trial(done, "completed", {"status": "completed",
@@ -242,12 +245,63 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
         assert states[number[diverged]].state == optuna.trial.TrialState.COMPLETE
         assert states[number[diverged]].user_attrs.get("hpt_diverged") is True
         assert states[phantom].state == optuna.trial.TrialState.FAIL
+        # retracted: its LR is asked again by the next ask
+        assert [t.system_attrs["fixed_params"]["lr"] for t in states.values()
+                if t.state == optuna.trial.TrialState.WAITING] == [phantom_lr]
         untouched = [t for t in asked if t.id not in leased]
         assert untouched and all(  # not finished: told when they are
             states[t.optuna_trial_number].state == optuna.trial.TrialState.RUNNING
             for t in untouched)
     finally:
         coordinator.stop()
+
+
+def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """Optuna asked, then the app database refused the trial's row (an outage): the asked
+    Optuna trial is told FAIL and its LR (here one of the first batch) is enqueued again, so
+    no phantom stays RUNNING and the study's plan loses no LR. When Optuna's storage fails
+    too at that moment, a later tick retracts it."""
+    tiny_spec.update(name="unadded", max_concurrent=1, reuse=False,
+                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3})
+    settings = get_settings()
+    coordinator = Coordinator(settings)
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    outage = OperationalError("INSERT INTO trials", {}, Exception("disk I/O error"))
+    failed = {"add": 0, "retract": 0}
+    real_add, real_retract = store.add_trial, dispatcher.optuna.retract
+
+    def flaky_add(*args, **kwargs):  # the second trial's row fails once
+        if store.count_trials(args[0]) == 1 and not failed["add"]:
+            failed["add"] += 1
+            raise outage
+        return real_add(*args, **kwargs)
+
+    def flaky_retract(*args, **kwargs):  # and Optuna's storage fails the first retraction
+        if not failed["retract"]:
+            failed["retract"] += 1
+            raise outage
+        return real_retract(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add_trial", flaky_add)
+    monkeypatch.setattr(dispatcher.optuna, "retract", flaky_retract)
+    sweep_id = run_sweep(coordinator, tiny_spec, 180)
+    assert failed == {"add": 1, "retract": 1} and not dispatcher.unadded
+    rows = store.trials(sweep_id, limit=None)
+    assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    trials = optuna.load_study(study_name=name, storage=settings.optuna_url).get_trials(
+        deepcopy=False)
+    states = {t.number: t.state for t in trials}
+    (retracted,) = [t for t in trials if t.number not in {r.optuna_trial_number for r in rows}]
+    assert retracted.state == optuna.trial.TrialState.FAIL
+    assert all(states[r.optuna_trial_number] == optuna.trial.TrialState.COMPLETE for r in rows)
+    # the three LRs trained are the first batch's three, the retracted one among them
+    spec = load_spec(store.get_sweep(sweep_id).spec)
+    (shape,) = plan_shapes(spec)
+    planned = first_batch(dispatcher._study_name("", shape), *spec.grid.lr_bounds(), 3)
+    assert sorted(r.lr for r in rows) == pytest.approx(sorted(planned), rel=1e-12)
+    assert retracted.params["lr"] in planned
 
 
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(

@@ -27,6 +27,7 @@ from hptransfer.client import Client
 from hptransfer.config import get_settings
 from hptransfer.sweeper.optuna_search import (
     BRACKET_ATTR,
+    REFINED_ATTR,
     OptunaSearch,
     Seen,
     bracket,
@@ -399,6 +400,40 @@ def test_the_best_lr_is_bracketed_by_full_runs_before_the_sampler_proposes(tmp_p
     assert number not in study.user_attrs[BRACKET_ATTR]
     search.bind("t6", study, number, spec)
     assert search.should_prune("t6", 50, 9.0)
+
+
+def test_a_trial_is_told_once_and_a_retracted_one_keeps_its_lr_and_protection(tmp_path):
+    """A second tell (a restart's catch-up told it already) changes nothing and raises
+    nothing. A retracted trial (asked, its row never added) is FAIL, and its LR is asked next,
+    still protected from pruning when it was a refinement's."""
+    spec = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
+                     batch_size=4, seq_len=16, budget=Budget(steps=100))
+    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
+    config = Search(method="optuna", n_trials=8, n_startup=3, pruner="rank", keep_top=1)
+    low, high = 1e-4, 1e-1
+    study = search.study("once", config, "shape", low, high)
+    values = [3.0, 3.1, 3.2]
+    for value in values:
+        number, _ = search.ask(study, low, high)
+        search.tell(study, number, "completed", value, 256)
+        search.tell(study, number, "completed", 9.9, 256)  # again: ignored
+        search.tell(study, number, "diverged", None, 256)  # and again, otherwise: ignored
+    done = study.get_trials(deepcopy=False)
+    assert [t.value for t in done] == values
+    assert not any(t.user_attrs.get("hpt_diverged") for t in done)
+
+    number, lr = search.ask(study, low, high)  # the refinement's first LR
+    assert number in study.user_attrs[REFINED_ATTR]
+    search.retract(study, number)
+    search.retract(study, number)  # twice: nothing more
+    assert study.get_trials(deepcopy=False)[number].state == optuna.trial.TrialState.FAIL
+    second, _ = search.ask(study, low, high)  # the refinement's second LR, enqueued earlier
+    assert second == number + 1
+    again, lr_again = search.ask(study, low, high)
+    assert (again, lr_again) == (number + 2, lr)
+    assert again in study.user_attrs[REFINED_ATTR]
+    search.bind("t", study, again, spec)
+    assert not search.should_prune("t", 50, 99.0)  # protected: never pruned
 
 
 def test_bracket_covers_both_sides_and_respects_the_range():

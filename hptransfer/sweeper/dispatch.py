@@ -19,6 +19,7 @@ so its outcome is stored, retried, cancelled and told to Optuna exactly as a lon
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -161,6 +162,9 @@ class Dispatcher:
         self.poll_interval = poll_interval
         self.in_flight: dict[str, InFlight] = {}
         self.owed: dict[str, Owed] = {}  # trial id -> follow-ups of its stored outcome
+        # Optuna trials asked whose row could not be added: retracted (optuna.retract) once
+        # Optuna's storage takes it, so no phantom stays RUNNING and its LR is asked again
+        self.unadded: list[tuple[optuna.Study, int]] = []
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
@@ -211,8 +215,9 @@ class Dispatcher:
         """A coordinator that died between storing a result and telling Optuna (or between
         asking Optuna and adding the trial's row) left the Optuna trial RUNNING for good: the
         sampler would never learn its value and the bracketing would wait on it. On start,
-        every such trial of an active Optuna sweep is told its stored outcome, or FAIL when
-        no row has its number. Trials still pending or running are told when they finish."""
+        every such trial of an active Optuna sweep is told its stored outcome, or retracted
+        when no row has its number. Trials still pending or running are told when they
+        finish."""
         studies = set(optuna.get_all_study_names(self.optuna.storage))
         for sweep in self.store.active_sweeps():
             try:
@@ -232,7 +237,7 @@ class Dispatcher:
                 for number in self.optuna.running_numbers(study):
                     row = rows.get((shape, number))
                     if row is None:
-                        self.optuna.tell(study, number, TrialStatus.FAILED, None, 0)
+                        self.optuna.retract(study, number)
                     elif row.status not in ACTIVE:
                         self._tell_optuna(row, row.status, row.result)
 
@@ -279,6 +284,7 @@ class Dispatcher:
     def run_once(self) -> bool:
         self._cancel_cancelled()
         self._relay_progress()
+        self._retract_unadded()
         self._settle_owed()
         collected = self._collect()
         started = self._fill()
@@ -387,6 +393,14 @@ class Dispatcher:
         """Record what a stored outcome still owes (see Owed) and try to write it now."""
         self.owed[trial.id] = Owed(trial, status, result, tell)
         self._settle(trial.id)
+
+    def _retract_unadded(self) -> None:
+        """Retract the asked Optuna trials whose rows could not be added (see `unadded`);
+        raises while Optuna's storage fails (the loop backs off and comes back)."""
+        while self.unadded:
+            study, number = self.unadded[0]
+            self.optuna.retract(study, number)
+            self.unadded.pop(0)
 
     def _settle_owed(self) -> None:
         """Retry the follow-ups a failed write left owing (see Owed)."""
@@ -560,7 +574,15 @@ class Dispatcher:
                  low: float, high: float) -> None:
         number, lr = self.optuna.ask(study, low, high)
         planned = trial_for(spec, shape, lr)
-        trial_id = self.store.add_trial(sweep_id, planned, optuna_trial_number=number)
+        try:
+            trial_id = self.store.add_trial(sweep_id, planned, optuna_trial_number=number)
+        except Exception:
+            # asked but never to run: retracted now, or on a later tick if Optuna's storage
+            # is failing too (by the next coordinator's start if this one dies first)
+            self.unadded.append((study, number))
+            with contextlib.suppress(Exception):
+                self._retract_unadded()
+            raise
         self.optuna.bind(trial_id, study, number, planned.trial)
         added = self.store.get_trial(trial_id)
         if added is not None and added.status != "pending":

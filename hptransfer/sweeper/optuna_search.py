@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import optuna
 
@@ -325,24 +324,48 @@ class OptunaSearch:
     def tell(
         self, study: optuna.Study, number: int, status: str, value: float | None, vocab: int
     ) -> None:
-        state: Any
+        """Tell a trial its outcome, once: a trial already finished (told before a restart,
+        or retracted) is left as it is, so a repeated tell cannot stall the caller."""
+        if self._state(study, number) != optuna.trial.TrialState.RUNNING:
+            return
         if status == "completed" and value is not None and math.isfinite(value):
             study.tell(number, value)
         elif status == "diverged":
             # marked first, so neither the gate nor the rank pruner counts it as a yardstick;
             # the storage API because after a restart no Trial object is at hand
             storage = study._storage
-            trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
-            if storage.get_trial(trial_id).state == optuna.trial.TrialState.RUNNING:
-                storage.set_trial_user_attr(trial_id, DIVERGED_ATTR, True)
-                study.tell(number, DIVERGED_PENALTY * math.log(vocab))
+            storage.set_trial_user_attr(self._trial_id(study, number), DIVERGED_ATTR, True)
+            study.tell(number, DIVERGED_PENALTY * math.log(vocab))
         else:
-            state = (optuna.trial.TrialState.PRUNED if status == "pruned"
-                     else optuna.trial.TrialState.FAIL)
-            try:
-                study.tell(number, state=state)
-            except (ValueError, RuntimeError):
-                pass  # already finished (e.g. told before a restart)
+            study.tell(number, state=optuna.trial.TrialState.PRUNED if status == "pruned"
+                       else optuna.trial.TrialState.FAIL)
+
+    def retract(self, study: optuna.Study, number: int) -> None:
+        """An asked trial that will never run (its row could not be added): told FAIL, and
+        its LR enqueued again so the next ask takes it up, keeping its place in the plan
+        (first batch, refinement or bracketing, whose protection from pruning moves with
+        it). A trial asked but killed before it suggested an LR is only told FAIL."""
+        self._asked.pop((number, study.study_name), None)
+        frozen = study._storage.get_trial(self._trial_id(study, number))
+        if frozen.state != optuna.trial.TrialState.RUNNING:
+            return
+        lr = frozen.params.get("lr", frozen.system_attrs.get("fixed_params", {}).get("lr"))
+        study.tell(number, state=optuna.trial.TrialState.FAIL)
+        if lr is None:
+            return
+        again = len(study.get_trials(deepcopy=False))  # an enqueued trial's number
+        study.enqueue_trial({"lr": lr})
+        for attr in (REFINED_ATTR, BRACKET_ATTR):
+            numbers = list(study.user_attrs.get(attr, []))
+            if number in numbers:
+                study.set_user_attr(attr, [*numbers, again])
+
+    @staticmethod
+    def _trial_id(study: optuna.Study, number: int) -> int:
+        return study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+
+    def _state(self, study: optuna.Study, number: int) -> optuna.trial.TrialState:
+        return study._storage.get_trial(self._trial_id(study, number)).state
 
     def forget(self, trial_id: str) -> None:
         self._live.pop(trial_id, None)
