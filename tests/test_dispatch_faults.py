@@ -304,6 +304,69 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
     assert retracted.params["lr"] in planned
 
 
+def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """Ray refused a task (a cluster connection lost between leasing and submitting): every
+    trial leased in that tick goes back to pending, its attempt not counted, rather than
+    staying 'running' with no task until the coordinator restarts. When the database fails
+    that release too, a later tick does it."""
+    import time
+
+    from hptransfer.sweeper.db.store import NOT_STARTED
+
+    tiny_spec.update(name="unsubmitted", max_concurrent=2, reuse=False)
+    tiny_spec["resources"] = {"cpus": 1, "pack": 1}
+    coordinator = Coordinator(get_settings())
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    coordinator.start(background=False)
+    refused = ConnectionError("Ray cluster unreachable")
+    failed = {"submit": 0, "release": 0}
+    real_remote, real_release = dispatcher._remote, store.release
+
+    class FlakyRemote:  # the first submission is refused
+        def options(self, **options):
+            task = real_remote.options(**options)
+
+            class Submit:
+                def remote(self, *args):
+                    if not failed["submit"]:
+                        failed["submit"] += 1
+                        raise refused
+                    return task.remote(*args)
+            return Submit()
+
+    def flaky_release(*args, **kwargs):  # and so is the first release
+        if not failed["release"]:
+            failed["release"] += 1
+            raise OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+        return real_release(*args, **kwargs)
+
+    monkeypatch.setattr(dispatcher, "_remote", FlakyRemote())
+    monkeypatch.setattr(store, "release", flaky_release)
+    sweep_id = coordinator.submit(tiny_spec)["id"]
+    raised, deadline = [], time.monotonic() + 120
+    try:
+        while store.get_sweep(sweep_id).status != "completed":
+            assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
+                sweep_id))
+            try:  # the dispatch loop's tick, by hand
+                dispatcher.run_once()
+            except ConnectionError as exc:
+                raised.append(exc)
+            time.sleep(0.05)
+    finally:
+        coordinator.stop()
+    assert raised == [refused] and failed == {"submit": 1, "release": 1}
+    assert not dispatcher.unsubmitted
+    rows = store.trials(sweep_id, limit=None)
+    assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
+    # both trials leased in the refused tick were released, the second never submitted
+    refused_leases = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
+        "cancelled", "completed"]]
+    assert len(refused_leases) == 2
+    assert all(store.attempts(t)[0].error == NOT_STARTED for t in refused_leases)
+
+
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
         hpt_home, ray_cluster, tiny_spec):
     coordinator = Coordinator(get_settings())

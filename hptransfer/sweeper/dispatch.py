@@ -165,6 +165,9 @@ class Dispatcher:
         # Optuna trials asked whose row could not be added: retracted (optuna.retract) once
         # Optuna's storage takes it, so no phantom stays RUNNING and its LR is asked again
         self.unadded: list[tuple[optuna.Study, int]] = []
+        # leased trials whose Ray task could not be submitted: released back to pending
+        # (Store.release) once the database takes it, not left 'running' until a restart
+        self.unsubmitted: list[list[str]] = []
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
@@ -285,6 +288,7 @@ class Dispatcher:
         self._cancel_cancelled()
         self._relay_progress()
         self._retract_unadded()
+        self._release_unsubmitted()
         self._settle_owed()
         collected = self._collect()
         started = self._fill()
@@ -402,6 +406,13 @@ class Dispatcher:
             self.optuna.retract(study, number)
             self.unadded.pop(0)
 
+    def _release_unsubmitted(self) -> None:
+        """Release leased trials whose task was never submitted (see `unsubmitted`); raises
+        while the database fails (the loop backs off and comes back)."""
+        while self.unsubmitted:
+            self.store.release(self.unsubmitted[0], self.owner)
+            self.unsubmitted.pop(0)
+
     def _settle_owed(self) -> None:
         """Retry the follow-ups a failed write left owing (see Owed)."""
         for trial_id in list(self.owed):
@@ -465,8 +476,17 @@ class Dispatcher:
                 continue
             if spec.search.method == "optuna":
                 self._ask_optuna(sweep, spec, free)
-            for pack in self._lease(sweep.id, spec, free, cluster):
-                self._submit(spec, pack)
+            leased = self._lease(sweep.id, spec, free, cluster)
+            while leased:
+                try:
+                    self._submit(spec, leased[0])
+                except Exception:
+                    # leased, not started: back to pending now, or once the database takes it
+                    self.unsubmitted.extend([t.id for t in pack] for pack in leased)
+                    with contextlib.suppress(Exception):
+                        self._release_unsubmitted()
+                    raise
+                leased.pop(0)
                 started += 1
         if started:
             self._wake_mirror()

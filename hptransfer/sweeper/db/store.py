@@ -96,6 +96,7 @@ __all__ = [
 
 DEFAULT_LEASE_SECONDS = 6 * 3600  # a backstop for several coordinators (requeue expired_only)
 ORPHANED = "coordinator died during this attempt; re-queued"
+NOT_STARTED = "its task could not be submitted to Ray; re-queued"
 
 
 class StoreError(Exception):
@@ -619,15 +620,26 @@ class Store:
         `expired_only`, only leases past their expiry are taken: use that when several
         coordinators share the database and renew their leases. Returns the number requeued.
         """
-        now = utcnow()
         orphan = [
             Trial.status == "running",
             or_(Trial.lease_owner.is_(None), Trial.lease_owner != live_owner),
         ]
         if expired_only:
             orphan.append(
-                or_(Trial.lease_expires_at.is_(None), Trial.lease_expires_at < now)
+                or_(Trial.lease_expires_at.is_(None), Trial.lease_expires_at < utcnow())
             )
+        return self._release(orphan, ORPHANED)
+
+    def release(self, trial_ids: Sequence[str], owner: str) -> int:
+        """Trials `owner` leased whose task could not be submitted go back to pending, the
+        attempt not counted (it never started); returns how many."""
+        return self._release([Trial.status == "running", Trial.lease_owner == owner,
+                              Trial.id.in_(list(trial_ids))], NOT_STARTED)
+
+    def _release(self, where: list, why: str) -> int:
+        """Running trials matching `where` back to pending (cancelled if their sweep has
+        stopped), their running attempt cancelled with `why` and not counted."""
+        now = utcnow()
         stopped = select(Sweep.id).where(Sweep.status.in_(STOPPED_SWEEP_STATUSES))
         released = {"lease_owner": None, "lease_expires_at": None}
         with self._write() as s:
@@ -635,19 +647,19 @@ class Store:
                 s,
                 update(Attempt)
                 .where(Attempt.status == "running",
-                       Attempt.trial_id.in_(select(Trial.id).where(*orphan)))
-                .values(status="cancelled", error=ORPHANED, finished_at=now),
+                       Attempt.trial_id.in_(select(Trial.id).where(*where)))
+                .values(status="cancelled", error=why, finished_at=now),
             )
             bulk_update(
                 s,
                 update(Trial)
-                .where(*orphan, Trial.sweep_id.in_(stopped))
+                .where(*where, Trial.sweep_id.in_(stopped))
                 .values(status="cancelled", finished_at=now, **released),
             )
             return bulk_update(
                 s,
                 update(Trial)
-                .where(*orphan)
+                .where(*where)
                 .values(
                     status="pending",
                     attempts=case((Trial.attempts > 0, Trial.attempts - 1), else_=0),
