@@ -141,6 +141,20 @@ def test_a_connection_opened_while_the_database_was_unwritable_is_not_kept(
     keeper.close()
 
 
+def _one_at_a_time_optuna(tiny_spec: dict, name: str) -> tuple:
+    """`tiny_spec` made an Optuna search of 3 trials run one at a time; settings and a
+    coordinator (not started)."""
+    tiny_spec.update(name=name, max_concurrent=1, reuse=False,
+                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3})
+    settings = get_settings()
+    return settings, Coordinator(settings)
+
+
+def _outage(statement: str) -> OperationalError:
+    """What SQLAlchemy raises for a write the database cannot do."""
+    return OperationalError(statement, {}, Exception("disk I/O error"))
+
+
 def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
         hpt_home, ray_cluster, tiny_spec, monkeypatch):
     """Once a trial's result is stored, its Optuna tell and its sweep's status update are
@@ -148,12 +162,9 @@ def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
     write), a later tick writes them. They used to leave with the trial's in-flight entry: the
     last trial's failed refresh left its sweep 'running' forever with every trial done, and a
     failed tell left the Optuna trial running, its result unheard."""
-    tiny_spec.update(name="owed", max_concurrent=1, reuse=False,
-                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3})
-    settings = get_settings()
-    coordinator = Coordinator(settings)
+    settings, coordinator = _one_at_a_time_optuna(tiny_spec, "owed")
     store, dispatcher = coordinator.store, coordinator.dispatcher
-    outage = OperationalError("UPDATE sweeps", {}, Exception("disk I/O error"))
+    outage = _outage("UPDATE sweeps")
     failures = {"tell": 0, "refresh": 0}
     real_tell, real_refresh = dispatcher.optuna.tell, store.refresh_sweep_status
 
@@ -262,12 +273,9 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
     Optuna trial is told FAIL and its LR (here one of the first batch) is enqueued again, so
     no phantom stays RUNNING and the study's plan loses no LR. When Optuna's storage fails
     too at that moment, a later tick retracts it."""
-    tiny_spec.update(name="unadded", max_concurrent=1, reuse=False,
-                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3})
-    settings = get_settings()
-    coordinator = Coordinator(settings)
+    settings, coordinator = _one_at_a_time_optuna(tiny_spec, "unadded")
     store, dispatcher = coordinator.store, coordinator.dispatcher
-    outage = OperationalError("INSERT INTO trials", {}, Exception("disk I/O error"))
+    outage = _outage("INSERT INTO trials")
     failed = {"add": 0, "retract": 0}
     real_add, real_retract = store.add_trial, dispatcher.optuna.retract
 
@@ -338,7 +346,7 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
     def flaky_release(*args, **kwargs):  # and so is the first release
         if not failed["release"]:
             failed["release"] += 1
-            raise OperationalError("UPDATE trials", {}, Exception("disk I/O error"))
+            raise _outage("UPDATE trials")
         return real_release(*args, **kwargs)
 
     monkeypatch.setattr(dispatcher, "_remote", FlakyRemote())

@@ -78,6 +78,10 @@ OPTUNA_SEARCH = {"method": "optuna", "sampler": "tpe", "pruner": "rank",
                  "keep_top": 3}
 SHAPE = ["arm", "width", "depth"]
 
+# a trial of 100 steps: its decision step at prune_after 0.5 is 50
+SMALL_TRIAL = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
+                        batch_size=4, seq_len=16, budget=Budget(steps=100))
+
 
 def _optuna_spec(base: dict[str, Any], **search: Any) -> dict[str, Any]:
     spec = copy.deepcopy(base)
@@ -296,8 +300,7 @@ def test_pruning_waits_for_the_budget_fraction_and_three_full_runs(tmp_path):
     fewer than MIN_FULL_BUDGET trials completed without diverging, never on the refinement
     around the best; then the rank pruner stops a trial only when keep_top others were
     better at the same step, and reports after a prune do not reach the pruner."""
-    spec = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
-                     batch_size=4, seq_len=16, budget=Budget(steps=100))
+    spec = SMALL_TRIAL
     assert decision_step(spec, 0.5) == 50
     assert decision_step(spec, 0.0) == 10  # the warmup (10 % of 100 steps) still counts
     search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
@@ -354,17 +357,22 @@ def test_pruning_waits_for_the_budget_fraction_and_three_full_runs(tmp_path):
     assert frozen.state == optuna.trial.TrialState.PRUNED and frozen.value == 3.5
 
 
+def _keep_top_one_search(tmp_path, name: str) -> tuple[OptunaSearch, optuna.Study,
+                                                      tuple[float, float]]:
+    """A study of 8 trials, first batch of 3, the rank pruner keeping the best 1; its LR range."""
+    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
+    config = Search(method="optuna", n_trials=8, n_startup=3, pruner="rank", keep_top=1)
+    low, high = 1e-4, 1e-1
+    return search, search.study(name, config, "shape", low, high), (low, high)
+
+
 def test_the_best_lr_is_bracketed_by_full_runs_before_the_sampler_proposes(tmp_path):
     """Whatever order trials finish in: when the best full-budget LR has no full-budget
     neighbour on a side (here the first batch's upper LR was pruned and the refinement's
     upper LR became the best), the next ask goes to that side, halfway to the pruned LR, and
     is never pruned; once both sides are covered the sampler proposes again."""
-    spec = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
-                     batch_size=4, seq_len=16, budget=Budget(steps=100))
-    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
-    config = Search(method="optuna", n_trials=8, n_startup=3, pruner="rank", keep_top=1)
-    low, high = 1e-4, 1e-1
-    study = search.study("bracket", config, "shape", low, high)
+    spec = SMALL_TRIAL
+    search, study, (low, high) = _keep_top_one_search(tmp_path, "bracket")
     half = half_slice(low, high, 3)
 
     def run(name: str, status: str, value: float) -> float:
@@ -406,12 +414,8 @@ def test_a_trial_is_told_once_and_a_retracted_one_keeps_its_lr_and_protection(tm
     """A second tell (a restart's catch-up told it already) changes nothing and raises
     nothing. A retracted trial (asked, its row never added) is FAIL, and its LR is asked next,
     still protected from pruning when it was a refinement's."""
-    spec = TrialSpec(width=32, depth=1, head_dim=32, base_width=32, base_depth=1,
-                     batch_size=4, seq_len=16, budget=Budget(steps=100))
-    search = OptunaSearch(f"sqlite:///{tmp_path / 'optuna.db'}")
-    config = Search(method="optuna", n_trials=8, n_startup=3, pruner="rank", keep_top=1)
-    low, high = 1e-4, 1e-1
-    study = search.study("once", config, "shape", low, high)
+    spec = SMALL_TRIAL
+    search, study, (low, high) = _keep_top_one_search(tmp_path, "once")
     values = [3.0, 3.1, 3.2]
     for value in values:
         number, _ = search.ask(study, low, high)
