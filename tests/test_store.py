@@ -23,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from hptransfer.config import SettingsError, get_settings
 from hptransfer.sweeper.db.store import (
+    NOT_STARTED,
     RESULT_FRAME_COLUMNS,
     Base,
     NotFoundError,
@@ -398,6 +399,30 @@ def test_requeue_orphans(store: Store) -> None:
     assert store.requeue_orphans("live") == 0
     assert store.count_trials(sid, status="cancelled") == 3
     assert store.get_trial(mine).status == "running"
+
+
+def test_release_returns_only_its_owners_named_leases_uncounted(store: Store) -> None:
+    """A lease whose task was never submitted: back to pending, the attempt cancelled with
+    the reason and not counted; another owner's lease, or a trial not named, is untouched."""
+    sid = new_sweep(store, plan()[:4])
+    mine = [t.id for t in store.lease_pending("me", 2)]
+    (theirs,) = [t.id for t in store.lease_pending("other", 1)]
+    assert store.release([*mine, theirs], "me") == 2
+    for tid in mine:
+        row = store.get_trial(tid)
+        assert row.status == "pending" and row.attempts == 0 and row.lease_owner is None
+        (attempt,) = store.attempts(tid)
+        assert attempt.status == "cancelled" and attempt.error == NOT_STARTED
+    assert store.get_trial(theirs).status == "running"
+    assert store.release(mine, "me") == 0  # not running any more
+    # leased again: the next attempt is the trial's first counted one
+    again = store.lease_pending("me", 1, ids=[mine[0]])
+    assert [t.attempts for t in again] == [1]
+    assert [a.seq for a in store.attempts(mine[0])] == [1, 2]
+    # a stopped sweep's released lease ends cancelled, not pending
+    store.cancel_sweep(sid)
+    assert store.release([mine[0]], "me") == 0
+    assert store.get_trial(mine[0]).status == "cancelled"
 
 
 # --------------------------------------------------------------------------- cancel, status
