@@ -12,6 +12,11 @@ outcome is kept in memory and the write retried. While the database is unreachab
 backs off exponentially (capped) and logs one line when the outage starts and one when it
 ends. A stored sweep whose spec no longer validates is marked failed and skipped.
 
+What a failed write leaves half done is kept and finished on a later tick: a stored outcome's
+Optuna tell and sweep refresh (`owed`), an asked Optuna trial whose row was not added
+(`unadded`: retracted), trials leased for a task Ray did not take (`unsubmitted`: released).
+A restarted coordinator finishes what its dead predecessor held in memory (`start`).
+
 Packing (`resources.pack`, `packing.py`): pending trials of one shape may run as one Ray task
 (`execute_trials`). Each member keeps its own entry in `in_flight` (sharing the task's ref),
 so its outcome is stored, retried, cancelled and told to Optuna exactly as a lone trial's.
