@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,55 +200,51 @@ class Dispatcher:
         n = self.store.requeue_orphans(self.owner)
         if n:
             log.warning("re-queued %d trials left running by a previous coordinator", n)
-        self._tell_untold()
-        self._refresh_settled_sweeps()
+        self._settle_what_the_dead_owed()
         if self.mirror:
             self.mirror.wake()
         if background:
             self._thread = threading.Thread(target=self._loop, name="hpt-dispatch", daemon=True)
             self._thread.start()
 
-    def _refresh_settled_sweeps(self) -> None:
-        """A coordinator that died between storing a sweep's last result and refreshing the
-        sweep (what `owed` held is gone with it) left the sweep active with no trial to run:
-        on start, each active sweep without pending or running trials is refreshed once."""
-        for sweep in self.store.active_sweeps():
-            if self.store.count_trials(sweep.id, status=list(ACTIVE)):
-                continue
-            try:
-                self._refresh(sweep.id)  # an Optuna search or a study with more to do waits
-            except BadSweep:
-                pass  # marked failed
-
-    def _tell_untold(self) -> None:
-        """A coordinator that died between storing a result and telling Optuna (or between
-        asking Optuna and adding the trial's row) left the Optuna trial RUNNING for good: the
-        sampler would never learn its value and the bracketing would wait on it. On start,
-        every such trial of an active Optuna sweep is told its stored outcome, or retracted
-        when no row has its number. Trials still pending or running are told when they
-        finish."""
+    def _settle_what_the_dead_owed(self) -> None:
+        """What a dead coordinator held in memory (`owed`, `unadded`) is gone with it; on
+        start, one pass over the active sweeps finishes it:
+        - an Optuna trial left RUNNING (killed between storing a result and telling Optuna,
+          or between asking Optuna and adding the row) is told its stored outcome, or
+          retracted when no row has its number; trials still pending or running are told
+          when they finish. Else the sampler would never learn its value and the bracketing
+          would wait on it.
+        - a sweep without pending or running trials is refreshed once (killed between storing
+          its last result and refreshing it); an Optuna search or a study with more to do
+          waits."""
         studies = set(optuna.get_all_study_names(self.optuna.storage))
         for sweep in self.store.active_sweeps():
             try:
                 spec = self._spec(sweep)
             except BadSweep:
-                continue
-            if spec.search.method != "optuna":
-                continue
-            rows: dict[tuple[ShapeKey, int], TrialRecord] = {
-                (_shape_of(t), t.optuna_trial_number): t
-                for t in self.store.trials(sweep.id, limit=None)
-                if t.optuna_trial_number is not None}
-            for shape in plan_shapes(spec):
-                if self._study_name(sweep.id, shape) not in studies:
-                    continue  # nothing asked yet
-                study = self._study(sweep.id, spec, shape)
-                for number in self.optuna.running_numbers(study):
-                    row = rows.get((shape, number))
-                    if row is None:
-                        self.optuna.retract(study, number)
-                    elif row.status not in ACTIVE:
-                        self._tell_optuna(row, row.status, row.result)
+                continue  # marked failed
+            if spec.search.method == "optuna":
+                self._tell_untold(sweep.id, spec, studies)
+            if not self.store.count_trials(sweep.id, status=list(ACTIVE)):
+                self._refresh(sweep.id)
+
+    def _tell_untold(self, sweep_id: str, spec: SweepSpec, studies: set[str]) -> None:
+        """Tell or retract the sweep's Optuna trials left RUNNING (see above)."""
+        rows: dict[tuple[ShapeKey, int], TrialRecord] = {
+            (_shape_of(t), t.optuna_trial_number): t
+            for t in self.store.trials(sweep_id, limit=None)
+            if t.optuna_trial_number is not None}
+        for shape in plan_shapes(spec):
+            if self._study_name(sweep_id, shape) not in studies:
+                continue  # nothing asked yet
+            study = self._study(sweep_id, spec, shape)
+            for number in self.optuna.running_numbers(study):
+                row = rows.get((shape, number))
+                if row is None:
+                    self.optuna.retract(study, number)
+                elif row.status not in ACTIVE:
+                    self._tell_optuna(row, row.status, row.result)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -404,19 +401,12 @@ class Dispatcher:
         self._settle(trial.id)
 
     def _retract_unadded(self) -> None:
-        """Retract the asked Optuna trials whose rows could not be added (see `unadded`);
-        raises while Optuna's storage fails (the loop backs off and comes back)."""
-        while self.unadded:
-            study, number = self.unadded[0]
-            self.optuna.retract(study, number)
-            self.unadded.pop(0)
+        """Retract the asked Optuna trials whose rows could not be added (see `unadded`)."""
+        _fix_queued(self.unadded, lambda item: self.optuna.retract(*item))
 
     def _release_unsubmitted(self) -> None:
-        """Release leased trials whose task was never submitted (see `unsubmitted`); raises
-        while the database fails (the loop backs off and comes back)."""
-        while self.unsubmitted:
-            self.store.release(self.unsubmitted[0], self.owner)
-            self.unsubmitted.pop(0)
+        """Release leased trials whose task was never submitted (see `unsubmitted`)."""
+        _fix_queued(self.unsubmitted, lambda ids: self.store.release(ids, self.owner))
 
     def _settle_owed(self) -> None:
         """Retry the follow-ups a failed write left owing (see Owed)."""
@@ -630,6 +620,14 @@ class Dispatcher:
         if result and result.get("param_table"):
             vocab = trial.spec.get("data", {}).get("vocab_size") or 256
         self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
+
+
+def _fix_queued(queue: list, fix: Callable[[Any], object]) -> None:
+    """Apply `fix` to each queued item, oldest first, dropping each once done; the first that
+    fails raises (the loop backs off) and stays queued for the next tick."""
+    while queue:
+        fix(queue[0])
+        queue.pop(0)
 
 
 def _shape_of(trial: TrialRecord) -> ShapeKey:
