@@ -267,6 +267,54 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
         coordinator.stop()
 
 
+def test_a_restart_while_optunas_storage_fails_tells_the_study_once_it_answers(
+        hpt_home, ray_cluster, tiny_spec, tmp_path):
+    """A coordinator started while Optuna's storage fails still starts (grid sweeps need no
+    Optuna); the results its dead predecessor stored but did not tell reach the study on a
+    later tick, and only then does the sweep, all of whose trials are done, complete."""
+    import time
+
+    if not immutable_supported(tmp_path):
+        pytest.skip("needs chattr +i (root on ext4/xfs) to make the database unwritable")
+    settings = get_settings()
+    dead = Coordinator(settings)
+    sweep_id = dead.submit(dict(tiny_spec, name="untold-outage", search={
+        "method": "optuna", "sampler": "tpe", "n_trials": 3}))["id"]
+    sweep = dead.store.get_sweep(sweep_id)
+    dead.dispatcher._ask_optuna(sweep, load_spec(sweep.spec), free=1)  # the first batch
+    leased = dead.store.lease_pending("dead", 3, sweep_id=sweep_id)
+    assert len(leased) == 3
+    for i, trial in enumerate(leased):  # stored, then the coordinator died before telling
+        assert dead.store.finish_trial(trial.id, "completed", {
+            "status": "completed", "final_val_loss": 3.0 + i / 4}, None, None)
+    storage = [Path(settings.home) / "optuna.db"]
+    coordinator = Coordinator(settings)
+    dispatcher = coordinator.dispatcher
+    assert chattr("+i", storage)
+    try:
+        coordinator.start(background=False)
+        assert dispatcher.untold == {sweep_id} and dispatcher.optuna_storage.error
+        dispatcher.run_once()
+        assert coordinator.store.get_sweep(sweep_id).status == "running"  # untold: not done
+    finally:
+        assert chattr("-i", storage)
+    try:
+        deadline = time.monotonic() + 60
+        while dispatcher.untold and time.monotonic() < deadline:  # ticks, by hand
+            dispatcher.run_once()
+            time.sleep(0.05)
+        assert not dispatcher.untold and dispatcher.optuna_storage.error is None
+        assert coordinator.store.get_sweep(sweep_id).status == "completed"
+    finally:
+        coordinator.stop()
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    told = {t.number: t for t in optuna.load_study(
+        study_name=name, storage=settings.optuna_url).get_trials(deepcopy=False)}
+    for i, trial in enumerate(leased):
+        assert told[trial.optuna_trial_number].state == optuna.trial.TrialState.COMPLETE
+        assert told[trial.optuna_trial_number].value == 3.0 + i / 4
+
+
 def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
         hpt_home, ray_cluster, tiny_spec, monkeypatch):
     """Optuna asked, then the app database refused the trial's row (an outage): the asked
@@ -373,6 +421,83 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
         "cancelled", "completed"]]
     assert len(refused_leases) == 2
     assert all(store.attempts(t)[0].error == NOT_STARTED for t in refused_leases)
+
+
+def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
+        hpt_home, ray_cluster, tiny_spec, tmp_path, caplog):
+    """Optuna's storage (its own database, `chattr +i` here) fails while an Optuna sweep's
+    trial trains, seen through the API: the trial's result is stored and its tell waits, and
+    so do the sweep's next asks (its listing says why, /health names the failure), while a
+    grid sweep submitted meanwhile runs to completion. Once the storage answers, every result
+    is told once and the Optuna sweep completes. The first failed tell used to abort every
+    tick before results were collected: no sweep advanced until Optuna's storage was back."""
+    from fastapi.testclient import TestClient
+
+    from hptransfer.api.app import create_app
+
+    if not immutable_supported(tmp_path):
+        pytest.skip("needs chattr +i (root on ext4/xfs) to make the database unwritable")
+    settings = get_settings()
+    searched = dict(tiny_spec, name="optuna-outage", max_concurrent=1, reuse=False,
+                    search={"method": "optuna", "sampler": "tpe", "n_trials": 3},
+                    resources={"cpus": 1, "pack": 1},
+                    budget={"steps": 300, "batch_size": 4})  # seconds: outlives the chattr
+    gridded = dict(tiny_spec, name="grid-during-outage", reuse=False)
+    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+    storage = [Path(settings.home) / "optuna.db"]
+
+    def dispatcher_check() -> dict:
+        (check,) = [c for c in api.get("/health").json()["components"]
+                    if c["name"] == "dispatcher"]
+        return check
+
+    with TestClient(create_app(settings)) as api:
+        store, dispatcher = api.app.state.coordinator.store, api.app.state.coordinator.dispatcher
+        locked = False
+        try:
+            optuna_id = api.post("/sweeps", json=searched).json()["id"]
+            wait_for(lambda: any(f.last_step > 0 for f in dispatcher.in_flight.values()), 120,
+                     "the first Optuna trial to be training")
+            assert chattr("+i", storage)
+            locked = True
+            grid_id = api.post("/sweeps", json=gridded).json()["id"]
+            wait_for(lambda: api.get(f"/sweeps/{grid_id}").json()["status"] == "completed",
+                     120, "the grid sweep to complete while Optuna's storage fails")
+            wait_for(lambda: store.status_counts(optuna_id).get("completed") == 1, 120,
+                     "the Optuna trial's result to be stored")
+            waiting = wait_for(lambda: api.get(f"/sweeps/{optuna_id}").json()["waiting_for"],
+                               60, "the Optuna sweep to say why it waits")
+            assert "Optuna's storage is failing" in waiting
+            (first,) = store.trials(optuna_id, limit=None)
+            assert first.id in dispatcher.owed and dispatcher.owed[first.id].tell  # untold
+            check = dispatcher_check()
+            assert not check["ok"] and "Optuna's storage failing" in check["detail"], check
+            assert not dispatcher.last_error  # the ticks themselves go on
+            assert chattr("-i", storage)
+            locked = False
+            wait_for(lambda: api.get(f"/sweeps/{optuna_id}").json()["status"] == "completed",
+                     180, "the Optuna sweep to complete once its storage answers")
+            assert dispatcher_check()["ok"]
+        finally:
+            if locked:
+                chattr("-i", storage)
+    assert {r.status for r in store.trials(grid_id, limit=None)} == {"completed"}
+    rows = store.trials(optuna_id, limit=None)
+    assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
+    assert not dispatcher.owed
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if optuna_id in n]
+    told = {t.number: t for t in optuna.load_study(
+        study_name=name, storage=settings.optuna_url).get_trials(deepcopy=False)}
+    assert sorted(told) == sorted(r.optuna_trial_number for r in rows)
+    for row in rows:
+        assert told[row.optuna_trial_number].state == optuna.trial.TrialState.COMPLETE
+        assert told[row.optuna_trial_number].value == pytest.approx(row.final_val_loss,
+                                                                    rel=1e-12)
+    # one line when Optuna's storage starts failing, one when it answers; the ticks never failed
+    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.sweeper.dispatch"]
+    assert sum("Optuna's storage failing" in m for m in lines) == 1, lines
+    assert sum("Optuna's storage recovered" in m for m in lines) == 1, lines
+    assert not any("dispatch failing" in m for m in lines), lines
 
 
 def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(

@@ -37,6 +37,11 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
         if error:
             return Check("dispatcher", False, f"last tick failed: {error[:300]}",
                          "see the server log; the loop retries on its own")
+        optuna_error = c.dispatcher.optuna_storage.error if c.dispatcher else None
+        if optuna_error:
+            return Check("dispatcher", False, f"Optuna's storage failing: {optuna_error[:300]}",
+                         "Optuna sweeps wait (their results are kept), other sweeps go on; "
+                         "check the database HPT_OPTUNA_URL names")
         return Check("dispatcher", True, "running" if c.dispatcher else "off (API only)")
 
     checks = run_checks(c.settings, deep=deep, connect_ray=False,

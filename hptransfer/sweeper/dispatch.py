@@ -10,7 +10,11 @@ Trial state is written only to the app database (MLflow mirrors it: `mlflow/mirr
 trial leaves the in-flight set only once its outcome is durably written; until then the
 outcome is kept in memory and the write retried. While the database is unreachable the loop
 backs off exponentially (capped) and logs one line when the outage starts and one when it
-ends. A stored sweep whose spec no longer validates is marked failed and skipped.
+ends. When Optuna's storage (a database of its own) fails, only the Optuna sweeps' asks,
+tells and pruning wait, backing off the same way (`_optuna_calls`): results are still
+stored and the other sweeps go on, and an Optuna sweep completes only once its studies have
+heard every result. A stored sweep whose spec no longer validates is marked failed and
+skipped.
 
 What a failed write leaves half done is kept and finished on a later tick: a stored outcome's
 Optuna tell and sweep refresh (`owed`), an asked Optuna trial whose row was not added
@@ -29,9 +33,8 @@ import logging
 import math
 import queue
 import threading
-import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,7 @@ from hptransfer.config import Settings
 from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial, execute_trials
 
+from .backoff import Backoff
 from .db.store import Store, SweepRecord, TrialRecord
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
@@ -65,12 +69,17 @@ from .study import next_step
 log = logging.getLogger(__name__)
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
-MAX_BACKOFF_S = 30.0  # the longest pause between ticks while the database is unreachable
+MAX_BACKOFF_S = 30.0  # the longest pause between tries of a failing database or Optuna storage
 _MAX_PEEK = 2000  # pending trials read per sweep and tick to plan packs from
 
 
 class BadSweep(Exception):
     """A stored sweep that cannot be dispatched (it has been marked failed)."""
+
+
+class OptunaUnavailable(Exception):
+    """Optuna's storage failed, or is being backed off from: the Optuna sweeps' asks, tells
+    and pruning wait; storing results and every other sweep go on."""
 
 
 @dataclass
@@ -174,6 +183,8 @@ class Dispatcher:
         # leased trials whose Ray task could not be submitted: released back to pending
         # (Store.release) once the database takes it, not left 'running' until a restart
         self.unsubmitted: list[list[str]] = []
+        # Optuna sweeps whose start-up pass (_settle_what_the_dead_owed) Optuna's storage failed
+        self.untold: set[str] = set()
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
@@ -184,7 +195,13 @@ class Dispatcher:
         self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
         self._remote = None
         self._remote_pack = None
-        self.last_error: str | None = None
+        self.ticks = Backoff("dispatch", log, poll_interval, MAX_BACKOFF_S)
+        self.optuna_storage = Backoff("Optuna's storage", log, poll_interval, MAX_BACKOFF_S)
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the latest tick failed, while ticks fail."""
+        return self.ticks.error
 
     # lifecycle -----------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
@@ -214,23 +231,43 @@ class Dispatcher:
           or between asking Optuna and adding the row) is told its stored outcome, or
           retracted when no row has its number; trials still pending or running are told
           when they finish. Else the sampler would never learn its value and the bracketing
-          would wait on it.
+          would wait on it. A sweep whose pass Optuna's storage failed is passed over again
+          on later ticks (`untold`).
         - a sweep without pending or running trials is refreshed once (killed between storing
-          its last result and refreshing it); an Optuna search or a study with more to do
-          waits."""
-        studies = set(optuna.get_all_study_names(self.optuna.storage))
+          its last result and refreshing it), an Optuna sweep after its pass; an Optuna
+          search or a study with more to do waits."""
         for sweep in self.store.active_sweeps():
             try:
                 spec = self._spec(sweep)
             except BadSweep:
                 continue  # marked failed
             if spec.search.method == "optuna":
-                self._tell_untold(sweep.id, spec, studies)
-            if not self.store.count_trials(sweep.id, status=list(ACTIVE)):
+                self.untold.add(sweep.id)
+            elif not self.store.count_trials(sweep.id, status=list(ACTIVE)):
                 self._refresh(sweep.id)
+        self._tell_untold()
 
-    def _tell_untold(self, sweep_id: str, spec: SweepSpec, studies: set[str]) -> None:
-        """Tell or retract the sweep's Optuna trials left RUNNING (see above)."""
+    def _tell_untold(self) -> None:
+        """The start-up pass over the `untold` sweeps' Optuna trials (see above)."""
+        if not self.untold:
+            return
+        with contextlib.suppress(OptunaUnavailable):
+            with self._optuna_calls():
+                studies = set(optuna.get_all_study_names(self.optuna.storage))
+                self.optuna_storage.succeeded()
+            for sweep_id in sorted(self.untold):
+                try:
+                    self._tell_sweep_untold(sweep_id, studies)
+                except BadSweep:  # marked failed: nothing to tell
+                    self.untold.discard(sweep_id)
+                    continue
+                self.untold.discard(sweep_id)
+                if not self.store.count_trials(sweep_id, status=list(ACTIVE)):
+                    self._refresh(sweep_id)
+
+    def _tell_sweep_untold(self, sweep_id: str, studies: set[str]) -> None:
+        """Tell or retract one sweep's Optuna trials left RUNNING."""
+        spec = self._spec(self.store.get_sweep(sweep_id))
         rows: dict[tuple[ShapeKey, int], TrialRecord] = {
             (_shape_of(t), t.optuna_trial_number): t
             for t in self.store.trials(sweep_id, limit=None)
@@ -238,11 +275,13 @@ class Dispatcher:
         for shape in plan_shapes(spec):
             if self._study_name(sweep_id, shape) not in studies:
                 continue  # nothing asked yet
-            study = self._study(sweep_id, spec, shape)
-            for number in self.optuna.running_numbers(study):
+            with self._optuna_calls():
+                study = self._study(sweep_id, spec, shape)
+                running = self.optuna.running_numbers(study)
+            for number in running:
                 row = rows.get((shape, number))
                 if row is None:
-                    self.optuna.retract(study, number)
+                    self._retract((study, number))
                 elif row.status not in ACTIVE:
                     self._tell_optuna(row, row.status, row.result)
 
@@ -253,22 +292,13 @@ class Dispatcher:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        delay, failing_since = 0.0, None
         while not self._stop.is_set():
             try:
                 busy = self.run_once()
             except Exception as exc:  # keep dispatching; surface the problem in /health
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                if failing_since is None:  # one line per outage, not one per tick
-                    failing_since = time.monotonic()
-                    log.exception("dispatch failing; retrying with backoff (up to %.0f s)",
-                                  MAX_BACKOFF_S)
-                delay = min(max(2 * delay, self.poll_interval), MAX_BACKOFF_S)
-                self._stop.wait(delay)
+                self._stop.wait(self.ticks.failed(exc))
                 continue
-            if failing_since is not None:
-                log.warning("dispatch recovered after %.1f s", time.monotonic() - failing_since)
-            delay, failing_since, self.last_error = 0.0, None, None
+            self.ticks.succeeded()
             if not busy:
                 self._idle_wait()
 
@@ -291,6 +321,7 @@ class Dispatcher:
         self._relay_progress()
         self._retract_unadded()
         self._release_unsubmitted()
+        self._tell_untold()
         self._settle_owed()
         collected = self._collect()
         started = self._fill()
@@ -351,12 +382,19 @@ class Dispatcher:
             f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
             if self.mirror:  # best effort: the final curve is mirrored from the app DB
                 self.mirror.live(trial_id, f.trial.started_at, points)
-            if f.trial.optuna_trial_number is not None:
-                for p in points:
-                    val = p.get("val_loss")
-                    if val is not None and self.optuna.should_prune(trial_id, p["step"], val):
-                        self._board.request_stop.remote(trial_id)
-                        break
+            if f.trial.optuna_trial_number is not None and self._should_prune(trial_id, points):
+                self._board.request_stop.remote(trial_id)
+
+    def _should_prune(self, trial_id: str, points: list[dict[str, Any]]) -> bool:
+        """Whether Optuna's pruner stops the trial at one of its new points; not while its
+        storage fails (the trial then trains on: pruning only saves time)."""
+        try:
+            with self._optuna_calls():
+                return any(p.get("val_loss") is not None and
+                           self.optuna.should_prune(trial_id, p["step"], p["val_loss"])
+                           for p in points)
+        except OptunaUnavailable:
+            return False
 
     def _collect(self) -> int:
         """Store the outcome of every attempt Ray has finished. An attempt leaves in_flight
@@ -402,7 +440,13 @@ class Dispatcher:
 
     def _retract_unadded(self) -> None:
         """Retract the asked Optuna trials whose rows could not be added (see `unadded`)."""
-        _fix_queued(self.unadded, lambda item: self.optuna.retract(*item))
+        with contextlib.suppress(OptunaUnavailable):  # kept for a later tick
+            _fix_queued(self.unadded, self._retract)
+
+    def _retract(self, asked: tuple[optuna.Study, int]) -> None:
+        with self._optuna_calls():
+            self.optuna.retract(*asked)
+            self.optuna_storage.succeeded()
 
     def _release_unsubmitted(self) -> None:
         """Release leased trials whose task was never submitted (see `unsubmitted`)."""
@@ -422,18 +466,28 @@ class Dispatcher:
             self._refresh(owed.trial.sweep_id)
         except BadSweep:
             pass  # marked failed: nothing more to do for its trials
+        except OptunaUnavailable:
+            return  # kept: told, then refreshed, once Optuna's storage answers
         del self.owed[trial_id]
 
     def _refresh(self, sweep_id: str) -> None:
         sweep = self.store.get_sweep(sweep_id)
         before = sweep.status
         spec = self._spec(sweep)
-        if before in ACTIVE and spec.search.method == "optuna" and self._optuna_left(sweep_id,
-                                                                                     spec):
-            return  # the studies still have trials to ask: not finished yet
+        if before in ACTIVE and spec.search.method == "optuna" and (
+                self._optuna_left(sweep_id, spec) or self._untold_results(sweep_id)):
+            return  # the studies have trials to ask or results to hear: not finished yet
         if before in ACTIVE and sweep.study and not sweep.study.get("done"):
             return  # a study with stages to plan: _advance_study (next _fill) decides
         self.store.refresh_sweep_status(sweep_id)
+
+    def _untold_results(self, sweep_id: str) -> bool:
+        """Whether a result of the sweep has yet to reach its Optuna study (a tell owed, or
+        the start-up pass still to do): an Optuna sweep completes only once it has. Else a
+        coordinator that died then would leave its trials RUNNING in a finished sweep's
+        study, which no start-up pass visits."""
+        return sweep_id in self.untold or any(
+            o.tell and o.trial.sweep_id == sweep_id for o in self.owed.values())
 
     # filling slots -------------------------------------------------------------------
     def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
@@ -470,7 +524,12 @@ class Dispatcher:
             if free <= 0:
                 continue
             if spec.search.method == "optuna":
-                self._ask_optuna(sweep, spec, free)
+                try:
+                    self._ask_optuna(sweep, spec, free)
+                except OptunaUnavailable:
+                    self.waiting[sweep.id] = (
+                        f"Optuna's storage is failing ({self.optuna_storage.error}); its "
+                        "trials are asked once it answers")
             leased = self._lease(sweep.id, spec, free, cluster)
             while leased:
                 try:
@@ -579,7 +638,8 @@ class Dispatcher:
                                            seed=shape.seed)
             if have >= spec.search.n_trials:
                 continue
-            study = self._study(sweep.id, spec, shape)
+            with self._optuna_calls():
+                study = self._study(sweep.id, spec, shape)
             batch = min(pack_size(spec, shape.width), spec.search.startup_count() - have)
             for _ in range(max(1, batch)):
                 self._ask_one(sweep.id, spec, shape, study, low, high)
@@ -587,7 +647,9 @@ class Dispatcher:
 
     def _ask_one(self, sweep_id: str, spec: SweepSpec, shape: ShapeKey, study: optuna.Study,
                  low: float, high: float) -> None:
-        number, lr = self.optuna.ask(study, low, high)
+        with self._optuna_calls():
+            number, lr = self.optuna.ask(study, low, high)
+            self.optuna_storage.succeeded()
         planned = trial_for(spec, shape, lr)
         try:
             trial_id = self.store.add_trial(sweep_id, planned, optuna_trial_number=number)
@@ -598,7 +660,9 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 self._retract_unadded()
             raise
-        self.optuna.bind(trial_id, study, number, planned.trial)
+        with contextlib.suppress(OptunaUnavailable), self._optuna_calls():
+            # unbound when Optuna's storage failed here: it runs unpruned, as after a restart
+            self.optuna.bind(trial_id, study, number, planned.trial)
         added = self.store.get_trial(trial_id)
         if added is not None and added.status != "pending":
             # reused from an identical earlier trial: it never runs, so tell it now
@@ -614,12 +678,33 @@ class Dispatcher:
     def _tell_optuna(self, trial: TrialRecord, status: str, result: dict | None) -> None:
         sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
-        study = self._study(sweep.id, spec, _shape_of(trial))
         value = (result or {}).get("final_val_loss")
         vocab = 256
         if result and result.get("param_table"):
             vocab = trial.spec.get("data", {}).get("vocab_size") or 256
-        self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
+        with self._optuna_calls():
+            study = self._study(sweep.id, spec, _shape_of(trial))
+            self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
+            self.optuna_storage.succeeded()
+
+    @contextlib.contextmanager
+    def _optuna_calls(self) -> Iterator[None]:
+        """Around calls to Optuna's storage. While it fails, they wait for its backoff
+        (OptunaUnavailable at once); a failure starts or extends the backoff, drops the
+        storage's connections (one opened during an outage can stay unusable after it) and
+        is raised as OptunaUnavailable, which holds up only Optuna's own work: storing
+        results and the other sweeps go on. Callers mark a success where a call surely
+        reached the storage (a study may come from memory)."""
+        if not self.optuna_storage.ready():
+            raise OptunaUnavailable(self.optuna_storage.error)
+        try:
+            yield
+        except OptunaUnavailable:
+            raise
+        except Exception as exc:
+            self.optuna_storage.failed(exc)
+            self.optuna.reconnect()
+            raise OptunaUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _fix_queued(queue: list, fix: Callable[[Any], object]) -> None:

@@ -209,6 +209,12 @@ class OptunaSearch:
         # must not reach the pruner (they would be compared with later-step values)
         self._pruned: set[str] = set()
 
+    def reconnect(self) -> None:
+        """Drop the storage's pooled connections (after a failure): the next call opens a
+        fresh one. SQLite opens a connection read-only for good when its file cannot be
+        written at that moment, and a database server's restart leaves dead ones."""
+        self.storage.engine.dispose()
+
     def study(
         self, name: str, search: Search, shape: str, lr_min: float, lr_max: float
     ) -> optuna.Study:

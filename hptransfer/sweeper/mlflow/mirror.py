@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.status import ACTIVE
+from hptransfer.sweeper.backoff import Backoff
 from hptransfer.sweeper.db.records import AttemptRecord, SweepRecord
 from hptransfer.sweeper.db.store import Store
 
@@ -99,8 +100,9 @@ class Mirror:
         self.store, self.tracking_uri = store, tracking_uri
         self.artifact_root = artifact_root
         self.artifacts = artifacts
-        self.interval, self.max_backoff, self.batch = interval, max_backoff, batch
-        self.last_error: str | None = None
+        self.interval, self.batch = interval, batch
+        self.outage = Backoff("MLflow mirror", log, 2 * interval, max_backoff)
+        self.last_error: str | None = None  # the latest row MLflow rejected
         self._client: Any = None
         self._runs: dict[str, tuple[str, int]] = {}  # running trial -> (run, start ms)
         self._live: collections.deque = collections.deque(maxlen=LIVE_QUEUE)
@@ -132,27 +134,23 @@ class Mirror:
         self._live.append((trial_id, _ms(started_at), list(points)))
 
     def _loop(self) -> None:
-        delay, down = self.interval, False
         while True:
             stopping = self._stop.is_set()
             try:
                 n = self.sync()
-                if down:
-                    log.warning("MLflow answers again: mirroring resumed")
-                down, delay, self.last_error = False, self.interval, None
+                self.outage.succeeded()
             except Exception as exc:
-                self.last_error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 self._live.clear()  # best effort: the final curves come from the database
-                if not down:
-                    log.warning("MLflow mirror paused (%s); retrying with backoff",
-                                self.last_error)
-                down, delay, n = True, min(max(delay, self.interval) * 2, self.max_backoff), 0
+                self.outage.failed(exc)
+                n = 0
             if stopping:
                 return
             if n >= self.batch:
                 continue  # a backlog: go on at once
-            # during an outage wakes are ignored: back-off, not one retry per dispatch tick
-            (self._stop if down else self._wake).wait(delay)
+            if self.outage.error:  # wakes are ignored: back-off, not one retry per dispatch tick
+                self._stop.wait(self.outage.delay)
+            else:
+                self._wake.wait(self.interval)
             self._wake.clear()
 
     # one pass -------------------------------------------------------------------------
