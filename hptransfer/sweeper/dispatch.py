@@ -527,9 +527,9 @@ class Dispatcher:
                 try:
                     self._ask_optuna(sweep, spec, free)
                 except OptunaUnavailable:
-                    self.waiting[sweep.id] = (
-                        f"Optuna's storage is failing ({self.optuna_storage.error}); its "
-                        "trials are asked once it answers")
+                    # why, for the listing; the error itself goes to /health and the log
+                    self.waiting[sweep.id] = ("Optuna's storage is failing; this sweep's next "
+                                              "trials are asked once it answers (see /health)")
             leased = self._lease(sweep.id, spec, free, cluster)
             while leased:
                 try:
