@@ -181,3 +181,6 @@ def test_gpu_sweep_waits_visibly_on_a_cluster_without_gpus(server, tiny_spec):
         assert "GPU" in summary["waiting_for"]
         assert summary["counts"]["running"] == 0 and summary["counts"]["pending"] == 3
         c.cancel(s["id"])
+        while c.get(s["id"])["waiting_for"] is not None:  # cancelled: it waits for nothing
+            assert time.time() < deadline + 30
+            time.sleep(0.2)

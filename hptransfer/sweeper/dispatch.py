@@ -513,7 +513,10 @@ class Dispatcher:
     def _fill(self) -> int:
         started = 0
         cluster = ray.cluster_resources()
-        for sweep in self.store.active_sweeps():
+        active = self.store.active_sweeps()
+        for gone in set(self.waiting) - {sweep.id for sweep in active}:
+            self.waiting.pop(gone, None)  # cancelled or finished: it waits for nothing now
+        for sweep in active:
             try:
                 spec = self._spec(sweep)
             except BadSweep:
