@@ -267,6 +267,74 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
         coordinator.stop()
 
 
+def test_optuna_storage_on_postgresql_is_used_again_after_a_read_only_spell(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch, caplog):
+    """Optuna's storage on PostgreSQL turns read-only for a while (as after a failover to a
+    standby) and its sessions are cut. A session reopened during that spell stays read-only
+    after it: kept in the pool, it failed every other call for good (the outage "recovered"
+    and "failed" again on each tell). Dropping the pool on each failure
+    (`OptunaSearch.reconnect`) ends the outage once: one log line when it starts, one when it
+    ends, and the sweep completes with every result told."""
+    import os
+    import uuid
+
+    url = os.environ.get("HPT_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("needs HPT_TEST_POSTGRES_URL (scripts/postgres_up.sh; .ci/run sets it)")
+    import psycopg
+
+    name = f"hpt_optuna_{uuid.uuid4().hex[:10]}"
+    optuna_url = f"{url.rsplit('/', 1)[0]}/{name}"
+    admin = psycopg.connect(url, autocommit=True)
+    admin.execute(f"CREATE DATABASE {name}")
+
+    def cut_sessions() -> None:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
+
+    try:
+        monkeypatch.setenv("HPT_OPTUNA_URL", optuna_url)
+        coordinator = Coordinator(get_settings())
+        store, dispatcher = coordinator.store, coordinator.dispatcher
+        caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+        searched = dict(tiny_spec, name="optuna-read-only", max_concurrent=1, reuse=False,
+                        search={"method": "optuna", "sampler": "tpe", "n_trials": 3},
+                        resources={"cpus": 1, "pack": 1}, budget={"steps": 300, "batch_size": 4})
+        coordinator.start()
+        try:
+            sweep_id = coordinator.submit(searched)["id"]
+            wait_for(lambda: any(f.last_step > 0 for f in dispatcher.in_flight.values()), 120,
+                     "the first Optuna trial to be training")
+            admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+            cut_sessions()
+            wait_for(lambda: "read-only" in (dispatcher.optuna_storage.error or ""), 120,
+                     "a write refused by the read-only storage")
+            assert store.get_sweep(sweep_id).status == "running"
+            admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+            wait_for(lambda: store.get_sweep(sweep_id).status == "completed", 120,
+                     lambda: f"the sweep to complete ({dispatcher.optuna_storage.error})")
+        finally:
+            coordinator.stop()
+        rows = store.trials(sweep_id, limit=None)
+        assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
+        (study,) = [n for n in optuna.get_all_study_names(optuna_url) if sweep_id in n]
+        told = {t.number: t for t in optuna.load_study(
+            study_name=study, storage=optuna_url).get_trials(deepcopy=False)}
+        for row in rows:
+            assert told[row.optuna_trial_number].state == optuna.trial.TrialState.COMPLETE
+            assert told[row.optuna_trial_number].value == pytest.approx(row.final_val_loss,
+                                                                        rel=1e-12)
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name == "hptransfer.sweeper.dispatch"]
+        assert sum("Optuna's storage failing" in m for m in lines) == 1, lines
+        assert sum("Optuna's storage recovered" in m for m in lines) == 1, lines
+        assert dispatcher.optuna_storage.error is None
+    finally:
+        cut_sessions()
+        admin.execute(f"DROP DATABASE IF EXISTS {name}")
+        admin.close()
+
+
 def test_a_restart_while_optunas_storage_fails_tells_the_study_once_it_answers(
         hpt_home, ray_cluster, tiny_spec, tmp_path):
     """A coordinator started while Optuna's storage fails still starts (grid sweeps need no

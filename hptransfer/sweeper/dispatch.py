@@ -705,9 +705,12 @@ class Dispatcher:
         except OptunaUnavailable:
             raise
         except Exception as exc:
-            self.optuna_storage.failed(exc)
+            # Optuna wraps the database's own error in a generic "error during the commit"
+            cause = exc.__cause__ if isinstance(
+                exc, optuna.exceptions.StorageInternalError) and exc.__cause__ else exc
+            self.optuna_storage.failed(cause)
             self.optuna.reconnect()
-            raise OptunaUnavailable(f"{type(exc).__name__}: {exc}") from exc
+            raise OptunaUnavailable(f"{type(cause).__name__}: {cause}") from exc
 
 
 def _fix_queued(queue: list, fix: Callable[[Any], object]) -> None:
