@@ -258,11 +258,11 @@ class Dispatcher:
             for sweep_id in sorted(self.untold):
                 try:
                     self._tell_sweep_untold(sweep_id, studies)
+                    idle = not self.store.count_trials(sweep_id, status=list(ACTIVE))
                 except BadSweep:  # marked failed: nothing to tell
-                    self.untold.discard(sweep_id)
-                    continue
-                self.untold.discard(sweep_id)
-                if not self.store.count_trials(sweep_id, status=list(ACTIVE)):
+                    idle = False
+                self.untold.discard(sweep_id)  # before the refresh, which waits on it
+                if idle:
                     self._refresh(sweep_id)
 
     def _tell_sweep_untold(self, sweep_id: str, studies: set[str]) -> None:

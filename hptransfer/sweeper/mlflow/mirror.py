@@ -102,7 +102,6 @@ class Mirror:
         self.artifacts = artifacts
         self.interval, self.batch = interval, batch
         self.outage = Backoff("MLflow mirror", log, 2 * interval, max_backoff)
-        self.last_error: str | None = None  # the latest row MLflow rejected
         self._client: Any = None
         self._runs: dict[str, tuple[str, int]] = {}  # running trial -> (run, start ms)
         self._live: collections.deque = collections.deque(maxlen=LIVE_QUEUE)
@@ -187,8 +186,7 @@ class Mirror:
         except Exception as exc:
             if is_transient(exc):
                 raise
-            self.last_error = f"{what}: {type(exc).__name__}: {str(exc)[:300]}"
-            log.warning("MLflow rejected %s", self.last_error)
+            log.warning("MLflow rejected %s: %s: %s", what, type(exc).__name__, str(exc)[:300])
 
     def _tolerant(self, what: str, step: Callable[[], Any]) -> None:
         """One step of a row's copy that may be rejected without spoiling the others."""
