@@ -263,7 +263,11 @@ class Dispatcher:
                     idle = False
                 self.untold.discard(sweep_id)  # before the refresh, which waits on it
                 if idle:
-                    self._refresh(sweep_id)
+                    try:
+                        self._refresh(sweep_id)
+                    except Exception:  # the database failed: the pass runs again (tells once)
+                        self.untold.add(sweep_id)
+                        raise
 
     def _tell_sweep_untold(self, sweep_id: str, studies: set[str]) -> None:
         """Tell or retract one sweep's Optuna trials left RUNNING."""
