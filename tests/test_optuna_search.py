@@ -40,6 +40,7 @@ from hptransfer.sweeper.optuna_search import (
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import Search
 from hptransfer.sweeper.spec.sections import MIN_FULL_BUDGET
+from hptransfer.workers.trainer import run_trial
 from hptransfer.workers.trial import Budget, TrialSpec
 
 TERMINAL_TRIAL = {"completed", "pruned", "diverged", "failed", "cancelled"}
@@ -135,13 +136,14 @@ def _check_study_matches(study: optuna.Study, trials: pd.DataFrame) -> None:
             assert max(frozen.intermediate_values) >= PRUNE_AFTER * STEPS
 
 
-# Grid LRs whose final loss is within TIE of the grid's minimum are ties: which of them is
-# the argmin is decided by rounding, not by the LR. Measured on this grid (SP 64x1): trained
-# alone the loss is 3.197 at 2^-5 and 3.201 at 2^-8; trained packed (equal up to fp32
-# rounding) 3.219 and 3.201, so the argmin moves 3 octaves. Over the 4 shapes the two runs
-# of an LR differ by < 1e-5 up to 2^-8, but by 0.1-0.3 from 2^-6 up (training at high LR
-# amplifies rounding), so a 0.03 margin is no looser than the grid's own repeatability.
-TIE = 0.03
+# At this budget the final loss is a noisy function of the LR, at every scale: trained alone,
+# SP 128x1 at 2^-7.53 .. 2^-7.45 (0.02 octave apart) gives 2.952-3.043 (std 0.035), and
+# 2^-9.25 / 2^-9 give 3.094 / 2.992; with seed 1 instead of 0 its best grid LR moves from 2^-9
+# to 2^-8. So the grid's argmin is one draw of that noise, and a search is judged against the
+# grid's basin, not its argmin: BASIN is three standard deviations of the difference of two
+# runs' losses (3 x 0.035 x sqrt 2). It still bounds η* to about 2 octaves of the 10 searched:
+# SP 128x1 is 0.25 above its best at 2^-10 and 0.29 at 2^-7, CompleteP 128x1 0.20 at 2^-9.
+BASIN = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +192,8 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameteriza
     """Alone (pack 1: every trial is asked after the previous one finished, so the first
     batch's lowest LR can be pruned) or packed (`auto` packs these widths on the CPU: the
     first batch trains together, then one trial at a time; SP, whose high LRs amplify the
-    packed rounding most), each shape's η* is near the grid's best LRs and the search costs
-    a fraction of the grid's tokens."""
+    packed rounding most), each shape's η* is in the grid's basin and trains as well as the
+    grid's best LR, and the search costs a fraction of the grid's tokens."""
     run = searches[pack, parameterization]
     settings, optuna_id, seen = run["settings"], run["id"], run["seen"]
     found, fits = run["found"], run["fits"]
@@ -236,27 +238,35 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameteriza
 
     # every shape has a reliable fitted η* (quadratic in log2 LR, as for grids: the best LR
     # has a full run on both sides, so the vertex is interpolated, not clamped) within one
-    # grid step of the grid's argmin or of an LR tied with it (within TIE), and the report
-    # lists its pruned trials with their steps
+    # grid step of a grid LR in the basin (within BASIN of the grid's best loss), and the
+    # report lists its pruned trials with their steps
     shapes = pd.DataFrame(fits["tables"]["optimal_lr"]).set_index(SHAPE)
     assert len(shapes) == n_shapes
-    best_loss = ok.groupby(SHAPE)["final_val_loss"].transform("min")
-    tied = ok[ok["final_val_loss"] <= best_loss + TIE].groupby(SHAPE)["lr"].agg(
-        lambda lrs: sorted(math.log2(lr) for lr in lrs))
+    best_loss = ok.groupby(SHAPE)["final_val_loss"].min()
+    in_basin = ok[ok["final_val_loss"] <= ok.groupby(SHAPE)["final_val_loss"].transform("min")
+                  + BASIN]
+    basin = in_basin.groupby(SHAPE)["lr"].agg(lambda lrs: sorted(math.log2(lr) for lr in lrs))
     lines = []
     for key, log2_grid in grid_log2.items():
         row = shapes.loc[key]
         assert row["log2_lr_opt"] is not None, (key, row["reason"])
         assert row["reliable"], (key, row["reason"], row["warnings"])
-        lines.append(f"  {key}: grid argmin 2^{log2_grid:.0f} (ties 2^{tied[key]}), optuna "
-                     f"η* 2^{row['log2_lr_opt']:.2f} ({int(row['n_completed'])} completed, "
+        # what η* trains to, alone, with the grid's spec of that shape: as good as the grid's
+        # best up to the noise (the check a user makes before training large at η*)
+        best_spec = argmin.loc[key, "spec"]
+        at_eta = run_trial(TrialSpec.model_validate(
+            {**best_spec, "lr": 2.0 ** row["log2_lr_opt"]})).final_val_loss
+        lines.append(f"  {key}: grid argmin 2^{log2_grid:.0f} (loss {best_loss[key]:.3f}; "
+                     f"basin 2^{basin[key]}), optuna η* 2^{row['log2_lr_opt']:.2f} "
+                     f"(loss trained alone {at_eta:.3f}; {int(row['n_completed'])} completed, "
                      f"{int(row['n_pruned'])} pruned)")
+        assert at_eta <= best_loss[key] + BASIN, lines[-1]
         stopped = pruned[(pruned["arm"] == key[0]) & (pruned["width"] == key[1])]
         assert sorted((p["lr"], p["step"]) for p in row["pruned"]) == sorted(
             zip(stopped["lr"], (stopped["tokens"] // (BATCH * SEQ)).astype(int), strict=True))
     print("\n" + "\n".join(lines))
     for line, key in zip(lines, grid_log2.index, strict=True):
-        assert min(abs(shapes.loc[key]["log2_lr_opt"] - x) for x in tied[key]) <= 1.0, line
+        assert min(abs(shapes.loc[key]["log2_lr_opt"] - x) for x in basin[key]) <= 1.0, line
     assert "pruned trials (stopped early, so not in the fit)" in fits["text"]
 
     # the real bound: without pruning the search costs N_TRIALS / len(LOG2_LRS) of the
