@@ -115,3 +115,14 @@ def tiny_spec():
     import copy
 
     return copy.deepcopy(TINY_SPEC)
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """The test PostgreSQL server's URL (`.ci/run` starts one; locally
+    scripts/postgres_up.sh), or skip (a failure in strict mode, see above)."""
+    url = os.environ.get("HPT_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("HPT_TEST_POSTGRES_URL not set (.ci/run sets it; locally run "
+                    "scripts/postgres_up.sh)")
+    return url

@@ -9,9 +9,11 @@ import logging
 import shutil
 import sqlite3
 import subprocess
+import uuid
 from pathlib import Path
 
 import optuna
+import psycopg
 import pytest
 import ray
 from sqlalchemy.exc import OperationalError
@@ -267,25 +269,18 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
         coordinator.stop()
 
 
+@pytest.mark.postgres
 def test_optuna_storage_on_postgresql_is_used_again_after_a_read_only_spell(
-        hpt_home, ray_cluster, tiny_spec, monkeypatch, caplog):
+        hpt_home, ray_cluster, tiny_spec, postgres_url, monkeypatch, caplog):
     """Optuna's storage on PostgreSQL turns read-only for a while (as after a failover to a
     standby) and its sessions are cut. A session reopened during that spell stays read-only
     after it: kept in the pool, it failed every other call for good (the outage "recovered"
     and "failed" again on each tell). Dropping the pool on each failure
     (`OptunaSearch.reconnect`) ends the outage once: one log line when it starts, one when it
     ends, and the sweep completes with every result told."""
-    import os
-    import uuid
-
-    url = os.environ.get("HPT_TEST_POSTGRES_URL")
-    if not url:
-        pytest.skip("needs HPT_TEST_POSTGRES_URL (scripts/postgres_up.sh; .ci/run sets it)")
-    import psycopg
-
     name = f"hpt_optuna_{uuid.uuid4().hex[:10]}"
-    optuna_url = f"{url.rsplit('/', 1)[0]}/{name}"
-    admin = psycopg.connect(url, autocommit=True)
+    optuna_url = f"{postgres_url.rsplit('/', 1)[0]}/{name}"
+    admin = psycopg.connect(postgres_url, autocommit=True)
     admin.execute(f"CREATE DATABASE {name}")
 
     def cut_sessions() -> None:

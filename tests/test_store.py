@@ -4,7 +4,6 @@ HPT_TEST_POSTGRES_URL is set (`.ci/run` starts a server; locally: scripts/postgr
 from __future__ import annotations
 
 import math
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,7 +34,6 @@ from hptransfer.sweeper.db.store import (
 )
 from hptransfer.workers.trial import TrialResult, TrialSpec
 
-PG_ENV = "HPT_TEST_POSTGRES_URL"
 PRESET = {"sp": "sp", "mup": "mup", "completep": "completep"}
 
 
@@ -106,9 +104,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'nested' / 'hpt.db'}"  # parent missing: Store makes it
         return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} not set (.ci/run sets it; locally run scripts/postgres_up.sh)")
+    base = request.getfixturevalue("postgres_url")
     schema = f"hpt_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(normalize_url(base))
     with admin.begin() as conn:
