@@ -1,41 +1,54 @@
-"""GPU check: MFU of one trial at widths 256, 1024, 2048 (bf16, torch.compile) and packed
-(K=8) vs sequential trials/s at width 256.
+"""GPU check: MFU of one trial at widths 256, 1024, 2048 (bf16, torch.compile), packed (K=8)
+vs sequential trials at width 256, and packed-vs-solo equivalence on the device.
 
-MFU is measured twice per width:
-- steady: analytic training FLOPs per token x tokens/s between two reporter calls after the
-  first third of the steps (compile and warm-up excluded; the trainer reads losses back to
-  the host at those calls, so the interval holds every step's GPU work);
-- trial: run_trial's own figure, compile, warm-up and the final eval included.
-The packing ratio is what a sweep sees: K trials one after the other (each compiling) against
-one pack of K, wall time.
+Sections, in order of what a short lease must not miss; each is timed, a failing one prints
+its traceback and the next runs, and a section that would start after `--deadline` seconds
+is skipped (the device tool's lease is short):
+- mfu: per width, analytic training FLOPs per token x tokens/s between two reporter calls
+  after the first third of the steps (compile and warm-up excluded; the trainer reads losses
+  back to the host at those calls, so the interval holds every step's GPU work), and
+  run_trial's own figure (compile, warm-up and the final eval included).
+- pack: K trials one after the other (each its own run_trial) against one pack of K: wall
+  time, as a sweep sees it (compiles included), and steady tokens/s (compiles excluded).
+- equivalence: tests/test_packed.py's cases (every arch x parameterization) on the device,
+  eager fp32, each member of a pack against run_trial alone (goal: final val loss within
+  1e-3 relative), then two cases compiled in bf16 (the bf16 tests' 5e-3).
 
-`--device cpu` runs the same script on the CPU (fp32, small widths by default, no peak so
-no MFU): a dry run of every code path except CUDA's, for machines without a GPU.
-`scripts/gpu_check.sh` runs it on the GPU machine that the device tool lends (after
-`scripts/gpu_wheels.sh` here fetched the wheels that machine lacks).
+`--device cpu` runs the same script on the CPU (fp32, small widths, no peak so no MFU): a dry
+run of every code path except CUDA's. `scripts/gpu_check.sh` runs it on the GPU machine that
+the device tool lends (after `scripts/gpu_wheels.sh` here fetched the wheels it lacks).
 
-    .venv/bin/python benchmarks/gpu_check.py [--steps 60] [--k 8] [--device cuda|cpu]
-        [--widths 256 1024 2048] [--pack-width 256]
+    .venv/bin/python benchmarks/gpu_check.py [--steps 100] [--pack-steps 200] [--k 8]
+        [--device cuda|cpu] [--widths 256 1024 2048] [--pack-width 256] [--deadline 480]
+        [--only mfu pack equivalence]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from _timing import sequential_and_packed_rounds, step_stamps
+from _timing import step_stamps
 
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
 from hptransfer.workers.device import peak_flops, resolve_device
 from hptransfer.workers.plan import load_trial_data
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trial import TrialResult, TrialSpec
 
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}
 CUDA_DEFAULTS = {"widths": [256, 1024, 2048], "pack_width": 256, "batch": 32, "seq_len": 512}
+SECTIONS = ("mfu", "pack", "equivalence")
+BF16_COMPILED_CASES = ("gpt-completep", "ngpt")
 
 
 def spec(width: int, steps: int, device: str, batch: int, seq_len: int,
@@ -47,64 +60,184 @@ def spec(width: int, steps: int, device: str, batch: int, seq_len: int,
                      divergence_factor=1e9)  # a timing run must not stop early
 
 
-def steady_tokens_per_s(s: TrialSpec, cache: str) -> tuple[float, Any]:
-    """(tokens/s over the steps after the first third, the trial's result)."""
-    stamps, result = step_stamps(s, cache)
-    steps = s.budget.steps or 0
-    # the last stamp before the final step (which also evaluates)
+def steady_rate(stamps: dict[int, float], steps: int) -> tuple[int, float]:
+    """(steps, seconds) between the first reporter call after a third of the run and the
+    last one before the final step (which also evaluates)."""
     window = sorted(k for k in stamps if steps // 3 <= k < steps - 1)
     if len(window) < 2:
         raise RuntimeError(f"{len(window)} reporter calls in the timed window")
     first, last = window[0], window[-1]
-    tokens = (last - first) * s.batch_size * s.seq_len
-    return tokens / (stamps[last] - stamps[first]), result
+    return last - first, stamps[last] - stamps[first]
+
+
+def steady_tokens_per_s(s: TrialSpec, cache: str) -> tuple[float, TrialResult]:
+    """(tokens/s over the steps after the first third, the trial's result)."""
+    stamps, result = step_stamps(s, cache)
+    n, seconds = steady_rate(stamps, s.budget.steps or 0)
+    return n * s.batch_size * s.seq_len / seconds, result
+
+
+def packed_steady(specs: list[TrialSpec], cache: str) -> tuple[float, float, list[TrialResult]]:
+    """(all members' tokens/s in the steady window, wall seconds, results) of one pack."""
+    stamps: dict[int, float] = {}
+
+    def reporter(member: int, point: dict[str, Any]) -> bool:
+        if member == 0:
+            stamps[point["step"]] = time.perf_counter()
+        return False
+
+    t = time.perf_counter()
+    results = run_trials(specs, reporter=reporter, cache_dir=cache)
+    wall = time.perf_counter() - t
+    n, seconds = steady_rate(stamps, specs[0].budget.steps or 0)
+    s = specs[0]
+    return len(specs) * n * s.batch_size * s.seq_len / seconds, wall, results
+
+
+def section_mfu(args: argparse.Namespace, cache: str) -> None:
+    peak = peak_flops(args.device_obj)
+    for width in args.widths:
+        # compiled afresh, as in a new worker process: a second width in one process
+        # would otherwise make dynamo recompile with dynamic shapes
+        torch._dynamo.reset()
+        s = spec(width, args.steps, args.device, args.batch, args.seq_len)
+        data = load_trial_data(s, cache)
+        fpt = flops_per_token(s.model_config_obj(vocab_size=data.vocab_size),
+                              args.seq_len).training
+        t = time.perf_counter()
+        tps, r = steady_tokens_per_s(s, cache)
+        wall = time.perf_counter() - t
+        steady = f"{fpt * tps / peak:.1%}" if peak else "n/a"
+        trial = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
+        print(f"width {width}: steady {tps:,.0f} tok/s, {fpt * tps / 1e12:.2f} TFLOP/s, "
+              f"MFU {steady}; trial (compile and eval included, {wall:.1f} s wall) "
+              f"{r.tokens_per_s:,.0f} tok/s, MFU {trial}; peak memory "
+              f"{_peak_memory_gib(args.device_obj)}; notes={r.notes}", flush=True)
+
+
+def section_pack(args: argparse.Namespace, cache: str) -> None:
+    torch._dynamo.reset()
+    specs = [spec(args.pack_width, args.pack_steps, args.device, args.batch, args.seq_len,
+                  lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(args.k)]
+    load_trial_data(specs[0], cache)  # the tokenizer is trained once, outside both timings
+    t = time.perf_counter()
+    solo_tps, seq = [], []
+    for s in specs:
+        tps, r = steady_tokens_per_s(s, cache)
+        solo_tps.append(tps)
+        seq.append(r)
+    t_seq = time.perf_counter() - t
+    print(f"width {args.pack_width}, {args.pack_steps} steps: sequential {args.k} trials "
+          f"{t_seq:.1f} s wall, steady {min(solo_tps):,.0f}-{max(solo_tps):,.0f} tok/s each",
+          flush=True)
+    pack_tps, t_pack, packed = packed_steady(specs, cache)
+    mean_solo = sum(solo_tps) / len(solo_tps)
+    print(f"width {args.pack_width}, K={args.k}: packed {t_pack:.1f} s wall, steady "
+          f"{pack_tps:,.0f} tok/s; ratio wall {t_seq / t_pack:.2f}x, steady "
+          f"{pack_tps / mean_solo:.2f}x; statuses "
+          f"{sorted({TrialStatus(r.status).value for r in seq + packed})}")
+    worst = max(abs(p.final_val_loss - q.final_val_loss) / q.final_val_loss
+                for p, q in zip(packed, seq, strict=True))
+    print(f"{specs[0].precision} members vs run_trial: worst final val loss rel diff {worst:.2e}")
+    print(f"packed notes: {packed[0].notes}", flush=True)
+
+
+def section_equivalence(args: argparse.Namespace, cache: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_packed import CASES, specs_for
+
+    def compare(name: str, specs: list[TrialSpec], tol: float) -> None:
+        torch._dynamo.reset()
+        t = time.perf_counter()
+        packed = run_trials(specs, cache_dir=cache)
+        solos = [run_trial(s, cache_dir=cache) for s in specs]
+        rels, firsts = [], []
+        for p, q in zip(packed, solos, strict=True):
+            if p.status != q.status or q.final_val_loss is None:
+                print(f"  {name}: status packed {p.status} / solo {q.status}: "
+                      f"{p.error or q.error}")
+                return
+            rels.append(abs(p.final_val_loss - q.final_val_loss) / q.final_val_loss)
+            firsts.append(abs(p.curve[0]["train_loss"] - q.curve[0]["train_loss"]))
+        verdict = "ok" if max(rels) <= tol else f"OVER {tol:g}"
+        print(f"  {name}: final val loss rel diff max {max(rels):.2e} ({verdict}), first "
+              f"train loss abs diff max {max(firsts):.1e}, losses "
+              f"{[round(q.final_val_loss, 4) for q in solos]}, "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+
+    device = {"device": args.device}
+    saved = os.environ.get("HPT_COMPILE")
+    os.environ["HPT_COMPILE"] = "0"
+    try:
+        print("eager fp32, packed vs run_trial per member (tol 1e-3):", flush=True)
+        for name, case in CASES.items():
+            compare(name, [s.model_copy(update=device) for s in specs_for(case)], 1e-3)
+    finally:
+        os.environ.pop("HPT_COMPILE", None) if saved is None else os.environ.update(
+            HPT_COMPILE=saved)
+    if args.device != "cuda":
+        return
+    if time.perf_counter() - args.started > args.deadline:
+        print("compiled bf16 equivalence: skipped, past the deadline", flush=True)
+        return
+    print("compiled bf16, packed vs run_trial per member (tol 5e-3):", flush=True)
+    for name in BF16_COMPILED_CASES:
+        specs = [s.model_copy(update={**device, "precision": "bf16"})
+                 for s in specs_for(CASES[name])]
+        compare(name, specs, 5e-3)
+
+
+def _peak_memory_gib(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "n/a"
+    gib = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return f"{gib:.1f} GiB"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--pack-steps", type=int, default=200)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--widths", type=int, nargs="+")
     parser.add_argument("--pack-width", type=int)
+    parser.add_argument("--deadline", type=float, default=480.0,
+                        help="seconds after which no further section starts")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check on this machine (--device cpu dry-runs it)")
         return
     defaults = CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS
-    widths = args.widths or defaults["widths"]
-    pack_width = args.pack_width or defaults["pack_width"]
-    batch, seq_len = defaults["batch"], defaults["seq_len"]
-    device = resolve_device(args.device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    peak = peak_flops(device)
+    args.widths = args.widths or defaults["widths"]
+    args.pack_width = args.pack_width or defaults["pack_width"]
+    args.batch, args.seq_len = defaults["batch"], defaults["seq_len"]
+    args.device_obj = resolve_device(args.device)
+    name = torch.cuda.get_device_name() if args.device_obj.type == "cuda" else "CPU"
+    peak = peak_flops(args.device_obj)
     print(f"{name}, torch {torch.__version__}, peak bf16 "
           f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; "
-          f"batch {batch} x seq {seq_len}, depth 4, {args.steps} steps")
+          f"batch {args.batch} x seq {args.seq_len}, depth 4, {args.steps} steps", flush=True)
+    sections: dict[str, Callable[[argparse.Namespace, str], None]] = {
+        "mfu": section_mfu, "pack": section_pack, "equivalence": section_equivalence}
+    started = args.started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hpt-gpu-") as cache:
-        for width in widths:
-            # compiled afresh, as in a new worker process: a second width in one process
-            # would otherwise make dynamo recompile with dynamic shapes
-            torch._dynamo.reset()
-            s = spec(width, args.steps, args.device, batch, seq_len)
-            data = load_trial_data(s, cache)
-            fpt = flops_per_token(s.model_config_obj(vocab_size=data.vocab_size),
-                                  seq_len).training
-            tps, r = steady_tokens_per_s(s, cache)
-            steady = f"{fpt * tps / peak:.1%}" if peak else "n/a"
-            trial = f"{r.mfu:.1%}" if r.mfu is not None else "n/a"
-            print(f"width {width}: steady {tps:,.0f} tok/s, {fpt * tps / 1e12:.2f} TFLOP/s, "
-                  f"MFU {steady}; trial (compile and eval included) "
-                  f"{r.tokens_per_s:,.0f} tok/s, MFU {trial}; notes={r.notes}", flush=True)
-        torch._dynamo.reset()
-        specs = [spec(pack_width, args.steps, args.device, batch, seq_len,
-                      lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(args.k)]
-        seq, packed, [t_seq], [t_pack] = sequential_and_packed_rounds(specs, cache, 1)
-        print(f"width {pack_width}, K={args.k}: sequential {t_seq:.1f} s, packed {t_pack:.1f} "
-              f"s, ratio {t_seq / t_pack:.2f}; statuses "
-              f"{sorted({TrialStatus(r.status).value for r in seq + packed})}")
-        print(f"packed notes: {packed[0].notes}")
-    sys.stdout.flush()
+        for key in args.only:
+            elapsed = time.perf_counter() - started
+            if elapsed > args.deadline:
+                print(f"== {key}: skipped, {elapsed:.0f} s past the {args.deadline:.0f} s "
+                      "deadline", flush=True)
+                continue
+            print(f"== {key} (at {elapsed:.0f} s)", flush=True)
+            try:
+                sections[key](args, cache)
+            except Exception:  # report and go on: the next section is still worth its time
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+    print(f"== done in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
