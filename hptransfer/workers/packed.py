@@ -137,12 +137,13 @@ class _Pack:
                 self.blocks[n] = (start, start + shape.numel(), shape)
                 start += shape.numel()
             self.segments.append((first, start))
+        # stacked before the template moves: Module.to moves member 0's parameters in place
+        initial = torch.stack([torch.cat([m[n].detach().flatten() for n in names])
+                               for m in named])
         self.template: nn.Module = built[0].model.to(device)  # code + buffers, not weights
         self.ngpt_axes = (self.template.unit_norm_axes()
                           if isinstance(self.template, NGPT) else {})
-        self._set_params(torch.stack([
-            torch.cat([m[n].detach().flatten() for n in names]) for m in named
-        ]).to(device))
+        self._set_params(initial.to(device))
         self.exp_avg = torch.zeros_like(self.flat)
         self.exp_avg_sq = torch.zeros_like(self.flat)
         self.grad, self.scratch = torch.empty_like(self.flat), torch.empty_like(self.flat)
