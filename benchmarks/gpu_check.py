@@ -48,6 +48,8 @@ from hptransfer.workers.trial import TrialResult, TrialSpec
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}
 CUDA_DEFAULTS = {"widths": [256, 1024, 2048], "pack_width": 256, "batch": 32, "seq_len": 512}
 SECTIONS = ("mfu", "pack", "equivalence")
+# on request (--only ...): where a pack's step time goes; steady pack ratios per width and K
+EXTRA_SECTIONS = ("profile", "scan")
 BF16_COMPILED_CASES = ("gpt-completep", "ngpt")
 
 
@@ -187,6 +189,56 @@ def section_equivalence(args: argparse.Namespace, cache: str) -> None:
         compare(name, specs, 5e-3)
 
 
+def section_profile(args: argparse.Namespace, cache: str) -> None:
+    """A pack of each K at the pack width, compiled and warmed, then 40 steps under
+    torch.profiler: device time by kernel against host time by op, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 40
+    for k in args.profile_k:
+        torch._dynamo.reset()
+        specs = [spec(args.pack_width, steps, args.device, args.batch, args.seq_len,
+                      lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(k)]
+        run_trials(specs, cache_dir=cache)  # compile (the next run's Compiled reuses it)
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            run_trials(specs, cache_dir=cache)
+            wall = time.perf_counter() - t
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events)
+        print(f"K={k}: {steps} steps in {wall:.2f} s under the profiler "
+              f"({wall / steps * 1e3:.1f} ms/step); device busy {device_us / 1e3:.0f} ms "
+              f"({device_us / 1e3 / steps:.1f} ms/step)", flush=True)
+        sort = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=22, max_name_column_width=60), flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12,
+                           max_name_column_width=60), flush=True)
+
+
+def section_scan(args: argparse.Namespace, cache: str) -> None:
+    """Steady tokens/s of a pack of K against one trial alone, per WIDTH:K of `--scan`
+    (compiles excluded): what `pack: auto` on CUDA (sweeper/packing.py) is chosen from."""
+    solo: dict[int, float] = {}
+    for item in args.scan:
+        if time.perf_counter() - args.started > args.deadline:
+            print(f"scan {item}: skipped, past the deadline", flush=True)
+            continue
+        width, k = (int(v) for v in item.split(":"))
+        specs = [spec(width, args.steps, args.device, args.batch, args.seq_len,
+                      lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(k)]
+        if width not in solo:
+            torch._dynamo.reset()
+            solo[width], _ = steady_tokens_per_s(specs[0], cache)
+        torch._dynamo.reset()
+        pack_tps, wall, results = packed_steady(specs, cache)
+        print(f"width {width}, K={k}: solo {solo[width]:,.0f} tok/s, packed {pack_tps:,.0f} "
+              f"tok/s, steady ratio {pack_tps / solo[width]:.2f}x ({wall:.1f} s wall, peak "
+              f"memory {_peak_memory_gib(args.device_obj)}); statuses "
+              f"{sorted({TrialStatus(r.status).value for r in results})}", flush=True)
+
+
 def _peak_memory_gib(device: torch.device) -> str:
     if device.type != "cuda":
         return "n/a"
@@ -205,7 +257,11 @@ def main() -> None:
     parser.add_argument("--pack-width", type=int)
     parser.add_argument("--deadline", type=float, default=480.0,
                         help="seconds after which no further section starts")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--only", nargs="+", choices=SECTIONS + EXTRA_SECTIONS,
+                        default=list(SECTIONS))
+    parser.add_argument("--profile-k", type=int, nargs="+", default=[8])
+    parser.add_argument("--scan", nargs="+", default=["256:16", "512:4", "512:8", "1024:4"],
+                        help="WIDTH:K packs for the scan section")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check on this machine (--device cpu dry-runs it)")
@@ -221,7 +277,8 @@ def main() -> None:
           f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; "
           f"batch {args.batch} x seq {args.seq_len}, depth 4, {args.steps} steps", flush=True)
     sections: dict[str, Callable[[argparse.Namespace, str], None]] = {
-        "mfu": section_mfu, "pack": section_pack, "equivalence": section_equivalence}
+        "mfu": section_mfu, "pack": section_pack, "equivalence": section_equivalence,
+        "profile": section_profile, "scan": section_scan}
     started = args.started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hpt-gpu-") as cache:
         for key in args.only:
