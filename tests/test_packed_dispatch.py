@@ -20,7 +20,7 @@ from waiting import run_sweep, wait_for
 
 from hptransfer.api import create_app
 from hptransfer.config import get_settings
-from hptransfer.sweeper.packing import auto_pack, pack_key, plan_packs
+from hptransfer.sweeper.packing import auto_pack, pack_cost, pack_key, plan_packs
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError, load_spec
 
@@ -44,14 +44,37 @@ def _trial(i: int, width: int, lr: float) -> SimpleNamespace:
 
 def test_auto_pack_follows_the_measured_rule():
     assert [auto_pack(w, gpu=False) for w in (16, 32, 64, 128, 256)] == [8, 8, 8, 8, 1]
-    assert auto_pack(256, gpu=True) > auto_pack(1024, gpu=True) > auto_pack(4096, gpu=True) == 1
+    # CUDA (gpu_check.py's scan on an H200): K=8 up to 512 wide; from 1024 a trial alone
+    # already fills the GPU (a pack of 4 gained 1.02x)
+    assert [auto_pack(w, gpu=True) for w in (64, 256, 512, 1024, 4096)] == [8, 8, 8, 1, 1]
+
+
+def test_pack_cost_is_n_over_the_measured_gain_of_the_shape():
+    assert pack_cost(1, 256, gpu=True) == 1.0
+    assert pack_cost(8, 256, gpu=True) == pytest.approx(8 / 3.5)
+    assert pack_cost(2, 256, gpu=True) == 1.0  # a pack of 2 gains at most 2x
+    assert pack_cost(8, 512, gpu=True) == pytest.approx(8 / 1.5)
+    assert pack_cost(4, 1024, gpu=True) == 4.0  # no gain known: as the trials one by one
+    assert pack_cost(8, 64, gpu=False) == pytest.approx(8 / 1.3)
+    assert pack_cost(8, 256, gpu=False) == 8.0
+
+
+def test_gpu_plan_packs_small_shapes_and_keeps_both_slots_busy():
+    small = [_trial(i, 256, 2.0**-i) for i in range(8)]
+    large = [_trial(8 + i, 1024, 2.0**-i) for i in range(4)]
+    packs = plan_packs(small + large, 2, lambda t: auto_pack(t.width, gpu=True),
+                       lambda t, n: pack_cost(n, t.width, gpu=True))
+    # one pack of 8 (8/3.5 = 2.3 trial-times) would leave a slot to the four 1024-wide
+    # trials alone (makespan 3.3); two packs of 4 (1.14 each) balance at 3.14
+    assert sorted(len(p) for p in packs) == [1, 1, 1, 1, 4, 4]
+    assert all(len(p) == 1 for p in packs if p[0].width == 1024)
 
 
 def test_packs_hold_one_shape_and_are_sized_to_keep_every_slot_busy():
     trials = [_trial(i, w, 2.0**-i) for w in (64, 128) for i in range(6)]
     assert pack_key(trials[0].spec) == pack_key(trials[5].spec)  # lr, seed may differ
     assert pack_key(trials[0].spec) != pack_key(trials[6].spec)  # width may not
-    cpu = lambda n: 1.0 if n == 1 else n / 1.15  # noqa: E731  (packing gains 15 %)
+    cpu = lambda t, n: 1.0 if n == 1 else n / 1.15  # noqa: E731  (packing gains 15 %)
     packs = plan_packs(trials, slots=2, size_of=lambda t: 8, cost=cpu)
     # two packs of 6 on 2 slots: 6/1.15 = 5.2 trial-times, against 6 one by one
     assert [[t.id for t in p] for p in packs] == [[f"t{i}" for i in range(6)]] * 2

@@ -566,7 +566,7 @@ class Dispatcher:
                                     limit=min(_MAX_PEEK, slots * MAX_PACK))
         gpu = on_gpu(spec)
         planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.width),
-                             lambda n: pack_cost(n, gpu))
+                             lambda t, n: pack_cost(n, t.width, gpu))
         leased = []
         for pack in planned[:free]:
             got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,

@@ -26,9 +26,11 @@ from .spec import SweepSpec
 CPU_PACK_MAX_WIDTH = 128
 CPU_PACK = 8
 CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
-# CUDA: a small model leaves most of the GPU idle, so a pack costs about one trial up to K
-# (HFTA); not measured here (no GPU lent): larger K for smaller widths, none from 2048.
-CUDA_PACKS = ((256, 16), (512, 8), (1024, 4))  # (widest shape, K)
+# `pack: auto` on CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, batch 32 x
+# 512 tokens, depth 4, 2026-12-04; steady tokens/s of a pack against one trial alone): K=8
+# gave 3.48x at width 128, 3.78x at 256 and 1.60x at 512 (K=4 there: 1.49x); K=4 at 1024
+# gave 1.02x, one trial alone already reaching 42 % MFU there. (widest shape, K, gain)
+CUDA_PACKS = ((256, 8, 3.5), (512, 8, 1.5))
 
 
 def on_gpu(spec: SweepSpec) -> bool:
@@ -39,7 +41,7 @@ def on_gpu(spec: SweepSpec) -> bool:
 def auto_pack(width: int, gpu: bool) -> int:
     """The pack size `auto` picks for a shape of this width on this kind of device."""
     if gpu:
-        return next((k for widest, k in CUDA_PACKS if width <= widest), 1)
+        return next((k for widest, k, _ in CUDA_PACKS if width <= widest), 1)
     return CPU_PACK if width <= CPU_PACK_MAX_WIDTH else 1
 
 
@@ -49,11 +51,19 @@ def pack_size(spec: SweepSpec, width: int) -> int:
     return auto_pack(width, on_gpu(spec)) if pack == "auto" else int(pack)
 
 
-def pack_cost(n: int, gpu: bool) -> float:
-    """Estimated wall time of a pack of n, in units of one trial alone."""
+def pack_gain(width: int, gpu: bool) -> float:
+    """Measured packed/sequential trials/s for a shape of this width (1: no gain known)."""
+    if gpu:
+        return next((gain for widest, _, gain in CUDA_PACKS if width <= widest), 1.0)
+    return CPU_GAIN if width <= CPU_PACK_MAX_WIDTH else 1.0
+
+
+def pack_cost(n: int, width: int, gpu: bool) -> float:
+    """Estimated wall time of a pack of n trials of this width, in units of one trial
+    alone: n / gain, the gain reached from a pack of two on (never above n)."""
     if n <= 1:
         return 1.0
-    return 1.0 if gpu else n / CPU_GAIN
+    return n / min(float(n), pack_gain(width, gpu))
 
 
 def pack_key(trial_spec: Mapping[str, Any]) -> str:
@@ -74,11 +84,12 @@ def plan_packs(
     trials: Sequence[T],
     slots: int,
     size_of: Callable[[T], int],
-    cost: Callable[[int], float],
+    cost: Callable[[T, int], float],
 ) -> list[list[T]]:
     """Split pending trials (plan order) into packs of one shape, in plan order.
 
-    `size_of(trial)` is the largest pack its shape may form; `cost(n)` a pack's wall time.
+    `size_of(trial)` is the largest pack its shape may form; `cost(trial, n)` the wall time
+    of a pack of n trials of that trial's shape.
     Full packs are not always fastest: three packs of 6 on 2 slots take longer than 18
     trials one by one when packing gains only 15 %. So every cap on the pack size up to the
     largest allowed is tried, each group is cut into near-equal packs under it, and the cap
@@ -93,7 +104,7 @@ def plan_packs(
     best_packs: list[list[T]] = []
     for cap in range(1, limit + 1):
         packs = [pack for g in groups.values() for pack in _cut(g, min(cap, size_of(g[0])))]
-        span = round(_makespan([cost(len(p)) for p in packs], max(1, slots)), 9)
+        span = round(_makespan([cost(p[0], len(p)) for p in packs], max(1, slots)), 9)
         if best is None or (span, -cap) <= best:
             best, best_packs = (span, -cap), packs
     return best_packs
