@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo as dynamo
+import torch._dynamo.testing
 from test_packed import CASES, specs_for
 
 from hptransfer.models.build import build_from_config
 from hptransfer.workers.device import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
-from hptransfer.workers.packed import _Pack
+from hptransfer.workers.packed import _STACK_SIZE_MAY_CHANGE, _Pack
 from hptransfer.workers.plan import load_trial_data, plan_trial
 from hptransfer.workers.trial import Budget, TrialSpec
 
@@ -102,6 +103,29 @@ def test_compiled_packed_step_equals_eager():
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
     assert not torch.equal(flat, _pack_and_batch("gpt-x0-ve")[0].flat)  # the step moved it
     torch.testing.assert_close(flat, eager_flat, rtol=1e-5, atol=1e-7)
+
+
+def test_a_shrinking_pack_compiles_its_model_once_more_not_once_per_size():
+    """Compaction drops stopped members from the stacks the model's parameters are views of.
+    The first smaller K compiles the model again with K dynamic; later sizes reuse that graph
+    (parameters traced as static shapes compiled it anew for every K), and it stays right."""
+    specs = specs_for(CASES["gpt-completep"], [dict(lr=2**-8, seed=s) for s in range(4)])
+    pack = _Pack(specs, None, None)
+    batches = [pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, s.seed)
+               for s in specs]
+    xs, ys = torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])
+    counter = dynamo.testing.CompileCounterWithBackend("aot_eager")
+    losses = torch.compile(pack._losses, backend=counter)
+    for stopped in (None, 0, 2):  # K = 4, then 3, then 2
+        if stopped is not None:
+            pack.members[stopped].progress.status = "pruned"
+            pack._compact()
+        rows = pack.rows
+        with _STACK_SIZE_MAY_CHANGE:
+            got = losses(xs[rows], ys[rows])
+        torch.testing.assert_close(got, pack._losses(xs[rows], ys[rows]), rtol=1e-6, atol=0)
+    assert pack.rows == [1, 3]
+    assert counter.frame_count == 2  # K = 4 static, then one dynamic graph for 3 and 2
 
 
 @pytest.mark.parametrize("name", ["gpt-completep", "gpt-x0-ve", "ngpt"])

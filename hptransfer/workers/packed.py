@@ -100,6 +100,13 @@ class _Member:
     train_time: float = 0.0
 
 
+# Compaction shrinks the stacks (K) that the compiled model's parameters are views of; torch
+# compiles parameters for their exact shapes, so each smaller K compiled the model anew (a
+# pack of 5 losing 3 members one by one: 4 compiles, CPU, ad hoc). Traced as any input, the
+# first change of K makes it dynamic and later compactions reuse that graph.
+_STACK_SIZE_MAY_CHANGE = torch._dynamo.config.patch(force_parameter_static_shapes=False)
+
+
 class _Pack:
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
                  cache_dir: str | None):
@@ -333,7 +340,8 @@ class _Pack:
             losses = torch.zeros(len(self.rows), device=device)
             # micro-batches along the batch axis (1); gradients accumulate in .grad
             for xc, yc, weight in micro_batches(x, y, spec, dim=1):
-                part = self.loss_fn(xc, yc)
+                with _STACK_SIZE_MAY_CHANGE:
+                    part = self.loss_fn(xc, yc)
                 if weight != 1.0:
                     part = part * weight
                 part.sum().backward()  # members are independent: each gets its own gradient
