@@ -62,6 +62,12 @@ def spec(width: int, steps: int, device: str, batch: int, seq_len: int,
                      divergence_factor=1e9)  # a timing run must not stop early
 
 
+def grid_lr(i: int, k: int) -> float:
+    """Member i of k's LR: 2^-10 ... 2^-4.75 whatever k (a pack of 8 steps by 0.75 octave),
+    so a larger pack holds no member that diverges and shrinks it mid-measurement."""
+    return 2.0 ** (-10 + i * 5.25 / max(1, k - 1))
+
+
 def steady_rate(stamps: dict[int, float], steps: int) -> tuple[int, float]:
     """(steps, seconds) between the first reporter call after a third of the run and the
     last one before the final step (which also evaluates)."""
@@ -120,7 +126,7 @@ def section_mfu(args: argparse.Namespace, cache: str) -> None:
 def section_pack(args: argparse.Namespace, cache: str) -> None:
     torch._dynamo.reset()
     specs = [spec(args.pack_width, args.pack_steps, args.device, args.batch, args.seq_len,
-                  lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(args.k)]
+                  lr=grid_lr(i, args.k), seed=i) for i in range(args.k)]
     load_trial_data(specs[0], cache)  # the tokenizer is trained once, outside both timings
     t = time.perf_counter()
     solo_tps, seq = [], []
@@ -198,7 +204,7 @@ def section_profile(args: argparse.Namespace, cache: str) -> None:
     for k in args.profile_k:
         torch._dynamo.reset()
         specs = [spec(args.pack_width, steps, args.device, args.batch, args.seq_len,
-                      lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(k)]
+                      lr=grid_lr(i, k), seed=i) for i in range(k)]
         run_trials(specs, cache_dir=cache)  # compile (the next run's Compiled reuses it)
         activities = [ProfilerActivity.CPU] + (
             [ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -227,7 +233,7 @@ def section_scan(args: argparse.Namespace, cache: str) -> None:
             continue
         width, k = (int(v) for v in item.split(":"))
         specs = [spec(width, args.steps, args.device, args.batch, args.seq_len,
-                      lr=2.0 ** (-10 + i * 0.75), seed=i) for i in range(k)]
+                      lr=grid_lr(i, k), seed=i) for i in range(k)]
         if width not in solo:
             torch._dynamo.reset()
             solo[width], _ = steady_tokens_per_s(specs[0], cache)
