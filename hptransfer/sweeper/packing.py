@@ -28,9 +28,10 @@ CPU_PACK = 8
 CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
 # `pack: auto` on CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, batch 32 x
 # 512 tokens, depth 4, 2026-12-04; steady tokens/s of a pack against one trial alone): K=8
-# gave 3.48x at width 128, 3.78x at 256 and 1.60x at 512 (K=4 there: 1.49x); K=4 at 1024
-# gave 1.02x, one trial alone already reaching 42 % MFU there. (widest shape, K, gain)
-CUDA_PACKS = ((256, 8, 3.5), (512, 8, 1.5))
+# gave 3.48x at width 128, 3.78x and 3.87x at 256 (two runs) and 1.60x at 512 (K=4 there:
+# 1.49x); K=16 4.22x at 256; K=4 at 1024 1.02x, one trial alone already reaching 42 % MFU
+# there. (widest shape, K, gain): the gain up to 256 is K=8's, the smaller of those measured.
+CUDA_PACKS = ((256, 16, 3.5), (512, 8, 1.5))
 
 
 def on_gpu(spec: SweepSpec) -> bool:
