@@ -13,6 +13,9 @@ is skipped (the device tool's lease is short):
 - equivalence: tests/test_packed.py's cases (every arch x parameterization) on the device,
   eager fp32, each member of a pack against run_trial alone (goal: final val loss within
   1e-3 relative), then two cases compiled in bf16 (the bf16 tests' 5e-3).
+On request (`--only profile scan`): profile, a pack's kernels and host ops under
+torch.profiler; scan, steady pack-vs-solo ratios per `--scan WIDTH:K` (what `pack: auto` on
+CUDA is set from).
 
 `--device cpu` runs the same script on the CPU (fp32, small widths, no peak so no MFU): a dry
 run of every code path except CUDA's. `scripts/gpu_check.sh` runs it on the GPU machine that
@@ -20,7 +23,7 @@ the device tool lends (after `scripts/gpu_wheels.sh` here fetched the wheels it 
 
     .venv/bin/python benchmarks/gpu_check.py [--steps 100] [--pack-steps 200] [--k 8]
         [--device cuda|cpu] [--widths 256 1024 2048] [--pack-width 256] [--deadline 480]
-        [--only mfu pack equivalence]
+        [--only mfu pack equivalence profile scan] [--profile-k 8 16] [--scan 256:8 512:8]
 """
 
 from __future__ import annotations
