@@ -61,7 +61,7 @@ def pack_gain(width: int, gpu: bool) -> float:
 
 def pack_cost(n: int, width: int, gpu: bool) -> float:
     """Estimated wall time of a pack of n trials of this width, in units of one trial
-    alone: n / gain, the gain reached from a pack of two on (never above n)."""
+    alone: n over the shape's measured gain (a pack of n gains at most n)."""
     if n <= 1:
         return 1.0
     return n / min(float(n), pack_gain(width, gpu))
