@@ -80,6 +80,20 @@ def step_stamps(spec: TrialSpec, cache_dir: str, between: Callable[[int], Any] |
     return stamps, result
 
 
+def pack_step_stamps(specs: Sequence[TrialSpec], cache_dir: str
+                     ) -> tuple[dict[int, float], list[TrialResult]]:
+    """`step_stamps` for a pack: `run_trials` on `specs`, stamping each of member 0's
+    reporter calls by its step (a pack reports all its members at the same sync steps)."""
+    stamps: dict[int, float] = {}
+
+    def reporter(member: int, point: dict[str, Any]) -> bool:
+        if member == 0:
+            stamps[point["step"]] = time.perf_counter()
+        return False
+
+    return stamps, run_trials(specs, reporter=reporter, cache_dir=cache_dir)
+
+
 def matmul_flops(m: int, k: int, n: int, threads: int, batch: int = 1, reps: int = 30) -> float:
     """FLOP/s of an fp32 (m x k) @ (k x n) matmul, or of `batch` of them in one torch.bmm
     (median of `reps`), on `threads` threads."""

@@ -34,12 +34,12 @@ import sys
 import tempfile
 import time
 import traceback
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from _timing import step_stamps
+from _timing import pack_step_stamps, step_stamps
 
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
@@ -90,15 +90,8 @@ def steady_tokens_per_s(s: TrialSpec, cache: str) -> tuple[float, TrialResult]:
 
 def packed_steady(specs: list[TrialSpec], cache: str) -> tuple[float, float, list[TrialResult]]:
     """(all members' tokens/s in the steady window, wall seconds, results) of one pack."""
-    stamps: dict[int, float] = {}
-
-    def reporter(member: int, point: dict[str, Any]) -> bool:
-        if member == 0:
-            stamps[point["step"]] = time.perf_counter()
-        return False
-
     t = time.perf_counter()
-    results = run_trials(specs, reporter=reporter, cache_dir=cache)
+    stamps, results = pack_step_stamps(specs, cache)
     wall = time.perf_counter() - t
     n, seconds = steady_rate(stamps, specs[0].budget.steps or 0)
     s = specs[0]
@@ -177,15 +170,10 @@ def section_equivalence(args: argparse.Namespace, cache: str) -> None:
               f"{time.perf_counter() - t:.1f} s", flush=True)
 
     device = {"device": args.device}
-    saved = os.environ.get("HPT_COMPILE")
-    os.environ["HPT_COMPILE"] = "0"
-    try:
+    with unittest.mock.patch.dict(os.environ, HPT_COMPILE="0"):  # restored after, as it was
         print("eager fp32, packed vs run_trial per member (tol 1e-3):", flush=True)
         for name, case in CASES.items():
             compare(name, [s.model_copy(update=device) for s in specs_for(case)], 1e-3)
-    finally:
-        os.environ.pop("HPT_COMPILE", None) if saved is None else os.environ.update(
-            HPT_COMPILE=saved)
     if args.device != "cuda":
         return
     if time.perf_counter() - args.started > args.deadline:

@@ -39,11 +39,17 @@ def on_gpu(spec: SweepSpec) -> bool:
     return spec.resources.gpus > 0 and spec.fixed.device != "cpu"
 
 
+def _measured(width: int, gpu: bool) -> tuple[int, float]:
+    """(K, gain) for a shape of this width on this kind of device: the pack `auto` picks and
+    its measured packed/sequential trials/s; (1, 1.0) where packing did not pay."""
+    if gpu:
+        return next(((k, gain) for widest, k, gain in CUDA_PACKS if width <= widest), (1, 1.0))
+    return (CPU_PACK, CPU_GAIN) if width <= CPU_PACK_MAX_WIDTH else (1, 1.0)
+
+
 def auto_pack(width: int, gpu: bool) -> int:
     """The pack size `auto` picks for a shape of this width on this kind of device."""
-    if gpu:
-        return next((k for widest, k, _ in CUDA_PACKS if width <= widest), 1)
-    return CPU_PACK if width <= CPU_PACK_MAX_WIDTH else 1
+    return _measured(width, gpu)[0]
 
 
 def pack_size(spec: SweepSpec, width: int) -> int:
@@ -54,9 +60,7 @@ def pack_size(spec: SweepSpec, width: int) -> int:
 
 def pack_gain(width: int, gpu: bool) -> float:
     """Measured packed/sequential trials/s for a shape of this width (1: no gain known)."""
-    if gpu:
-        return next((gain for widest, _, gain in CUDA_PACKS if width <= widest), 1.0)
-    return CPU_GAIN if width <= CPU_PACK_MAX_WIDTH else 1.0
+    return _measured(width, gpu)[1]
 
 
 def pack_cost(n: int, width: int, gpu: bool) -> float:
