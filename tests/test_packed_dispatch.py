@@ -39,31 +39,52 @@ def packed_spec(spec: dict[str, Any], name: str, pack: Any, steps: int = 10) -> 
 
 def _trial(i: int, width: int, lr: float) -> SimpleNamespace:
     return SimpleNamespace(id=f"t{i}", width=width, spec={"width": width, "depth": 2, "lr": lr,
-                                                          "seed": i % 2, "batch_size": 4})
+                                                          "seed": i % 2, "batch_size": 4,
+                                                          "seq_len": 64})
+
+
+def _shape(width: int, batch: int = 32, seq: int = 512, micro: int | None = None) -> dict:
+    return {"width": width, "batch_size": batch, "seq_len": seq, "micro_batch_size": micro}
 
 
 def test_auto_pack_follows_the_measured_rule():
-    assert [auto_pack(w, gpu=False) for w in (16, 32, 64, 128, 256)] == [8, 8, 8, 8, 1]
-    # CUDA (gpu_check.py's scan on an H200): K=16 up to 256 wide, 8 up to 512; from 1024 a
-    # trial alone already fills the GPU (a pack of 4 gained 1.02x)
-    assert [auto_pack(w, gpu=True) for w in (64, 256, 512, 1024, 4096)] == [16, 16, 8, 1, 1]
+    # the CPU's measurements: 8 x 64 tokens per pass, packs paid up to width 128
+    cpu = [auto_pack(_shape(w, 8, 64), gpu=False) for w in (16, 32, 64, 128, 256)]
+    assert cpu == [8, 8, 8, 8, 1]
+    # CUDA (gpu_check.py's scan on an H200, 32 x 512 tokens per pass): K=16 up to 256 wide,
+    # 8 up to 512; from 1024 a trial alone already fills the GPU (a pack of 4 gained 1.02x)
+    gpu = [auto_pack(_shape(w), gpu=True) for w in (64, 256, 512, 1024, 4096)]
+    assert gpu == [16, 16, 8, 1, 1]
+
+
+def test_auto_pack_weighs_the_tokens_of_a_pass_against_the_width():
+    # 4x the tokens per pass weigh as twice the width: 256 wide on 128 x 512 tokens is
+    # packed as 512 wide on the measured 32 x 512
+    assert auto_pack(_shape(256, batch=128), gpu=True) == 8
+    assert auto_pack(_shape(256, batch=32, seq=2048), gpu=True) == 8
+    assert auto_pack(_shape(512, batch=128), gpu=True) == 1
+    # a micro-batch bounds a pass: a batch of 128 in passes of 32 is the measured shape
+    assert auto_pack(_shape(256, batch=128, micro=32), gpu=True) == 16
+    assert auto_pack(_shape(128, 8, 256), gpu=False) == 1  # 4x the CPU's measured tokens
+    assert auto_pack(_shape(64, 8, 256), gpu=False) == 8
+    assert auto_pack(_shape(64, 16, 256), gpu=False) == 1
 
 
 def test_pack_cost_is_n_over_the_measured_gain_of_the_shape():
-    assert pack_cost(1, 256, gpu=True) == 1.0
-    assert pack_cost(8, 256, gpu=True) == pytest.approx(8 / 3.5)
-    assert pack_cost(2, 256, gpu=True) == 1.0  # a pack of 2 gains at most 2x
-    assert pack_cost(8, 512, gpu=True) == pytest.approx(8 / 1.5)
-    assert pack_cost(4, 1024, gpu=True) == 4.0  # no gain known: as the trials one by one
-    assert pack_cost(8, 64, gpu=False) == pytest.approx(8 / 1.3)
-    assert pack_cost(8, 256, gpu=False) == 8.0
+    assert pack_cost(1, _shape(256), gpu=True) == 1.0
+    assert pack_cost(8, _shape(256), gpu=True) == pytest.approx(8 / 3.5)
+    assert pack_cost(2, _shape(256), gpu=True) == 1.0  # a pack of 2 gains at most 2x
+    assert pack_cost(8, _shape(512), gpu=True) == pytest.approx(8 / 1.5)
+    assert pack_cost(4, _shape(1024), gpu=True) == 4.0  # no gain known: one by one
+    assert pack_cost(8, _shape(64, 8, 64), gpu=False) == pytest.approx(8 / 1.3)
+    assert pack_cost(8, _shape(256, 8, 64), gpu=False) == 8.0
 
 
 def test_gpu_plan_packs_small_shapes_and_keeps_both_slots_busy():
     small = [_trial(i, 256, 2.0**-i) for i in range(8)]
     large = [_trial(8 + i, 1024, 2.0**-i) for i in range(4)]
-    packs = plan_packs(small + large, 2, lambda t: auto_pack(t.width, gpu=True),
-                       lambda t, n: pack_cost(n, t.width, gpu=True))
+    packs = plan_packs(small + large, 2, lambda t: auto_pack(_shape(t.width), gpu=True),
+                       lambda t, n: pack_cost(n, _shape(t.width), gpu=True))
     # one pack of 8 (8/3.5 = 2.3 trial-times) would leave a slot to the four 1024-wide
     # trials alone (makespan 3.3); two packs of 4 (1.14 each) balance at 3.14
     assert sorted(len(p) for p in packs) == [1, 1, 1, 1, 4, 4]

@@ -2,26 +2,13 @@
 
 Each (arm, width, depth) shape a sweep can train is priced before anything is stored: the
 grid's, and a study's later stages' (transfer ladder, check and aspect-ratio shapes, at their
-own token budgets):
-
-memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 autocast):
-    16 x params                weights 4 + gradients 4 + AdamW's two moments 8 per parameter
-  + a x B x T x L x N x (9 + 2 r)
-                               activations kept for backward per block (Korthikanti et al.
-                               2022, "Reducing Activation Recomputation", 34 s b h bytes per
-                               layer at 2 bytes each, with the MLP's share as 2 r), a = 4 bytes
-                               (fp32) or 2 (bf16), B the micro-batch (fixed.micro_batch_size)
-                               where it is smaller than the batch; the T x T attention scores
-                               are left out, since SDPA's fused kernels do not keep them
-  + a x B x T x L x H x T      ... except where attention takes the small-head path
-                               (models/layers.py), which keeps its softmax for backward
-  + a x 3 x B x T x V          logits, their softmax and its gradient
-compute: analytic training FLOPs (`models.flops`) x the trial's token budget.
+own token budgets): memory by `workers.memory.trial_memory` (weights, gradients, AdamW
+state and the activations kept for backward), compute as analytic training FLOPs
+(`models.flops`) x the trial's token budget.
 
 A trial is refused when its memory exceeds the memory of the largest alive Ray node (when
 Ray is initialised; else this host's), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB,
-HPT_MAX_TRIAL_FLOPS). The estimate is deliberately simple: it is there to stop a width 2^16,
-depth 1024 trial from being accepted, not to pack GPUs tightly.
+HPT_MAX_TRIAL_FLOPS).
 """
 
 from __future__ import annotations
@@ -31,15 +18,12 @@ from dataclasses import dataclass
 
 from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.models.layers import small_heads
+from hptransfer.workers.memory import trial_memory
 
 from .spec import SpecError, SweepSpec
 from .spec.stages import STAGE_ORDER
 
 GB = 1e9
-_STATE_BYTES_PER_PARAM = 16
-_ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
-_LOGIT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -89,27 +73,20 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
     nothing)."""
     lr, sigma, seed = spec.grid.lr_values()[0], spec.grid.sigma_bases[0], spec.grid.seeds[0]
     vocab = spec.model_vocab_size()
-    act_bytes = 2 if spec.fixed.precision == "bf16" else 4
     costs = []
     for arm in spec.arms:
         for (width, depth, tokens_per_param), field in trained_shapes(spec).items():
             trial = spec.trial_spec(arm, width, depth, lr, sigma, seed, tokens_per_param)
             cfg = trial.model_config_obj(vocab_size=vocab)
-            counts = param_counts(cfg)
+            need = trial_memory(trial, vocab)
             b, t = trial.batch_size, trial.seq_len
-            per_block = (_ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio) * cfg.width
-            if small_heads(cfg.head_dim, t):
-                per_block += cfg.n_heads * t  # the small-head path's saved softmax
-            # activations live for one micro-batch at a time
-            live = min(b, trial.micro_batch_size or b)
-            activations = act_bytes * live * t * (cfg.depth * per_block + _LOGIT_COPIES * vocab)
-            steps = trial.budget.steps_for(b * t, counts.non_embedding)
+            steps = trial.budget.steps_for(b * t, param_counts(cfg).non_embedding)
             tokens = float(steps) * b * t
             costs.append(TrialCost(
                 arm=arm.name, width=width, depth=depth, batch_size=b, seq_len=t,
-                params=counts.total,
-                state_bytes=float(_STATE_BYTES_PER_PARAM * counts.total),
-                activation_bytes=float(activations),
+                params=need.params,
+                state_bytes=need.state_bytes,
+                activation_bytes=need.activation_bytes,
                 tokens=tokens,
                 flops=tokens * flops_per_token(cfg, t).training,
                 field=field,

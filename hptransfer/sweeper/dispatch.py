@@ -565,8 +565,8 @@ class Dispatcher:
         pending = self.store.trials(sweep_id, status="pending",
                                     limit=min(_MAX_PEEK, slots * MAX_PACK))
         gpu = on_gpu(spec)
-        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.width),
-                             lambda t, n: pack_cost(n, t.width, gpu))
+        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
+                             lambda t, n: pack_cost(n, t.spec, gpu))
         leased = []
         for pack in planned[:free]:
             got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
@@ -647,7 +647,8 @@ class Dispatcher:
                 continue
             with self._optuna_calls():
                 study = self._study(sweep.id, spec, shape)
-            batch = min(pack_size(spec, shape.width), spec.search.startup_count() - have)
+            shape_spec = trial_for(spec, shape, low).trial.model_dump()
+            batch = min(pack_size(spec, shape_spec), spec.search.startup_count() - have)
             for _ in range(max(1, batch)):
                 self._ask_one(sweep.id, spec, shape, study, low, high)
             asked += 1

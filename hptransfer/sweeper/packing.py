@@ -10,27 +10,35 @@ from __future__ import annotations
 
 import heapq
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-from hptransfer.workers.packed import PACKABLE_FIELDS
+from hptransfer.workers.packed import PACKABLE_FIELDS, split_evenly
 
 from .spec import SweepSpec
 
-# `pack: auto` on the CPU, from benchmarks/packing.py (packed vs sequential trials/s, K=8, same
-# threads, on a shared 2-core machine): 1.30-1.75x at width 64 and 1.02-1.34x at 128 over
-# several runs (1.23-1.56x at the demo's widths 16-40 on one thread, K=3-5), but 0.94-1.21x
-# at 256 on two threads and 0.89x there on one, so the CPU packs shapes up to 128 wide
-# (README, Performance, has the latest figures and their ceiling).
+# `pack: auto` packs a shape whose work per forward pass is small enough for packing to have
+# paid where it was measured. That work is tokens per pass (micro-batch x seq_len) x width^2
+# (every matmul of a block): a trial with more of it keeps its device busier alone, so a pack
+# gains less. Measured only across widths at one pass size per device; other pass sizes
+# (batch, seq_len) are placed by that product, and depth by nothing (a deeper model runs
+# more kernels of the same size).
+#
+# CPU, from benchmarks/packing.py (packed vs sequential trials/s, K=8, same threads, on a
+# shared 2-core machine, 8 x 64 tokens per pass): 1.30-1.75x at width 64 and 1.02-1.34x at
+# 128 over several runs (1.23-1.56x at the demo's widths 16-40, 16 x 64 tokens, one thread,
+# K=3-5), but 0.94-1.21x at 256 on two threads and 0.89x there on one, so the CPU packs
+# shapes up to 128 wide at that pass size (README, Performance, has the latest figures).
+CPU_MEASURED_TOKENS = 8 * 64
 CPU_PACK_MAX_WIDTH = 128
 CPU_PACK = 8
 CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
-# `pack: auto` on CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, batch 32 x
-# 512 tokens, depth 4, 2026-12-04; steady tokens/s of a pack against one trial alone): K=8
-# gave 3.48x at width 128, 3.78x and 3.87x at 256 (two runs) and 1.60x at 512 (K=4 there:
-# 1.49x); K=16 4.22x at 256; K=4 at 1024 1.02x, one trial alone already reaching 42 % MFU
-# there. (widest shape, K, gain): the gain up to 256 is K=8's, the smaller of those measured.
+# CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, 32 x 512 tokens per pass,
+# depth 4, 2026-12-04; steady tokens/s of a pack against one trial alone): K=8 gave 3.48x at
+# width 128, 3.78x and 3.87x at 256 (two runs) and 1.60x at 512 (K=4 there: 1.49x); K=16
+# 4.22x at 256; K=4 at 1024 1.02x, one trial alone already reaching 42 % MFU there.
+# (widest shape, K, gain): the gain up to 256 is K=8's, the smaller of those measured.
+CUDA_MEASURED_TOKENS = 32 * 512
 CUDA_PACKS = ((256, 16, 3.5), (512, 8, 1.5))
 
 
@@ -39,36 +47,48 @@ def on_gpu(spec: SweepSpec) -> bool:
     return spec.resources.gpus > 0 and spec.fixed.device != "cpu"
 
 
-def _measured(width: int, gpu: bool) -> tuple[int, float]:
-    """(K, gain) for a shape of this width on this kind of device: the pack `auto` picks and
+def pass_work(trial: Mapping[str, Any]) -> float:
+    """A trial spec's tokens per forward pass x width^2 (what `auto` compares)."""
+    batch = trial["batch_size"]
+    tokens = min(batch, trial.get("micro_batch_size") or batch) * trial["seq_len"]
+    return float(tokens) * trial["width"] ** 2
+
+
+def _measured(trial: Mapping[str, Any], gpu: bool) -> tuple[int, float]:
+    """(K, gain) for this trial's shape on this kind of device: the pack `auto` picks and
     its measured packed/sequential trials/s; (1, 1.0) where packing did not pay."""
+    work = pass_work(trial)
     if gpu:
-        return next(((k, gain) for widest, k, gain in CUDA_PACKS if width <= widest), (1, 1.0))
-    return (CPU_PACK, CPU_GAIN) if width <= CPU_PACK_MAX_WIDTH else (1, 1.0)
+        return next(((k, gain) for widest, k, gain in CUDA_PACKS
+                     if work <= CUDA_MEASURED_TOKENS * widest**2), (1, 1.0))
+    if work <= CPU_MEASURED_TOKENS * CPU_PACK_MAX_WIDTH**2:
+        return CPU_PACK, CPU_GAIN
+    return 1, 1.0
 
 
-def auto_pack(width: int, gpu: bool) -> int:
-    """The pack size `auto` picks for a shape of this width on this kind of device."""
-    return _measured(width, gpu)[0]
+def auto_pack(trial: Mapping[str, Any], gpu: bool) -> int:
+    """The pack size `auto` picks for this trial spec's shape on this kind of device."""
+    return _measured(trial, gpu)[0]
 
 
-def pack_size(spec: SweepSpec, width: int) -> int:
-    """The most trials of one shape that the sweep's spec lets one task train."""
+def pack_size(spec: SweepSpec, trial: Mapping[str, Any]) -> int:
+    """The most trials of this trial spec's shape that the sweep's spec lets one task
+    train (a worker may still split a pack its memory cannot hold: workers/packed.py)."""
     pack = spec.resources.pack
-    return auto_pack(width, on_gpu(spec)) if pack == "auto" else int(pack)
+    return auto_pack(trial, on_gpu(spec)) if pack == "auto" else int(pack)
 
 
-def pack_gain(width: int, gpu: bool) -> float:
-    """Measured packed/sequential trials/s for a shape of this width (1: no gain known)."""
-    return _measured(width, gpu)[1]
+def pack_gain(trial: Mapping[str, Any], gpu: bool) -> float:
+    """Measured packed/sequential trials/s for this trial's shape (1: no gain known)."""
+    return _measured(trial, gpu)[1]
 
 
-def pack_cost(n: int, width: int, gpu: bool) -> float:
-    """Estimated wall time of a pack of n trials of this width, in units of one trial
-    alone: n over the shape's measured gain (a pack of n gains at most n)."""
+def pack_cost(n: int, trial: Mapping[str, Any], gpu: bool) -> float:
+    """Estimated wall time of a pack of n trials of this trial's shape, in units of one
+    trial alone: n over the shape's measured gain (a pack of n gains at most n)."""
     if n <= 1:
         return 1.0
-    return n / min(float(n), pack_gain(width, gpu))
+    return n / min(float(n), pack_gain(trial, gpu))
 
 
 def pack_key(trial_spec: Mapping[str, Any]) -> str:
@@ -108,23 +128,11 @@ def plan_packs(
     best: tuple[float, int] | None = None
     best_packs: list[list[T]] = []
     for cap in range(1, limit + 1):
-        packs = [pack for g in groups.values() for pack in _cut(g, min(cap, size_of(g[0])))]
+        packs = [pack for g in groups.values() for pack in split_evenly(g, min(cap, size_of(g[0])))]
         span = round(_makespan([cost(p[0], len(p)) for p in packs], max(1, slots)), 9)
         if best is None or (span, -cap) <= best:
             best, best_packs = (span, -cap), packs
     return best_packs
-
-
-def _cut(group: list[T], cap: int) -> list[list[T]]:
-    """`group` in ceil(len / cap) consecutive packs whose sizes differ by at most one."""
-    n = math.ceil(len(group) / max(1, cap))
-    base, extra = divmod(len(group), n)
-    packs, start = [], 0
-    for i in range(n):
-        size = base + (i < extra)
-        packs.append(group[start:start + size])
-        start += size
-    return packs
 
 
 def _makespan(costs: list[float], slots: int) -> float:

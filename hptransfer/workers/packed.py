@@ -20,21 +20,24 @@ assembly (plan.py) and the batched AdamW below follows torch.optim.AdamW's updat
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hptransfer.data import TokenDataset
 from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
 from .device import Compiled, autocast, resolve_device, to_device
+from .memory import free_memory, is_out_of_memory, trial_memory
 from .plan import (
     Progress,
     TrialPlan,
@@ -49,6 +52,12 @@ from .trial import TrialResult, TrialSpec
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes `specs`
 PackedReporter = Callable[[int, dict[str, Any]], bool | None]
+
+T = TypeVar("T")
+
+# a pack plans to use at most this share of the memory its device has free when it starts:
+# the estimate leaves out allocator slack, the data and the compiler's workspace
+MEMORY_HEADROOM = 0.8
 
 # the fields packed members may differ in; every other field defines the shared shape
 PACKABLE_FIELDS = frozenset(
@@ -76,9 +85,16 @@ def run_trials(
     specs: Sequence[TrialSpec | dict],
     reporter: PackedReporter | None = None,
     cache_dir: str | None = None,
+    memory_limit: float | None = None,
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
+    A pack that would not fit in memory is split: into the fewest near-equal packs that
+    `memory_limit` bytes hold by `workers.memory`'s estimate (default: what the device has
+    free now, less a headroom), trained one after another; and should a pack still run out
+    of memory before any of its members reported, it is halved and trained again. A split
+    pack's members say so in their notes; their results are a smaller pack's, i.e. still
+    run_trial's for each spec alone.
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would).
     """
@@ -86,9 +102,73 @@ def run_trials(
     specs = [s if isinstance(s, TrialSpec) else TrialSpec.model_validate(s) for s in specs]
     check_packable(specs)
     try:
-        return _Pack(specs, reporter, cache_dir).train(started)
+        prepare_process(specs[0])
+        device = resolve_device(specs[0].device)
+        data = load_trial_data(specs[0], cache_dir)
+        budget = (MEMORY_HEADROOM * free_memory(device) if memory_limit is None
+                  else memory_limit)
+        half = specs[0].precision == "bf16" and device.type == "cuda"
+        need = trial_memory(specs[0], data.vocab_size, half_activations=half)
     except Exception as exc:
         return [failed_result(spec, exc, started) for spec in specs]
+    k = len(specs)
+    fits = k if budget >= need.packed(k) else max(1, int(budget // need.packed(1)))
+    queue = split_evenly(list(range(k)), fits)
+    why = [] if fits == k else [f"estimated {need.packed(1) / 1e9:.3g} GB per member, "
+                                f"{budget / 1e9:.3g} GB to use"]
+    results: dict[int, TrialResult] = {}
+    sizes: list[int] = []  # of the packs that trained
+    while queue:
+        group = queue.pop(0)
+        out, oom = _train_group([specs[i] for i in group], reporter, group, data)
+        if oom and len(group) > 1:
+            why.append(f"a pack of {len(group)} ran out of memory: "
+                       f"{out[0].error.splitlines()[0][:200]}")
+            gc.collect()  # the failed pack's tensors (held in cycles) go before the halves'
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            queue[:0] = split_evenly(group, (len(group) + 1) // 2)
+            continue
+        results.update(zip(group, out, strict=True))
+        sizes.append(len(group))
+    if len(sizes) > 1:
+        note = (f"a pack of {k} did not fit in memory together, trained as packs of "
+                f"{', '.join(map(str, sizes))} in turn ({'; '.join(why)})")
+        for r in results.values():
+            r.notes.append(note)
+    return [results[i] for i in range(k)]
+
+
+def split_evenly(items: Sequence[T], cap: int) -> list[list[T]]:
+    """`items` in the fewest consecutive packs of at most `cap` whose sizes differ by at
+    most one."""
+    n = -(-len(items) // max(1, cap))
+    base, extra = divmod(len(items), n)
+    packs, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        packs.append(list(items[start:start + size]))
+        start += size
+    return packs
+
+
+def _train_group(specs: list[TrialSpec], reporter: PackedReporter | None, group: list[int],
+                 data: TokenDataset) -> tuple[list[TrialResult], bool]:
+    """Train one pack; (results, whether it ran out of memory before any member reported,
+    so that it may be retried smaller without a member's curve starting over)."""
+    started = time.perf_counter()
+    reported = False
+
+    def report(member: int, metrics: dict[str, Any]) -> bool | None:
+        nonlocal reported
+        reported = True
+        return reporter(group[member], metrics) if reporter is not None else None
+
+    try:
+        return _Pack(specs, report, None, data=data).train(started), False
+    except Exception as exc:
+        out_of_memory = is_out_of_memory(exc) and not reported
+        return [failed_result(s, exc, started) for s in specs], out_of_memory
 
 
 @dataclass
@@ -109,12 +189,12 @@ _STACK_SIZE_MAY_CHANGE = torch._dynamo.config.patch(force_parameter_static_shape
 
 class _Pack:
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
-                 cache_dir: str | None):
+                 cache_dir: str | None, data: TokenDataset | None = None):
         spec = specs[0]
         prepare_process(spec)
         self.spec, self.reporter = spec, reporter
         self.device = device = resolve_device(spec.device)
-        self.data = data = load_trial_data(spec, cache_dir)
+        self.data = data = data or load_trial_data(spec, cache_dir)
         self.notes: list[str] = [f"trained packed: {len(specs)} trials in one batched model"]
         built = []
         self.members: list[_Member] = []

@@ -1,0 +1,101 @@
+"""How much memory a trial needs, and how much a device has free.
+
+Admission (sweeper/admission.py) refuses a trial no worker could hold; a worker splits a
+pack (workers/packed.py) whose members would not fit on its device together. Both price a
+trial with `trial_memory`:
+
+memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 autocast):
+    16 x params                weights 4 + gradients 4 + AdamW's two moments 8 per parameter
+                               (a packed member: 24, see PACKED_STATE_BYTES_PER_PARAM)
+  + a x B x T x L x N x (9 + 2 r)
+                               activations kept for backward per block (Korthikanti et al.
+                               2022, "Reducing Activation Recomputation", 34 s b h bytes per
+                               layer at 2 bytes each, with the MLP's share as 2 r), a = 4 bytes
+                               (fp32) or 2 (bf16), B the micro-batch (micro_batch_size) where
+                               it is smaller than the batch; the T x T attention scores are left
+                               out, since SDPA's fused kernels do not keep them
+  + a x B x T x L x H x T      ... except where attention takes the small-head path
+                               (models/layers.py), which keeps its softmax for backward
+  + a x 3 x B x T x V          logits, their softmax and its gradient
+The estimate is deliberately simple: it stops a width 2^16, depth 1024 trial at submit and
+a pack of 64 deep models from filling a GPU, not a tight fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hptransfer.models.flops import param_counts
+from hptransfer.models.layers import small_heads
+
+from .trial import TrialSpec
+
+STATE_BYTES_PER_PARAM = 16
+# a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered
+# gradient, a scratch buffer and AdamW's two moments, all fp32 (packed._Pack)
+PACKED_STATE_BYTES_PER_PARAM = 24
+_ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
+_LOGIT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    params: int
+    state_bytes: float  # weights, gradients, AdamW moments
+    activation_bytes: float
+
+    @property
+    def total(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    def packed(self, members: int) -> float:
+        """Bytes `members` trials of this shape take trained as one pack."""
+        state = PACKED_STATE_BYTES_PER_PARAM * self.params
+        return members * (state + self.activation_bytes)
+
+
+def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None = None
+                 ) -> MemoryNeed:
+    """What one trial of `spec` needs in memory (module docstring). `half_activations`:
+    whether activations are 2-byte (default: the spec asks for bf16; a worker passes whether
+    it really autocasts, which only CUDA does)."""
+    cfg = spec.model_config_obj(vocab_size=vocab_size)
+    params = param_counts(cfg).total
+    half = spec.precision == "bf16" if half_activations is None else half_activations
+    t = spec.seq_len
+    per_block = (_ACTIVATION_FLOATS_PER_WIDTH + 2 * cfg.mlp_ratio) * cfg.width
+    if small_heads(cfg.head_dim, t):
+        per_block += cfg.n_heads * t  # the small-head path's saved softmax
+    # activations live for one micro-batch at a time
+    live = min(spec.batch_size, spec.micro_batch_size or spec.batch_size)
+    per_token = cfg.depth * per_block + _LOGIT_COPIES * vocab_size
+    activations = (2 if half else 4) * live * t * per_token
+    return MemoryNeed(params=params, state_bytes=float(STATE_BYTES_PER_PARAM * params),
+                      activation_bytes=float(activations))
+
+
+def free_memory(device: torch.device) -> float:
+    """Bytes a new allocation could take on `device` now: the GPU's free memory plus what
+    torch's caching allocator holds unused; on the CPU the kernel's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure (CUDA's OutOfMemoryError, or the CPU
+    allocator's RuntimeError), i.e. worth retrying with less in memory."""
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

@@ -1,0 +1,108 @@
+"""A pack too large for its device's memory trains as smaller packs, each member still
+getting run_trial's result: split up front by workers/memory.py's estimate, and halved
+again when a pack really runs out of memory (a real allocation failure, in a child
+process under an address-space limit)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_packed import CASES, assert_same_result, specs_for
+
+from hptransfer.workers.memory import PACKED_STATE_BYTES_PER_PARAM, trial_memory
+from hptransfer.workers.packed import _Pack, split_evenly
+from hptransfer.workers.trainer import run_trial, run_trials
+
+
+def test_the_packed_state_estimate_counts_the_packs_own_buffers():
+    specs = specs_for(CASES["gpt-x0-ve"])
+    pack = _Pack(specs, None, None)
+    need = trial_memory(specs[0], pack.data.vocab_size)
+    # parameters counted on the model torch built, not by flops.py
+    assert need.params == sum(p.numel() for p in pack.template.parameters()) // len(specs)
+    x = torch.stack([pack.data.train_batch(0, 4, 32, s.seed)[0] for s in specs])
+    y = torch.stack([pack.data.train_batch(0, 4, 32, s.seed)[1] for s in specs])
+    pack._losses(x, y).sum().backward()  # every parameter gets its .grad
+    buffers = (pack.flat, pack.exp_avg, pack.exp_avg_sq, pack.grad, pack.scratch,
+               *(p.grad for p in pack.params.values()))
+    held = sum(b.numel() * b.element_size() for b in buffers)
+    assert held == PACKED_STATE_BYTES_PER_PARAM * need.params * len(specs)
+    assert need.packed(3) - 3 * need.activation_bytes == held
+
+
+@pytest.mark.parametrize("items, cap, sizes", [
+    (list(range(5)), 2, [2, 2, 1]), (list(range(8)), 3, [3, 3, 2]), (list(range(4)), 4, [4]),
+    (list(range(4)), 9, [4]), (list(range(3)), 1, [1, 1, 1]),
+])
+def test_split_evenly(items, cap, sizes):
+    packs = split_evenly(items, cap)
+    assert [len(p) for p in packs] == sizes and sum(packs, []) == items
+
+
+def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp_path):
+    specs = specs_for(CASES["gpt-completep"])
+    need = trial_memory(specs[0], 256)
+    seen: dict[int, list[float]] = {0: [], 1: [], 2: []}
+
+    def reporter(member, metrics):
+        seen[member].append(metrics["lr"])
+
+    # room for two members: a pack of 2, then a pack of 1
+    packed = run_trials(specs, reporter=reporter, cache_dir=str(tmp_path),
+                        memory_limit=2.5 * need.packed(1))
+    for i, (spec, result) in enumerate(zip(specs, packed, strict=True)):
+        solo_lrs: list[float] = []
+        solo = run_trial(spec, reporter=lambda m, lrs=solo_lrs: lrs.append(m["lr"]),
+                         cache_dir=str(tmp_path))
+        assert_same_result(result, solo)
+        assert seen[i] == solo_lrs  # each member reported under its own index
+        assert any("trained as packs of 2, 1 in turn" in n for n in result.notes), result.notes
+    assert "trained packed: 2 trials" in packed[0].notes[0]
+    # a limit that holds the whole pack changes nothing
+    whole = run_trials(specs, cache_dir=str(tmp_path), memory_limit=3 * need.packed(1))
+    assert not any("in turn" in n for r in whole for n in r.notes)
+    assert "trained packed: 3 trials" in whole[0].notes[0]
+
+
+_OUT_OF_MEMORY = textwrap.dedent("""
+    import json, resource, sys
+    from hptransfer.workers.memory import trial_memory
+    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.trial import TrialSpec
+
+    base = dict(width=128, depth=2, head_dim=32, batch_size=32, seq_len=128,
+                budget={"steps": 4}, num_threads=1,
+                data={"val_tokens": 4096, "max_corpus_bytes": 300_000})
+    specs = [TrialSpec(**base, lr=2**-8 * 2**i, seed=i) for i in range(4)]
+    solo = [run_trial(s, cache_dir=sys.argv[1]) for s in specs]  # also maps every library
+    need = trial_memory(specs[0], 256, half_activations=False).packed(1)
+    vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+              if line.startswith("VmSize"))
+    # address space for about 2.5 members more than now: a pack of 4 cannot allocate
+    resource.setrlimit(resource.RLIMIT_AS, (vm + int(2.5 * need), resource.RLIM_INFINITY))
+    packed = run_trials(specs, cache_dir=sys.argv[1], memory_limit=float("inf"))
+    print(json.dumps({"solo": [r.model_dump(mode="json") for r in solo],
+                      "packed": [r.model_dump(mode="json") for r in packed]}))
+""")
+
+
+def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
+    from hptransfer.workers.trial import TrialResult
+
+    # memory_limit=inf: no split up front, so the pack of 4 really fails to allocate
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HPT_COMPILE": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    solo = [TrialResult.model_validate(r) for r in out["solo"]]
+    packed = [TrialResult.model_validate(r) for r in out["packed"]]
+    for p, s in zip(packed, solo, strict=True):
+        assert p.status == "completed", p.error
+        assert_same_result(p, s)
+        note = next(n for n in p.notes if "in turn" in n)
+        assert "a pack of 4 ran out of memory" in note and "can't allocate memory" in note
