@@ -13,7 +13,11 @@ import pytest
 import torch
 from test_packed import CASES, assert_same_result, specs_for
 
-from hptransfer.workers.memory import PACKED_STATE_BYTES_PER_PARAM, trial_memory
+from hptransfer.workers.memory import (
+    PACKED_STATE_BYTES_PER_PARAM,
+    PEAK_OVER_SAVED,
+    trial_memory,
+)
 from hptransfer.workers.packed import _Pack, split_evenly
 from hptransfer.workers.trainer import run_trial, run_trials
 
@@ -31,7 +35,34 @@ def test_the_packed_state_estimate_counts_the_packs_own_buffers():
                *(p.grad for p in pack.params.values()))
     held = sum(b.numel() * b.element_size() for b in buffers)
     assert held == PACKED_STATE_BYTES_PER_PARAM * need.params * len(specs)
-    assert need.packed(3) - 3 * need.activation_bytes == held
+    assert need.pack_peak(3) - 3 * PEAK_OVER_SAVED * need.activation_bytes == held
+
+
+@pytest.mark.parametrize("width, depth, batch, seq", [(128, 2, 16, 128), (256, 2, 32, 128),
+                                                       (128, 4, 32, 256)])
+def test_the_activation_estimate_against_what_autograd_saves(width, depth, batch, seq):
+    # torch's own count: the bytes of every tensor autograd saves for backward in one
+    # training forward (parameters excluded), through saved_tensors_hooks
+    import torch.nn.functional as F
+
+    from hptransfer.models.build import build_from_config
+    from hptransfer.workers.trial import TrialSpec
+
+    spec = TrialSpec(width=width, depth=depth, head_dim=32, batch_size=batch, seq_len=seq)
+    model = build_from_config(spec.model_config_obj(256), spec.parameterization_obj()).model
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x, y = torch.randint(0, 256, (2, batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    counted = sum(n for ptr, n in saved.items() if ptr not in params)
+    estimate = trial_memory(spec, 256).activation_bytes
+    assert 0.85 * estimate <= counted <= 1.05 * estimate, (counted, estimate)
 
 
 @pytest.mark.parametrize("items, cap, sizes", [
@@ -53,7 +84,7 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
 
     # room for two members: a pack of 2, then a pack of 1
     packed = run_trials(specs, reporter=reporter, cache_dir=str(tmp_path),
-                        memory_limit=2.5 * need.packed(1))
+                        memory_limit=2.5 * need.pack_peak(1))
     for i, (spec, result) in enumerate(zip(specs, packed, strict=True)):
         solo_lrs: list[float] = []
         solo = run_trial(spec, reporter=lambda m, lrs=solo_lrs: lrs.append(m["lr"]),
@@ -63,7 +94,7 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
         assert any("trained as packs of 2, 1 in turn" in n for n in result.notes), result.notes
     assert "trained packed: 2 trials" in packed[0].notes[0]
     # a limit that holds the whole pack changes nothing
-    whole = run_trials(specs, cache_dir=str(tmp_path), memory_limit=3 * need.packed(1))
+    whole = run_trials(specs, cache_dir=str(tmp_path), memory_limit=3 * need.pack_peak(1))
     assert not any("in turn" in n for r in whole for n in r.notes)
     assert "trained packed: 3 trials" in whole[0].notes[0]
 
@@ -79,11 +110,12 @@ _OUT_OF_MEMORY = textwrap.dedent("""
                 data={"val_tokens": 4096, "max_corpus_bytes": 300_000})
     specs = [TrialSpec(**base, lr=2**-8 * 2**i, seed=i) for i in range(4)]
     solo = [run_trial(s, cache_dir=sys.argv[1]) for s in specs]  # also maps every library
-    need = trial_memory(specs[0], 256, half_activations=False).packed(1)
+    need = trial_memory(specs[0], 256, half_activations=False).activation_bytes
     vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
               if line.startswith("VmSize"))
-    # address space for about 2.5 members more than now: a pack of 4 cannot allocate
-    resource.setrlimit(resource.RLIMIT_AS, (vm + int(2.5 * need), resource.RLIM_INFINITY))
+    # address space for about 3 members' saved activations more than now: a pack of 4
+    # cannot allocate
+    resource.setrlimit(resource.RLIMIT_AS, (vm + int(2.8 * need), resource.RLIM_INFINITY))
     packed = run_trials(specs, cache_dir=sys.argv[1], memory_limit=float("inf"))
     print(json.dumps({"solo": [r.model_dump(mode="json") for r in solo],
                       "packed": [r.model_dump(mode="json") for r in packed]}))

@@ -37,6 +37,11 @@ STATE_BYTES_PER_PARAM = 16
 # a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered
 # gradient, a scratch buffer and AdamW's two moments, all fp32 (packed._Pack)
 PACKED_STATE_BYTES_PER_PARAM = 24
+# A step's peak holds more than the activations saved for backward: the backward's own
+# gradients and temporaries, and the allocator's slack. benchmarks/pack_memory.py (CPU, 2
+# threads, 2026-12-04): peak resident growth of a pack of 1 or 4 over the saved-activation
+# estimate plus state, 1.6-2.0x at widths 128-256 (3.8x for the smallest shape, 35 MB)
+PEAK_OVER_SAVED = 2.0
 _ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
 _LOGIT_COPIES = 3
 
@@ -51,10 +56,11 @@ class MemoryNeed:
     def total(self) -> float:
         return self.state_bytes + self.activation_bytes
 
-    def packed(self, members: int) -> float:
-        """Bytes `members` trials of this shape take trained as one pack."""
+    def pack_peak(self, members: int) -> float:
+        """Peak bytes of `members` trials of this shape trained as one pack: their fp32 state
+        and PEAK_OVER_SAVED x their saved activations."""
         state = PACKED_STATE_BYTES_PER_PARAM * self.params
-        return members * (state + self.activation_bytes)
+        return members * (state + PEAK_OVER_SAVED * self.activation_bytes)
 
 
 def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None = None

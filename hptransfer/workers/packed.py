@@ -112,9 +112,9 @@ def run_trials(
     except Exception as exc:
         return [failed_result(spec, exc, started) for spec in specs]
     k = len(specs)
-    fits = k if budget >= need.packed(k) else max(1, int(budget // need.packed(1)))
+    fits = k if budget >= need.pack_peak(k) else max(1, int(budget // need.pack_peak(1)))
     queue = split_evenly(list(range(k)), fits)
-    why = [] if fits == k else [f"estimated {need.packed(1) / 1e9:.3g} GB per member, "
+    why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
     results: dict[int, TrialResult] = {}
     sizes: list[int] = []  # of the packs that trained
