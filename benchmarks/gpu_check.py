@@ -44,6 +44,7 @@ from _timing import pack_step_stamps, step_stamps
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
 from hptransfer.workers.device import peak_flops, resolve_device
+from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.plan import load_trial_data
 from hptransfer.workers.trainer import run_trial, run_trials
 from hptransfer.workers.trial import TrialResult, TrialSpec
@@ -137,7 +138,9 @@ def section_pack(args: argparse.Namespace, cache: str) -> None:
     pack_tps, t_pack, packed = packed_steady(specs, cache)
     mean_solo = sum(solo_tps) / len(solo_tps)
     print(f"width {args.pack_width}, K={args.k}: packed {t_pack:.1f} s wall, steady "
-          f"{pack_tps:,.0f} tok/s; ratio wall {t_seq / t_pack:.2f}x, steady "
+          f"{pack_tps:,.0f} tok/s, peak memory {_peak_memory_gib(args.device_obj)} "
+          f"({_estimated_gib(specs[0], args.k, args.device_obj, cache)}); "
+          f"ratio wall {t_seq / t_pack:.2f}x, steady "
           f"{pack_tps / mean_solo:.2f}x; statuses "
           f"{sorted({TrialStatus(r.status).value for r in seq + packed})}")
     worst = max(abs(p.final_val_loss - q.final_val_loss) / q.final_val_loss
@@ -232,8 +235,16 @@ def section_scan(args: argparse.Namespace, cache: str) -> None:
         pack_tps, wall, results = packed_steady(specs, cache)
         print(f"width {width}, K={k}: solo {solo[width]:,.0f} tok/s, packed {pack_tps:,.0f} "
               f"tok/s, steady ratio {pack_tps / solo[width]:.2f}x ({wall:.1f} s wall, peak "
-              f"memory {_peak_memory_gib(args.device_obj)}); statuses "
+              f"memory {_peak_memory_gib(args.device_obj)}, "
+              f"{_estimated_gib(specs[0], k, args.device_obj, cache)}); statuses "
               f"{sorted({TrialStatus(r.status).value for r in results})}", flush=True)
+
+
+def _estimated_gib(s: TrialSpec, k: int, device: torch.device, cache: str) -> str:
+    """workers/memory.py's estimate of a pack's peak, which run_trials splits packs by."""
+    half = s.precision == "bf16" and device.type == "cuda"
+    need = trial_memory(s, load_trial_data(s, cache).vocab_size, half_activations=half)
+    return f"estimated {need.pack_peak(k) / 2**30:.1f} GiB"
 
 
 def _peak_memory_gib(device: torch.device) -> str:

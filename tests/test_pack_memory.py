@@ -138,3 +138,15 @@ def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
         assert_same_result(p, s)
         note = next(n for n in p.notes if "in turn" in n)
         assert "a pack of 4 ran out of memory" in note and "can't allocate memory" in note
+
+
+def test_a_cpu_task_plans_for_its_share_of_the_host():
+    import psutil
+
+    from hptransfer.workers.memory import free_memory
+
+    cpus, host = os.cpu_count() or 1, psutil.virtual_memory()
+    whole = free_memory(torch.device("cpu"), cpus)  # a task with every CPU: all that is free
+    assert whole == pytest.approx(host.available, rel=0.05)
+    one = free_memory(torch.device("cpu"), 1)  # one of `cpus` such tasks: its share at most
+    assert one <= whole * 1.05 and one <= host.total / cpus * 1.001

@@ -83,21 +83,31 @@ def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None
                       activation_bytes=float(activations))
 
 
-def free_memory(device: torch.device) -> float:
+def free_memory(device: torch.device, threads: int | None = None) -> float:
     """Bytes a new allocation could take on `device` now: the GPU's free memory plus what
-    torch's caching allocator holds unused; on the CPU the kernel's MemAvailable."""
+    torch's caching allocator holds unused. On the CPU the kernel's MemAvailable, but at
+    most this task's share of the host by its threads (Ray runs as many tasks on a node as
+    it has CPUs for, and each would otherwise plan for all the memory free at its start)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return float(free + cached)
+    info = _meminfo()
+    page = os.sysconf("SC_PAGE_SIZE")
+    available = info.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES"))
+    total = info.get("MemTotal", page * os.sysconf("SC_PHYS_PAGES"))
+    share = min(1.0, (threads or os.cpu_count() or 1) / (os.cpu_count() or 1))
+    return float(min(available, share * total))
+
+
+def _meminfo() -> dict[str, float]:
+    """/proc/meminfo in bytes (empty where there is none)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+            return {k: float(v.split()[0]) * 1024 for k, v in
+                    (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
     except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+        return {}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -91,7 +91,8 @@ def run_trials(
 
     A pack that would not fit in memory is split: into the fewest near-equal packs that
     `memory_limit` bytes hold by `workers.memory`'s estimate (default: what the device has
-    free now, less a headroom), trained one after another; and should a pack still run out
+    free now, on the CPU at most the task's share by threads, less a headroom), trained one
+    after another; and should a pack still run out
     of memory before any of its members reported, it is halved and trained again. A split
     pack's members say so in their notes; their results are a smaller pack's, i.e. still
     run_trial's for each spec alone.
@@ -105,8 +106,8 @@ def run_trials(
         prepare_process(specs[0])
         device = resolve_device(specs[0].device)
         data = load_trial_data(specs[0], cache_dir)
-        budget = (MEMORY_HEADROOM * free_memory(device) if memory_limit is None
-                  else memory_limit)
+        budget = (MEMORY_HEADROOM * free_memory(device, specs[0].num_threads)
+                  if memory_limit is None else memory_limit)
         half = specs[0].precision == "bf16" and device.type == "cuda"
         need = trial_memory(specs[0], data.vocab_size, half_activations=half)
     except Exception as exc:
