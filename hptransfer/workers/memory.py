@@ -37,10 +37,12 @@ STATE_BYTES_PER_PARAM = 16
 # a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered
 # gradient, a scratch buffer and AdamW's two moments, all fp32 (packed._Pack)
 PACKED_STATE_BYTES_PER_PARAM = 24
-# A step's peak holds more than the activations saved for backward: the backward's own
-# gradients and temporaries, and the allocator's slack. benchmarks/pack_memory.py (CPU, 2
-# threads, 2026-12-04): peak resident growth of a pack of 1 or 4 over the saved-activation
-# estimate plus state, 1.6-2.0x at widths 128-256 (3.8x for the smallest shape, 35 MB)
+# A step's peak holds more than the activations saved for backward (which the estimate
+# below matches to 0.91-0.96, tests/test_pack_memory.py): the backward's own gradients and
+# temporaries, and the allocator's slack. benchmarks/pack_memory.py (CPU, 2 threads,
+# 2026-12-04): a pack of 1 or 4 grew its peak resident memory by 1.6-2.0x the saved
+# activations plus state at widths 128-256, and by 0.84-1.10x `pack_peak` with this factor
+# (2.4x for the smallest shape, 37 MB, mostly the allocator's fixed slack)
 PEAK_OVER_SAVED = 2.0
 _ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
 _LOGIT_COPIES = 3
@@ -51,10 +53,6 @@ class MemoryNeed:
     params: int
     state_bytes: float  # weights, gradients, AdamW moments
     activation_bytes: float
-
-    @property
-    def total(self) -> float:
-        return self.state_bytes + self.activation_bytes
 
     def pack_peak(self, members: int) -> float:
         """Peak bytes of `members` trials of this shape trained as one pack: their fp32 state

@@ -55,8 +55,8 @@ PackedReporter = Callable[[int, dict[str, Any]], bool | None]
 
 T = TypeVar("T")
 
-# a pack plans to use at most this share of the memory its device has free when it starts:
-# the estimate leaves out allocator slack, the data and the compiler's workspace
+# a pack plans to use at most this share of the memory its device has free when it starts,
+# leaving room for what its estimate leaves out (the data, the compiler's workspace)
 MEMORY_HEADROOM = 0.8
 
 # the fields packed members may differ in; every other field defines the shared shape
@@ -89,13 +89,12 @@ def run_trials(
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
-    A pack that would not fit in memory is split: into the fewest near-equal packs that
+    A pack that would not fit in memory is split into the fewest near-equal packs that
     `memory_limit` bytes hold by `workers.memory`'s estimate (default: what the device has
     free now, on the CPU at most the task's share by threads, less a headroom), trained one
-    after another; and should a pack still run out
-    of memory before any of its members reported, it is halved and trained again. A split
-    pack's members say so in their notes; their results are a smaller pack's, i.e. still
-    run_trial's for each spec alone.
+    after another; a pack that still runs out of memory before any of its members reported
+    is halved and trained again. A split pack's members say so in their notes; their
+    results are a smaller pack's, i.e. still run_trial's for each spec alone.
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would).
     """
@@ -195,7 +194,7 @@ class _Pack:
         prepare_process(spec)
         self.spec, self.reporter = spec, reporter
         self.device = device = resolve_device(spec.device)
-        self.data = data = data or load_trial_data(spec, cache_dir)
+        self.data = data = data if data is not None else load_trial_data(spec, cache_dir)
         self.notes: list[str] = [f"trained packed: {len(specs)} trials in one batched model"]
         built = []
         self.members: list[_Member] = []
