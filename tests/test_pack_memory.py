@@ -101,24 +101,30 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
 
 _OUT_OF_MEMORY = textwrap.dedent("""
     import json, resource, sys
-    from hptransfer.workers.memory import trial_memory
     from hptransfer.workers.trainer import run_trial, run_trials
     from hptransfer.workers.trial import TrialSpec
+
+    def status(key):
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
+                    if line.startswith(key))
 
     base = dict(width=128, depth=2, head_dim=32, batch_size=32, seq_len=128,
                 budget={"steps": 4}, num_threads=1,
                 data={"val_tokens": 4096, "max_corpus_bytes": 300_000})
     specs = [TrialSpec(**base, lr=2**-8 * 2**i, seed=i) for i in range(4)]
-    solo = [run_trial(s, cache_dir=sys.argv[1]) for s in specs]  # also maps every library
-    need = trial_memory(specs[0], 256, half_activations=False).activation_bytes
-    vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
-              if line.startswith("VmSize"))
-    # address space for about 3 members' saved activations more than now: a pack of 4
-    # cannot allocate
-    resource.setrlimit(resource.RLIMIT_AS, (vm + int(2.8 * need), resource.RLIM_INFINITY))
-    packed = run_trials(specs, cache_dir=sys.argv[1], memory_limit=float("inf"))
+    solo = [run_trial(s, cache_dir=sys.argv[1]) for s in specs]
+    before = status("VmPeak")
+    run_trials(specs[:2], cache_dir=sys.argv[1])  # maps what a pack of 2 needs at its peak
+    pair = status("VmPeak") - before
+    # the address space a pack of 2 reached and a quarter of its growth more: a pack of 4,
+    # about twice that growth, cannot allocate; a pack of 2 can
+    limit = status("VmPeak") + pair // 4
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    seen = []
+    packed = run_trials(specs, reporter=lambda i, m: seen.append((i, m["step"])),
+                        cache_dir=sys.argv[1], memory_limit=float("inf"))
     print(json.dumps({"solo": [r.model_dump(mode="json") for r in solo],
-                      "packed": [r.model_dump(mode="json") for r in packed]}))
+                      "packed": [r.model_dump(mode="json") for r in packed], "seen": seen}))
 """)
 
 
@@ -138,6 +144,32 @@ def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
         assert_same_result(p, s)
         note = next(n for n in p.notes if "in turn" in n)
         assert "a pack of 4 ran out of memory" in note and "can't allocate memory" in note
+    # each member's steps reached the reporter once, in order, whatever was trained again
+    for i, s in enumerate(solo):
+        assert [step for m, step in out["seen"] if m == i] == [p["step"] for p in s.curve]
+
+
+def test_a_member_trained_again_reports_each_step_once_and_stops_where_it_stopped():
+    from hptransfer.workers.packed import _Relay
+
+    calls = []
+
+    def reporter(i, metrics):
+        calls.append((i, metrics["step"]))
+        return i == 1 and metrics["step"] == 2  # stop member 1 at step 2
+
+    relay = _Relay(reporter)
+    first = relay.for_group([0, 1, 2, 3])  # a pack of 4 that reports steps 1 and 2 ...
+    assert [first(r, {"step": 1}) for r in range(4)] == [False] * 4
+    assert [first(r, {"step": 2}) for r in range(4)] == [False, True, False, False]
+    # ... then runs out of memory; its halves train again from step 1
+    second, third = relay.for_group([0, 1]), relay.for_group([2, 3])
+    assert [second(r, {"step": s}) for s in (1, 2) for r in range(2)] == [
+        False, False, False, True]  # member 1 stopped at step 2 again
+    assert second(0, {"step": 3}) is False
+    assert [third(r, {"step": s}) for s in (1, 2, 3) for r in range(2)] == [False] * 6
+    assert calls == [(i, 1) for i in range(4)] + [(i, 2) for i in range(4)] + [
+        (0, 3), (2, 3), (3, 3)]
 
 
 def test_a_cpu_task_plans_for_its_share_of_the_host():

@@ -92,9 +92,10 @@ def run_trials(
     A pack that would not fit in memory is split into the fewest near-equal packs that
     `memory_limit` bytes hold by `workers.memory`'s estimate (default: what the device has
     free now, on the CPU at most the task's share by threads, less a headroom), trained one
-    after another; a pack that still runs out of memory before any of its members reported
-    is halved and trained again. A split pack's members say so in their notes; their
-    results are a smaller pack's, i.e. still run_trial's for each spec alone.
+    after another; a pack that still runs out of memory is halved and trained again (its
+    members from the start; the reporter sees each step of a member once). A split pack's
+    members say so in their notes; their results are a smaller pack's, i.e. still
+    run_trial's for each spec alone.
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would).
     """
@@ -118,9 +119,10 @@ def run_trials(
                                 f"{budget / 1e9:.3g} GB to use"]
     results: dict[int, TrialResult] = {}
     sizes: list[int] = []  # of the packs that trained
+    relay = _Relay(reporter)
     while queue:
         group = queue.pop(0)
-        out, oom = _train_group([specs[i] for i in group], reporter, group, data)
+        out, oom = _train_group([specs[i] for i in group], relay.for_group(group), data)
         if oom and len(group) > 1:
             why.append(f"a pack of {len(group)} ran out of memory: "
                        f"{out[0].error.splitlines()[0][:200]}")
@@ -152,23 +154,39 @@ def split_evenly(items: Sequence[T], cap: int) -> list[list[T]]:
     return packs
 
 
-def _train_group(specs: list[TrialSpec], reporter: PackedReporter | None, group: list[int],
+class _Relay:
+    """The caller's reporter across a pack's attempts: a member trained again after its pack
+    ran out of memory reports each step once (a retry's repeats are not passed on), and a
+    stop the reporter asked for is asked again at the same step (same result)."""
+
+    def __init__(self, reporter: PackedReporter | None):
+        self.reporter = reporter
+        self.last: dict[int, int] = {}  # member -> last step passed on
+        self.stopped_at: dict[int, int] = {}  # member -> step the reporter stopped it
+
+    def for_group(self, group: list[int]) -> PackedReporter:
+        def report(row: int, metrics: dict[str, Any]) -> bool:
+            i, step = group[row], int(metrics["step"])
+            if step <= self.last.get(i, 0):  # a retry's repeat
+                return step >= self.stopped_at.get(i, step + 1)
+            self.last[i] = step
+            stop = self.reporter is not None and bool(self.reporter(i, metrics))
+            if stop:
+                self.stopped_at.setdefault(i, step)
+            return stop
+
+        return report
+
+
+def _train_group(specs: list[TrialSpec], report: PackedReporter,
                  data: TokenDataset) -> tuple[list[TrialResult], bool]:
-    """Train one pack; (results, whether it ran out of memory before any member reported,
-    so that it may be retried smaller without a member's curve starting over)."""
+    """Train one pack; (results, whether it ran out of memory, so that it may be trained
+    again smaller)."""
     started = time.perf_counter()
-    reported = False
-
-    def report(member: int, metrics: dict[str, Any]) -> bool | None:
-        nonlocal reported
-        reported = True
-        return reporter(group[member], metrics) if reporter is not None else None
-
     try:
         return _Pack(specs, report, None, data=data).train(started), False
     except Exception as exc:
-        out_of_memory = is_out_of_memory(exc) and not reported
-        return [failed_result(s, exc, started) for s in specs], out_of_memory
+        return [failed_result(s, exc, started) for s in specs], is_out_of_memory(exc)
 
 
 @dataclass
