@@ -44,7 +44,7 @@ from _timing import pack_step_stamps, step_stamps
 
 from hptransfer.models.flops import flops_per_token
 from hptransfer.status import TrialStatus
-from hptransfer.workers.device import peak_flops, resolve_device
+from hptransfer.workers.device import autocasts, peak_flops, resolve_device
 from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.plan import load_trial_data
 from hptransfer.workers.trainer import run_trial, run_trials
@@ -248,7 +248,7 @@ def section_scan(args: argparse.Namespace, cache: str) -> None:
 
 def _estimated_gib(s: TrialSpec, k: int, device: torch.device, cache: str) -> str:
     """workers/memory.py's estimate of a pack's peak, which run_trials splits packs by."""
-    half = s.precision == "bf16" and device.type == "cuda"
+    half = autocasts(device, s.precision)
     need = trial_memory(s, load_trial_data(s, cache).vocab_size, half_activations=half)
     return f"estimated {need.pack_peak(k) / 2**30:.1f} GiB"
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from hptransfer.workers.packed import PACKABLE_FIELDS, split_evenly
+from hptransfer.workers.trial import sequences_per_pass
 
 from .spec import SweepSpec
 
@@ -49,9 +50,8 @@ def on_gpu(spec: SweepSpec) -> bool:
 
 def pass_work(trial: Mapping[str, Any]) -> float:
     """A trial spec's tokens per forward pass x width^2 (what `auto` compares)."""
-    batch = trial["batch_size"]
-    tokens = min(batch, trial.get("micro_batch_size") or batch) * trial["seq_len"]
-    return float(tokens) * trial["width"] ** 2
+    sequences = sequences_per_pass(trial["batch_size"], trial.get("micro_batch_size"))
+    return float(sequences * trial["seq_len"]) * trial["width"] ** 2
 
 
 def _measured(trial: Mapping[str, Any], gpu: bool) -> tuple[int, float]:

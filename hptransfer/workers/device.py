@@ -29,9 +29,15 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def autocasts(device: torch.device, precision: str) -> bool:
+    """Whether a run asking for `precision` autocasts to bf16 on `device`: on CUDA only; on
+    the CPU fp32 is both faster and the reference."""
+    return precision == "bf16" and device.type == "cuda"
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA only; on the CPU fp32 is both faster and the reference."""
-    if precision == "bf16" and device.type == "cuda":
+    """bf16 autocast where `autocasts` says so, else nothing."""
+    if autocasts(device, precision):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -31,7 +31,7 @@ import torch
 from hptransfer.models.flops import param_counts
 from hptransfer.models.layers import small_heads
 
-from .trial import TrialSpec
+from .trial import TrialSpec, sequences_per_pass
 
 STATE_BYTES_PER_PARAM = 16
 # a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered
@@ -74,7 +74,7 @@ def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None
     if small_heads(cfg.head_dim, t):
         per_block += cfg.n_heads * t  # the small-head path's saved softmax
     # activations live for one micro-batch at a time
-    live = min(spec.batch_size, spec.micro_batch_size or spec.batch_size)
+    live = sequences_per_pass(spec.batch_size, spec.micro_batch_size)
     per_token = cfg.depth * per_block + _LOGIT_COPIES * vocab_size
     activations = (2 if half else 4) * live * t * per_token
     return MemoryNeed(params=params, state_bytes=float(STATE_BYTES_PER_PARAM * params),

@@ -36,7 +36,7 @@ from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
-from .device import Compiled, autocast, resolve_device, to_device
+from .device import Compiled, autocast, autocasts, resolve_device, to_device
 from .memory import free_memory, is_out_of_memory, trial_memory
 from .plan import (
     Progress,
@@ -108,7 +108,7 @@ def run_trials(
         data = load_trial_data(specs[0], cache_dir)
         budget = (MEMORY_HEADROOM * free_memory(device, specs[0].num_threads)
                   if memory_limit is None else memory_limit)
-        half = specs[0].precision == "bf16" and device.type == "cuda"
+        half = autocasts(device, specs[0].precision)
         need = trial_memory(specs[0], data.vocab_size, half_activations=half)
     except Exception as exc:
         return [failed_result(spec, exc, started) for spec in specs]

@@ -22,9 +22,9 @@ from hptransfer.data import TokenDataset, load_dataset
 from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTable
 from hptransfer.models.flops import flops_per_token, param_counts
 
-from .device import peak_flops
+from .device import autocasts, peak_flops
 from .host_memory import keep_freed_memory
-from .trial import TrialResult, TrialSpec
+from .trial import TrialResult, TrialSpec, sequences_per_pass
 
 CURVE_POINTS = 50
 # at most this many optimizer steps between two host reads of the losses (divergence check)
@@ -45,7 +45,7 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec,
     (the last one may be smaller); weight = its share of the batch, so the weighted sum of
     the micro-batches' mean losses is the batch's mean loss. One piece, weight 1.0, when the
     batch fits."""
-    size = spec.micro_batch_size or x.shape[dim]
+    size = sequences_per_pass(x.shape[dim], spec.micro_batch_size)
     if size >= x.shape[dim]:
         return [(x, y, 1.0)]
     return [(xs, ys, xs.shape[dim] / x.shape[dim])
@@ -110,7 +110,7 @@ def plan_trial(spec: TrialSpec, data: TokenDataset, device: torch.device) -> Tri
     tokens_per_step = spec.batch_size * spec.seq_len
     total_steps = spec.budget.steps_for(tokens_per_step, counts.non_embedding)
     notes: list[str] = []
-    if spec.precision == "bf16" and device.type != "cuda":
+    if spec.precision == "bf16" and not autocasts(device, spec.precision):
         notes.append(f"bf16 autocast is CUDA-only; this trial ran fp32 on {device}")
     warmup = spec.arch != "ngpt"
     if not warmup and spec.schedule.warmup_fraction > 0:

@@ -122,6 +122,12 @@ class Budget(BaseModel):
         return max(1, math.ceil(tokens / tokens_per_step))
 
 
+def sequences_per_pass(batch_size: int, micro_batch_size: int | None) -> int:
+    """Sequences one forward/backward pass sees: the micro-batch where it is smaller than
+    the batch (the batch's gradient then accumulates over passes)."""
+    return min(batch_size, micro_batch_size or batch_size)
+
+
 class TrialSpec(BaseModel):
     model_config = STRICT
 
