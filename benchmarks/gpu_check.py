@@ -13,9 +13,9 @@ is skipped (the device tool's lease is short):
 - equivalence: tests/test_packed.py's cases (every arch x parameterization) on the device,
   eager fp32, each member of a pack against run_trial alone (goal: final val loss within
   1e-3 relative), then two cases compiled in bf16 (the bf16 tests' 5e-3).
-On request (`--only profile scan`): profile, a pack's kernels and host ops under
-torch.profiler; scan, steady pack-vs-solo ratios per `--scan WIDTH:K` (what `pack: auto` on
-CUDA is set from).
+On request (`--only profile scan`): profile, a lone trial's and a pack's time per step,
+device-busy time, kernels and host ops under torch.profiler; scan, steady pack-vs-solo
+ratios per `--scan WIDTH:K` (what `pack: auto` on CUDA is set from).
 
 `--device cpu` runs the same script on the CPU (fp32, small widths, no peak so no MFU): a dry
 run of every code path except CUDA's. `scripts/gpu_check.sh` runs it on the GPU machine that
@@ -38,6 +38,7 @@ import traceback
 import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from _timing import pack_step_stamps, step_stamps
@@ -56,6 +57,8 @@ SECTIONS = ("mfu", "pack", "equivalence")
 # on request (--only ...): where a pack's step time goes; steady pack ratios per width and K
 EXTRA_SECTIONS = ("profile", "scan")
 BF16_COMPILED_CASES = ("gpt-completep", "ngpt")
+# training steps of the two profiled runs whose difference the profile section reports
+PROFILE_STEPS = (20, 60)
 
 
 def spec(width: int, steps: int, device: str, batch: int, seq_len: int,
@@ -196,31 +199,58 @@ def section_equivalence(args: argparse.Namespace, cache: str) -> None:
 
 
 def section_profile(args: argparse.Namespace, cache: str) -> None:
-    """A pack of each K at the pack width, compiled and warmed, then 40 steps under
-    torch.profiler: device time by kernel against host time by op, per step."""
+    """A lone trial (`run_trial`) and a pack of each K at the pack width, compiled and
+    warmed, under torch.profiler: per training step, wall time and the device's busy time
+    (host-bound when the device idles for much of the step), then kernels and host ops.
+    Per step = the difference of a short and a long profiled run over their difference in
+    steps, so set-up, the first compile and the final evaluation cancel out."""
     from torch.profiler import ProfilerActivity, profile
 
-    steps = 40
-    for k in args.profile_k:
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    short, long = PROFILE_STEPS
+    for k in [1, *args.profile_k]:
         torch._dynamo.reset()
-        specs = [spec(args.pack_width, steps, args.device, args.batch, args.seq_len,
-                      lr=grid_lr(i, k), seed=i) for i in range(k)]
-        run_trials(specs, cache_dir=cache)  # compile (the next run's Compiled reuses it)
-        activities = [ProfilerActivity.CPU] + (
-            [ProfilerActivity.CUDA] if args.device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            t = time.perf_counter()
-            run_trials(specs, cache_dir=cache)
-            wall = time.perf_counter() - t
-        events = prof.key_averages()
-        device_us = sum(e.self_device_time_total for e in events)
-        print(f"K={k}: {steps} steps in {wall:.2f} s under the profiler "
-              f"({wall / steps * 1e3:.1f} ms/step); device busy {device_us / 1e3:.0f} ms "
-              f"({device_us / 1e3 / steps:.1f} ms/step)", flush=True)
+
+        def train(steps: int, k: int = k) -> None:
+            specs = [spec(args.pack_width, steps, args.device, args.batch, args.seq_len,
+                          lr=grid_lr(i, k), seed=i) for i in range(k)]
+            results = [run_trial(specs[0], cache_dir=cache)] if k == 1 else run_trials(
+                specs, cache_dir=cache)
+            if any(r.status == TrialStatus.FAILED for r in results):
+                raise RuntimeError(next(r.error for r in results if r.error))
+
+        train(short)  # compile (later runs' Compiled reuse it)
+        runs = []
+        for steps in (short, long):
+            with profile(activities=activities) as prof:
+                t = time.perf_counter()
+                train(steps)
+                wall = time.perf_counter() - t
+            events = prof.key_averages()
+            runs.append((wall, _device_seconds(events), events))
+        (wall_s, busy_s, _), (wall_l, busy_l, events) = runs
+        step_ms, busy_ms = ((b - a) / (long - short) * 1e3
+                            for a, b in ((wall_s, wall_l), (busy_s, busy_l)))
+        what = "one trial alone (run_trial)" if k == 1 else f"a pack of K={k}"
+        print(f"{what}: {step_ms:.2f} ms per training step under the profiler, the device "
+              f"busy {busy_ms:.2f} ms of it ({busy_ms / step_ms:.0%}"
+              f"{'' if k == 1 else f'; {busy_ms / k:.2f} ms per member'}); tables: the "
+              f"{long}-step run", flush=True)
         sort = "self_device_time_total" if args.device == "cuda" else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=22, max_name_column_width=60), flush=True)
         print(events.table(sort_by="self_cpu_time_total", row_limit=12,
                            max_name_column_width=60), flush=True)
+
+
+def _device_seconds(events: Any) -> float:
+    """Seconds of device kernels in a profile, each counted once (as torch's own table
+    totals them: the kernels' events, not the ops that launched them, which carry the same
+    time again)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e6
 
 
 def section_scan(args: argparse.Namespace, cache: str) -> None:
