@@ -24,11 +24,13 @@ the device tool lends (after `scripts/gpu_wheels.sh` here fetched the wheels it 
     .venv/bin/python benchmarks/gpu_check.py [--steps 100] [--pack-steps 200] [--k 8]
         [--device cuda|cpu] [--widths 256 1024 2048] [--pack-width 256] [--deadline 480]
         [--only mfu pack equivalence profile scan] [--profile-k 8 16] [--scan 256:8 512:8]
+        [--inductor max_autotune=True ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 import sys
@@ -306,7 +308,20 @@ def main() -> None:
     parser.add_argument("--profile-k", type=int, nargs="+", default=[8])
     parser.add_argument("--scan", nargs="+", default=["256:16", "512:4", "512:8", "1024:4"],
                         help="WIDTH:K packs for the scan section")
+    parser.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="torch._inductor.config settings for every compile of the run, "
+                             "e.g. max_autotune=True (an experiment: the trainer sets none)")
     args = parser.parse_args()
+    import torch._inductor.config as inductor
+
+    for item in args.inductor:
+        key, _, value = item.partition("=")
+        if not hasattr(inductor, key):
+            parser.error(f"--inductor {item}: torch._inductor.config has no {key!r}")
+        try:
+            setattr(inductor, key, ast.literal_eval(value))
+        except (ValueError, SyntaxError):
+            parser.error(f"--inductor {item}: {value!r} is no Python literal (True, 3, 'x')")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check on this machine (--device cpu dry-runs it)")
         return
@@ -319,7 +334,8 @@ def main() -> None:
     peak = peak_flops(args.device_obj)
     print(f"{name}, torch {torch.__version__}, peak bf16 "
           f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; "
-          f"batch {args.batch} x seq {args.seq_len}, depth 4, {args.steps} steps", flush=True)
+          f"batch {args.batch} x seq {args.seq_len}, depth 4, {args.steps} steps"
+          f"{'; inductor ' + ' '.join(args.inductor) if args.inductor else ''}", flush=True)
     sections: dict[str, Callable[[argparse.Namespace, str], None]] = {
         "mfu": section_mfu, "pack": section_pack, "equivalence": section_equivalence,
         "profile": section_profile, "scan": section_scan}
