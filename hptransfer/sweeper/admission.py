@@ -13,12 +13,11 @@ HPT_MAX_TRIAL_FLOPS).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
-from hptransfer.workers.memory import trial_memory
+from hptransfer.workers.memory import host_memory, trial_memory
 
 from .spec import SpecError, SweepSpec
 from .spec.stages import STAGE_ORDER
@@ -107,7 +106,7 @@ def largest_worker_memory() -> tuple[float, str]:
                 return max(sizes), "the largest Ray worker node"
     except Exception:  # Ray unreachable: fall back to this host rather than refuse everything
         pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this host"
+    return host_memory(), "this host"
 
 
 def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from hptransfer.models.flops import param_counts
@@ -90,22 +91,14 @@ def free_memory(device: torch.device, threads: int | None = None) -> float:
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return float(free + cached)
-    info = _meminfo()
-    page = os.sysconf("SC_PAGE_SIZE")
-    available = info.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES"))
-    total = info.get("MemTotal", page * os.sysconf("SC_PHYS_PAGES"))
+    host = psutil.virtual_memory()  # available: the kernel's MemAvailable on Linux
     share = min(1.0, (threads or os.cpu_count() or 1) / (os.cpu_count() or 1))
-    return float(min(available, share * total))
+    return float(min(host.available, share * host.total))
 
 
-def _meminfo() -> dict[str, float]:
-    """/proc/meminfo in bytes (empty where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return {k: float(v.split()[0]) * 1024 for k, v in
-                    (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
-    except OSError:
-        return {}
+def host_memory() -> float:
+    """Bytes of memory this host has in all."""
+    return float(psutil.virtual_memory().total)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
