@@ -486,6 +486,54 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
     assert all(store.attempts(t)[0].error == NOT_STARTED for t in refused_leases)
 
 
+def test_packs_leased_before_a_failed_lease_go_back_to_pending(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """A tick leases each pack in its own transaction; when the database fails the second
+    lease, the pack leased before it (no task yet) goes back to pending, its attempt not
+    counted, rather than staying 'running' with no task until the coordinator restarts."""
+    import time
+
+    from hptransfer.sweeper.db.store import NOT_STARTED
+
+    tiny_spec.update(name="half-leased", max_concurrent=2, reuse=False)
+    tiny_spec["grid"]["lrs"] = [2**-8, 2**-7, 2**-6, 2**-5]
+    tiny_spec["resources"] = {"cpus": 1, "pack": 2}
+    coordinator = Coordinator(get_settings())
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    coordinator.start(background=False)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # two packs a tick
+    real_lease, leases = store.lease_pending, []
+
+    def flaky_lease(*args, **kwargs):  # the second lease of the first tick fails
+        leases.append(kwargs.get("ids"))
+        if len(leases) == 2:
+            raise _outage("UPDATE trials")
+        return real_lease(*args, **kwargs)
+
+    monkeypatch.setattr(store, "lease_pending", flaky_lease)
+    sweep_id = coordinator.submit(tiny_spec)["id"]
+    raised, deadline = [], time.monotonic() + 120
+    try:
+        while store.get_sweep(sweep_id).status != "completed":
+            assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
+                sweep_id))
+            try:  # the dispatch loop's tick, by hand
+                dispatcher.run_once()
+            except OperationalError as exc:
+                raised.append(exc)
+            time.sleep(0.05)
+    finally:
+        coordinator.stop()
+    assert len(raised) == 1 and len(leases[0]) == 2 and not dispatcher.unsubmitted
+    rows = store.trials(sweep_id, limit=None)
+    assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
+    # the pack leased before the failure was released, then leased and trained again
+    released = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
+        "cancelled", "completed"]]
+    assert sorted(released) == sorted(leases[0])
+    assert all(store.attempts(t)[0].error == NOT_STARTED for t in released)
+
+
 def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
         hpt_home, ray_cluster, tiny_spec, tmp_path, caplog):
     """Optuna's storage (its own database, `chattr +i` here) fails while an Optuna sweep's

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, func, inspect, select
+from sqlalchemy import create_engine, func, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 
 from hptransfer.config import SettingsError, get_settings
@@ -370,6 +370,65 @@ def test_requeue_until_max_attempts(store: Store) -> None:
     assert store.requeue(tid, "ignored") == "failed"
     with pytest.raises(NotFoundError):
         store.requeue("missing", "x")
+
+
+def test_a_lost_attempt_in_a_stopped_sweep_is_cancelled_not_requeued(store: Store) -> None:
+    """A worker lost after its sweep was cancelled (a force-cancel Ray reports as a crash)
+    or failed: the trial ends cancelled, the attempt failed with the loss, and nothing is
+    left pending where no lease would ever take it."""
+    for stop in ("cancel", "fail"):
+        sid = new_sweep(store, plan()[:2], max_attempts=3)
+        leased = [t.id for t in store.lease_pending("c", 2, sweep_id=sid)]
+        if stop == "cancel":
+            assert store.cancel_sweep(sid) == leased
+        else:
+            store.fail_sweep(sid, "spec no longer validates")
+        assert store.requeue(leased[0], "WorkerCrashedError: boom") == "cancelled"
+        row = store.get_trial(leased[0])
+        assert row.status == "cancelled" and row.finished_at is not None
+        assert row.lease_owner is None and row.error == "WorkerCrashedError: boom"
+        (attempt,) = store.attempts(leased[0])
+        assert attempt.status == "failed" and attempt.error == "WorkerCrashedError: boom"
+        assert store.lease_pending("c", 10, sweep_id=sid) == []
+        store.mark_cancelled(leased[1])
+        counts = store.status_counts(sid)
+        assert counts["cancelled"] == 2 == sum(counts.values())
+
+
+@pytest.mark.parametrize("outcome", ["release", "requeue"])
+def test_a_lease_given_back_during_a_cancel_waits_for_it(
+    store: Store, open_store: Callable[[], Store], outcome: str
+) -> None:
+    """A cancel holds its sweep's row from its first statement to its commit; a lease given
+    back meanwhile (released unsubmitted, or requeued after a lost worker) waits for it and
+    then sees the sweep stopped, rather than reading it before the commit and leaving the
+    trial pending in a cancelled sweep (PostgreSQL runs each statement on what is committed
+    when it starts)."""
+    sid = new_sweep(store, plan()[:1])
+    (tid,) = [t.id for t in store.lease_pending("me", 1, sweep_id=sid)]
+    cancelling = open_store().engine.connect()
+    tx = cancelling.begin()
+    cancelling.execute(update(Sweep).where(Sweep.id == sid)
+                       .values(status="cancelled"))  # locks the row until the commit
+    done: list[object] = []
+
+    def give_back() -> None:
+        try:
+            done.append(store.release([tid], "me") if outcome == "release"
+                        else store.requeue(tid, "WorkerCrashedError: boom"))
+        except BaseException as exc:  # surfaced below
+            done.append(exc)
+
+    worker = threading.Thread(target=give_back)
+    worker.start()
+    worker.join(timeout=1.0)
+    waited = worker.is_alive()
+    tx.commit()
+    cancelling.close()
+    worker.join(timeout=60)
+    assert waited, f"{outcome} did not wait for the cancel in progress: {done}"
+    assert done == [0 if outcome == "release" else "cancelled"]
+    assert store.get_trial(tid).status == "cancelled"
 
 
 def test_requeue_orphans(store: Store) -> None:

@@ -542,10 +542,7 @@ class Dispatcher:
                 try:
                     self._submit(spec, leased[0])
                 except Exception:
-                    # leased, not started: back to pending now, or once the database takes it
-                    self.unsubmitted.extend([t.id for t in pack] for pack in leased)
-                    with contextlib.suppress(Exception):
-                        self._release_unsubmitted()
+                    self._unsubmit(leased)
                     raise
                 leased.pop(0)
                 started += 1
@@ -567,13 +564,24 @@ class Dispatcher:
         gpu = on_gpu(spec)
         planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
                              lambda t, n: pack_cost(n, t.spec, gpu))
-        leased = []
-        for pack in planned[:free]:
-            got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
-                                           ids=[t.id for t in pack])
-            if got:  # fewer when another coordinator leased some meanwhile
-                leased.append(got)
+        leased: list[list[TrialRecord]] = []
+        try:
+            for pack in planned[:free]:
+                got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
+                                               ids=[t.id for t in pack])
+                if got:  # fewer when another coordinator leased some meanwhile
+                    leased.append(got)
+        except Exception:
+            self._unsubmit(leased)  # the packs leased before the failure have no task
+            raise
         return leased
+
+    def _unsubmit(self, leased: list[list[TrialRecord]]) -> None:
+        """Leased trials that will not be submitted: back to pending now, or once the
+        database takes it (see `unsubmitted`)."""
+        self.unsubmitted.extend([t.id for t in pack] for pack in leased)
+        with contextlib.suppress(Exception):
+            self._release_unsubmitted()
 
     def _submit(self, spec: SweepSpec, trials: list[TrialRecord]) -> None:
         """Start one Ray task for one trial or a pack of trials of one shape."""

@@ -597,17 +597,24 @@ class Store:
 
     def requeue(self, trial_id: str, error: str | None) -> str:
         """After a retryable failure: back to pending while attempts < max_attempts, else
-        failed. Returns the trial's status afterwards (unchanged unless it was running)."""
+        failed; cancelled instead if its sweep has stopped (cancelled or failed meanwhile),
+        which leases nothing again. Returns the trial's status afterwards (unchanged unless
+        it was running)."""
         with self._write() as s:
-            trial = s.get(Trial, trial_id, with_for_update=True)
-            if trial is None:
+            sweep_id = s.scalar(select(Trial.sweep_id).where(Trial.id == trial_id))
+            if sweep_id is None:
                 raise NotFoundError(f"no trial {trial_id!r}")
+            # the sweep before the trial, as cancel_sweep locks them: it cannot stop unseen
+            sweep = _locked_sweep(s, sweep_id)
+            trial = s.get(Trial, trial_id, with_for_update=True)
             if trial.status != "running":
                 return trial.status
             _end_attempt(s, trial_id, "failed", error)
             trial.error = error
             trial.lease_owner = trial.lease_expires_at = None
-            if trial.attempts < trial.max_attempts:
+            if sweep.status in STOPPED_SWEEP_STATUSES:
+                trial.status, trial.finished_at = "cancelled", utcnow()
+            elif trial.attempts < trial.max_attempts:
                 trial.status, trial.started_at, trial.worker_node = "pending", None, None
             else:
                 trial.status, trial.finished_at = "failed", utcnow()
@@ -644,6 +651,11 @@ class Store:
         stopped = select(Sweep.id).where(Sweep.status.in_(STOPPED_SWEEP_STATUSES))
         released = {"lease_owner": None, "lease_expires_at": None}
         with self._write() as s:
+            # their sweeps locked first, as cancel_sweep locks them: no sweep can stop
+            # between the statements below and leave a trial pending in a stopped sweep
+            s.execute(select(Sweep.id)
+                      .where(Sweep.id.in_(select(Trial.sweep_id).where(*where)))
+                      .order_by(Sweep.id).with_for_update(key_share=True))
             bulk_update(
                 s,
                 update(Attempt)
