@@ -9,6 +9,7 @@ import logging
 import shutil
 import sqlite3
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -532,6 +533,56 @@ def test_packs_leased_before_a_failed_lease_go_back_to_pending(
         "cancelled", "completed"]]
     assert sorted(released) == sorted(leases[0])
     assert all(store.attempts(t)[0].error == NOT_STARTED for t in released)
+
+
+def test_an_asked_trial_reused_while_the_database_fails_is_still_told(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """An asked trial whose row reuses an identical earlier result never runs, so it is told
+    at once; when the database fails just after the row was added (reading it back), a
+    later tick tells it, and the sweep completes with no Optuna trial left RUNNING."""
+    settings, coordinator = _one_at_a_time_optuna(tiny_spec, "reused-untold")
+    tiny_spec["reuse"] = True
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    coordinator.start(background=False)
+    real_add, real_get = store.add_trial, store.get_trial
+    failing = {"armed": False, "failed": 0}
+
+    def add_trial(*args, **kwargs):
+        trial_id = real_add(*args, **kwargs)
+        failing["armed"] = failing["failed"] == 0
+        return trial_id
+
+    def get_trial(*args, **kwargs):  # the read right after the first add fails
+        if failing["armed"]:
+            failing.update(armed=False, failed=1)
+            raise _outage("SELECT trials")
+        return real_get(*args, **kwargs)
+
+    sweep_ids, raised = [], []
+    try:
+        for second in (False, True):  # the second, identical sweep reuses every result
+            if second:
+                monkeypatch.setattr(store, "add_trial", add_trial)
+                monkeypatch.setattr(store, "get_trial", get_trial)
+            sweep_ids.append(coordinator.submit(tiny_spec)["id"])
+            deadline = time.monotonic() + 180
+            while store.get_sweep(sweep_ids[-1]).status != "completed":
+                assert time.monotonic() < deadline, store.status_counts(sweep_ids[-1])
+                try:
+                    dispatcher.run_once()
+                except OperationalError as exc:
+                    raised.append(exc)
+                time.sleep(0.05)
+    finally:
+        coordinator.stop()
+    assert failing["failed"] == 1 and len(raised) == 1
+    rows = store.trials(sweep_ids[1], limit=None)
+    assert len(rows) == 3 and all(r.reused for r in rows)
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url)
+               if sweep_ids[1] in n]
+    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
+    states = [t.state.name for t in study.get_trials(deepcopy=False)]
+    assert states == ["COMPLETE"] * 3, states
 
 
 def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(

@@ -679,7 +679,12 @@ class Dispatcher:
         with contextlib.suppress(OptunaUnavailable), self._optuna_calls():
             # unbound when Optuna's storage failed here: it runs unpruned, as after a restart
             self.optuna.bind(trial_id, study, number, planned.trial)
-        added = self.store.get_trial(trial_id)
+        try:
+            added = self.store.get_trial(trial_id)
+        except Exception:
+            # reused or not is unknown now: the untold pass tells it if it was (each tick)
+            self.untold.add(sweep_id)
+            raise
         if added is not None and added.status != "pending":
             # reused from an identical earlier trial: it never runs, so tell it now
             self.optuna.forget(trial_id)
