@@ -682,18 +682,13 @@ def test_a_stored_sweep_that_no_longer_validates_fails_and_others_go_on(
     assert summary["done"] == summary["total"] == 3
 
 
-def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_later(
-        hpt_home, ray_cluster):
-    """The live-metrics board is a Ray actor; one being restarted (its node lost, or killed by
-    Ray's OOM monitor) answers late. Dispatch ticks go on without it meanwhile (they used to
-    block 10 s each, and the late answer was dropped), and its answer is used when it comes."""
+def _gated_board() -> type:
+    """The real progress board, answering drains only once opened."""
     import threading
-    from types import SimpleNamespace
 
-    from hptransfer.sweeper.dispatch import InFlight
     from hptransfer.sweeper.progress import ProgressBoard
 
-    class GatedBoard(ProgressBoard):  # the real board, answering drains only once opened
+    class GatedBoard(ProgressBoard):
         def __init__(self) -> None:
             super().__init__()
             self._gate = threading.Event()
@@ -705,10 +700,22 @@ def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_lat
             self._gate.wait()
             return super().drain()
 
+    return GatedBoard
+
+
+def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_later(
+        hpt_home, ray_cluster):
+    """The live-metrics board is a Ray actor; one being restarted (its node lost, or killed by
+    Ray's OOM monitor) answers late. Dispatch ticks go on without it meanwhile (they used to
+    block 10 s each, and the late answer was dropped), and its answer is used when it comes."""
+    from types import SimpleNamespace
+
+    from hptransfer.sweeper.dispatch import InFlight
+
     dispatcher = Coordinator(get_settings()).dispatcher
     dispatcher.start(background=False)
     dispatcher.mirror = None
-    board = ray.remote(num_cpus=0, max_concurrency=4)(GatedBoard).remote()
+    board = ray.remote(num_cpus=0, max_concurrency=4)(_gated_board()).remote()
     dispatcher._board = board
     try:
         ray.get(board.report.remote("t1", {"step": 7}))  # a worker's report
@@ -720,5 +727,41 @@ def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_lat
         ray.get(board.open.remote())
         wait_for(lambda: dispatcher._relay_progress() or
                  dispatcher.in_flight["t1"].last_step == 7, 30, "the late answer to be used")
+    finally:
+        ray.kill(board)
+
+
+def test_live_points_of_a_lost_attempt_never_reach_its_retry(hpt_home, ray_cluster, tiny_spec):
+    """A drain answered late can hold the points of an attempt that was lost meanwhile and
+    whose trial was leased and submitted again: they are not the retry's, so neither its
+    MLflow run nor Optuna's pruner gets them; the retry's own points, drained later, do."""
+    from types import SimpleNamespace
+
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    dispatcher.start(background=False)
+    dispatcher.mirror = None
+    board = ray.remote(num_cpus=0, max_concurrency=4)(_gated_board()).remote()
+    dispatcher._board = board
+    tiny_spec.update(name="late-points", reuse=False)
+    sweep_id = coordinator.submit(tiny_spec)["id"]
+    (trial,) = coordinator.store.lease_pending(dispatcher.owner, 1, sweep_id=sweep_id)
+
+    class Started:  # Ray's side of a submission; this test needs only its bookkeeping
+        def options(self, **_options):
+            return SimpleNamespace(remote=lambda *args: "task-ref")
+
+    dispatcher._remote = Started()
+    try:
+        ray.get(board.report.remote(trial.id, {"step": 7}))  # the lost attempt's last point
+        dispatcher._relay_progress()  # a drain sent, unanswered
+        dispatcher._submit(load_spec(tiny_spec), [trial])  # the retry starts
+        ray.get(board.open.remote())
+        while dispatcher._drain is not None:  # the late answer comes and is handled
+            dispatcher._relay_progress()
+        assert dispatcher.in_flight[trial.id].last_step == 0
+        ray.get(board.report.remote(trial.id, {"step": 3}))  # the retry's own point
+        dispatcher._relay_progress()
+        assert dispatcher.in_flight[trial.id].last_step == 3
     finally:
         ray.kill(board)

@@ -100,6 +100,9 @@ class InFlight:
     last_step: int = 0  # the latest step the worker reported: > 0 once training is underway
     outcome: Outcome | None = None  # set once Ray answered; cleared from in_flight once stored
     member: int | None = None  # index in its pack's results; None: the task ran it alone
+    # drains of the progress board sent before this attempt's task: what those return is an
+    # earlier attempt's (lost, then leased again), not this one's
+    drains_before: int = 0
 
 
 @dataclass
@@ -193,6 +196,7 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._board = None
         self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
+        self._drains_sent = 0
         self._remote = None
         self._remote_pack = None
         self.ticks = Backoff("dispatch", log, poll_interval, MAX_BACKOFF_S)
@@ -370,6 +374,7 @@ class Dispatcher:
         # hold up dispatching, nor a shutdown; its answer is taken on a later tick
         if self._drain is None:
             self._drain = self._board.drain.remote()
+            self._drains_sent += 1
         ready, _ = ray.wait([self._drain], timeout=self.poll_interval)
         if not ready:
             return
@@ -381,8 +386,8 @@ class Dispatcher:
             return
         for trial_id, points in updates.items():
             f = self.in_flight.get(trial_id)
-            if f is None:
-                continue
+            if f is None or f.drains_before >= self._drains_sent:
+                continue  # finished, or these points are an earlier attempt's
             f.last_step = max([f.last_step, *(int(p.get("step") or 0) for p in points)])
             if self.mirror:  # best effort: the final curve is mirrored from the app DB
                 self.mirror.live(trial_id, f.trial.started_at, points)
@@ -599,7 +604,8 @@ class Dispatcher:
         for i, trial in enumerate(trials):
             self.in_flight[trial.id] = InFlight(trial, ref, spec.resources.cpus,
                                                    spec.resources.gpus,
-                                                   member=i if len(trials) > 1 else None)
+                                                   member=i if len(trials) > 1 else None,
+                                                   drains_before=self._drains_sent)
 
     # staged studies (sweeper/study.py) -------------------------------------------------
     def _advance_study(self, sweep: SweepRecord, spec: SweepSpec) -> bool:
