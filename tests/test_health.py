@@ -20,7 +20,7 @@ from hptransfer.api import create_app
 from hptransfer.api.server import free_port
 from hptransfer.cli import main
 from hptransfer.config import get_settings
-from hptransfer.sweeper.health import mask_url
+from hptransfer.redaction import mask_url, redact
 
 HPT = Path(sys.executable).with_name("hpt")
 
@@ -41,6 +41,18 @@ def test_mask_url_hides_every_credential(url, secret):
 def test_mask_url_keeps_urls_without_credentials():
     assert mask_url("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert mask_url("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+
+
+def test_redact_masks_urls_and_passwords_inside_error_text():
+    text = ("HTTPStatusError: Client error '401 Unauthorized' for url "
+            "'http://alice:S3CRETPW@mlflow:5000/version?access_token=T0KEN&x=1' "
+            "(connection 'host=db user=bob password=PGPW sslmode=require')")
+    out = redact(text)
+    assert not any(s in out for s in ("S3CRETPW", "T0KEN", "PGPW")), out
+    assert "http://alice:***@mlflow:5000/version" in out and "x=1" in out
+    assert "password=***" in out and "host=db user=bob" in out
+    assert redact("no secrets at http://mlflow:5000/version") == (
+        "no secrets at http://mlflow:5000/version")
 
 
 @pytest.fixture
@@ -86,6 +98,53 @@ def test_health_masks_the_mlflow_password(hpt_home, monkeypatch):
     assert "t0psecret" not in r.text
     mlflow = _components(r.json())["mlflow"]
     assert not mlflow["ok"] and "hpt:***@127.0.0.1:9" in mlflow["detail"]
+
+
+def test_health_masks_a_database_password_given_in_the_query(hpt_home, monkeypatch):
+    """libpq also takes the password as ?password=; SQLAlchemy's own masking hides only
+    user:pw@, and /health showed the rest."""
+    from hptransfer.sweeper.db.store import Store
+
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        # the server's database now one named that way (none answers on port 9)
+        coordinator = api.app.state.coordinator
+        monkeypatch.setattr(coordinator, "store",
+                            Store("postgresql://bob@127.0.0.1:9/hpt?password=Q5ECRET"))
+        r = api.get("/health")
+    assert r.status_code == 503 and "Q5ECRET" not in r.text, r.text
+    assert r.json()["database"] == "postgresql+psycopg://***@127.0.0.1:9/hpt?password=***"
+
+
+@pytest.mark.parametrize("credentials", ["alice:S3CRETPW@", "?access_token=S3CRETPW"])
+def test_health_masks_credentials_an_mlflow_server_error_quotes(hpt_home, monkeypatch,
+                                                                credentials):
+    """A tracking server (or its proxy) that answers 401: httpx's error quotes the URL it
+    called, credentials and all, and /health used to show it as it was."""
+    import http.server
+    import threading
+
+    class Unauthorized(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unauthorized)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    uri = (f"http://{credentials}127.0.0.1:{port}" if credentials.endswith("@")
+           else f"http://127.0.0.1:{port}/{credentials}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
+        with TestClient(create_app(get_settings(), dispatch=False)) as api:
+            r = api.get("/health")
+    finally:
+        server.shutdown()
+    mlflow = _components(r.json())["mlflow"]
+    assert not mlflow["ok"] and "401" in mlflow["detail"], mlflow
+    assert "S3CRETPW" not in r.text, r.text
 
 
 def test_health_is_503_naming_the_database_when_it_is_gone(hpt_home, monkeypatch):

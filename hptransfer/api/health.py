@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from hptransfer.redaction import mask_url, redact
 from hptransfer.sweeper.health import (
     Check,
     MlflowStoreWatch,
     ProbeCache,
-    mask_url,
     run_checks,
 )
 
@@ -32,12 +32,14 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
     if getattr(app.state, "mlflow_store", None) is None:
         remember_mlflow_store(app)
 
+    # a driver's error can quote the URL it connected to
+    dispatcher_error = redact(c.dispatcher.last_error) if c.dispatcher else None
+
     def dispatcher() -> Check:
-        error = c.dispatcher.last_error if c.dispatcher else None
-        if error:
-            return Check("dispatcher", False, f"last tick failed: {error[:300]}",
+        if dispatcher_error:
+            return Check("dispatcher", False, f"last tick failed: {dispatcher_error[:300]}",
                          "see the server log; the loop retries on its own")
-        optuna_error = c.dispatcher.optuna_storage.error if c.dispatcher else None
+        optuna_error = redact(c.dispatcher.optuna_storage.error) if c.dispatcher else None
         if optuna_error:
             return Check("dispatcher", False, f"Optuna's storage failing: {optuna_error[:300]}",
                          "Optuna sweeps wait (their results are kept), other sweeps go on; "
@@ -55,7 +57,7 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
         "database": c.store.url_safe,
         "ray": ray_on,
         "ray_address": ray.get_runtime_context().gcs_address if ray_on else None,
-        "dispatcher_error": c.dispatcher.last_error if c.dispatcher else None,
+        "dispatcher_error": dispatcher_error,
         "mlflow_uri": mask_url(c.settings.mlflow_uri),
         "components": [ch.to_dict() for ch in checks],
     }

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import hptransfer
 from hptransfer.config import RAY_REQUIRE_ENV, Settings, ray_required_resources
+from hptransfer.redaction import mask_url, redact
 
 from .db.engine import current_revision, make_engine, packaged_head
 from .mlflow.params import normalize_tracking_uri, sqlite_path
@@ -27,7 +27,6 @@ from .mlflow.params import normalize_tracking_uri, sqlite_path
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
 PROBE_TIMEOUT_S = 60.0  # a busy node needs a few seconds to start a worker process
-_SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
 
 
 @dataclass
@@ -45,32 +44,10 @@ class Check:
         return asdict(self)
 
 
-def mask_url(url: str | None) -> str | None:
-    """The URL with any password (user:pw@) and secret-looking query values replaced by ***."""
-    if not url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "***"
-    out = url  # edited in place: urlunsplit would rewrite sqlite://// as sqlite://
-    if "@" in parts.netloc:
-        creds, host = parts.netloc.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        out = out.replace(parts.netloc, f"{user}:***@{host}" if ":" in creds else f"***@{host}",
-                          1)
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        if any(any(s in k.lower() for s in _SECRET_KEYS) for k, _ in pairs):
-            query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_KEYS) else v)
-                               for k, v in pairs], safe="*")
-            out = out.replace("?" + parts.query, "?" + query, 1)
-    return out
-
-
 def _short(exc: BaseException) -> str:
+    """The exception's first line, credentials masked (httpx quotes the URL it called)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:300]
+    return (redact(f"{type(exc).__name__}: {text}") or "")[:300]
 
 
 # ------------------------------------------------------------------------------ databases

@@ -29,6 +29,7 @@ from sqlalchemy import Select, case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
+from hptransfer.redaction import mask_url
 from hptransfer.status import TrialStatus
 
 from .engine import (
@@ -168,8 +169,9 @@ class Store:
 
     @property
     def url_safe(self) -> str:
-        """The database URL with the password masked (for logs and /health)."""
-        return self.url.render_as_string(hide_password=True)
+        """The database URL with the password masked (for logs and /health), in user:pw@
+        and in the query string (libpq takes ?password=)."""
+        return mask_url(self.url.render_as_string(hide_password=False)) or ""
 
     @property
     def dialect(self) -> str:
