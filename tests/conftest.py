@@ -126,3 +126,27 @@ def postgres_url() -> str:
         pytest.skip("HPT_TEST_POSTGRES_URL not set (.ci/run sets it; locally run "
                     "scripts/postgres_up.sh)")
     return url
+
+
+@pytest.fixture
+def postgres_schema_url(postgres_url: str):
+    """A URL to an empty database on the test PostgreSQL server: a fresh schema, dropped
+    afterwards."""
+    import uuid
+
+    from sqlalchemy import create_engine
+
+    from hptransfer.sweeper.db.store import normalize_url
+
+    schema = f"hpt_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(normalize_url(postgres_url))
+    with admin.begin() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    # search_path per connection: the store, and Alembic's version table, live in the schema
+    url = normalize_url(postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()

@@ -359,3 +359,62 @@ def test_case13_huge_integer_query_parameters_are_422(client, path, params):
     r = client.get(path, params=params)
     assert r.status_code == 422, r.text
     assert list(params)[0] in r.json()["error"]
+
+
+# ---- NUL characters and repeated keys: refused up front, on either database ---------------
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_db_client(request, hpt_home, monkeypatch):
+    """The API on SQLite, or on PostgreSQL (which refuses NUL in text: a 500 before)."""
+    if request.param == "postgresql":
+        monkeypatch.setenv("HPT_DATABASE_URL", request.getfixturevalue("postgres_schema_url"))
+    with TestClient(create_app(get_settings(), dispatch=False),
+                    raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("method", "url"), [
+    ("GET", "/sweeps/%00"), ("GET", "/sweeps/a%00b/trials"), ("GET", "/sweeps/%00/fits"),
+    ("GET", "/dashboards/sweeps/%00"), ("GET", "/sweeps/abc/trials?arm=%00"),
+    ("GET", "/sweeps?status=%00"), ("POST", "/sweeps/%00/cancel"),
+])
+def test_a_nul_in_the_url_is_400(any_db_client, method, url):
+    r = any_db_client.request(method, url, json={} if method == "POST" else None)
+    assert r.status_code == 400, r.text
+    assert "NUL character (%00)" in r.json()["error"]
+
+
+def test_a_nul_in_a_spec_text_is_422_naming_its_fields(any_db_client, tiny_spec):
+    tiny_spec["arms"][0]["label"] = "lab\u0000el"
+    tiny_spec["tags"] = {"team\u0000": "x", "run": "a\u0000b"}
+    r = any_db_client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422, r.text
+    assert sorted(fields(r)) == ["arms[0].label", "tags", "tags.run"], r.json()
+    assert "NUL character" in r.json()["error"]
+    assert nothing_stored(any_db_client)
+
+
+def test_a_key_given_twice_is_422(client, tiny_spec):
+    text = json.dumps(tiny_spec)
+    r = post_text(client, text.replace('"name": "tiny"', '"name": "tiny", "name": "other"'))
+    assert r.status_code == 422, r.text
+    assert "duplicate key 'name'" in r.json()["error"]
+    assert nothing_stored(client)
+    nested = text.replace('"steps": 10', '"steps": 10, "steps": 20')
+    assert "duplicate key 'steps'" in post_text(client, nested).json()["error"]
+
+
+def test_a_body_of_many_unknown_keys_gets_a_bounded_answer(client, tiny_spec):
+    """Each unknown key's error lists the allowed fields: 100,000 of them in 0.9 MB got a
+    35 MB 422 (38x the body) after seconds of CPU. The first 50 are listed, the rest
+    counted."""
+    from hptransfer.sweeper.spec.errors import MAX_SPEC_ERRORS
+
+    body = json.dumps({**tiny_spec, **{str(i): 0 for i in range(60_000)}})
+    r = post_text(client, body)
+    assert r.status_code == 422
+    errors = r.json()["errors"]
+    assert len(errors) == MAX_SPEC_ERRORS + 1 and len(r.content) < len(body) / 10
+    assert errors[0]["field"] == "0" and "unknown field '0'" in errors[0]["message"]
+    assert errors[-1] == {"field": "", "message": "... and 59950 more errors: fix these first"}
+    assert nothing_stored(client)

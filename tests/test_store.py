@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import FrozenInstanceError, dataclass, fields, replace
 from datetime import UTC
@@ -17,7 +16,7 @@ import pandas as pd
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, func, inspect, select, update
+from sqlalchemy import func, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 
 from hptransfer.config import SettingsError, get_settings
@@ -104,19 +103,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'nested' / 'hpt.db'}"  # parent missing: Store makes it
         return
-    base = request.getfixturevalue("postgres_url")
-    schema = f"hpt_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(normalize_url(base))
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    # search_path per connection: the store, and Alembic's version table, live in the schema
-    url = normalize_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-        admin.dispose()
+    yield request.getfixturevalue("postgres_schema_url")
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hptransfer.config import Settings, get_settings
@@ -19,6 +19,7 @@ from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
+from .guards import RefuseNulInURL
 from .health import remember_mlflow_store
 from .listing import ListingCache
 from .routes import router
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
     )
     app.include_router(router)
     app.include_router(dashboards_router)
+    app.add_middleware(RefuseNulInURL)
     _install_error_handlers(app)
     return app
 
@@ -114,6 +116,14 @@ def _install_error_handlers(app: FastAPI) -> None:
                   for e in exc.errors()]
         return _error(422, "invalid request: " + "; ".join(
             f"{e['field']}: {e['message']}" for e in errors), errors)
+
+    @app.exception_handler(DataError)
+    async def unstorable_value(_: Request, exc: DataError) -> JSONResponse:
+        # a value from the request the database cannot take (the spec and URL checks
+        # should have refused it first: logged as the gap it is)
+        log.error("database refused a value: %s", exc)
+        return _error(400, "the database cannot store a value in this request (e.g. a "
+                           "control character or a number out of range): remove or fix it")
 
     @app.exception_handler(OperationalError)
     async def database_down(_: Request, exc: OperationalError) -> JSONResponse:

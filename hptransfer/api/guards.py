@@ -11,17 +11,22 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from hptransfer.sweeper.spec.loading import strict_json_loads
+from hptransfer.sweeper.spec.loading import DuplicateKey, strict_json_loads
 
 
 class StrictJSONRequest(Request):
-    """A request whose JSON body may not hold Infinity/NaN (Python's json accepts them)."""
+    """A request whose JSON body may not hold Infinity/NaN (Python's json accepts them) nor
+    name a key twice (it would keep the last silently)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = strict_json_loads(await self.body())
+            try:
+                self._json = strict_json_loads(await self.body())
+            except DuplicateKey as exc:
+                raise HTTPException(status_code=422, detail=f"invalid JSON body: {exc}") from None
         return self._json
 
 
@@ -44,3 +49,21 @@ def require_json(request: Request) -> None:
             detail="send mutations with 'Content-Type: application/json' (an empty JSON "
                    "object {} for calls without a body)",
         )
+
+
+class RefuseNulInURL:
+    """ASGI middleware: a path or query string holding a NUL character (%00) gets a 400
+    naming it. Nothing can look one up (PostgreSQL refuses NUL in text: a 500 before)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and ("\x00" in scope.get("path", "") or
+                                        b"%00" in scope.get("query_string", b"")):
+            response = JSONResponse(status_code=400, content={
+                "error": "the URL holds a NUL character (%00) in its path or query: remove "
+                         "it", "errors": []})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -33,11 +33,21 @@ def is_non_finite_json(value: Any) -> bool:
 LRS_LIST, LRS_RANGE = "lr_list", "lr_log_range"
 
 
-class SpecError(ValueError):
-    """An invalid sweep spec; `.errors` is a list of {"field": path, "message": text}."""
+# Errors listed per spec; past these, one entry counts the rest. A body of 100,000 unknown
+# keys got a 35 MB answer (each error lists the allowed fields) after 6 s of CPU.
+MAX_SPEC_ERRORS = 50
 
-    def __init__(self, errors: list[dict[str, str]]) -> None:
-        self.errors = [{"field": e["field"], "message": e["message"]} for e in errors]
+
+class SpecError(ValueError):
+    """An invalid sweep spec; `.errors` is a list of {"field": path, "message": text}, the
+    first MAX_SPEC_ERRORS of them and then one that counts the rest (`more` more)."""
+
+    def __init__(self, errors: list[dict[str, str]], more: int = 0) -> None:
+        more += max(0, len(errors) - MAX_SPEC_ERRORS)
+        self.errors = [{"field": e["field"], "message": e["message"]}
+                       for e in errors[:MAX_SPEC_ERRORS]]
+        if more:
+            self.errors.append(error("", f"... and {more} more errors: fix these first"))
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -55,15 +65,24 @@ def _line(e: dict[str, str]) -> str:
 def plain_message(exc: BaseException, root: type[BaseModel]) -> str:
     """A ValidationError as 'field: message; ...' without pydantic's boilerplate."""
     if isinstance(exc, ValidationError):
-        return "; ".join(_line(e) for e in convert_errors(exc, root))
+        return "; ".join(_line(e) for e in spec_error(exc, root).errors)
     return str(exc)
 
 
-def convert_errors(exc: ValidationError, root: type[BaseModel]) -> list[dict[str, str]]:
-    """SpecError entries for every error of `exc`; `root` is the model that was validated
-    (its fields are listed when a key is unknown)."""
+def spec_error(exc: ValidationError, root: type[BaseModel]) -> SpecError:
+    """The SpecError for `exc`: its first MAX_SPEC_ERRORS errors converted, the rest counted
+    (converting each costs a lookup of the allowed fields)."""
+    return SpecError(*_converted(exc, root))
+
+
+def _converted(exc: ValidationError, root: type[BaseModel]) -> tuple[list[dict[str, str]], int]:
+    """SpecError entries for the errors of `exc` (`root`, the model validated, lists its
+    fields when a key is unknown), and how many were left unconverted past the cap."""
     out: list[dict[str, str]] = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for done, err in enumerate(errors):
+        if len(out) >= MAX_SPEC_ERRORS:
+            return out, len(errors) - done
         loc, kind = tuple(err["loc"]), err["type"]
         field = _path(loc)
         cause = (err.get("ctx") or {}).get("error")
@@ -83,7 +102,7 @@ def convert_errors(exc: ValidationError, root: type[BaseModel]) -> list[dict[str
             out.append(error(field, "must not be empty"))
         else:
             out.append(error(field, _with_input(err["msg"], err.get("input"))))
-    return out
+    return out, 0
 
 
 def _path(loc: tuple[Any, ...]) -> str:

@@ -18,10 +18,46 @@ import yaml
 from .errors import NonFiniteJSON, SpecError, error
 
 
+class DuplicateKey(ValueError):
+    """A JSON object that names one key twice (Python's json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"duplicate key {key[:100]!r}: give each field once")
+        out[key] = value
+    return out
+
+
 def strict_json_loads(text: str | bytes) -> Any:
     """json.loads, but Infinity/-Infinity/NaN (which Python accepts, JSON does not) become
-    values no spec field accepts, so they are refused with the field's path."""
-    return json.loads(text, parse_constant=NonFiniteJSON)
+    values no spec field accepts, so they are refused with the field's path; and a repeated
+    key is an error (DuplicateKey), as in a YAML spec."""
+    return json.loads(text, parse_constant=NonFiniteJSON, object_pairs_hook=_unique_keys)
+
+
+def nul_problems(data: Any, path: str = "") -> list[dict[str, str]]:
+    """Where `data` (parsed JSON/YAML) holds a NUL character, in a key or a text: nothing
+    downstream can keep one (PostgreSQL's text and jsonb refuse it), so it is an error."""
+    problems: list[dict[str, str]] = []
+    stack: list[tuple[Any, str]] = [(data, path)]
+    while stack and len(problems) < 10:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                problems.append(error(where, "contains a NUL character (\\u0000): remove it"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and "\x00" in key:
+                    problems.append(error(where, f"the key {key!r} contains a NUL character "
+                                                 "(\\u0000): remove it"))
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return problems
 
 
 def read_spec_data(source: dict | str | os.PathLike) -> dict:
@@ -38,6 +74,8 @@ def read_spec_data(source: dict | str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise SpecError([error("", f"a sweep spec must be a mapping of fields, "
                                f"got {type(data).__name__}")])
+    if problems := nul_problems(data):
+        raise SpecError(problems)
     return data
 
 
@@ -83,6 +121,8 @@ def _parse_json(text: str, where: str) -> Any:
         raise SpecError([error(
             "", f"invalid JSON{where} at line {exc.lineno}, column {exc.colno}: {exc.msg}"
         )]) from None
+    except DuplicateKey as exc:
+        raise SpecError([error("", f"invalid JSON{where}: {exc}")]) from None
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -30,7 +30,7 @@ from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
 from hptransfer.workers.trial import Budget, Schedule, TrialSpec
 
-from .errors import SpecError, convert_errors, error, plain_message
+from .errors import SpecError, error, plain_message, spec_error
 from .loading import read_spec_data
 from .sections import (
     MAX_ARMS,
@@ -398,7 +398,7 @@ def load_spec(
     try:
         return SweepSpec.model_validate(data, context={"max_trials": cap})
     except ValidationError as exc:
-        raise SpecError(convert_errors(exc, SweepSpec)) from None
+        raise spec_error(exc, SweepSpec) from None
 
 
 def _settings_max_trials() -> int:
