@@ -12,6 +12,7 @@ from scipy.optimize import brentq, minimize_scalar
 
 from hptransfer.analysis import (
     AnalysisError,
+    chinchilla_fit,
     compare_fits,
     compute_optimal_allocation,
     fit_chinchilla,
@@ -532,6 +533,53 @@ def test_compute_optimal_frontier_matches_brute_force(compute: float) -> None:
     )
     assert float(n_opt) == pytest.approx(math.exp(brute.x), rel=1e-5)
     assert float(n_opt * d_opt) * 6 == pytest.approx(compute, rel=1e-12)
+
+
+def test_a_frame_with_several_budgets_per_shape_fits_each_budget_as_a_point() -> None:
+    """Closed-form L(N, D) on 12 shapes x 3 budgets (5, 20, 80 tokens per parameter), an LR
+    grid each: the compute fits take 36 points and recover the constants. Averaged as if
+    the budgets were seeds (as they were), a shape was one point at its mean tokens and the
+    fit was refused as "tokens per parameter is the same for every run"."""
+    p = CHINCHILLA
+    rows = []
+    for width in (128, 256, 512, 1024):
+        for depth in (2, 4, 8):
+            n = 12.0 * width**2 * depth
+            for tpp in (5.0, 20.0, 80.0):
+                d = tpp * n
+                loss = p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p["beta"]
+                rows += [{"arm": "a", "width": width, "depth": depth, "lr": 2.0**x, "tokens": d,
+                          "flops": 6 * n * d, "params_non_embedding": n,
+                          "final_val_loss": loss + 0.01 * (x + 8) ** 2}
+                         for x in (-10.0, -9.0, -8.0, -7.0, -6.0)]
+    frame = trial_frame(rows)
+    for fit in (chinchilla_fit(frame).to_frame().iloc[0],
+                fit_report(frame, bootstrap=0).tables()["chinchilla"].iloc[0]):
+        assert fit["n_points"] == 36, fit["reason"]
+        assert fit["alpha"] == pytest.approx(p["alpha"], abs=1e-3)
+        assert fit["beta"] == pytest.approx(p["beta"], abs=1e-3)
+        assert fit["E"] == pytest.approx(p["E"], abs=1e-3)
+    assert any("several token budgets" in w for w in fit_report(frame, bootstrap=0).warnings)
+
+
+def test_aspect_ratio_compares_a_size_group_at_one_budget() -> None:
+    """Nine shapes of 1e7 params at 20 tokens per parameter, one of them also at 80 (a lower
+    loss at any N:L): N:L is the 20-token optimum, with the longer run set aside and said
+    so. Mixed in, it pulled N:L from 11.8 to 13.0."""
+    x0, rows = math.log(11.8), []
+    for depth in (4, 6, 8, 12, 16, 24, 32, 48, 64):
+        width = round(math.sqrt(1e7 / depth))
+        n, u = 12 * width**2 * depth, math.log(width / depth) - x0
+        for tpp in [20.0] + ([80.0] if depth == 32 else []):
+            loss = 3.0 + 0.2 * u**2 + 0.02 * u**3 - (0.2 if tpp == 80 else 0.0)
+            rows += [{"arm": "cp", "width": width, "depth": depth, "lr": 2.0**x,
+                      "tokens": tpp * n, "params_non_embedding": n,
+                      "final_val_loss": loss + 0.01 * (x + 8) ** 2} for x in (-10, -9, -8, -7, -6)]
+    result = optimal_aspect_ratio(trial_frame(rows))
+    row = result.to_frame().iloc[0]
+    assert row["nl_opt"] == pytest.approx(11.8, rel=1e-3) and row["n_points"] == 9
+    assert any("compared at 20 tokens per parameter only (1 set aside)" in w
+               for w in result.warnings), result.warnings
 
 
 def test_chinchilla_refuses_constant_tokens_per_parameter() -> None:

@@ -207,6 +207,35 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) ->
     return row
 
 
+def _one_budget_per_group(points: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Within each (arm, size group), only the shapes at one budget (tokens per parameter,
+    the one most shapes share; on a tie the smallest): a shape trained 4x longer has a lower
+    loss at any N:L, so comparing across budgets moves N:L toward it. The rest are set aside,
+    each group saying so."""
+    tpp = points["tokens"].to_numpy(dtype=float) / points["params"].to_numpy(dtype=float)
+    # budgets within 1 % are one (tokens are whole batches, so a budget is rarely exact)
+    valid = np.isfinite(tpp) & (tpp > 0)
+    label = np.full(len(tpp), np.nan)
+    label[valid] = np.round(np.log(tpp[valid]) / np.log(1.01))
+    points = points.assign(budget=label, tpp=tpp)
+    keep = np.ones(len(points), dtype=bool)
+    notes = []
+    for (arm, _), grp in points.groupby(["arm", "group"], sort=True):
+        budgets = grp["budget"].dropna()
+        if budgets.nunique() < 2:
+            continue
+        counts = budgets.value_counts()
+        chosen = min(counts.index[counts.to_numpy() == counts.max()])
+        out = grp.index[grp["budget"].to_numpy() != chosen]
+        keep[points.index.get_indexer(out)] = False
+        shown = grp["tpp"][grp["budget"] == chosen].iloc[0]
+        notes.append(
+            f"arm {arm}, size ~{grp['params'].median():.3g} params: shapes at "
+            f"{budgets.nunique()} token budgets; compared at {shown:.3g} tokens per parameter "
+            f"only ({len(out)} set aside)")
+    return points[keep].drop(columns=["budget", "tpp"]), notes
+
+
 def optimal_aspect_ratio(
     data: pd.DataFrame | Trials | OptimalLRResult,
     *,
@@ -219,8 +248,6 @@ def optimal_aspect_ratio(
     best = opt.best_points()
     params = best["params_non_embedding"].to_numpy(dtype=float)
     best = best[np.isfinite(params) & (params > 0)]
-    # Extra shape keys (e.g. tokens) can repeat a (width, depth): keep its best loss.
-    best = best.sort_values("best_loss").drop_duplicates(["arm", "width", "depth"])
     points = pd.DataFrame(
         {
             "arm": best["arm"].to_numpy(),
@@ -229,17 +256,26 @@ def optimal_aspect_ratio(
             "params": best["params_non_embedding"].to_numpy(),
             "loss": best["best_loss"].to_numpy(),
             "trial_ids": best["best_trial_ids"].to_numpy(),
+            "tokens": best["tokens"].to_numpy(dtype=float),
         }
     )
-    points["aspect"] = points["width"].to_numpy(dtype=float) / points["depth"].to_numpy(float)
-    points["log_aspect"] = np.log(points["aspect"].to_numpy(dtype=float))
-    # Label size groups per arm, then walk the (arm, group)-sorted points slice by slice.
+    # Label size groups per arm (each budget of a shape is its own point until compared).
     group = np.zeros(len(points), dtype=int)
-    arm_codes, arm_names = pd.factorize(points["arm"].to_numpy(), sort=True)
-    for k in range(len(arm_names)):
+    arm_codes, _ = pd.factorize(points["arm"].to_numpy(), sort=True)
+    for k in np.unique(arm_codes):
         idx = np.flatnonzero(arm_codes == k)
         group[idx] = group_by_size(points["params"].to_numpy()[idx], tolerance)
     points["group"] = group
+    points, set_aside = _one_budget_per_group(points)
+    warnings.extend(set_aside)
+    # Other extra shape keys can repeat a (width, depth) at one budget: keep its best loss.
+    points = points.sort_values("loss", kind="stable").drop_duplicates(["arm", "width", "depth"])
+    points = points.reset_index(drop=True)
+    points["aspect"] = points["width"].to_numpy(dtype=float) / points["depth"].to_numpy(float)
+    points["log_aspect"] = np.log(points["aspect"].to_numpy(dtype=float))
+    # Walk the (arm, group)-sorted points slice by slice.
+    arm_codes, arm_names = pd.factorize(points["arm"].to_numpy(), sort=True)
+    group = points["group"].to_numpy()
     order = np.lexsort((points["aspect"].to_numpy(), group, arm_codes))
     points = points.iloc[order].reset_index(drop=True)
     arrays = {c: points[c].to_numpy() for c in points.columns}

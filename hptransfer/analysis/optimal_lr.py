@@ -528,4 +528,21 @@ def as_optimal(
         return data
     if not isinstance(data, Trials):
         data = prepare_trials(data, (*CORE_COLUMNS, *needs))
-    return optimal_lr(data, bootstrap=0)
+    if not budgets_vary(data):
+        return optimal_lr(data, bootstrap=0)
+    # Averaged, a shape's runs at several budgets made one point at the mean tokens (a
+    # Chinchilla fit then saw one D per N); each budget is its own point, as in a study
+    result = optimal_lr(data, bootstrap=0, extra_keys=("tokens",))
+    result.warnings.append("some shapes were trained at several token budgets: each budget is "
+                           "a point of its own (a diverged run, stopped early, is apart too)")
+    return result
+
+
+def budgets_vary(trials: Trials) -> bool:
+    """Whether the completed runs of some shape differ in the tokens they trained."""
+    frame = trials.frame
+    done = frame[(frame["outcome"].to_numpy() == OK) & np.isfinite(frame["tokens"].to_numpy())]
+    if done.empty:
+        return False
+    spread = done.groupby(list(SHAPE_KEYS), dropna=False)["tokens"].agg(["min", "max"])
+    return bool((spread["max"] > spread["min"] * (1 + 1e-9)).any())

@@ -14,7 +14,7 @@ from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
 from .chinchilla import ChinchillaResult, chinchilla_fit
 from .errors import AnalysisError
 from .frontier import FrontierResult, loss_compute_frontier
-from .optimal_lr import OptimalLRResult, optimal_lr
+from .optimal_lr import OptimalLRResult, as_optimal, budgets_vary, optimal_lr
 from .savings import SavingsResult, flop_savings
 from .serialize import json_safe
 from .staged import TransferCheckResult
@@ -169,9 +169,17 @@ def fit_report(
         report.transfer = run(
             "transfer", lambda: transfer_drift(opt, ci=ci, tolerance=transfer_tolerance)
         )
+        # the compute fits take each shape at each of its budgets as a point of its own
+        points = opt
+        if not extra_keys and budgets_vary(trials):
+            points = run("best_points", lambda: as_optimal(trials))
+            if points is None:
+                return report
+        if points is not opt:
+            report.warnings.extend(w for w in points.warnings if w not in opt.warnings)
         frontier = run(
-            "frontier", lambda: loss_compute_frontier(opt, bootstrap=bootstrap, seed=seed, ci=ci)
-        )
+            "frontier",
+            lambda: loss_compute_frontier(points, bootstrap=bootstrap, seed=seed, ci=ci))
         report.frontier = frontier
         if reference_arm is None:
             reference_arm, note = _choose_reference(trials)
@@ -184,10 +192,10 @@ def fit_report(
             )
         report.aspect_ratio = run(
             "aspect_ratio",
-            lambda: optimal_aspect_ratio(opt, tolerance=size_tolerance, within=within),
+            lambda: optimal_aspect_ratio(points, tolerance=size_tolerance, within=within),
         )
         report.chinchilla = run(
-            "chinchilla", lambda: chinchilla_fit(opt, bootstrap=bootstrap, seed=seed, ci=ci)
+            "chinchilla", lambda: chinchilla_fit(points, bootstrap=bootstrap, seed=seed, ci=ci)
         )
     return report
 
