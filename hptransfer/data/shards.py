@@ -9,14 +9,22 @@ larger than 2 MiB is not detected by it.
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from .errors import DataError
-from .paths import absolute, bounded_glob, check_inside, has_glob
+from .paths import (
+    absolute,
+    bounded_glob,
+    bounded_listing,
+    check_inside,
+    control_character,
+    has_glob,
+)
 
 MODDED_MAGIC = 20240520
 MODDED_VERSION = 1
@@ -24,6 +32,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 HASH_EDGE_BYTES = 1 << 20
 TOKEN_DTYPE = np.dtype("<u2")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,26 +52,49 @@ def resolve_shard_paths(source: str, roots: Sequence[Path] | None = None) -> lis
     """A .bin file, every .bin file in a directory, or every file a glob matches; sorted.
 
     With `roots`, every path must resolve inside one of them (see `paths`); `~` is never
-    expanded."""
-    if has_glob(source) and not os.path.exists(source):
-        matches = bounded_glob(source, roots)
+    expanded. A source with a control character, or one the filesystem cannot look up (a
+    name too long, say), raises DataError like a missing one."""
+    bad = control_character(source)
+    if bad is not None:
+        raise DataError(
+            f"data source {source!r} contains the control character {bad!r}; give a path to a "
+            ".bin file, a directory of .bin shards, or a glob, as plain text"
+        )
+    path = absolute(source)  # `..` resolved, which may take a glob part (`d/*/..`) with it
+    if has_glob(str(path)) and not os.path.exists(source):
+        matches = _probing(source, lambda: bounded_glob(source, roots))
         if not matches:
             raise DataError(f"glob {source!r} matched no files; check the pattern and directory")
         return matches
-    path = absolute(source)
     check_inside(source, [path], roots)  # before anything that tells whether it exists
-    if not path.exists():
+    if not _probing(source, path.exists):
         raise DataError(
             f"data source {source!r} does not exist; use 'stdlib' for the embedded corpus or a "
             "path to a .bin file, a directory of .bin shards, or a glob"
         )
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".bin" and p.is_file())
+    if _probing(source, path.is_dir):
+        files = _probing(source, lambda: bounded_listing(path, source))
         if not files:
             raise DataError(f"directory {path} contains no .bin shards")
         check_inside(source, files, roots)  # a symlinked shard must not lead out
         return files
     return [path]
+
+
+def _probing(source: str, probe: Callable[[], T], what: str | None = None) -> T:
+    """`probe()`, with an OSError or ValueError from the filesystem as a DataError (only for
+    paths already found inside the roots, so the reason tells nothing about other files)."""
+    try:
+        return probe()
+    except DataError:
+        raise
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise DataError(
+            f"{what or f'data source {source!r}'} cannot be read ({reason}); give a readable "
+            "path (each name at most 255 bytes) to a .bin file, a directory of .bin shards, "
+            "or a glob"
+        ) from None
 
 
 def inspect_shard(path: Path, shard_format: str) -> Shard:
@@ -117,7 +149,8 @@ def _modded_shard(path: Path, size: int, head: bytes, first: int | None) -> Shar
 def open_shards(
     source: str, shard_format: str, roots: Sequence[Path] | None = None
 ) -> list[Shard]:
-    return [inspect_shard(p, shard_format) for p in resolve_shard_paths(source, roots)]
+    return [_probing(source, lambda p=p: inspect_shard(p, shard_format), f"shard {p}")
+            for p in resolve_shard_paths(source, roots)]
 
 
 def shards_hash(shards: list[Shard], vocab_size: int) -> str:
