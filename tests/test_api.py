@@ -121,6 +121,13 @@ def test_auth_token(hpt_home, ray_cluster, monkeypatch, tiny_spec):
         r = httpx.post(f"{url}/sweeps", json=tiny_spec, headers={"Authorization": "Bearer no"})
         assert r.status_code == 401
         assert httpx.get(f"{url}/sweeps").status_code == 200  # reads stay open
+        assert httpx.get(f"{url}/health").status_code == 200
+        # ... but not the deep health check, which starts a task on every Ray node
+        r = httpx.get(f"{url}/health", params={"deep": "true"})
+        assert r.status_code == 401 and "Bearer" in r.json()["error"]
+        r = httpx.get(f"{url}/health", params={"deep": "true"}, timeout=120,
+                      headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
         with Client(url, token="s3cret") as c:
             s = c.submit(tiny_spec)
             c.cancel(s["id"])

@@ -39,10 +39,13 @@ def coordinator(request: Request):
 def health(request: Request, deep: bool = False) -> Any:
     """Each component: app database (migrations at head), Optuna storage, MLflow (version,
     artifacts, still the store it started with), Ray nodes and their resources, dispatcher;
-    `deep=true` adds the package version and data roots seen on every Ray node (slower).
-    503 when the app database is down; `degraded` when another component fails."""
+    `deep=true` adds the package version and data roots seen on every Ray node (slower; a
+    task on every node, so it needs the bearer token when one is set). 503 when the app
+    database is down; `degraded` when another component fails."""
     from .health import health_report
 
+    if deep:  # uncached, up to a minute per node: not for anyone who can reach the port
+        require_token(request)
     return health_report(request.app, deep)
 
 
