@@ -5,6 +5,7 @@ process under an address-space limit)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -78,20 +79,35 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
     specs = specs_for(CASES["gpt-completep"])
     need = trial_memory(specs[0], 256)
     seen: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    events: list[tuple[str, int]] = []
 
     def reporter(member, metrics):
         seen[member].append(metrics["lr"])
+        events.append(("step", member))
+
+    def on_result(member, result):
+        events.append(("result", member))
+        early[member] = result.model_dump()
 
     # room for two members: a pack of 2, then a pack of 1
+    early: dict[int, dict] = {}
     packed = run_trials(specs, reporter=reporter, cache_dir=str(tmp_path),
-                        memory_limit=2.5 * need.pack_peak(1))
+                        memory_limit=2.5 * need.pack_peak(1), on_result=on_result)
+    # the first group's results were handed over before the second group took a step, and
+    # are the results returned at the end (the last group's come only with the return)
+    first_of_member_2 = events.index(("step", 2))
+    assert {e for e in events[:first_of_member_2] if e[0] == "result"} == {
+        ("result", 0), ("result", 1)} and sorted(early) == [0, 1]
+    assert all(early[i] == packed[i].model_dump() for i in (0, 1))
     for i, (spec, result) in enumerate(zip(specs, packed, strict=True)):
         solo_lrs: list[float] = []
         solo = run_trial(spec, reporter=lambda m, lrs=solo_lrs: lrs.append(m["lr"]),
                          cache_dir=str(tmp_path))
         assert_same_result(result, solo)
         assert seen[i] == solo_lrs  # each member reported under its own index
-        assert any("trained as packs of 2, 1 in turn" in n for n in result.notes), result.notes
+        group = 2 if i < 2 else 1
+        assert any(f"did not fit in memory together; this member trained in a pack of {group}"
+                   in n for n in result.notes), result.notes
     assert "trained packed: 2 trials" in packed[0].notes[0]
     # a limit that holds the whole pack changes nothing
     whole = run_trials(specs, cache_dir=str(tmp_path), memory_limit=3 * need.pack_peak(1))
@@ -142,7 +158,8 @@ def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
     for p, s in zip(packed, solo, strict=True):
         assert p.status == "completed", p.error
         assert_same_result(p, s)
-        note = next(n for n in p.notes if "in turn" in n)
+        note = next(n for n in p.notes if "did not fit in memory together" in n)
+        assert re.search(r"this member trained in a pack of [123] \(", note), note
         assert "a pack of 4 ran out of memory" in note and "can't allocate memory" in note
     # each member's steps reached the reporter once, in order, whatever was trained again
     for i, s in enumerate(solo):

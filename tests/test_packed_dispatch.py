@@ -268,6 +268,70 @@ def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_clu
         assert any(n.startswith(PACKED + "4 ") for n in r.result["notes"])
 
 
+def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_died(
+        hpt_home, ray_cluster, tiny_spec, tmp_path):
+    """A pack that does not fit in memory trains in groups, one after another, in one task.
+    Its worker dying in the second group used to take the first group's results with it:
+    every member was charged an attempt and trained again. The first group's results now
+    reach the coordinator as that group finishes and are stored; only the second group's
+    members are retried."""
+    from hptransfer.workers.remote import execute_trials
+
+    spec = packed_spec(tiny_spec, "split-then-lost", 4, steps=30)
+    spec.update(max_concurrent=1, retries=1)
+    spec["grid"]["seeds"] = [0]
+    first_try = tmp_path / "first-try"
+
+    def split_then_die(specs, trial_ids, progress, cache_dir):
+        """The real worker function on its first call, with the pack's memory estimate made
+        to fit two members of four, and the worker process dying at the second group's first
+        step; on later calls the real worker function as it is."""
+        import os
+        from types import SimpleNamespace
+
+        from hptransfer.workers import packed, remote
+
+        if first_try.exists():
+            return execute_trials(specs, trial_ids, progress, cache_dir)
+        first_try.touch()
+        packed.free_memory = lambda *args: 1.0  # 0.8 to use at 0.3 a member: groups of 2
+        packed.trial_memory = lambda *a, **kw: SimpleNamespace(pack_peak=lambda k: 0.3 * k)
+        channel = remote._channel
+
+        def dying_channel(board):
+            report = channel(board)
+
+            def report_or_die(trial_id, metrics):
+                if trial_id in trial_ids[2:]:
+                    os._exit(1)  # the node's worker dies (OOM killer, node lost, ...)
+                return report(trial_id, metrics)
+            return report_or_die
+
+        remote._channel = dying_channel
+        return execute_trials(specs, trial_ids, progress, cache_dir)
+
+    coordinator = Coordinator(get_settings())
+    coordinator.start()
+    try:
+        coordinator.dispatcher._remote_pack = ray.remote(split_then_die)
+        sweep_id = coordinator.submit(spec)["id"]
+        wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 240,
+                 "the sweep to complete after the retry")
+    finally:
+        coordinator.stop()
+    rows = coordinator.store.trials(sweep_id, limit=None)
+    assert len(rows) == 4 and first_try.exists()
+    for r in rows[:2]:  # the first group: stored from the delivery, never trained again
+        assert r.attempts == 1 and r.status in ("completed", "diverged"), (r.status, r.error)
+        assert [a.status for a in coordinator.store.attempts(r.id)] == [r.status]
+        assert any("this member trained in a pack of 2" in n for n in r.result["notes"])
+    for r in rows[2:]:  # the second group: lost with the worker, retried as a pack of 2
+        attempts = coordinator.store.attempts(r.id)
+        assert r.attempts == 2 and [a.status for a in attempts] == ["failed", r.status]
+        assert attempts[0].error.startswith("WorkerCrashedError"), attempts[0].error
+        assert any(n.startswith(PACKED + "2 ") for n in r.result["notes"])
+
+
 def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray_cluster,
                                                                      tiny_spec):
     spec = packed_spec(tiny_spec, "pack-optuna", 4)

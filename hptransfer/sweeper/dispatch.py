@@ -380,10 +380,15 @@ class Dispatcher:
             return
         ref, self._drain = self._drain, None
         try:
-            updates = ray.get(ref)
+            updates, delivered = ray.get(ref)
         except Exception as exc:  # live metrics are best effort; results still arrive
             log.warning("progress board unavailable: %s", exc)
             return
+        for trial_id, result in delivered.items():
+            f = self.in_flight.get(trial_id)
+            if f is not None and f.outcome is None and f.drains_before < self._drains_sent:
+                # a split pack's member, done before its task: stored now (_collect)
+                f.outcome = Outcome(result["status"], result, result.get("error"))
         for trial_id, points in updates.items():
             f = self.in_flight.get(trial_id)
             if f is None or f.drains_before >= self._drains_sent:

@@ -86,6 +86,7 @@ def run_trials(
     reporter: PackedReporter | None = None,
     cache_dir: str | None = None,
     memory_limit: float | None = None,
+    on_result: Callable[[int, TrialResult], None] | None = None,
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
@@ -95,7 +96,9 @@ def run_trials(
     after another; a pack that still runs out of memory is halved and trained again (its
     members from the start; the reporter sees each step of a member once). A split pack's
     members say so in their notes; their results are a smaller pack's, i.e. still
-    run_trial's for each spec alone.
+    run_trial's for each spec alone. `on_result(i, result)` hears each member's final result
+    as soon as a split pack's group has trained, before the next group starts (so a caller
+    can keep it should the process die later); the last group's come with the return.
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would).
     """
@@ -118,7 +121,6 @@ def run_trials(
     why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
     results: dict[int, TrialResult] = {}
-    sizes: list[int] = []  # of the packs that trained
     relay = _Relay(reporter)
     while queue:
         group = queue.pop(0)
@@ -131,13 +133,15 @@ def run_trials(
                 torch.cuda.empty_cache()
             queue[:0] = split_evenly(group, (len(group) + 1) // 2)
             continue
+        if len(group) < k:  # final now: the note says only what this member's group was
+            note = (f"a pack of {k} did not fit in memory together; this member trained in "
+                    f"a pack of {len(group)} ({'; '.join(why)})")
+            for r in out:
+                r.notes.append(note)
         results.update(zip(group, out, strict=True))
-        sizes.append(len(group))
-    if len(sizes) > 1:
-        note = (f"a pack of {k} did not fit in memory together, trained as packs of "
-                f"{', '.join(map(str, sizes))} in turn ({'; '.join(why)})")
-        for r in results.values():
-            r.notes.append(note)
+        if queue and on_result is not None:
+            for i, result in zip(group, out, strict=True):
+                on_result(i, result)
     return [results[i] for i in range(k)]
 
 

@@ -4,7 +4,9 @@
 `progress` is any object with a Ray-actor-like `report.remote(trial_id, metrics)` returning
 an ObjectRef of bool (stop requested). The side channel must never hang or kill a trial:
 if it fails or is slow, training carries on and only live metrics are lost (the final
-result still carries the whole curve). A pack's members report under their own trial ids.
+result still carries the whole curve). A pack's members report under their own trial ids;
+a pack split for memory hands each group's results over as that group finishes
+(`ProgressBoard.deliver`).
 """
 
 from __future__ import annotations
@@ -65,8 +67,20 @@ def execute_trials(
     specs: list[dict[str, Any]], trial_ids: list[str], progress: Any | None,
     cache_dir: str | None,
 ) -> list[dict[str, Any]]:
-    """One result per spec, in order (members of one shape, trained packed)."""
+    """One result per spec, in order (members of one shape, trained packed). A pack split
+    for memory delivers each group's results to `progress` as the group finishes, so they
+    outlive this task should it die training a later group."""
     report = _channel(progress)
+
+    def deliver(i: int, result: TrialResult) -> None:
+        import ray
+
+        try:  # waited for: delivered before the next group can take the worker down
+            ray.get(progress.deliver.remote(trial_ids[i], _out(result)),
+                    timeout=_REPORT_TIMEOUT_S)
+        except Exception as exc:  # the return value still carries it
+            log.warning("could not deliver trial %s's result early: %s", trial_ids[i], exc)
+
     results = run_trials(specs, reporter=lambda i, m: report(trial_ids[i], m),
-                         cache_dir=cache_dir)
+                         cache_dir=cache_dir, on_result=deliver if progress else None)
     return [_out(r) for r in results]
