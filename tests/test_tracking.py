@@ -380,6 +380,34 @@ def test_kill_between_creating_a_run_and_recording_it_converges(
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
 
 
+def test_a_run_deleted_in_mlflow_is_not_copied_again_and_its_sweep_run_ends(
+        store: Store, mlflow_uri: str, tmp_path: Path, caplog: Any) -> None:
+    """A user deletes a trial's run in MLflow's UI while it trains. MLflow then rejects every
+    write to it: the attempt used to stay unmirrored, tried again on every pass (a warning
+    a second), and kept its sweep's parent run RUNNING for good."""
+    sid = new_sweep(store)
+    trials = store.lease_pending("coord", 3)
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+    mirror.sync()
+    client = MlflowClient(mlflow_uri)
+    experiment_id = store.get_sweep(sid).mlflow_experiment_id
+    deleted = trial_runs(client, experiment_id)[0]
+    client.delete_run(deleted.info.run_id)
+    finish_all(store, sid, trials)
+    caplog.set_level(logging.WARNING, logger="hptransfer.sweeper.mlflow.mirror")
+    mirror.sync()
+    assert store.mirror_backlog() == 0
+    assert mirror.sync() == 0  # nothing left to copy, nothing tried again
+    rejected = [r.getMessage() for r in caplog.records if "not copied again" in r.getMessage()]
+    assert len(rejected) == 1 and deleted.data.tags["hpt.trial_id"] in rejected[0], rejected
+    (parent,) = client.search_runs([experiment_id], "tags.`hpt.role` = 'sweep'")
+    assert parent.info.status == "FINISHED"
+    others = [r for r in trial_runs(client, experiment_id)
+              if r.info.run_id != deleted.info.run_id]
+    assert len(others) == 2 and all(r.info.status != "RUNNING" for r in others)
+    assert client.get_run(deleted.info.run_id).info.lifecycle_stage == "deleted"
+
+
 def test_mirror_thread_backs_off_and_logs_one_line_per_outage(
         store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any,
         caplog: pytest.LogCaptureFixture) -> None:

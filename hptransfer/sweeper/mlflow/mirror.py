@@ -164,29 +164,42 @@ class Mirror:
                 self._guard(f"sweep {sweep.id}", lambda s=sweep: self._create_sweep(s))
                 n += 1
             if sweep.status in ACTIVE:
-                self._guard(f"sweep {sweep.id}", lambda s=sweep: self._reopen_sweep(s))
+                self._guard(f"sweep {sweep.id}", lambda s=sweep: self._reopen_sweep(s),
+                            skip=lambda s=sweep: self._skip_sweep(s))
             else:
                 ends.append(sweep.id)
         for attempt in self.store.attempts_to_mirror(self.batch):
-            self._guard(f"trial {attempt.trial_id}", lambda a=attempt: self._sync_attempt(a))
+            self._guard(f"trial {attempt.trial_id}", lambda a=attempt: self._sync_attempt(a),
+                        skip=lambda a=attempt: self.store.mark_attempt_mirrored(
+                            a.trial_id, a.seq, a.status))
             n += 1
         # a parent run ends once all its attempts are mirrored (their runs end first)
         for sweep in self.store.sweeps_to_mirror():
             if sweep.id in ends and sweep.mlflow_run_id and \
                     self.store.mirror_backlog(sweep.id) == 1:
-                self._guard(f"sweep {sweep.id}", lambda s=sweep: self._end_sweep(s))
+                self._guard(f"sweep {sweep.id}", lambda s=sweep: self._end_sweep(s),
+                            skip=lambda s=sweep: self._skip_sweep(s))
                 n += 1
         return n
 
-    def _guard(self, what: str, step: Callable[[], None]) -> None:
-        """Run one row's copy; a transient error aborts the pass (raised), a rejection is
-        logged and that row is left as it is."""
+    def _guard(self, what: str, step: Callable[[], None],
+               skip: Callable[[], None] | None = None) -> None:
+        """Run one row's copy; a transient error aborts the pass (raised). A rejection (a run
+        deleted in MLflow's UI, say) is logged and, with `skip`, that row is marked mirrored
+        as it is: retried, it would be rejected on every pass, keep its sweep's parent run
+        open for good, and a batch of them would crowd out every newer row."""
         try:
             step()
         except Exception as exc:
             if is_transient(exc):
                 raise
-            log.warning("MLflow rejected %s: %s: %s", what, type(exc).__name__, str(exc)[:300])
+            log.warning("MLflow rejected %s: %s: %s%s", what, type(exc).__name__,
+                        str(exc)[:300], "; not copied again" if skip else "")
+            if skip is not None:
+                skip()
+
+    def _skip_sweep(self, sweep: SweepRecord) -> None:
+        self.store.mark_sweep_mirrored(sweep.id, sweep.status)
 
     def _tolerant(self, what: str, step: Callable[[], Any]) -> None:
         """One step of a row's copy that may be rejected without spoiling the others."""
