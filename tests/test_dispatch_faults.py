@@ -424,16 +424,50 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
     assert retracted.params["lr"] in planned
 
 
+def _tick_until_completed(coordinator: Coordinator, sweep_id: str,
+                          tolerated: type[Exception], timeout: float = 120) -> list[Exception]:
+    """The dispatch loop's ticks, by hand, until the sweep completes; the `tolerated` errors
+    ticks raised meanwhile (the loop backs off on them)."""
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    raised, deadline = [], time.monotonic() + timeout
+    while store.get_sweep(sweep_id).status != "completed":
+        assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
+            sweep_id))
+        try:
+            dispatcher.run_once()
+        except tolerated as exc:
+            raised.append(exc)
+        time.sleep(0.05)
+    return raised
+
+
+def _submit_and_tick(coordinator: Coordinator, spec: dict,
+                     tolerated: type[Exception]) -> tuple[str, list[Exception]]:
+    """Submit `spec`, tick by hand until it completes, stop the coordinator; the sweep's id
+    and the tolerated errors raised."""
+    sweep_id = coordinator.submit(spec)["id"]
+    try:
+        return sweep_id, _tick_until_completed(coordinator, sweep_id, tolerated)
+    finally:
+        coordinator.stop()
+
+
+def _released_then_trained(store: Store, rows: list) -> list[str]:
+    """The trials whose first lease was given back unstarted, then trained."""
+    from hptransfer.sweeper.db.store import NOT_STARTED
+
+    released = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
+        "cancelled", "completed"]]
+    assert all(store.attempts(t)[0].error == NOT_STARTED for t in released)
+    return released
+
+
 def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
         hpt_home, ray_cluster, tiny_spec, monkeypatch):
     """Ray refused a task (a cluster connection lost between leasing and submitting): every
     trial leased in that tick goes back to pending, its attempt not counted, rather than
     staying 'running' with no task until the coordinator restarts. When the database fails
     that release too, a later tick does it."""
-    import time
-
-    from hptransfer.sweeper.db.store import NOT_STARTED
-
     tiny_spec.update(name="unsubmitted", max_concurrent=2, reuse=False)
     tiny_spec["resources"] = {"cpus": 1, "pack": 1}
     coordinator = Coordinator(get_settings())
@@ -463,28 +497,13 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
 
     monkeypatch.setattr(dispatcher, "_remote", FlakyRemote())
     monkeypatch.setattr(store, "release", flaky_release)
-    sweep_id = coordinator.submit(tiny_spec)["id"]
-    raised, deadline = [], time.monotonic() + 120
-    try:
-        while store.get_sweep(sweep_id).status != "completed":
-            assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
-                sweep_id))
-            try:  # the dispatch loop's tick, by hand
-                dispatcher.run_once()
-            except ConnectionError as exc:
-                raised.append(exc)
-            time.sleep(0.05)
-    finally:
-        coordinator.stop()
+    sweep_id, raised = _submit_and_tick(coordinator, tiny_spec, ConnectionError)
     assert raised == [refused] and failed == {"submit": 1, "release": 1}
     assert not dispatcher.unsubmitted
     rows = store.trials(sweep_id, limit=None)
     assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
     # both trials leased in the refused tick were released, the second never submitted
-    refused_leases = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
-        "cancelled", "completed"]]
-    assert len(refused_leases) == 2
-    assert all(store.attempts(t)[0].error == NOT_STARTED for t in refused_leases)
+    assert len(_released_then_trained(store, rows)) == 2
 
 
 def test_packs_leased_before_a_failed_lease_go_back_to_pending(
@@ -492,10 +511,6 @@ def test_packs_leased_before_a_failed_lease_go_back_to_pending(
     """A tick leases each pack in its own transaction; when the database fails the second
     lease, the pack leased before it (no task yet) goes back to pending, its attempt not
     counted, rather than staying 'running' with no task until the coordinator restarts."""
-    import time
-
-    from hptransfer.sweeper.db.store import NOT_STARTED
-
     tiny_spec.update(name="half-leased", max_concurrent=2, reuse=False)
     tiny_spec["grid"]["lrs"] = [2**-8, 2**-7, 2**-6, 2**-5]
     tiny_spec["resources"] = {"cpus": 1, "pack": 2}
@@ -512,27 +527,12 @@ def test_packs_leased_before_a_failed_lease_go_back_to_pending(
         return real_lease(*args, **kwargs)
 
     monkeypatch.setattr(store, "lease_pending", flaky_lease)
-    sweep_id = coordinator.submit(tiny_spec)["id"]
-    raised, deadline = [], time.monotonic() + 120
-    try:
-        while store.get_sweep(sweep_id).status != "completed":
-            assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
-                sweep_id))
-            try:  # the dispatch loop's tick, by hand
-                dispatcher.run_once()
-            except OperationalError as exc:
-                raised.append(exc)
-            time.sleep(0.05)
-    finally:
-        coordinator.stop()
+    sweep_id, raised = _submit_and_tick(coordinator, tiny_spec, OperationalError)
     assert len(raised) == 1 and len(leases[0]) == 2 and not dispatcher.unsubmitted
     rows = store.trials(sweep_id, limit=None)
     assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
     # the pack leased before the failure was released, then leased and trained again
-    released = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
-        "cancelled", "completed"]]
-    assert sorted(released) == sorted(leases[0])
-    assert all(store.attempts(t)[0].error == NOT_STARTED for t in released)
+    assert sorted(_released_then_trained(store, rows)) == sorted(leases[0])
 
 
 def test_an_asked_trial_reused_while_the_database_fails_is_still_told(
@@ -542,7 +542,7 @@ def test_an_asked_trial_reused_while_the_database_fails_is_still_told(
     later tick tells it, and the sweep completes with no Optuna trial left RUNNING."""
     settings, coordinator = _one_at_a_time_optuna(tiny_spec, "reused-untold")
     tiny_spec["reuse"] = True
-    store, dispatcher = coordinator.store, coordinator.dispatcher
+    store = coordinator.store
     coordinator.start(background=False)
     real_add, real_get = store.add_trial, store.get_trial
     failing = {"armed": False, "failed": 0}
@@ -565,14 +565,7 @@ def test_an_asked_trial_reused_while_the_database_fails_is_still_told(
                 monkeypatch.setattr(store, "add_trial", add_trial)
                 monkeypatch.setattr(store, "get_trial", get_trial)
             sweep_ids.append(coordinator.submit(tiny_spec)["id"])
-            deadline = time.monotonic() + 180
-            while store.get_sweep(sweep_ids[-1]).status != "completed":
-                assert time.monotonic() < deadline, store.status_counts(sweep_ids[-1])
-                try:
-                    dispatcher.run_once()
-                except OperationalError as exc:
-                    raised.append(exc)
-                time.sleep(0.05)
+            raised += _tick_until_completed(coordinator, sweep_ids[-1], OperationalError, 180)
     finally:
         coordinator.stop()
     assert failing["failed"] == 1 and len(raised) == 1
