@@ -150,6 +150,24 @@ def test_bootstrap_ci_has_the_delta_method_width_with_few_seeds(seeds: int) -> N
     assert 0.9 < np.median(ratios) < 1.1, ratios
 
 
+def test_lrs_that_differ_by_a_rounding_when_stored_are_one_grid_point() -> None:
+    """Half the seeds' LRs written with 7 significant digits (a CSV from another tool) or
+    through float32: each LR is still one cell with all its seeds, and η* is unchanged.
+    Rounded to 6 decimals of log2, 22 of these 200 LRs were split in two cells."""
+    lrs = 2.0 ** np.linspace(-12.0, -4.0, 200) * 1.0173  # off the powers of two
+    stored = {1: lambda v: float(f"{v:.7g}"), 3: lambda v: float(np.float32(v))}
+    rows = [{"arm": "a", "width": 256, "depth": 4, "seed": seed,
+             "lr": stored[seed](lr) if seed in stored else float(lr),
+             "final_val_loss": 3.0 + 0.05 * (math.log2(lr) + 8.3) ** 2 + 0.001 * seed}
+            for lr in lrs for seed in range(4)]
+    frame = trial_frame(rows)
+    assert frame["lr"].nunique() > len(lrs)  # the round trip did move some LRs
+    row = optimal_lr(frame, bootstrap=0).shapes.iloc[0]
+    exact = optimal_lr(frame.assign(lr=np.repeat(lrs, 4)), bootstrap=0).shapes.iloc[0]
+    assert row["n_lrs"] == len(lrs) and row["n_seeds"] == 4
+    assert row["log2_lr_opt"] == pytest.approx(exact["log2_lr_opt"], abs=1e-6)
+
+
 def test_no_ci_when_the_fitted_lrs_have_one_seed_each() -> None:
     """A second seed at an LR far from the optimum (outside the fit) adds no spread to η*:
     no interval, said why, rather than one of zero width."""

@@ -93,6 +93,25 @@ class _Cells:
     n_cols: int
 
 
+# LRs of one shape this close (in octaves) are one grid point: a float32 round trip moves an
+# LR by up to 6e-8 relative, and rounding log2(lr) to 6 decimals split such a pair into two
+# cells whenever a rounding boundary fell between them (about 15 % of LRs)
+LR_TOLERANCE_OCTAVES = 1e-4
+
+
+def _snapped_log2(lr: np.ndarray, sid: np.ndarray) -> np.ndarray:
+    """log2(lr), each run of a shape's values less than LR_TOLERANCE_OCTAVES apart set to
+    the run's first value."""
+    raw = np.log2(lr)
+    order = np.lexsort((raw, sid))
+    x, s = raw[order], sid[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (s[1:] != s[:-1]) | (np.diff(x) > LR_TOLERANCE_OCTAVES)
+    snapped = np.empty_like(raw)
+    snapped[order] = x[np.flatnonzero(new)][np.cumsum(new) - 1]
+    return snapped
+
+
 def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:
     grouped = frame.groupby(list(keys), sort=True, dropna=False)
     sid = grouped.ngroup().to_numpy()
@@ -102,8 +121,7 @@ def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:
             key_frame[k] = key_frame[k].astype(np.int64)
     n_shapes = len(key_frame)
 
-    # Round log2(lr) so float noise in stored LRs does not split one grid point into two.
-    log2_lr = np.round(np.log2(frame["lr"].to_numpy(dtype=float)), 6)
+    log2_lr = _snapped_log2(frame["lr"].to_numpy(dtype=float), sid)
     outcome = frame["outcome"].to_numpy()
     order = np.lexsort((outcome, log2_lr, sid))  # OK rows first inside each cell
     sid_s, x_s, out_s = sid[order], log2_lr[order], outcome[order]
