@@ -612,6 +612,25 @@ def test_chinchilla_refuses_constant_tokens_per_parameter() -> None:
 # ------------------------------------------------------------------------ bad data
 
 
+def test_fit_slope_skips_non_finite_points_and_keeps_a_missing_group_label() -> None:
+    """Two groups with the same slope 0.5 and their own intercepts, one labelled NaN, plus a
+    point with a NaN y: the slope is exact, the NaN point ignored (a NaN group label made
+    an IndexError before, a NaN y a NaN slope)."""
+    x = np.array([1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0])
+    y = 0.5 * x + np.array([0, 0, 0, 7, 7, 7, 0.0])
+    y[-1] = np.nan
+    fit = fit_slope(x, y, np.array(["a", "a", "a", np.nan, np.nan, np.nan, "a"], dtype=object))
+    assert fit.slope == pytest.approx(0.5, abs=1e-12) and fit.n_points == 6 and fit.n_levels == 2
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, math.inf, math.nan])
+def test_fit_lr_parabola_refuses_an_lr_without_a_logarithm(bad: float) -> None:
+    with pytest.raises(AnalysisError, match="every lr must be positive and finite"):
+        fit_lr_parabola([bad, 1e-3, 2e-3, 4e-3], [3.1, 3.0, 2.9, 3.0])
+    with pytest.raises(AnalysisError, match="one length"):
+        fit_lr_parabola([1e-3, 2e-3], [3.0])
+
+
 def test_missing_columns_raise_a_clear_error() -> None:
     df = lr_sweep({("a", 256, 4): -8.0}).drop(columns=["lr", "seed"])
     with pytest.raises(AnalysisError, match=r"^missing required columns: lr, seed \(the frame"):

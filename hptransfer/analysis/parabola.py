@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import AnalysisError
+
 
 @dataclass
 class ParabolaFits:
@@ -101,9 +103,17 @@ def fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> ParabolaFits
 def fit_lr_parabola(
     lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, neighbours: int = 2
 ) -> dict[str, Any]:
-    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients."""
-    x = np.log2(np.asarray(lrs, dtype=float))
+    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients.
+    Raises AnalysisError for LRs that are not positive and finite (no log2)."""
+    lr = np.asarray(lrs, dtype=float)
     y = np.asarray(losses, dtype=float)
+    if lr.shape != y.shape or lr.ndim != 1:
+        raise AnalysisError(f"lrs and losses must be two lists of one length, got shapes "
+                            f"{lr.shape} and {y.shape}")
+    bad = lr[~(np.isfinite(lr) & (lr > 0))]
+    if bad.size:
+        raise AnalysisError(f"every lr must be positive and finite, got {bad[:5].tolist()}")
+    x = np.log2(lr)
     order = np.argsort(x)
     fits = fit_parabolas(x[order][None, :], y[order][None, :], neighbours)
     return {

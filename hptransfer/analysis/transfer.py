@@ -46,11 +46,15 @@ def fit_slope(
 ) -> SlopeFit:
     """Slope of y on x with one intercept per group (within-group OLS), CI from the t law.
 
-    Groups with a single distinct x carry no slope information and are dropped.
+    Groups with a single distinct x carry no slope information and are dropped, as are
+    points whose x or y is not finite; a missing (NaN) group label is a group of its own.
     """
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
-    codes = np.zeros(len(x), dtype=int) if groups is None else pd.factorize(groups)[0]
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y = x[finite], y[finite]
+    codes = (np.zeros(len(x), dtype=int) if groups is None
+             else pd.factorize(np.asarray(groups)[finite], use_na_sentinel=False)[0])
     n_groups = int(codes.max()) + 1 if len(codes) else 0
     xt = _within(codes, x, n_groups)
     spread = np.bincount(codes, weights=xt**2, minlength=n_groups) > 1e-12
