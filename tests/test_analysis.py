@@ -781,7 +781,11 @@ def test_fit_report_end_to_end() -> None:
     assert transfer.loc[("gpt/mup", "depth"), "slope"] == pytest.approx(-0.5, abs=0.05)
     chin = tables["chinchilla"].set_index("arm")
     assert chin.loc["gpt/completep", "alpha"] == pytest.approx(0.34, abs=0.05)
-    assert not tables["savings"].empty
+    # both arms follow one loss law at their best LRs: no savings either way, at every loss
+    savings = tables["savings"]
+    assert len(savings) == 20 and set(savings["reference"]) == {"gpt/mup"}
+    assert (savings["savings"].abs() < 0.02).all(), savings["savings"]
+    assert ((savings["ci_low"] <= 0) & (savings["ci_high"] >= 0)).all()
     payload = report.to_dict()
     assert_json_safe(payload)
     assert payload["analyses"]["optimal_lr"]["shapes"][0]["trial_ids"]
