@@ -350,22 +350,29 @@ def test_power_law_parameters_recovered() -> None:
     assert_json_safe(fit.to_dict())
 
 
-def test_frontier_mask_matches_brute_force() -> None:
+@pytest.mark.parametrize("loss_decimals", [None, 1])
+def test_frontier_mask_matches_brute_force(loss_decimals: int | None) -> None:
+    """A point is on the frontier when no point of its group at most as costly has a loss at
+    most as low, ties in both broken by the order given (of exact duplicates one stays);
+    rounded losses make such ties."""
     rng = np.random.default_rng(4)
-    c = rng.uniform(1, 100, 60).round()
-    loss = rng.uniform(2, 4, 60)
-    groups = rng.integers(0, 3, 60)
-    expected = np.array(
-        [
-            not np.any(
-                (groups == groups[i])
-                & ((c < c[i]) | ((c == c[i]) & (np.arange(60) != i) & (loss < loss[i])))
-                & (loss <= loss[i])
-            )
-            for i in range(60)
-        ]
-    )
-    assert np.array_equal(frontier_mask(c, loss, groups), expected)
+    n = 200
+    c = rng.uniform(1, 30, n).round()
+    loss = rng.uniform(2, 4, n)
+    if loss_decimals is not None:
+        loss = loss.round(loss_decimals)
+    groups = rng.integers(0, 3, n)
+    idx = np.arange(n)
+    expected = np.array([
+        not np.any((groups == groups[i]) & (loss <= loss[i]) & (
+            (c < c[i]) | ((c == c[i]) & ((loss < loss[i]) | (idx < i)))))
+        for i in range(n)
+    ])
+    mask = frontier_mask(c, loss, groups)
+    assert np.array_equal(mask, expected)
+    if loss_decimals is not None:  # ties were there to break
+        same = pd.DataFrame({"g": groups, "c": c, "l": loss}).duplicated(keep=False)
+        assert same.any() and mask[same.to_numpy()].sum() < same.sum()
 
 
 def power_law_frame(arms: dict[str, tuple[float, float, float]],
