@@ -23,7 +23,10 @@ A restarted coordinator finishes what its dead predecessor held in memory (`star
 
 Packing (`resources.pack`, `packing.py`): pending trials of one shape may run as one Ray task
 (`execute_trials`). Each member keeps its own entry in `in_flight` (sharing the task's ref),
-so its outcome is stored, retried, cancelled and told to Optuna exactly as a lone trial's.
+so its outcome is stored, retried, cancelled and told to Optuna exactly as a lone trial's. A
+pack split for memory trains in groups, and each group's results come through the progress
+board as the group finishes (stored then), so a worker lost later costs only the members
+still training.
 """
 
 from __future__ import annotations
