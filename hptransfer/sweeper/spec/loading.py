@@ -52,7 +52,7 @@ def nul_problems(data: Any, path: str = "") -> list[dict[str, str]]:
             for key, item in value.items():
                 name = f"{where}.{key}" if where else str(key)
                 if isinstance(key, str) and "\x00" in key:
-                    problems.append(error(where, f"the key {key!r} contains a NUL character "
+                    problems.append(error(where, f"the key {key[:100]!r} contains a NUL character "
                                                  "(\\u0000): remove it"))
                 stack.append((item, name))
         elif isinstance(value, list):
