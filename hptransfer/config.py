@@ -92,6 +92,15 @@ def home_dir() -> Path:
     return Path(_env("HPT_HOME") or ".hpt").expanduser().resolve()
 
 
+DEFAULT_CACHE_MAX_GB = 4.0
+
+
+def cache_max_bytes() -> float:
+    """What the data cache ($HPT_HOME/cache: tokenized corpora, BPE tokenizers) may hold
+    before its least recently used entries go: $HPT_CACHE_MAX_GB, default 4."""
+    return (_env_float("HPT_CACHE_MAX_GB", DEFAULT_CACHE_MAX_GB) or DEFAULT_CACHE_MAX_GB) * 1e9
+
+
 def data_roots_from(home: Path) -> tuple[Path, ...]:
     """`$HPT_HOME/data` plus every directory in $HPT_DATA_ROOTS (os.pathsep-separated),
     resolved. The embedded corpus (source 'stdlib') is always allowed besides these."""

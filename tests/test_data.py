@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -455,14 +456,14 @@ def test_token_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     first = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
     (cache_file,) = tmp_path.glob("tokens-byte-*.npy")
     assert first.content_hash in cache_file.name
-    mtime = cache_file.stat().st_mtime_ns
+    inode = cache_file.stat().st_ino
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("retokenized despite a cache hit")
 
     monkeypatch.setattr(ByteTokenizer, "encode_corpus", fail)
     second = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
-    assert cache_file.stat().st_mtime_ns == mtime
+    assert cache_file.stat().st_ino == inode  # not written again (a hit only marks its use)
     assert np.array_equal(second.read_tokens(0, 5_000), first.read_tokens(0, 5_000))
     # Atomic writes leave no temp files behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file.name]
@@ -526,7 +527,7 @@ def test_bpe_trains_and_round_trips(tmp_path: Path) -> None:
 def test_bpe_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = load_dataset(BPE_SPEC, cache_dir=tmp_path)
     (tok_file,) = tmp_path.glob("bpe-*-v512.json")
-    mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    inodes = {p: p.stat().st_ino for p in tmp_path.iterdir()}
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("retrained or retokenized despite a cache hit")
@@ -534,7 +535,7 @@ def test_bpe_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(bpe_module, "train_bpe", fail)
     monkeypatch.setattr(BPETokenizer, "encode_corpus", fail)
     second = load_dataset(BPE_SPEC, cache_dir=tmp_path)
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == mtimes
+    assert {p: p.stat().st_ino for p in tmp_path.iterdir()} == inodes  # none written again
     assert second.content_hash == first.content_hash
     assert second.vocab_size == first.vocab_size
     assert torch.equal(second.train_batch(0, 2, 16, 0)[0], first.train_batch(0, 2, 16, 0)[0])
@@ -543,3 +544,38 @@ def test_bpe_cache_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_dataset_type_exported() -> None:
     assert TokenDataset.__name__ == "TokenDataset"
+
+
+def test_the_cache_keeps_to_its_cap_least_recently_used_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each corpus size a request names writes a tokenized corpus (and a tokenizer) to the
+    cache, which grew without bound. Past HPT_CACHE_MAX_GB the least recently used entries
+    go; the one just written and any used in the last minutes stay, and an entry that went
+    is rebuilt the same when asked for again."""
+    sizes = [60_000, 70_000, 80_000, 90_000]
+    day = 86_400.0
+    for i, size in enumerate(sizes):  # four entries, used 4, 3, 2 and 1 days ago
+        load_dataset(DataSpec(max_corpus_bytes=size, val_tokens=2_000), cache_dir=tmp_path)
+        (path,) = sorted(tmp_path.glob("tokens-*.npy"), key=lambda p: p.stat().st_mtime)[-1:]
+        os.utime(path, (time.time() - (4 - i) * day,) * 2)
+    entries = {p.name: p.stat().st_size for p in tmp_path.glob("tokens-*.npy")}
+    assert len(entries) == 4
+    oldest = min(tmp_path.glob("tokens-*.npy"), key=lambda p: p.stat().st_mtime)
+    first = load_dataset(DataSpec(max_corpus_bytes=sizes[0], val_tokens=2_000),
+                         cache_dir=tmp_path)  # a hit: the oldest is now the latest used
+    assert oldest.stat().st_mtime > time.time() - 60
+    # room for about three entries of this size: the new one and the two most recently used
+    # stay (the one hit just now among them); the two least recently used go
+    cap = 3.5 * max(entries.values())
+    monkeypatch.setenv("HPT_CACHE_MAX_GB", str(cap / 1e9))
+    load_dataset(DataSpec(max_corpus_bytes=100_000, val_tokens=2_000), cache_dir=tmp_path)
+    left = sorted(tmp_path.glob("tokens-*.npy"), key=lambda p: p.stat().st_mtime)
+    assert len(left) == 3 and oldest in left
+    assert sum(p.stat().st_size for p in left) <= cap
+    # the evicted corpus comes back the same (content-addressed, deterministic)
+    again = load_dataset(DataSpec(max_corpus_bytes=sizes[1], val_tokens=2_000),
+                         cache_dir=tmp_path)
+    assert again.content_hash == load_dataset(
+        DataSpec(max_corpus_bytes=sizes[1], val_tokens=2_000),
+        cache_dir=tmp_path / "fresh").content_hash
+    assert first.content_hash != again.content_hash

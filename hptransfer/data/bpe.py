@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cache import write_atomic
+from .cache import evict_least_used, mark_used, write_atomic
 from .corpus import FILE_SEPARATOR, Corpus
 
 if TYPE_CHECKING:
@@ -81,10 +81,13 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> BPETo
     path = bpe_cache_path(cache_dir, corpus, vocab_size)
     if path.exists():
         try:
-            return BPETokenizer.from_file(path)
+            tokenizer = BPETokenizer.from_file(path)
+            mark_used(path)
+            return tokenizer
         except Exception:  # a corrupt or unreadable cache entry is rebuilt, not fatal
             path.unlink(missing_ok=True)
     json_text = train_bpe(corpus.pieces, vocab_size).to_str()
     # First writer wins so concurrent workers all tokenize with one and the same tokenizer.
     write_atomic(path, lambda tmp: tmp.write_text(json_text, encoding="utf-8"), first_wins=True)
+    evict_least_used(path.parent, keep=path)
     return BPETokenizer.from_file(path)

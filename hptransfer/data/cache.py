@@ -1,11 +1,23 @@
-"""Atomic cache writes: several Ray workers may build the same cache entry at once."""
+"""The data cache's files: atomic writes (several Ray workers may build the same entry at
+once), and a size cap. Entries are content-addressed and rebuilt the same when missing, so
+the least recently used go once the cache holds more than `config.cache_max_bytes()`: each
+distinct corpus size or BPE vocabulary a request names writes a new one (up to ~22 MB)."""
 
+import contextlib
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hptransfer.config import cache_max_bytes
+
 from .errors import DataError
+
+log = logging.getLogger(__name__)
+# an entry used this recently may be in use right now (a sweep starting its trials): kept
+MIN_IDLE_S = 600.0
 
 
 def ensure_dir(path: Path) -> Path:
@@ -43,3 +55,40 @@ def write_atomic(final: Path, write: Callable[[Path], None], *, first_wins: bool
             os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def mark_used(path: Path) -> None:
+    """A cache hit: the entry's modification time is its last use (what eviction orders by)."""
+    with contextlib.suppress(OSError):  # a read-only cache still serves its entries
+        os.utime(path)
+
+
+def evict_least_used(directory: Path, keep: Path, max_bytes: float | None = None,
+                     min_idle_s: float = MIN_IDLE_S) -> int:
+    """Delete the least recently used entries of `directory` until it holds at most
+    `max_bytes` (default: the configured cap), never `keep` nor an entry used in the last
+    `min_idle_s` seconds; the number deleted."""
+    cap = cache_max_bytes() if max_bytes is None else max_bytes
+    entries = []
+    with contextlib.suppress(OSError), os.scandir(directory) as it:
+        for entry in it:
+            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
+                continue  # a write in progress (".name.tmp"), or not ours
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in entries)
+    now, removed = time.time(), 0
+    for used, size, path in sorted(entries):
+        if total <= cap:
+            break
+        if path == keep or now - used < min_idle_s:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+            path.unlink()
+        total -= size
+        removed += 1
+    if removed:
+        log.info("data cache %s: removed %d least recently used entries (cap %.3g GB)",
+                 directory, removed, cap / 1e9)
+    return removed
