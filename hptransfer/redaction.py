@@ -10,9 +10,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
-# key=value outside a URL (a libpq DSN "host=h password=pw", a quoted query string)
+# key=value outside a URL (a libpq DSN "host=h password=pw", a quoted query string); the key
+# ends with the secret word, so "access_token=" is masked and "max_tokens=" is not
 _SECRET_ASSIGNMENT = re.compile(
-    r"\b([\w.-]*(?:password|passwd|pwd|token|secret)[\w.-]*)=(?!\*\*\*)[^\s&'\",;]+",
+    r"\b([\w.-]*(?:password|passwd|pwd|token|secret))=(?!\*\*\*)[^\s&'\",;]+",
     re.IGNORECASE)
 
 

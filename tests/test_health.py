@@ -53,6 +53,9 @@ def test_redact_masks_urls_and_passwords_inside_error_text():
     assert "password=***" in out and "host=db user=bob" in out
     assert redact("no secrets at http://mlflow:5000/version") == (
         "no secrets at http://mlflow:5000/version")
+    plain = "ValueError: tokens_per_param=20 and max_tokens=5; api_token=abc Secret=x"
+    assert redact(plain) == ("ValueError: tokens_per_param=20 and max_tokens=5; "
+                             "api_token=*** Secret=***")
 
 
 @pytest.fixture
