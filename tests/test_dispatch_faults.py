@@ -758,3 +758,27 @@ def test_live_points_of_a_lost_attempt_never_reach_its_retry(hpt_home, ray_clust
         assert dispatcher.in_flight[trial.id].last_step == 3
     finally:
         ray.kill(board)
+
+
+def test_cancelling_an_optuna_sweep_tells_its_asked_trials_fail(hpt_home, ray_cluster,
+                                                                 tiny_spec):
+    """Trials asked of Optuna but not yet leased are cancelled with their sweep; their Optuna
+    trials used to stay RUNNING in the study for good (a study in Optuna's dashboard that
+    never ends). The next tick tells them FAIL."""
+    settings, coordinator = _one_at_a_time_optuna(tiny_spec, "cancel-asked")
+    store, dispatcher = coordinator.store, coordinator.dispatcher
+    coordinator.start(background=False)
+    try:
+        sweep_id = coordinator.submit(tiny_spec)["id"]
+        sweep = store.get_sweep(sweep_id)
+        dispatcher._ask_optuna(sweep, load_spec(sweep.spec), 1)  # asked; the lease comes next
+        asked = store.count_trials(sweep_id, status="pending")
+        assert asked >= 1
+        coordinator.cancel(sweep_id)
+        dispatcher.run_once()
+    finally:
+        coordinator.stop()
+    assert store.count_trials(sweep_id, status="cancelled") == asked
+    (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
+    study = optuna.load_study(study_name=name, storage=settings.optuna_url)
+    assert [t.state.name for t in study.get_trials(deepcopy=False)] == ["FAIL"] * asked

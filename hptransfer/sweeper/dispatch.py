@@ -191,6 +191,9 @@ class Dispatcher:
         self.unsubmitted: list[list[str]] = []
         # Optuna sweeps whose start-up pass (_settle_what_the_dead_owed) Optuna's storage failed
         self.untold: set[str] = set()
+        # sweeps a request cancelled (another thread): an Optuna sweep's trials asked but not
+        # leased were cancelled with it, and its untold pass tells their Optuna trials FAIL
+        self.stopped: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
@@ -254,8 +257,20 @@ class Dispatcher:
                 self._refresh(sweep.id)
         self._tell_untold()
 
+    def _take_stopped(self) -> None:
+        """The Optuna sweeps among those requests stopped go to the untold pass."""
+        while not self.stopped.empty():
+            sweep_id = self.stopped.get_nowait()
+            try:
+                sweep = self.store.get_sweep(sweep_id)
+            except Exception:  # the database failed: looked at again next tick
+                self.stopped.put(sweep_id)
+                raise
+            if sweep is not None and sweep.search == "optuna":
+                self.untold.add(sweep_id)
+
     def _tell_untold(self) -> None:
-        """The start-up pass over the `untold` sweeps' Optuna trials (see above)."""
+        """The pass over the `untold` sweeps' Optuna trials (see above, and `stopped`)."""
         if not self.untold:
             return
         with contextlib.suppress(OptunaUnavailable):
@@ -317,6 +332,12 @@ class Dispatcher:
         """Ask the loop to look for work now (a sweep was submitted or cancelled)."""
         self._wake.set()
 
+    def sweep_stopped(self, sweep_id: str) -> None:
+        """A request cancelled the sweep (see `stopped`); its running trials are cancelled
+        by the next tick either way."""
+        self.stopped.put(sweep_id)
+        self.wake()
+
     def _idle_wait(self) -> None:
         """Sleep until a trial finishes, work is submitted, or one poll interval passes —
         whichever is first, so a finished trial's slot is refilled without polling delay."""
@@ -332,6 +353,7 @@ class Dispatcher:
         self._relay_progress()
         self._retract_unadded()
         self._release_unsubmitted()
+        self._take_stopped()
         self._tell_untold()
         self._settle_owed()
         collected = self._collect()

@@ -163,7 +163,7 @@ class Coordinator:
             raise NotFoundError(f"no sweep with id {sweep_id!r}")
         self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
         if self.dispatcher:
-            self.dispatcher.wake()
+            self.dispatcher.sweep_stopped(sweep_id)
         return self.summary(sweep_id)
 
     def fits(self, sweep_id: str, bootstrap: int = 100,
