@@ -550,10 +550,15 @@ def as_optimal(
         return optimal_lr(data, bootstrap=0)
     # Averaged, a shape's runs at several budgets made one point at the mean tokens (a
     # Chinchilla fit then saw one D per N); each budget is its own point, as in a study
-    result = optimal_lr(data, bootstrap=0, extra_keys=("tokens",))
+    result = per_budget(data)
     result.warnings.append("some shapes were trained at several token budgets: each budget is "
                            "a point of its own (a diverged run, stopped early, is apart too)")
     return result
+
+
+def per_budget(trials: Trials) -> OptimalLRResult:
+    """Best point per (arm, shape, tokens trained): a shape at two budgets is two points."""
+    return optimal_lr(trials, bootstrap=0, extra_keys=("tokens",))
 
 
 def budgets_vary(trials: Trials) -> bool:

@@ -26,7 +26,7 @@ from .aspect_ratio import optimal_aspect_ratio
 from .chinchilla import chinchilla_fit
 from .errors import NotEnoughData
 from .frontier import loss_compute_frontier
-from .optimal_lr import OptimalLRResult, optimal_lr
+from .optimal_lr import OptimalLRResult, optimal_lr, per_budget
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
 from .stats import single_threaded_blas
@@ -136,9 +136,8 @@ def transfer_check(
 
 
 def by_budget(frame: pd.DataFrame, *needs: str) -> OptimalLRResult:
-    """Best point per (arm, shape, tokens trained): a shape at two budgets is two points."""
-    trials = prepare_trials(frame, (*CORE_COLUMNS, *needs, "tokens"))
-    return optimal_lr(trials, bootstrap=0, extra_keys=("tokens",))
+    """`optimal_lr.per_budget` of a stage's frame, which must hold `needs` and tokens."""
+    return per_budget(prepare_trials(frame, (*CORE_COLUMNS, *needs, "tokens")))
 
 
 def _param_of(frame: pd.DataFrame) -> dict[str, str]:

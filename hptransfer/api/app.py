@@ -19,7 +19,7 @@ from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
-from .guards import RefuseNulInURL
+from .guards import RefuseNulInURL, error_response
 from .health import remember_mlflow_store
 from .listing import ListingCache
 from .routes import router
@@ -84,10 +84,6 @@ def _freeze_long_lived() -> None:
     gc.freeze()
 
 
-def _error(status: int, message: str, errors: list[dict] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message, "errors": errors or []})
-
-
 def _detail(err: dict) -> str:
     # A JSON syntax error carries its reason in ctx; "JSON decode error" alone says little.
     cause = (err.get("ctx") or {}).get("error")
@@ -97,24 +93,24 @@ def _detail(err: dict) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SpecError)
     async def spec_error(_: Request, exc: SpecError) -> JSONResponse:
-        return _error(422, "invalid sweep spec: " + "; ".join(
+        return error_response(422, "invalid sweep spec: " + "; ".join(
             f"{e['field']}: {e['message']}" for e in exc.errors), exc.errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = _error(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(NotFoundError)
     async def not_found(_: Request, exc: NotFoundError) -> JSONResponse:
-        return _error(404, str(exc))
+        return error_response(404, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": _detail(e)}
                   for e in exc.errors()]
-        return _error(422, "invalid request: " + "; ".join(
+        return error_response(422, "invalid request: " + "; ".join(
             f"{e['field']}: {e['message']}" for e in errors), errors)
 
     @app.exception_handler(DataError)
@@ -122,15 +118,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         # a value from the request the database cannot take (the spec and URL checks
         # should have refused it first: logged as the gap it is)
         log.error("database refused a value: %s", exc)
-        return _error(400, "the database cannot store a value in this request (e.g. a "
+        return error_response(400, "the database cannot store a value in this request (e.g. a "
                            "control character or a number out of range): remove or fix it")
 
     @app.exception_handler(OperationalError)
     async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
         log.error("database error: %s", exc)
-        return _error(503, "the database is unavailable; retry shortly")
+        return error_response(503, "the database is unavailable; retry shortly")
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return _error(500, f"internal error ({type(exc).__name__}); see the server log")
+        return error_response(500, f"internal error ({type(exc).__name__}); see the server log")

@@ -51,6 +51,11 @@ def require_json(request: Request) -> None:
         )
 
 
+def error_response(status: int, message: str, errors: list[dict] | None = None) -> JSONResponse:
+    """Every API error's body: a message saying what to fix, and per-field errors."""
+    return JSONResponse(status_code=status, content={"error": message, "errors": errors or []})
+
+
 class RefuseNulInURL:
     """ASGI middleware: a path or query string holding a NUL character (%00) gets a 400
     naming it. Nothing can look one up (PostgreSQL refuses NUL in text: a 500 before)."""
@@ -61,9 +66,7 @@ class RefuseNulInURL:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and ("\x00" in scope.get("path", "") or
                                         b"%00" in scope.get("query_string", b"")):
-            response = JSONResponse(status_code=400, content={
-                "error": "the URL holds a NUL character (%00) in its path or query: remove "
-                         "it", "errors": []})
-            await response(scope, receive, send)
+            await error_response(400, "the URL holds a NUL character (%00) in its path or "
+                                      "query: remove it")(scope, receive, send)
             return
         await self.app(scope, receive, send)
