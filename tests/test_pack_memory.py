@@ -166,7 +166,7 @@ def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
         assert [step for m, step in out["seen"] if m == i] == [p["step"] for p in s.curve]
 
 
-def test_a_member_trained_again_reports_each_step_once_and_stops_where_it_stopped():
+def test_a_member_trained_again_reports_each_step_once():
     from hptransfer.workers.packed import _Relay
 
     calls = []
@@ -179,14 +179,42 @@ def test_a_member_trained_again_reports_each_step_once_and_stops_where_it_stoppe
     first = relay.for_group([0, 1, 2, 3])  # a pack of 4 that reports steps 1 and 2 ...
     assert [first(r, {"step": 1}) for r in range(4)] == [False] * 4
     assert [first(r, {"step": 2}) for r in range(4)] == [False, True, False, False]
-    # ... then runs out of memory; its halves train again from step 1
-    second, third = relay.for_group([0, 1]), relay.for_group([2, 3])
-    assert [second(r, {"step": s}) for s in (1, 2) for r in range(2)] == [
-        False, False, False, True]  # member 1 stopped at step 2 again
-    assert second(0, {"step": 3}) is False
+    # ... then runs out of memory; its halves (member 1, stopped, is final) train again
+    second, third = relay.for_group([0]), relay.for_group([2, 3])
+    assert [second(0, {"step": s}) for s in (1, 2, 3)] == [False] * 3
     assert [third(r, {"step": s}) for s in (1, 2, 3) for r in range(2)] == [False] * 6
     assert calls == [(i, 1) for i in range(4)] + [(i, 2) for i in range(4)] + [
         (0, 3), (2, 3), (3, 3)]
+
+
+def test_a_member_pruned_before_its_pack_ran_out_of_memory_keeps_its_result(tmp_path):
+    # the pack of 3 prunes member 1 at step 20, then fails to allocate at step 30 (raised
+    # from the reporter: the pack's own code path for any allocation failure); member 1's
+    # result was handed over at step 20 and is kept, not trained again; 0 and 2 train again
+    specs = specs_for(CASES["gpt-mup"])
+    steps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    failed = []
+
+    def reporter(member, metrics):
+        steps[member].append(metrics["step"])
+        if metrics["step"] == 30 and not failed:
+            failed.append(member)
+            raise torch.OutOfMemoryError("can't allocate memory (injected)")
+        return member == 1 and "val_loss" in metrics and metrics["step"] >= 20
+
+    delivered: list[int] = []
+    packed = run_trials(specs, reporter=reporter, cache_dir=str(tmp_path),
+                        on_result=lambda i, r: delivered.append(i))
+    assert failed == [0] and delivered[0] == 1
+    assert [r.status for r in packed] == ["completed", "pruned", "completed"]
+    assert steps[1] == list(range(1, 21))  # trained once, to where it was pruned
+    assert steps[0] == steps[2] == list(range(1, 61))  # each step reported once
+    solo = run_trial(specs[1], cache_dir=str(tmp_path),
+                     reporter=lambda m: "val_loss" in m and m["step"] >= 20)
+    assert_same_result(packed[1], solo)
+    for i in (0, 2):
+        assert_same_result(packed[i], run_trial(specs[i], cache_dir=str(tmp_path)))
+        assert any("a pack of 3 ran out of memory" in n for n in packed[i].notes)
 
 
 def test_a_cpu_task_plans_for_its_share_of_the_host():

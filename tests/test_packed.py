@@ -72,10 +72,14 @@ def test_members_match_run_trial(name, tmp_path):
 def test_diverging_member_stops_alone(tmp_path):
     members = [MEMBERS[0], dict(lr=50.0, seed=5), MEMBERS[1]]
     specs = specs_for(CASES["gpt-completep"], members)
-    packed = run_trials(specs, cache_dir=str(tmp_path))
+    delivered: list[tuple[int, dict]] = []
+    packed = run_trials(specs, cache_dir=str(tmp_path),
+                        on_result=lambda i, r: delivered.append((i, r.model_dump())))
     solo = [run_trial(s, cache_dir=str(tmp_path)) for s in specs]
     assert [r.status for r in packed] == ["completed", "diverged", "completed"]
     assert packed[1].steps < 60 and packed[1].error is None
+    # the diverged member's result was handed over once, as it stopped; the others return
+    assert delivered == [(1, packed[1].model_dump())]
     for p, s in zip(packed, solo, strict=True):
         assert_same_result(p, s)
 
@@ -88,8 +92,17 @@ def test_reporter_prunes_one_member(tmp_path):
         seen[member].append(metrics["step"])
         return member == 1 and "val_loss" in metrics and metrics["step"] >= 20
 
-    packed = run_trials(specs, reporter=packed_reporter, cache_dir=str(tmp_path))
+    delivered: list[tuple[int, dict, int]] = []  # (member, result, member 0's last step)
+
+    def on_result(member, result):
+        delivered.append((member, result.model_dump(), seen[0][-1]))
+
+    packed = run_trials(specs, reporter=packed_reporter, cache_dir=str(tmp_path),
+                        on_result=on_result)
     assert [r.status for r in packed] == ["completed", "pruned", "completed"]
+    # the pruned member's result was handed over as it stopped, while the others trained
+    # on (a pack that dies later does not take it along), and is the one returned
+    assert delivered == [(1, packed[1].model_dump(), 20)]
     solo_seen: list[int] = []
 
     def solo_reporter(metrics):

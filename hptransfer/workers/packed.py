@@ -97,8 +97,9 @@ def run_trials(
     members from the start; the reporter sees each step of a member once). A split pack's
     members say so in their notes; their results are a smaller pack's, i.e. still
     run_trial's for each spec alone. `on_result(i, result)` hears each member's final result
-    as soon as a split pack's group has trained, before the next group starts (so a caller
-    can keep it should the process die later); the last group's come with the return.
+    once, as soon as it is final, so that a caller can keep it should the process die later:
+    a member that stopped early (diverged, pruned) when it stopped, a split pack's members
+    when their group has trained (the last group's come with the return only).
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would).
     """
@@ -121,18 +122,31 @@ def run_trials(
     why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
     results: dict[int, TrialResult] = {}
+    early: dict[int, TrialResult] = {}  # members handed over when they stopped
     relay = _Relay(reporter)
     while queue:
         group = queue.pop(0)
-        out, oom = _train_group([specs[i] for i in group], relay.for_group(group), data)
+
+        def stopped(row: int, result: TrialResult, group: list[int] = group) -> None:
+            if group[row] not in early:  # a retried pack's repeat is not handed over again
+                early[group[row]] = result
+                if on_result is not None:
+                    on_result(group[row], result)
+
+        out, oom = _train_group([specs[i] for i in group], relay.for_group(group), data,
+                                stopped)
         if oom and len(group) > 1:
             why.append(f"a pack of {len(group)} ran out of memory: "
                        f"{out[0].error.splitlines()[0][:200]}")
             gc.collect()  # the failed pack's tensors (held in cycles) go before the halves'
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            queue[:0] = split_evenly(group, (len(group) + 1) // 2)
+            again = [i for i in group if i not in early]  # those that stopped are final
+            results.update((i, early[i]) for i in group if i in early)
+            if again:
+                queue[:0] = split_evenly(again, (len(again) + 1) // 2)
             continue
+        out = [early.get(i, r) for i, r in zip(group, out, strict=True)]
         if len(group) < k:  # final now: the note says only what this member's group was
             note = (f"a pack of {k} did not fit in memory together; this member trained in "
                     f"a pack of {len(group)} ({'; '.join(why)})")
@@ -141,7 +155,8 @@ def run_trials(
         results.update(zip(group, out, strict=True))
         if queue and on_result is not None:
             for i, result in zip(group, out, strict=True):
-                on_result(i, result)
+                if i not in early:
+                    on_result(i, result)
     return [results[i] for i in range(k)]
 
 
@@ -160,35 +175,31 @@ def split_evenly(items: Sequence[T], cap: int) -> list[list[T]]:
 
 class _Relay:
     """The caller's reporter across a pack's attempts: a member trained again after its pack
-    ran out of memory reports each step once (a retry's repeats are not passed on), and a
-    stop the reporter asked for is asked again at the same step (same result)."""
+    ran out of memory reports each step once (a retry's repeats are not passed on; a member
+    the reporter stopped is final and not trained again)."""
 
     def __init__(self, reporter: PackedReporter | None):
         self.reporter = reporter
         self.last: dict[int, int] = {}  # member -> last step passed on
-        self.stopped_at: dict[int, int] = {}  # member -> step the reporter stopped it
 
     def for_group(self, group: list[int]) -> PackedReporter:
         def report(row: int, metrics: dict[str, Any]) -> bool:
             i, step = group[row], int(metrics["step"])
             if step <= self.last.get(i, 0):  # a retry's repeat
-                return step >= self.stopped_at.get(i, step + 1)
+                return False
             self.last[i] = step
-            stop = self.reporter is not None and bool(self.reporter(i, metrics))
-            if stop:
-                self.stopped_at.setdefault(i, step)
-            return stop
+            return self.reporter is not None and bool(self.reporter(i, metrics))
 
         return report
 
 
-def _train_group(specs: list[TrialSpec], report: PackedReporter,
-                 data: TokenDataset) -> tuple[list[TrialResult], bool]:
+def _train_group(specs: list[TrialSpec], report: PackedReporter, data: TokenDataset,
+                 on_stop: Callable[[int, TrialResult], None]) -> tuple[list[TrialResult], bool]:
     """Train one pack; (results, whether it ran out of memory, so that it may be trained
-    again smaller)."""
+    again smaller). `on_stop(row, result)` hears a member that stopped early."""
     started = time.perf_counter()
     try:
-        return _Pack(specs, report, None, data=data).train(started), False
+        return _Pack(specs, report, None, data=data, on_stop=on_stop).train(), False
     except Exception as exc:
         return [failed_result(s, exc, started) for s in specs], is_out_of_memory(exc)
 
@@ -200,6 +211,7 @@ class _Member:
     table: ParamTable
     progress: Progress
     train_time: float = 0.0
+    result: TrialResult | None = None  # final once the member stopped before the pack's end
 
 
 # Compaction shrinks the stacks (K) that the compiled model's parameters are views of; torch
@@ -211,10 +223,12 @@ _STACK_SIZE_MAY_CHANGE = torch._dynamo.config.patch(force_parameter_static_shape
 
 class _Pack:
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
-                 cache_dir: str | None, data: TokenDataset | None = None):
+                 cache_dir: str | None, data: TokenDataset | None = None,
+                 on_stop: Callable[[int, TrialResult], None] | None = None):
         spec = specs[0]
         prepare_process(spec)
-        self.spec, self.reporter = spec, reporter
+        self.spec, self.reporter, self.on_stop = spec, reporter, on_stop
+        self.started = time.perf_counter()
         self.device = device = resolve_device(spec.device)
         self.data = data = data if data is not None else load_trial_data(spec, cache_dir)
         self.notes: list[str] = [f"trained packed: {len(specs)} trials in one batched model"]
@@ -425,7 +439,7 @@ class _Pack:
         self._row_idx = torch.tensor(self.rows, device=self.device)
 
     # ---- the loop ----------------------------------------------------------------------
-    def train(self, started: float) -> list[TrialResult]:
+    def train(self) -> list[TrialResult]:
         spec, plan, device = self.spec, self.plan, self.device
         self._row_idx = torch.tensor(self.rows, device=device)
         alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
@@ -467,12 +481,12 @@ class _Pack:
                     break
                 alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
         end = time.perf_counter() - t_train
-        return [
-            trial_result(m.plan, m.progress, table=m.table, device=device,
-                         train_time=m.train_time or end, started=started,
-                         notes=list(self.notes))
-            for m in self.members
-        ]
+        return [m.result or self._result(m, m.train_time or end) for m in self.members]
+
+    def _result(self, m: _Member, train_time: float) -> TrialResult:
+        return trial_result(m.plan, m.progress, table=m.table, device=self.device,
+                            train_time=train_time, started=self.started,
+                            notes=list(self.notes))
 
     def _sync(self, step: int, steps: list[int], losses: list[list[float]],
               elapsed: float) -> None:
@@ -498,6 +512,11 @@ class _Pack:
             stop = self.reporter is not None and self.reporter(i, dict(point))
             if stop and progress.running and done < self.plan.total_steps:
                 progress.status = "pruned"
-        for m in self.members:
+        for r, m in enumerate(self.members):
             if not m.progress.running and not m.train_time:
                 m.train_time = elapsed
+                if self.on_stop is not None and done < self.plan.total_steps:
+                    # stopped early (diverged, pruned): final now, handed over while the
+                    # others train on, so a pack that dies later does not take it along
+                    m.result = self._result(m, elapsed)
+                    self.on_stop(r, m.result)
