@@ -559,3 +559,71 @@ def test_the_check_bracket_leaves_out_a_second_budget_of_its_shape():
     add("transfer", 2.0**-8, 1.0, tokens_per_param=20.0)
     again = transfer_check(pd.DataFrame(rows), bootstrap=0).table["shift_log2"].iloc[0]
     assert again == pytest.approx(-0.5, abs=1e-9)
+
+
+def test_the_shift_interval_is_the_normal_interval_of_a_difference_and_covers():
+    """MOVER on two symmetric normal CIs is exactly the normal CI of their difference, and
+    over repeated draws covers the true shift at the nominal rate, where the check's CI
+    alone (the base's uncertainty left out) does not."""
+    from hptransfer.analysis.staged import shift_interval
+
+    z = 1.959963984540054
+    low, high = shift_interval((0.5, 0.5 - z * 0.3, 0.5 + z * 0.3), (0.0, -z * 0.4, z * 0.4))
+    assert (low, high) == pytest.approx((0.5 - z * 0.5, 0.5 + z * 0.5), abs=1e-12)
+    assert all(math.isnan(v) for v in shift_interval((0.5, math.nan, math.nan), (0, -1, 1)))
+    rng = np.random.default_rng(0)
+    true_shift, sd = -0.4, 0.25
+    c = -7.4 + sd * rng.standard_normal(20_000)
+    b = -7.0 + sd * rng.standard_normal(20_000)
+    mover = [shift_interval((ci, ci - z * sd, ci + z * sd), (bi, bi - z * sd, bi + z * sd))
+             for ci, bi in zip(c, b, strict=True)]
+    covered = np.mean([lo <= true_shift <= hi for lo, hi in mover])
+    check_only = np.mean(np.abs(c - b - true_shift) <= z * sd)
+    assert covered == pytest.approx(0.95, abs=0.01)
+    assert check_only == pytest.approx(0.83, abs=0.015)  # P(|N(0, 2)| < 1.96)
+
+
+def test_the_transfer_checks_shift_ci_counts_the_base_eta_uncertainty():
+    from hptransfer.analysis.optimal_lr import optimal_lr
+    from hptransfer.analysis.staged import transfer_check
+
+    rng = np.random.default_rng(3)
+    rows = []
+
+    def add(stage, w, lr, loss, seed):
+        rows.append(dict(trial_id=f"t{len(rows)}", arm="gpt/sp", width=w, depth=2, lr=lr,
+                         sigma_base=0.02, seed=seed, status="completed", final_val_loss=loss,
+                         stage=stage))
+
+    def frame(base_noise):
+        rows.clear()
+        for seed in range(4):
+            for k in range(-11, -4):
+                add("tune", 32, 2.0**k, 3 + 0.02 * (k + 8) ** 2
+                    + base_noise * rng.standard_normal(), seed)
+            for k in (-10, -9, -7, -6):
+                add("check", 64, 2.0**k, 3 + 0.02 * (k + 8.5) ** 2
+                    + 0.004 * rng.standard_normal(), seed)
+            add("transfer", 64, 2.0**-8, 3 + 0.02 * 0.25 + 0.004 * rng.standard_normal(), seed)
+        return pd.DataFrame(rows)
+
+    exact, noisy = frame(0.0), frame(0.004)
+    for df in (exact, noisy):
+        row = transfer_check(df, bootstrap=200).table.iloc[0]
+        tune = optimal_lr(df[df["stage"] == "tune"], bootstrap=200).shapes.iloc[0]
+        at = df[df["stage"].isin(("check", "transfer"))]
+        check = optimal_lr(at, bootstrap=200).shapes.iloc[0]
+        b, c = tune["log2_lr_opt"], check["log2_lr_opt"]
+        assert row["shift_log2"] == pytest.approx(c - b)
+        if df is exact:  # the same η* in every resample: the check's CI, moved by b
+            assert tune["log2_ci_high"] - tune["log2_ci_low"] == pytest.approx(0, abs=1e-9)
+            assert row["shift_ci_low"] == pytest.approx(check["log2_ci_low"] - b)
+            assert row["shift_ci_high"] == pytest.approx(check["log2_ci_high"] - b)
+        else:  # wider than the check's own CI on both sides, by the base's half-widths
+            assert tune["log2_ci_high"] - tune["log2_ci_low"] > 0.01
+            assert row["shift_ci_low"] == pytest.approx(c - b - math.hypot(
+                c - check["log2_ci_low"], tune["log2_ci_high"] - b))
+            assert row["shift_ci_high"] == pytest.approx(c - b + math.hypot(
+                check["log2_ci_high"] - c, b - tune["log2_ci_low"]))
+            assert row["shift_ci_low"] < check["log2_ci_low"] - b
+            assert row["shift_ci_high"] > check["log2_ci_high"] - b

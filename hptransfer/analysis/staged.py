@@ -77,10 +77,29 @@ _CHECK_COLUMNS = [
 ]
 
 
+def shift_interval(check: tuple[float, float, float],
+                   base: tuple[float, float, float]) -> tuple[float, float]:
+    """CI of check - base from the (estimate, low, high) CIs of two independent estimates
+    (log2 η* at the check shape and at the base shape): the method of variance estimates
+    recovery (MOVER; Zou & Donner 2008), each side's half-widths added in quadrature, the
+    base's upper half-width to the lower side. NaN when either CI is unknown."""
+    c, c_lo, c_hi = check
+    b, b_lo, b_hi = base
+    if not all(math.isfinite(v) for v in (*check, *base)):
+        return math.nan, math.nan
+    shift = c - b
+    low = shift - math.hypot(max(c - c_lo, 0.0), max(b_hi - b, 0.0))
+    high = shift + math.hypot(max(c_hi - c, 0.0), max(b - b_lo, 0.0))
+    return low, high
+
+
 def transfer_check(
-    df: pd.DataFrame, *, bootstrap: int = 200, seed: int | None = 0, ci: float = 0.95
+    df: pd.DataFrame, *, bootstrap: int = 200, seed: int | None = 0, ci: float = 0.95,
+    base_fit: OptimalLRResult | None = None,
 ) -> TransferCheckResult:
-    """The transfer check of a study frame (stages tune, transfer, check)."""
+    """The transfer check of a study frame (stages tune, transfer, check). The shift's CI
+    counts both η*s' uncertainty: `base_fit`, η* of the tune stage with its CI
+    (`optimal_lr` of the tune trials at the same bootstrap and ci), is fitted when not given."""
     what = "the transfer check"
     tune = df[df["stage"] == "tune"]
     checked = df[df["stage"] == "check"]
@@ -96,7 +115,9 @@ def transfer_check(
         # LR, another loss) is not a point of the bracket
         budget = set(checked["tokens_per_param"].fillna(-1.0))
         at = at[at["tokens_per_param"].fillna(-1.0).isin(budget)]
-    base = optimal_lr(tune, bootstrap=0).shapes
+    if base_fit is None:
+        base_fit = optimal_lr(tune, bootstrap=bootstrap, seed=seed, ci=ci)
+    base = base_fit.shapes
     check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
     check = check_fit.shapes
     rows = []
@@ -114,9 +135,14 @@ def transfer_check(
         row.update(base_width=int(b0["width"]), base_depth=int(b0["depth"]), lr_transferred=lr_t)
         lr_c = float(c["lr_opt"])
         if math.isfinite(lr_c):
-            row.update(lr_check=lr_c, shift_log2=math.log2(lr_c) - math.log2(lr_t),
-                       shift_ci_low=float(c["log2_ci_low"]) - math.log2(lr_t),
-                       shift_ci_high=float(c["log2_ci_high"]) - math.log2(lr_t))
+            at_check = (math.log2(lr_c), float(c["log2_ci_low"]), float(c["log2_ci_high"]))
+            at_base = (math.log2(lr_t), float(b0["log2_ci_low"]), float(b0["log2_ci_high"]))
+            low, high = shift_interval(at_check, at_base)
+            row.update(lr_check=lr_c, shift_log2=at_check[0] - at_base[0],
+                       shift_ci_low=low, shift_ci_high=high)
+            if math.isfinite(at_check[1]) and not math.isfinite(at_base[1]):
+                row["warnings"].append("η* at the base shape has no CI (one seed per LR, "
+                                       "or bootstrap off): the shift has none either")
         reason = c["reason"]
         if isinstance(c["edge"], str):
             side = "below" if c["edge"] == "low" else "above"
@@ -205,7 +231,7 @@ def study_fit_report(
         report.optimal_lr = run("optimal_lr", lambda: optimal_lr(
             tune, bootstrap=bootstrap, seed=seed, ci=ci))
         report.transfer_check = run("transfer_check", lambda: transfer_check(
-            df, bootstrap=bootstrap, seed=seed, ci=ci))
+            df, bootstrap=bootstrap, seed=seed, ci=ci, base_fit=report.optimal_lr))
         # a ladder shape may run at two token budgets: each (shape, tokens) is its own point,
         # so the frontier takes the lower envelope and L(N, D) sees D vary at fixed N
         ladder = run("frontier", lambda: by_budget(part("transfer"), "flops"))
