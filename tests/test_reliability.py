@@ -7,6 +7,7 @@ every percentile interval, is a closed form)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -213,3 +214,79 @@ def test_exponent_ci_rule_is_shared() -> None:
     why = exponent_ci_problem("alpha", {"alpha": (0.1, 0.1 * MAX_EXPONENT_CI_FACTOR * 1.01)})
     assert why is not None and "alpha" in why
     assert exponent_ci_problem("beta", {"alpha": (0.01, 1.0)}) is None  # no CI: no verdict
+
+
+# ------------------------------------------------------------------ percentiles with infinities
+
+
+def _ranked_percentile(col: np.ndarray, q: float) -> float:
+    """numpy's linear percentile by hand, on a plain sorted list with infinities ranked:
+    a percentile next to an infinity is that infinity."""
+    x = sorted(float(v) for v in col if not math.isnan(v))
+    h = (len(x) - 1) * q
+    i = math.floor(h)
+    t = h - i
+    if t == 0:
+        return x[i]
+    a, b = x[i], x[i + 1]
+    if math.isinf(a) or math.isinf(b):
+        return a if a == -math.inf else b
+    return a + (b - a) * t
+
+
+def test_percentile_ci_is_numpys_on_finite_samples() -> None:
+    from hptransfer.analysis.stats import percentile_ci
+
+    rng = np.random.default_rng(0)
+    for shape, axis in (((57,), 0), ((40, 7), 0), ((5, 33), 1), ((1, 4), 0)):
+        x = rng.standard_normal(shape)
+        x[rng.random(shape) < 0.1] = np.nan
+        for level in (0.95, 0.9, 0.5):
+            tail = 50 * (1 - level)
+            with warnings.catch_warnings():  # an all-NaN column: NaN, as expected
+                warnings.simplefilter("ignore", RuntimeWarning)
+                expect = np.nanpercentile(x, [tail, 100 - tail], axis=axis)
+            assert np.allclose(percentile_ci(x, level, axis=axis), expect, equal_nan=True)
+    with np.errstate(all="ignore"):
+        assert np.isnan(percentile_ci(np.full((4, 2), np.nan))).all()
+    assert percentile_ci(np.empty((0, 3))).shape == (2, 3)
+
+
+@pytest.mark.parametrize("neg, pos", [(1, 0), (2, 0), (3, 0), (0, 1), (0, 3), (1, 1), (4, 4)])
+def test_percentile_ci_ranks_infinite_samples(neg: int, pos: int) -> None:
+    from hptransfer.analysis.stats import percentile_ci
+
+    col = np.concatenate([np.full(neg, -np.inf), np.linspace(0, 1, 100 - neg - pos),
+                          np.full(pos, np.inf), [np.nan]])
+    lo, hi = percentile_ci(col, 0.95)
+    assert lo == pytest.approx(_ranked_percentile(col, 0.025), rel=1e-12)
+    assert hi == pytest.approx(_ranked_percentile(col, 0.975), rel=1e-12)
+    assert (lo == -np.inf) == (neg >= 3) and (hi == np.inf) == (pos >= 3)
+
+
+def test_a_refit_that_never_reaches_the_loss_keeps_its_rank_in_the_savings_ci() -> None:
+    # 1 of 41 arm refits has its asymptote above the low losses (1/41 < the 2.5 % tail: the
+    # CI is shown), as has 1 of 41 reference refits: their savings there are -inf (the arm's
+    # compute is unbounded) and 1 (the reference's is); dropping them would narrow the CI
+    b, A_arm, A_ref = 0.5, 20.0, 21.0
+    arm_E = np.append(np.linspace(1.0, 1.1, 40), 1.6)
+    ref_E = np.append(np.linspace(1.1, 1.2, 40)[::-1], 1.6)[np.r_[1:41, 0]]
+    comp = compare_fits(_fit(1.05, A_arm, b, arm_E, (1.35, 2.4)),
+                        _fit(1.15, A_ref, b, ref_E, (1.35, 2.4)),
+                        arm="a", reference="r", n_grid=12)
+    checked = 0
+    for _, row in comp.table.iterrows():
+        loss = row["loss"]
+        with np.errstate(all="ignore"):
+            c_arm = np.where(loss > arm_E, (A_arm / (loss - arm_E)) ** (1 / b), np.inf)
+            c_ref = np.where(loss > ref_E, (A_ref / (loss - ref_E)) ** (1 / b), np.inf)
+            col = 1.0 - c_arm / c_ref
+        if loss < 1.6:  # each unreachable refit has its own sample: -inf, and 1
+            assert np.isneginf(col).sum() == 1 and (col == 1.0).sum() == 1
+            assert row["ci_low"] == pytest.approx(_ranked_percentile(col, 0.025))
+            assert row["ci_high"] == pytest.approx(_ranked_percentile(col, 0.975))
+            kept = col[np.isfinite(col) & (col < 1)]  # what dropping them gave
+            assert row["ci_low"] < np.percentile(kept, 2.5)
+            assert row["ci_high"] > np.percentile(kept, 97.5)
+            checked += 1
+    assert checked >= 2

@@ -79,13 +79,16 @@ class PowerLawFit(FitResult):
         )
 
     def boot_compute_for_loss(self, loss: np.ndarray) -> np.ndarray:
-        """Inverse under each bootstrap refit; shape (n_boot, len(loss))."""
+        """Inverse under each bootstrap refit; shape (n_boot, len(loss)). +inf where a
+        refit's asymptote lies at or above the loss (it never reaches it: the compute is
+        unbounded, and ranks as such in a percentile); NaN only for a failed refit."""
         p = self.boot_params
         if p.size == 0:
             return np.empty((0, np.size(loss)))
-        return _invert(
-            np.asarray(loss, dtype=float)[None, :], p[:, :1], p[:, 1:2], p[:, 2:3], self.c_scale
-        )
+        loss = np.asarray(loss, dtype=float)[None, :]
+        compute = _invert(loss, p[:, :1], p[:, 1:2], p[:, 2:3], self.c_scale)
+        unreachable = np.isfinite(p).all(axis=1, keepdims=True) & (loss <= p[:, :1])
+        return np.where(unreachable, np.inf, compute)
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(

@@ -208,10 +208,11 @@ def row_ci_problem(
 ) -> tuple[str | None, bool]:
     """Why one loss's savings CI is not usable (None when it is), and whether to hide it.
 
-    `col` holds that loss's bootstrap savings; NaN where a refit's asymptote lies above the
-    loss (that refit's compute there is unbounded). Hidden: unbounded, non-finite, too few
-    distinct values, zero width. Shown but not reliable: wider than MAX_CI_RATIO_SPAN in
-    compute ratio, or not containing its own estimate."""
+    `col` holds that loss's bootstrap savings: -inf where the arm's refit has its asymptote
+    above the loss (its compute there is unbounded), 1 where the reference's has, NaN where
+    both have (or a refit failed); the percentiles `lo`, `hi` rank them all. Hidden:
+    unbounded, non-finite, too few distinct values, zero width. Shown but not reliable: wider
+    than MAX_CI_RATIO_SPAN in compute ratio, or not containing its own estimate."""
     lost = float(np.mean(~np.isfinite(col))) if col.size else 1.0
     if lost > (1.0 - ci) / 2.0:
         # more refits than one tail holds have no finite value: that tail is unbounded

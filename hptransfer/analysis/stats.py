@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import ParamSpec, TypeVar
@@ -17,11 +16,29 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 def percentile_ci(samples: np.ndarray, level: float = 0.95, axis: int = 0) -> np.ndarray:
-    """Equal-tailed percentile interval over `axis`; NaN samples (failed refits) are skipped."""
-    tail = 100.0 * (1.0 - level) / 2.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices give NaN, that is fine
-        return np.nanpercentile(samples, [tail, 100.0 - tail], axis=axis)
+    """Equal-tailed percentile interval over `axis`, shape (2, ...): numpy's linear
+    percentile of the non-NaN samples (NaN: a failed refit, skipped), except that infinite
+    samples keep their rank (numpy's interpolation turns a neighbouring infinity into NaN):
+    a percentile that falls next to an infinity is that infinity."""
+    x = np.sort(np.moveaxis(np.asarray(samples, dtype=float), axis, 0), axis=0)  # NaN last
+    n = (~np.isnan(x)).sum(axis=0)
+    tail = (1.0 - level) / 2.0
+    out = np.full((2, *x.shape[1:]), np.nan)
+    if x.shape[0] == 0:
+        return out
+    for k, q in enumerate((tail, 1.0 - tail)):
+        h = np.maximum(n - 1, 0) * q
+        below = np.floor(h).astype(int)
+        t = h - below
+        a = np.take_along_axis(x, below[None], axis=0)[0]
+        b = np.take_along_axis(x, np.minimum(below + 1, np.maximum(n - 1, 0))[None], axis=0)[0]
+        with np.errstate(invalid="ignore"):
+            between = a + (b - a) * t
+        # not both finite: -inf below stays -inf, else the +inf above (t > 0) is the value
+        edge = np.where((t == 0) | np.isneginf(a), a, b)
+        out[k] = np.where(np.isfinite(a) & np.isfinite(b), between, edge)
+    out[:, n == 0] = np.nan
+    return out
 
 
 P = ParamSpec("P")
