@@ -443,6 +443,29 @@ def test_requeue_orphans(store: Store) -> None:
     assert store.get_trial(mine).status == "running"
 
 
+def test_a_trial_orphaned_again_and_again_fails_rather_than_loop(store: Store) -> None:
+    """A trial that takes its coordinator down (a host out of memory) would otherwise be
+    re-queued, and take it down, for good."""
+    from hptransfer.sweeper.db.store import MAX_ORPHANED_ATTEMPTS, ORPHANED
+
+    sid = new_sweep(store, plan()[:2])
+    for n in range(1, MAX_ORPHANED_ATTEMPTS + 1):
+        (trial,) = store.lease_pending(f"dead-{n}", 1)
+        assert trial.attempts == 1  # the interruptions before were not charged
+        requeued = store.requeue_orphans("live")
+        row = store.get_trial(trial.id)
+        if n < MAX_ORPHANED_ATTEMPTS:
+            assert requeued == 1 and row.status == "pending" and row.attempts == 0
+    assert requeued == 0 and row.status == "failed" and row.finished_at is not None
+    assert f"died during {MAX_ORPHANED_ATTEMPTS} of its attempts" in row.error
+    assert row.lease_owner is None
+    attempts = store.attempts(trial.id)
+    assert [(a.status, a.error) for a in attempts] == [("cancelled", ORPHANED)] * n
+    # the other trial, never orphaned, is untouched and leases next
+    (other,) = store.lease_pending("live", 1)
+    assert other.id != trial.id and store.count_trials(sid, status="pending") == 0
+
+
 def test_release_returns_only_its_owners_named_leases_uncounted(store: Store) -> None:
     """A lease whose task was never submitted: back to pending, the attempt cancelled with
     the reason and not counted; another owner's lease, or a trial not named, is untouched."""

@@ -98,6 +98,10 @@ __all__ = [
 
 DEFAULT_LEASE_SECONDS = 6 * 3600  # a backstop for several coordinators (requeue expired_only)
 ORPHANED = "coordinator died during this attempt; re-queued"
+# A trial whose attempts were cut short this often by its coordinator's death is failed, not
+# re-queued again: it may be what takes the coordinator down (a host out of memory), and
+# re-queueing it without end would repeat that for good.
+MAX_ORPHANED_ATTEMPTS = 5
 NOT_STARTED = "its task could not be submitted to Ray; re-queued"
 
 
@@ -626,7 +630,8 @@ class Store:
         """Running trials leased by another (dead) coordinator go back to pending.
 
         Called at coordinator start-up. The interrupted attempt is not counted (the trial did
-        not fail). Orphans of a cancelled/failed sweep become cancelled instead. With
+        not fail), unless it is the trial's MAX_ORPHANED_ATTEMPTS-th so interrupted: then the
+        trial fails, saying so. Orphans of a cancelled/failed sweep become cancelled. With
         `expired_only`, only leases past their expiry are taken: use that when several
         coordinators share the database and renew their leases. Returns the number requeued.
         """
@@ -671,6 +676,19 @@ class Store:
                 .where(*where, Trial.sweep_id.in_(stopped))
                 .values(status="cancelled", finished_at=now, **released),
             )
+            if why == ORPHANED:
+                interrupted = (select(func.count()).select_from(Attempt)
+                               .where(Attempt.trial_id == Trial.id, Attempt.error == ORPHANED)
+                               .scalar_subquery())
+                bulk_update(
+                    s,
+                    update(Trial)
+                    .where(*where, interrupted >= MAX_ORPHANED_ATTEMPTS)
+                    .values(status="failed", finished_at=now, error=(
+                        f"its coordinator died during {MAX_ORPHANED_ATTEMPTS} of its attempts; "
+                        "not re-queued again (is it what takes the coordinator down? look "
+                        "for the host running out of memory)"), **released),
+                )
             return bulk_update(
                 s,
                 update(Trial)
