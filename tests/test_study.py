@@ -331,6 +331,110 @@ def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
     store.close()
 
 
+def test_an_extension_or_offset_past_max_lr_is_left_out_not_planned():
+    """A grid that validates up to MAX_LR: the tune extension past it, or a check offset
+    past it, would be trials that cannot validate (the planner raised)."""
+    from hptransfer.workers.trial import MAX_LR
+
+    top = study_dict()
+    top["grid"]["lrs"] = [MAX_LR / 4, MAX_LR / 2, MAX_LR]
+    spec = load_spec(top)
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)),
+                     frame_of(tune, lambda p: 10 - 0.1 * math.log2(p.lr)))  # falls to the top
+    assert step.kind == "stop" and not step.trials
+    assert "high edge" in step.reason and f"exceed {MAX_LR:g}" in step.reason
+    offsets = study_dict()
+    offsets["grid"]["lrs"] = [2.0**k for k in range(1, 6)]
+    offsets["stages"]["check"] = {"log2_offsets": [-1, 0, 8]}  # η* 2^3: 2^11 > MAX_LR
+    spec = load_spec(offsets)
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(3)))
+    check = [p for p in step.trials if p.stage == "check"]
+    assert step.kind == "plan" and check and all(p.lr <= MAX_LR for p in step.trials)
+    assert {round(math.log2(p.lr)) for p in check} == {2}  # -1 only: 0 is the ladder's
+
+
+def _dispatcher_without_ray(store: Store, monkeypatch) -> tuple[object, list]:
+    """A Dispatcher whose ticks plan and lease but hand nothing to Ray (nothing is in
+    flight): what it would start is collected."""
+    from hptransfer.sweeper import dispatch
+    from hptransfer.sweeper.dispatch import Dispatcher
+
+    d = Dispatcher(store, get_settings())
+    monkeypatch.setattr(dispatch.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(d, "_relay_progress", lambda: None)
+    started: list = []
+    monkeypatch.setattr(d, "_submit", lambda spec, trials: started.extend(trials))
+    return d, started
+
+
+def _finish_every_trial(store: Store, sid: str) -> None:
+    """Every pending or running (leased, handed to no one) trial of `sid` completes."""
+    store.lease_pending("me", 1000, sweep_id=sid)
+    for t in store.trials(sid, status="running", limit=None):
+        store.finish_trial(t.id, "completed",
+                           {"final_val_loss": bowl(-8)(type("P", (), {"lr": t.lr})())})
+
+
+def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_home, monkeypatch):
+    from hptransfer.sweeper import dispatch
+
+    store = Store(get_settings().database_url)
+    store.migrate()
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    study_id = store.create_sweep("study", spec.model_dump(mode="json"), "h1", "grid", tune,
+                                  study=initial_state(spec, len(tune)))
+    _finish_every_trial(store, study_id)
+    plain = load_spec(copy.deepcopy(TINY_SPEC))
+    plain_id = store.create_sweep("plain", plain.model_dump(mode="json"), "h2", "grid",
+                                  plan_sweep(plain))
+
+    def planner_bug(*args):
+        raise KeyError("hps")
+
+    monkeypatch.setattr(dispatch, "next_step", planner_bug)
+    d, started = _dispatcher_without_ray(store, monkeypatch)
+    for _ in range(2):
+        d.run_once()  # raised out of every tick, for every sweep, before
+    assert {t.sweep_id for t in started} == {plain_id}
+    study = store.get_sweep(study_id)
+    assert study.status == "failed"
+    assert study.error.startswith("could not plan the study's next stage: KeyError")
+    assert study.study["stop_reason"] == study.error
+    store.close()
+
+
+def test_a_done_study_whose_refresh_failed_completes_on_a_later_tick(hpt_home, monkeypatch):
+    store = Store(get_settings().database_url)
+    store.migrate()
+    spec = load_spec(study_dict(transfer={"shapes": [{"width": 64, "depth": 2}]}))
+    tune = plan_sweep(spec)
+    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
+                             study=initial_state(spec, len(tune)))
+    d, _ = _dispatcher_without_ray(store, monkeypatch)
+    _finish_every_trial(store, sid)
+    d.run_once()  # plans the transfer stage (and leases it)
+    assert store.count_trials(sid, status="running") == 2
+    _finish_every_trial(store, sid)
+    real, calls = store.refresh_sweep_status, []
+
+    def fails_once(sweep_id):
+        calls.append(sweep_id)
+        if len(calls) == 1:
+            raise RuntimeError("database is locked")
+        return real(sweep_id)
+
+    monkeypatch.setattr(store, "refresh_sweep_status", fails_once)
+    with pytest.raises(RuntimeError):
+        d.run_once()  # records done, then its refresh fails
+    assert store.get_sweep(sid).study["done"] and store.get_sweep(sid).status == "running"
+    d.run_once()  # stayed running for good before
+    assert store.get_sweep(sid).status == "completed"
+    store.close()
+
+
 # ------------------------------------------------------------------ through the service
 
 

@@ -642,13 +642,26 @@ class Dispatcher:
         """When every trial of a study planned so far has finished, plan its next stage
         (or stop it, or finish it) in one transaction. True if the sweep ended."""
         sid = sweep.id
-        if sweep.study.get("done") or self._in_flight_for(sid):
+        if self._in_flight_for(sid):
             return False
         if self.store.count_trials(sid, status=list(ACTIVE)):
             return False
         if spec.search.method == "optuna" and self._optuna_left(sid, spec) > 0:
             return False
-        step = next_step(spec, sweep.study, self.store.results_frame(sid))
+        if sweep.study.get("done"):
+            # recorded done, and its status refresh lost (a failed write): finish it now
+            self._refresh(sid)
+            return True
+        try:
+            step = next_step(spec, sweep.study, self.store.results_frame(sid))
+        except Exception as exc:  # a planner bug must not stall every other sweep's ticks
+            reason = f"could not plan the study's next stage: {type(exc).__name__}: {exc}"
+            log.exception("study %s: %s", sid, reason)
+            state = {**sweep.study, "stop_reason": reason[:4000]}
+            self.store.plan_stage(sid, int(sweep.study.get("round", 0)), state, [],
+                                  stop=("failed", reason[:4000]))
+            self._wake_mirror()
+            return True
         stop = ("stopped", step.reason) if step.kind == "stop" else None
         if not self.store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
                                      step.trials, stop=stop):

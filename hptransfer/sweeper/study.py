@@ -28,6 +28,7 @@ import pandas as pd
 from hptransfer.analysis import optimal_lr
 from hptransfer.analysis.staged import transfer_check
 from hptransfer.status import TrialStatus
+from hptransfer.workers.trial import MAX_LR
 
 from .plan import PlannedTrial, ShapeKey, trial_at
 from .spec import SweepSpec
@@ -171,8 +172,14 @@ def _tune_decisions(
         edge = best["edge"]
         if isinstance(edge, str):
             used = state["extensions"].get(arm, 0)
-            if used < spec.stages.tune.extend:
-                extend[arm] = _beyond_edge(spec, rows, edge)
+            beyond = _beyond_edge(spec, rows, edge) if used < spec.stages.tune.extend else []
+            if beyond:
+                extend[arm] = beyond
+                continue
+            if used < spec.stages.tune.extend:  # nothing beyond: the next LRs pass MAX_LR
+                stops.append(f"arm {arm}: the best LR {best['best_lr']:.4g} is at the high "
+                             f"edge of the LR range, and the LRs beyond it exceed {MAX_LR:g}, "
+                             "the most a trial takes; check the model, data and budget")
                 continue
             stops.append(
                 f"arm {arm}: the best LR {best['best_lr']:.4g} is at the {edge} edge of the "
@@ -208,7 +215,13 @@ def _beyond_edge(spec: SweepSpec, rows: pd.DataFrame, edge: str) -> list[float]:
     n = spec.stages.tune.extend_lrs
     if edge == "low":
         return [float(2.0 ** round(log2[0] - k * step, 12)) for k in range(1, n + 1)]
-    return [float(2.0 ** round(log2[-1] + k * step, 12)) for k in range(1, n + 1)]
+    return _trainable([float(2.0 ** round(log2[-1] + k * step, 12)) for k in range(1, n + 1)])
+
+
+def _trainable(lrs: list[float]) -> list[float]:
+    """The LRs a trial accepts (at most MAX_LR): an extension or offset past it is left out
+    rather than planned as a trial that cannot validate."""
+    return [lr for lr in lrs if lr <= MAX_LR]
 
 
 def _tune_trials(spec: SweepSpec, arm: str, lrs: list[float]) -> list[PlannedTrial]:
@@ -231,10 +244,11 @@ def _stage_trials(
     for arm in (a.name for a in spec.arms):
         lr, sigma = hps[arm]["lr"], hps[arm]["sigma_base"]
         for shape in st.shapes_of(stage):
-            for offset in st.lr_offsets(stage, shape):
+            lrs = _trainable([_round_lr(lr * 2.0**o) for o in st.lr_offsets(stage, shape)])
+            for shape_lr in lrs:
                 for seed in spec.grid.seeds:
                     key = ShapeKey(arm, shape.width, shape.depth, sigma, seed)
-                    out.append(trial_at(spec, key, _round_lr(lr * 2.0**offset), stage,
+                    out.append(trial_at(spec, key, shape_lr, stage,
                                         st.tokens_per_param(stage, shape)))
     return out
 
@@ -287,9 +301,10 @@ def _check_extensions(spec: SweepSpec, state: dict[str, Any],
                     & (curves["depth"] == row.depth)]
         log2 = np.log2(at["lr"].to_numpy(dtype=float))
         sign, start = (-1, log2.min()) if row.edge == "low" else (1, log2.max())
-        out[(row.arm, int(row.width), int(row.depth))] = [
-            _round_lr(2.0 ** (start + sign * k * check.step()))
-            for k in range(1, check.extend_lrs + 1)]
+        lrs = _trainable([_round_lr(2.0 ** (start + sign * k * check.step()))
+                          for k in range(1, check.extend_lrs + 1)])
+        if lrs:  # none above MAX_LR: the check reports its shift as a bound
+            out[(row.arm, int(row.width), int(row.depth))] = lrs
     return out
 
 
