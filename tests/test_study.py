@@ -295,8 +295,57 @@ def test_all_diverged_stops_with_the_reason():
     step = next_step(spec, initial_state(spec, 10), frame_of(
         tune, lambda p: None if p.arm == "gpt/sp" else bowl(-8)(p)))
     assert step.kind == "stop" and not step.trials
-    assert "arm gpt/sp: every tune trial diverged" in step.reason
+    assert "arm gpt/sp: no tune trial completed; 5 diverged; lower the LR range" in step.reason
     assert "completep" not in step.reason
+
+
+def test_tune_trials_that_failed_are_not_blamed_on_the_lr_range():
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    frame = frame_of(tune, bowl(-8))
+    frame.loc[frame["arm"] == "gpt/sp", ["status", "final_val_loss"]] = ["failed", np.nan]
+    step = next_step(spec, initial_state(spec, 10), frame)
+    assert step.kind == "stop"
+    assert "arm gpt/sp: no tune trial completed; 5 failed; see the trials' errors" in step.reason
+    assert "lower the LR range" not in step.reason
+
+
+def test_eta_is_not_transferred_from_an_lr_that_diverged_in_most_of_its_seeds():
+    """Its mean loss is its one survivor's: it won on survivorship, at the edge of stability."""
+    d = study_dict()
+    d["grid"]["seeds"] = [0, 1, 2]
+    spec = load_spec(d)
+    tune = plan_sweep(spec)
+
+    def loss(p, unstable=(1, 2)):
+        if p.lr == 2.0**-6 or (p.lr == 2.0**-7 and p.seed in unstable):
+            return None  # 2^-7 diverged in 2 of 3 seeds, 2^-6 in all
+        return bowl(-7.4)(p)
+
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, loss))
+    assert step.kind == "stop" and not step.trials
+    assert "the best LR 0.007812 diverged in 2 of its 3 runs" in step.reason
+    # in one of its 3 seeds only: the survivors are the majority, η* transfers
+    step = next_step(spec, initial_state(spec, len(tune)),
+                     frame_of(tune, lambda p: loss(p, unstable=(2,))))
+    assert step.kind == "plan" and step.state["hps"]["gpt/sp"]["best_grid_lr"] == 2.0**-7
+
+
+def test_an_optuna_study_needs_three_lrs_per_shape_and_its_edge_names_its_fields():
+    d = study_dict()
+    d["search"] = {"method": "optuna", "n_trials": 2}
+    with pytest.raises(SpecError) as exc:
+        load_spec(d)
+    assert "search.n_trials" in [e["field"] for e in exc.value.errors]
+    d["search"]["n_trials"] = 3
+    d["stages"]["tune"] = {"extend": 0}
+    spec = load_spec(d)
+    lrs = [2.0**-10, 2.0**-9, 2.0**-8]
+    tune = [p for p in plan_sweep(load_spec(study_dict())) if p.lr in lrs]
+    step = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl(-6)))
+    assert step.kind == "stop" and "high edge of the LRs tried" in step.reason
+    assert "raise search.n_trials or stages.tune.extend" in step.reason
+    assert "grid.lrs" not in step.reason
 
 
 # ------------------------------------------------------------------ store
@@ -432,6 +481,32 @@ def test_a_done_study_whose_refresh_failed_completes_on_a_later_tick(hpt_home, m
     assert store.get_sweep(sid).study["done"] and store.get_sweep(sid).status == "running"
     d.run_once()  # stayed running for good before
     assert store.get_sweep(sid).status == "completed"
+    store.close()
+
+
+def test_a_cancelled_study_has_no_stage_waiting_or_done(tmp_path):
+    from hptransfer.sweeper.study import study_progress
+
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    store = Store(f"sqlite:///{tmp_path}/hpt.db")
+    store.migrate()
+    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
+                             study=initial_state(spec, len(tune)))
+    leased = store.lease_pending("me", 3, sweep_id=sid)
+    store.finish_trial(leased[0].id, "completed", {"final_val_loss": 3.0})
+    running = {s["stage"]: s["state"] for s in study_progress(
+        spec, store.get_sweep(sid).study, store.stage_counts(sid), "running")}
+    assert running == {"tune": "running", "transfer": "waiting", "check": "waiting",
+                       "aspect_ratio": "waiting"}
+    for trial_id in store.cancel_sweep(sid):
+        store.mark_cancelled(trial_id)
+    sweep = store.get_sweep(sid)
+    stages = {s["stage"]: s["state"] for s in study_progress(
+        spec, sweep.study, store.stage_counts(sid), sweep.status)}
+    # 1 of 10 trained, 9 cancelled: it read "done", and the rest "waiting"
+    assert stages == {"tune": "cancelled", "transfer": "skipped", "check": "skipped",
+                      "aspect_ratio": "skipped"}
     store.close()
 
 

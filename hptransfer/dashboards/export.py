@@ -49,7 +49,8 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
         from hptransfer.sweeper.study import study_progress
 
         summary["stages"] = study_progress(SweepSpec.model_validate(sweep.spec),
-                                           sweep.study, store.stage_counts(sweep_id))
+                                           sweep.study, store.stage_counts(sweep_id),
+                                           sweep.status)
     return summary
 
 

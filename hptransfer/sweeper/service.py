@@ -144,7 +144,8 @@ class Coordinator:
         done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())
         stages = None
         if sweep.study is not None:  # a study: progress per stage, unplanned ones expected
-            stages = study_progress(self._study_spec(sweep), sweep.study, stage_counts or {})
+            stages = study_progress(self._study_spec(sweep), sweep.study, stage_counts or {},
+                                    sweep.status)
             total = max(total, sum(st["total"] for st in stages))
         return {
             **{k: v for k, v in sweep.to_dict().items() if k != "spec"},

@@ -27,7 +27,7 @@ import pandas as pd
 
 from hptransfer.analysis import optimal_lr
 from hptransfer.analysis.staged import transfer_check
-from hptransfer.status import TrialStatus
+from hptransfer.status import SweepStatus, TrialStatus
 from hptransfer.workers.trial import MAX_LR
 
 from .plan import PlannedTrial, ShapeKey, trial_at
@@ -109,13 +109,17 @@ def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> St
 
 
 def study_progress(
-    spec: SweepSpec, state: dict[str, Any], counts: dict[str | None, dict[str, int]]
+    spec: SweepSpec, state: dict[str, Any], counts: dict[str | None, dict[str, int]],
+    sweep_status: str | None = None,
 ) -> list[dict[str, Any]]:
     """One entry per stage, in order: planned or not, trial counts, done/total, progress.
 
     `counts` is `Store.stage_counts` (stage -> status -> n). A stage not planned yet counts
-    the trials it is expected to plan, so a study's total does not jump at each stage."""
+    the trials it is expected to plan, so a study's total does not jump at each stage. Once
+    the sweep has ended without completing (`sweep_status` cancelled, failed, stopped), a
+    stage it cut short is `cancelled` and one it never planned `skipped`: none waits."""
     planned = {s["name"] for s in state.get("stages", [])}
+    ended = sweep_status is not None and SweepStatus(sweep_status).is_stopped()
     out = []
     for name in stage_names(spec):
         c = {k: v for k, v in counts.get(name, {}).items() if v}
@@ -133,7 +137,10 @@ def study_progress(
             "total": total,
             "progress": done / total if total else 0.0,
             "state": ("stopped" if state.get("stop_reason") and name == TUNE else
+                      "cancelled" if ended and is_planned and c.get("cancelled") else
                       "done" if is_planned and total and done >= total else
+                      "skipped" if ended and not is_planned else
+                      "cancelled" if ended else
                       "running" if is_planned else "waiting"),
         })
     return out
@@ -159,11 +166,8 @@ def _tune_decisions(
     stops: list[str] = []
     for arm in (a.name for a in spec.arms):
         rows = tune[tune["arm"] == arm]
-        finished = rows[rows["status"].isin(("completed", "diverged"))]
-        if finished.empty or not (finished["status"] == "completed").any():
-            n_div = int((rows["status"] == "diverged").sum())
-            stops.append(f"arm {arm}: every tune trial diverged or failed "
-                         f"({n_div} diverged of {len(rows)}); lower the LR range")
+        if not (rows["status"] == "completed").any():
+            stops.append(f"arm {arm}: no tune trial completed; " + _why_none(rows))
             continue
         assert opt is not None
         shapes = opt.shapes[opt.shapes["arm"] == arm]
@@ -181,20 +185,52 @@ def _tune_decisions(
                              f"edge of the LR range, and the LRs beyond it exceed {MAX_LR:g}, "
                              "the most a trial takes; check the model, data and budget")
                 continue
+            fix = ("raise search.n_trials or stages.tune.extend" if spec.search.method ==
+                   "optuna" else "widen grid.lrs or raise stages.tune.extend")
             stops.append(
                 f"arm {arm}: the best LR {best['best_lr']:.4g} is at the {edge} edge of the "
-                f"LR range after {used} extension(s); widen grid.lrs or raise "
-                "stages.tune.extend")
+                f"LRs tried after {used} extension(s); {fix}")
             continue
         if not bool(best["reliable"]):
             why = best["reason"] or "; ".join(best["warnings"] or []) or "the fit is unreliable"
             stops.append(f"arm {arm}: no reliable η* at the base shape ({why})")
+            continue
+        unstable = _mostly_diverged(opt.curves, best)
+        if unstable:
+            stops.append(f"arm {arm}: {unstable}")
             continue
         decisions[arm] = {"lr": _round_lr(float(best["lr_opt"])),
                           "sigma_base": float(best["sigma_base"]),
                           "best_grid_lr": float(best["best_lr"]),
                           "loss": float(best["best_loss"])}
     return decisions, extend, stops
+
+
+def _why_none(rows: pd.DataFrame) -> str:
+    """Why an arm's tune trials gave nothing to fit, and the fix that follows from it."""
+    counts = rows["status"].value_counts()
+    said = ", ".join(f"{n} {status}" for status, n in counts.items())
+    if counts.get("diverged", 0) >= len(rows) / 2:
+        return f"{said}; lower the LR range (grid.lrs)"
+    return (f"{said}; see the trials' errors (hpt trials SWEEP_ID --status failed): the LR "
+            "range is not the cause")
+
+
+def _mostly_diverged(curves: pd.DataFrame, best: pd.Series) -> str | None:
+    """Why η* cannot be transferred when the best LR diverged in most of its runs (its
+    mean loss is that of its survivors only, and η* sits at the edge of stability); None
+    when it did not."""
+    at = curves[(curves["arm"] == best["arm"]) & (curves["sigma_base"] == best["sigma_base"])
+                & (curves["width"] == best["width"]) & (curves["depth"] == best["depth"])
+                & np.isclose(curves["lr"], best["best_lr"])]
+    if at.empty:
+        return None
+    done, diverged = int(at["n_completed"].iloc[0]), int(at["n_diverged"].iloc[0])
+    if diverged <= done:
+        return None
+    return (f"the best LR {best['best_lr']:.4g} diverged in {diverged} of its "
+            f"{done + diverged} runs: its loss is that of its survivors, and η* would sit at "
+            "the edge of stability; add seeds, or lower the top of grid.lrs")
 
 
 def _round_lr(lr: float) -> float:

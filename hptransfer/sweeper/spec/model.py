@@ -215,6 +215,12 @@ class SweepSpec(SpecModel):
                 "grid.lrs",
                 "a study's tune stage fits a parabola in log2(lr): give at least 3 LRs",
             ))
+        if self.search.method == "optuna" and (self.search.n_trials or 0) < 3:
+            problems.append(error(
+                "search.n_trials",
+                "a study's tune stage fits a parabola in log2(lr): let Optuna try at least 3 "
+                "LRs per shape",
+            ))
         assert self.stages is not None
         for stage in self.stages.enabled()[1:]:
             section = getattr(self.stages, stage)
