@@ -130,14 +130,11 @@ def _default_coordcheck_plot(a: argparse.Namespace, p: Parameterization):
 
 @command("train")
 def cmd_train(a: argparse.Namespace) -> int:
+    from hptransfer.client import read_spec_file
     from hptransfer.workers.trainer import run_trial
     from hptransfer.workers.trial import TrialSpec
 
-    with open(a.spec) as f:
-        raw = f.read()
-    import yaml
-
-    spec = TrialSpec.model_validate(yaml.safe_load(raw))
+    spec = TrialSpec.model_validate(read_spec_file(a.spec))
 
     def report(m: dict) -> None:
         if not a.json:
@@ -239,16 +236,23 @@ def cmd_submit(a: argparse.Namespace) -> int:
     with _client(a) as c:
         s = c.submit(a.spec)
         print(f"submitted sweep {s['id']} ({s['total']} trials)")
-        if a.wait:
+        if not a.wait:
+            _print_summary(s)
+            return 0
+        try:
             s = c.wait(s["id"])
+        except KeyboardInterrupt:
+            print(f"\nstopped waiting; sweep {s['id']} goes on (`hpt status {s['id']}`, "
+                  f"`hpt cancel {s['id']}`)", file=sys.stderr)
+            return 130
         _print_summary(s)
-    return 0
+    return 0 if s["status"] == "completed" else 1  # a script can tell a sweep that failed
 
 
 @command("status")
 def cmd_status(a: argparse.Namespace) -> int:
     with _client(a) as c:
-        sweeps = [c.get(a.id)] if a.id else c.list()
+        sweeps = [c.get(a.id)] if a.id else c.list_all()
         if a.json:
             print(json.dumps(sweeps, indent=2, default=str))
         for s in [] if a.json else sweeps:
@@ -367,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a sweep spec (YAML or JSON file)")
     p.add_argument("spec")
-    p.add_argument("--wait", action="store_true", help="wait with a progress bar")
+    p.add_argument("--wait", action="store_true",
+                   help="wait with a progress bar; exit 1 unless the sweep completes")
     client_args(p)
 
     p = sub.add_parser("status", help="one sweep, or all")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import pandas as pd
 import yaml
 
 from hptransfer.config import client_token, client_url
+from hptransfer.redaction import mask_url, redact
 from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
@@ -26,13 +28,31 @@ class ApiError(RuntimeError):
         self.status, self.message, self.errors = status, message, errors or []
 
 
+# what the server's ids are made of (sweeper/db/rows.new_id: hex); anything else in a URL
+# path could name another route ("../health") or carry a query
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _path_id(sweep_id: str) -> str:
+    if not isinstance(sweep_id, str) or not _ID.fullmatch(sweep_id):
+        raise ValueError(f"no sweep with id {sweep_id!r}: ids are letters, digits, - and _")
+    return sweep_id
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None,
                  timeout: float = 60.0) -> None:
         self.url = (url or client_url(DEFAULT_URL)).rstrip("/")
+        self.timeout = timeout
         token = token if token is not None else client_token()
+        if token and not token.isprintable():
+            raise ValueError("the API token has a control character in it (a line break?); "
+                             "check --token or HPT_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        try:
+            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"invalid server URL {mask_url(self.url)!r}: {exc}") from None
 
     def close(self) -> None:
         self._http.close()
@@ -44,10 +64,19 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
+        where = mask_url(self.url)
         try:
             r = self._http.request(method, path, **kw)
-        except httpx.TransportError as exc:
-            raise ApiError(0, f"cannot reach {self.url} ({exc}); is `hpt serve` running?") from exc
+        except httpx.TimeoutException as exc:
+            applied = ("; it may still have been applied: check `hpt status` before sending it "
+                       "again" if method != "GET" else "")
+            raise ApiError(0, f"no answer from {where} within {self.timeout:g} s "
+                              f"({type(exc).__name__}){applied}") from None
+        except httpx.ConnectError as exc:
+            raise ApiError(0, f"cannot reach {where} ({redact(str(exc))}); is `hpt serve` "
+                              "running?") from None
+        except httpx.HTTPError as exc:  # the message may quote headers (the token): not shown
+            raise ApiError(0, f"request to {where} failed ({type(exc).__name__})") from None
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -62,29 +91,47 @@ class Client:
         return self._call("POST", "/sweeps", json=_as_dict(spec))
 
     def get(self, sweep_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/sweeps/{sweep_id}")
+        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}")
 
     def list(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
+        """One page of sweeps, newest first (`list_all` pages through them all)."""
         return self._call("GET", "/sweeps", params={"limit": limit, "offset": offset})
+
+    def list_all(self, page: int = 1000) -> list[dict[str, Any]]:
+        """Every sweep, newest first, paged through."""
+        out: list[dict[str, Any]] = []
+        while True:
+            items = self.list(limit=page, offset=len(out))
+            out.extend(items)
+            if len(items) < page:
+                return out
 
     def cancel(self, sweep_id: str) -> dict[str, Any]:
         # JSON content type: the server refuses mutations a cross-site form could send.
-        return self._call("POST", f"/sweeps/{sweep_id}/cancel", json={})
+        return self._call("POST", f"/sweeps/{_path_id(sweep_id)}/cancel", json={})
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/health")
 
     def trials(self, sweep_id: str, **filters: Any) -> pd.DataFrame:
-        """All trials of a sweep (paged through) as a DataFrame, one row per trial."""
+        """All trials of a sweep (paged through) as a DataFrame, one row per trial; the
+        same columns and numeric dtypes whether or not any row matched or has results."""
+        from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
+
         rows: list[dict] = []
         params = {k: v for k, v in filters.items() if v is not None}
+        path = f"/sweeps/{_path_id(sweep_id)}/trials"
         while True:
-            page = self._call("GET", f"/sweeps/{sweep_id}/trials",
+            page = self._call("GET", path,
                               params={**params, "limit": 1000, "offset": len(rows)})
             rows.extend(page["items"])
             if not page["items"] or len(rows) >= page["total"]:
                 break
-        return pd.DataFrame(rows)
+        frame = pd.DataFrame(rows, columns=list(TRIAL_COLUMNS))
+        for column in TRIAL_NUMERIC_COLUMNS:  # None for every row: float NaN, not object
+            if frame[column].dtype == object:
+                frame[column] = pd.to_numeric(frame[column])
+        return frame
 
     def fits(self, sweep_id: str, bootstrap: int = 100,
              reference_arm: str | None = None) -> dict[str, pd.DataFrame]:
@@ -99,7 +146,7 @@ class Client:
         params: dict[str, Any] = {"bootstrap": bootstrap}
         if reference_arm:
             params["reference_arm"] = reference_arm
-        return self._call("GET", f"/sweeps/{sweep_id}/fits", params=params)
+        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}/fits", params=params)
 
     def fits_text(self, sweep_id: str, bootstrap: int = 100) -> str:
         return self.fits_raw(sweep_id, bootstrap)["text"]
@@ -136,15 +183,40 @@ class Client:
                 bar.close()
 
 
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def read_spec_file(path: str | Path) -> dict[str, Any]:
+    """A YAML/JSON spec file as a mapping; ValueError naming the file and what is wrong."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"no such file: {path}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    except OSError as exc:  # a directory, no permission, ...
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return _parse(text, str(path))
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where} is not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a sweep spec must be a mapping (YAML/JSON object)")
+    return data
+
+
 def _as_dict(spec: Any) -> dict[str, Any]:
     if hasattr(spec, "model_dump"):
         return spec.model_dump(mode="json")
     if isinstance(spec, dict):
         return spec
     text = str(spec)
-    if isinstance(spec, Path) or (len(text) < 4096 and "\n" not in text and Path(text).exists()):
-        text = Path(text).read_text()
-    data = yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError("a sweep spec must be a mapping (YAML/JSON object)")
-    return data
+    one_line = len(text) < 4096 and "\n" not in text
+    if isinstance(spec, Path) or (one_line and (text.lower().endswith(SPEC_SUFFIXES)
+                                                or Path(text).exists())):
+        return read_spec_file(text)
+    return _parse(text, "the spec text")

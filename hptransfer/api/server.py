@@ -68,11 +68,12 @@ def free_port() -> int:
 
 @contextmanager
 def serve_in_thread(settings: Settings, port: int | None = None,
-                    startup_timeout: float = 120.0) -> Iterator[str]:
-    """Yield the base URL of a running server; shut it down on exit."""
+                    startup_timeout: float = 120.0, dispatch: bool = True) -> Iterator[str]:
+    """Yield the base URL of a running server; shut it down on exit. `dispatch=False`: the
+    API and its store only (no Ray; trials stay where the store puts them)."""
     port = port or free_port()
     sock = listen("127.0.0.1", port)  # before the app's start-up starts Ray (see listen)
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+    config = uvicorn.Config(create_app(settings, dispatch=dispatch), host="127.0.0.1", port=port,
                             log_level="warning", lifespan="on", **SERVER_OPTIONS)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hpt-api",

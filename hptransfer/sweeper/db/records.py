@@ -112,3 +112,11 @@ class AttemptRecord(Record):
     arm: str
     spec: dict[str, Any]
     result: dict[str, Any] | None  # the trial's result when this attempt produced it
+
+
+# The columns of a trial body (`TrialRecord.to_dict`), and those that hold numbers: a client's
+# DataFrame keeps them when no row has a value (or no row matched)
+TRIAL_COLUMNS: tuple[str, ...] = (*(f.name for f in fields(TrialRecord)), "reused")
+TRIAL_NUMERIC_COLUMNS: tuple[str, ...] = tuple(
+    f.name for f in fields(TrialRecord)
+    if str(f.type).split(" ")[0] in ("int", "float"))

@@ -1,0 +1,187 @@
+"""What `hpt` and the Python client say when something is wrong: one line naming the problem
+and its fix, the right exit code, no traceback, no credential, against a real API server
+(its dispatcher off: the tests move trials through the store)."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+from conftest import TINY_SPEC
+from pandas.api.types import is_float_dtype
+
+from hptransfer.client import ApiError, Client
+
+HPT = [sys.executable, "-m", "hptransfer.cli"]
+
+
+def run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*HPT, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(module_hpt_home):
+    from hptransfer.api.server import serve_in_thread
+    from hptransfer.config import get_settings
+
+    settings = get_settings()
+    with serve_in_thread(settings, dispatch=False) as url:
+        yield url, settings
+
+
+def spec_file(tmp_path, name: str):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**copy.deepcopy(TINY_SPEC), "name": name}))
+    return path
+
+
+# ------------------------------------------------------------------ no server needed
+
+
+def test_a_bad_spec_file_or_url_is_one_line_naming_it(tmp_path):
+    (tmp_path / "broken.yaml").write_text("name: [unclosed\n")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "dir.yaml").mkdir()
+    cases = {
+        "typo.yaml": "no such file: typo.yaml",
+        str(tmp_path / "broken.yaml"): "broken.yaml is not valid YAML/JSON",
+        str(tmp_path / "list.yaml"): "list.yaml: a sweep spec must be a mapping",
+        str(tmp_path / "dir.yaml"): "cannot read",
+    }
+    for path, says in cases.items():
+        out = run("submit", path, "--url", "http://127.0.0.1:9")
+        assert out.returncode == 2 and says in out.stderr, (path, out.stderr)
+        assert "Traceback" not in out.stderr
+    out = run("train", str(tmp_path / "broken.yaml"))
+    assert out.returncode == 2 and "is not valid YAML/JSON" in out.stderr, out.stderr
+    out = run("status", "--url", "http://[::1")
+    assert out.returncode == 2 and "invalid server URL" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_no_credential_in_what_the_client_says():
+    out = run("status", "--url", "http://admin:S3CRETPW@127.0.0.1:9")
+    assert out.returncode == 2 and "cannot reach http://admin:***@127.0.0.1:9" in out.stderr
+    assert "S3CRETPW" not in out.stderr + out.stdout
+    out = run("status", "--url", "http://127.0.0.1:9", "--token", "TOKENHEAD\nTOKENTAIL")
+    assert out.returncode == 2 and "control character" in out.stderr, out.stderr
+    assert "TOKENHEAD" not in out.stderr + out.stdout
+
+
+def test_a_timeout_is_not_called_unreachable_and_warns_the_submit_may_have_landed():
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    held = []
+    threading.Thread(target=lambda: held.append(silent.accept()[0]), daemon=True).start()
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        with Client(url, timeout=0.5) as c, pytest.raises(ApiError) as info:
+            c.submit(copy.deepcopy(TINY_SPEC))
+    finally:
+        silent.close()
+        for conn in held:
+            conn.close()
+    message = info.value.message
+    assert message.startswith(f"no answer from {url} within 0.5 s (ReadTimeout)")
+    assert "check `hpt status` before sending it again" in message
+    assert "cannot reach" not in message
+
+
+# ------------------------------------------------------------------ against the server
+
+
+@pytest.mark.parametrize("bad_id", ["../health", "x?y=1", "a/b", ".."])
+def test_a_sweep_id_cannot_name_another_route(server, bad_id):
+    url, _ = server
+    out = run("status", bad_id, "--url", url)
+    assert out.returncode == 2 and f"no sweep with id {bad_id!r}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    with Client(url) as c, pytest.raises(ValueError, match="no sweep with id"):
+        c.get(bad_id)  # it returned /health's report as a sweep
+
+
+def test_status_lists_every_sweep_not_the_first_page(server):
+    from hptransfer.sweeper.db.store import Store
+    from hptransfer.sweeper.plan import plan_sweep
+    from hptransfer.sweeper.spec import load_spec
+
+    url, settings = server
+    store = Store(settings.database_url)
+    spec = load_spec(copy.deepcopy(TINY_SPEC))
+    for i in range(101):
+        store.create_sweep(f"many-{i}", spec.model_dump(mode="json"), "h", "grid",
+                           plan_sweep(spec))
+    store.close()
+    out = run("status", "--url", url)
+    assert out.returncode == 0, out.stderr
+    names = {line.split()[1] for line in out.stdout.splitlines() if line.strip()
+             and not line.startswith(" ")}
+    assert {f"many-{i}" for i in range(101)} <= names, len(names)
+    with Client(url) as c:
+        assert len(c.list_all(page=7)) == len(c.list_all()) >= 101
+
+
+def test_submit_wait_exits_1_when_the_sweep_fails(server, tmp_path):
+    from hptransfer.sweeper.db.store import Store
+
+    url, settings = server
+    p = subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, "will-fail")), "--wait",
+                          "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        line = p.stdout.readline()  # "submitted sweep ID (3 trials)"
+        sweep_id = line.split()[2]
+        store = Store(settings.database_url)
+        store.fail_sweep(sweep_id, "the data could not be loaded")
+        store.close()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, (line, out, err)  # it exited 0: a script saw success
+    assert "failed: the data could not be loaded" in out
+
+
+def test_ctrl_c_while_waiting_says_the_sweep_goes_on(server, tmp_path):
+    url, _ = server
+    p = subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, "interrupted")), "--wait",
+                          "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        sweep_id = p.stdout.readline().split()[2]
+        time.sleep(1.0)  # polling now
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, err[-800:]
+    assert f"stopped waiting; sweep {sweep_id} goes on" in err
+
+
+def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
+    from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
+    from hptransfer.sweeper.db.store import Store
+
+    url, settings = server
+    with Client(url) as c:
+        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": "frame"})["id"]
+        store = Store(settings.database_url)
+        (trial,) = store.lease_pending("me", 1, sweep_id=sweep_id)
+        store.finish_trial(trial.id, "failed", error="boom")
+        store.close()
+        full = c.trials(sweep_id)
+        none = c.trials(sweep_id, status="diverged")
+        failed = c.trials(sweep_id, status="failed")
+    assert list(full.columns) == list(none.columns) == list(TRIAL_COLUMNS) and len(none) == 0
+    assert len(failed) == 1 and failed["error"].iloc[0] == "boom"
+    for column in TRIAL_NUMERIC_COLUMNS:  # no result: NaN floats, not None objects
+        assert failed[column].dtype != object, column
+    assert is_float_dtype(failed["final_val_loss"]) and failed["final_val_loss"].isna().all()
+    assert failed["final_val_loss"].round(3).isna().all()  # .round raised on object dtype
