@@ -443,6 +443,25 @@ def test_requeue_orphans(store: Store) -> None:
     assert store.get_trial(mine).status == "running"
 
 
+def test_a_superseded_leases_late_outcome_touches_nothing(store: Store) -> None:
+    """Coordinator B took over A's trial (A's lease looked dead) and trains it again; A's
+    result, lost worker or cancel arriving late must not end B's attempt."""
+    new_sweep(store, plan()[:1])
+    (a,) = store.lease_pending("A", 1)
+    assert store.requeue_orphans("B") == 1
+    (b,) = store.lease_pending("B", 1)
+    assert a.id == b.id
+    late = {"final_val_loss": 3.0, "curve": [{"step": 1, "train_loss": 4.0}]}
+    assert not store.finish_trial(a.id, "completed", late, owner="A")
+    assert store.requeue(a.id, "WorkerCrashedError", owner="A") == "running"
+    assert not store.mark_cancelled(a.id, owner="A")
+    row = store.get_trial(a.id)
+    assert (row.status, row.lease_owner, row.result) == ("running", "B", None)
+    assert [x.status for x in store.attempts(a.id)] == ["cancelled", "running"]
+    assert store.finish_trial(b.id, "completed", {"final_val_loss": 2.5}, owner="B")
+    assert [x.status for x in store.attempts(a.id)] == ["cancelled", "completed"]
+    assert store.get_trial(a.id).final_val_loss == 2.5
+
 def test_a_trial_orphaned_again_and_again_fails_rather_than_loop(store: Store) -> None:
     """A trial that takes its coordinator down (a host out of memory) would otherwise be
     re-queued, and take it down, for good."""

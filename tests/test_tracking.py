@@ -490,3 +490,93 @@ def test_ui_command() -> None:
     assert "mlflow" in " ".join(argv[:-7])
     with pytest.raises(ValueError):
         ui_command("http://mlflow:5000", "127.0.0.1", 5000)
+
+
+def test_live_points_for_a_deleted_run_do_not_hold_up_the_other_rows(
+        store: Store, mlflow_uri: str, tmp_path: Path) -> None:
+    """Its live points were logged outside the per-row guard: MLflow's refusal failed every
+    pass while that trial trained, and no other result reached MLflow."""
+    new_sweep(store, lrs=(2**-8, 2**-7))
+    a, b = store.lease_pending("coord", 2)
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+    mirror.sync()
+    client = MlflowClient(mlflow_uri)
+    client.delete_run(store.get_trial(a.id).mlflow_run_id)  # in the UI, while it trains
+    assert store.finish_trial(b.id, "completed", result("completed", b.lr, curve(20)))
+    for _ in range(2):
+        mirror.live(a.id, a.started_at, curve(5))
+        mirror.sync()  # raised every time
+    assert client.get_run(store.get_trial(b.id).mlflow_run_id).info.status == "FINISHED"
+
+
+def test_reserved_tags_are_refused_at_submit_and_never_steer_a_run(
+        store: Store, mlflow_uri: str, tmp_path: Path) -> None:
+    import copy
+
+    from conftest import TINY_SPEC
+
+    from hptransfer.sweeper.spec import SpecError, load_spec
+
+    spec = {**copy.deepcopy(TINY_SPEC), "tags": {"mlflow.runName": "mine", "HPT.role": "x",
+                                                 "team": "a"}}
+    with pytest.raises(SpecError) as exc:
+        load_spec(spec)
+    assert sorted(e["field"] for e in exc.value.errors) == ["tags.HPT.role",
+                                                            "tags.mlflow.runName"]
+    # a spec stored before: its sweep is mirrored, the reserved tags left out
+    stored = {**SWEEP_SPEC, "tags": {"mlflow.runName": "mine", "mlflow.parentRunId": "abc",
+                                     "team": "a"}}
+    sid = store.create_sweep(name="demo", spec=stored, spec_hash="h", search="grid",
+                             planned=[Planned("cp", trial_spec(2**-8), 128, 2, 2**-8, 0.02, 0,
+                                              "h0")], reuse=False)
+    mirror_of(store, mlflow_uri, tmp_path).sync()  # create_run was refused on every pass
+    sweep = store.get_sweep(sid)
+    parent = MlflowClient(mlflow_uri).get_run(sweep.mlflow_run_id)
+    assert parent.info.run_name == "demo" and parent.data.tags["team"] == "a"
+    assert "mlflow.parentRunId" not in parent.data.tags
+
+
+def test_a_diverged_trials_run_shows_the_app_dbs_final_numbers(
+        store: Store, mlflow_uri: str, tmp_path: Path) -> None:
+    """Its curve ends one step past `steps` (the step that diverged) with more tokens: the
+    run's `tokens` was the curve's, not the trial's."""
+    new_sweep(store, lrs=(2**-8,))
+    (t,) = store.lease_pending("coord", 1)
+    points = curve(21)  # steps 1..21; the trial counts 20 (step 21 diverged)
+    diverged = {**result("diverged", t.lr, points), "steps": 20, "tokens": 20 * 2048}
+    assert store.finish_trial(t.id, "diverged", diverged)
+    mirror_of(store, mlflow_uri, tmp_path).sync()
+    run = MlflowClient(mlflow_uri).get_run(store.get_trial(t.id).mlflow_run_id)
+    row = store.get_trial(t.id)
+    assert run.data.metrics["tokens"] == row.tokens == 20 * 2048
+    assert run.data.metrics["final_train_loss"] == diverged["final_train_loss"]
+
+
+def test_a_reused_trial_has_its_run_in_its_sweeps_experiment(
+        store: Store, mlflow_uri: str, tmp_path: Path) -> None:
+    def sweep(name: str) -> str:
+        planned = [Planned("cp", trial_spec(2**-8), 128, 2, 2**-8, 0.02, 0, "same")]
+        return store.create_sweep(name=name, spec={**SWEEP_SPEC, "name": name},
+                                  spec_hash="h", search="grid", planned=planned,
+                                  data_hash="d", reuse=True)
+
+    first = sweep("first")
+    (t,) = store.lease_pending("coord", 1)
+    assert store.finish_trial(t.id, "completed", result("completed", t.lr, curve(20)))
+    store.refresh_sweep_status(first)
+    second = sweep("second")
+    (reused,) = store.trials(second)
+    assert reused.reused and reused.attempts == 0  # not trained again, no attempt charged
+    (attempt,) = store.attempts(reused.id)
+    assert (attempt.status, attempt.error, attempt.result) == ("completed", None,
+                                                               reused.result)
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+    mirror.sync()
+    mirror.sync()
+    assert store.mirror_backlog() == 0
+    client = MlflowClient(mlflow_uri)
+    (run,) = trial_runs(client, store.get_sweep(second).mlflow_experiment_id)
+    assert run.data.tags["hpt.reused_from"] == t.id and run.info.status == "FINISHED"
+    assert run.data.metrics["final_val_loss"] == reused.final_val_loss
+    assert history(client, run.info.run_id, "train_loss") == [
+        (p["step"], p["train_loss"]) for p in curve(20)]

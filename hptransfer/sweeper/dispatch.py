@@ -457,14 +457,17 @@ class Dispatcher:
         assert out is not None
         status = out.status
         if status == "lost":
-            status = self.store.requeue(trial_id, out.error)  # "pending" or "failed"
+            status = self.store.requeue(trial_id, out.error, self.owner)  # pending or failed
             log.warning("trial %s lost its worker (%s); now %s", trial_id,
                         (out.error or "")[:200], status)
         elif status == TrialStatus.CANCELLED:
-            self.store.mark_cancelled(trial_id)
+            self.store.mark_cancelled(trial_id, self.owner)
         else:
             node = (out.result or {}).get("worker_node")
-            self.store.finish_trial(trial_id, status, out.result, out.error, node)
+            if not self.store.finish_trial(trial_id, status, out.result, out.error, node,
+                                           owner=self.owner):
+                log.warning("trial %s's %s result was not stored: it is no longer running "
+                            "under this coordinator's lease", trial_id, status)
         del self.in_flight[trial_id]  # durably written: the slot is free
         self._board.forget.remote(trial_id)
         self.optuna.forget(trial_id)  # no longer live: nothing left to prune

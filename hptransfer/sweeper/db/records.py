@@ -112,6 +112,7 @@ class AttemptRecord(Record):
     arm: str
     spec: dict[str, Any]
     result: dict[str, Any] | None  # the trial's result when this attempt produced it
+    reused_from: str | None = None  # the donor trial of a result reused, not trained
 
 
 # The columns of a trial body (`TrialRecord.to_dict`), and those that hold numbers: a client's

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import pandas as pd
@@ -122,20 +122,33 @@ def _end_attempt(s: Session, trial_id: str, status: str, error: str | None,
                         finished_at=utcnow()))
 
 
+def _insert_trials(s: Session, rows: list[dict[str, Any]], now: datetime) -> None:
+    """Insert trial rows; a trial reused from a donor gets its one attempt, finished with the
+    donor's result, so that MLflow (which mirrors attempts) shows it too."""
+    for chunk in chunks(rows):
+        s.execute(insert(Trial), list(chunk))
+    reused = [{"trial_id": r["id"], "seq": 1, "status": r["status"], "error": None,
+               "has_result": True, "started_at": now, "finished_at": now,
+               "mlflow_run_id": None, "mlflow_synced_status": None}
+              for r in rows if r.get("reused_from") is not None]
+    for chunk in chunks(reused):
+        s.execute(insert(Attempt), list(chunk))
+
+
 def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
-                    result: dict[str, Any] | None, experiment_id: str | None,
-                    parent_run_id: str | None) -> AttemptRecord:
+                    result: dict[str, Any] | None, reused_from: str | None,
+                    experiment_id: str | None, parent_run_id: str | None) -> AttemptRecord:
     return AttemptRecord(
         trial_id=a.trial_id, seq=a.seq, status=a.status, error=a.error,
         started_at=a.started_at, finished_at=a.finished_at, mlflow_run_id=a.mlflow_run_id,
         mlflow_synced_status=a.mlflow_synced_status, sweep_id=sweep_id,
         experiment_id=experiment_id, parent_run_id=parent_run_id, arm=arm, spec=spec,
-        result=result if a.has_result else None)
+        result=result if a.has_result else None, reused_from=reused_from)
 
 
 # an attempt with what its MLflow run needs from its trial and sweep (see _attempt_record)
 _ATTEMPTS = (select(Attempt, Trial.sweep_id, Trial.arm, Trial.spec, Trial.result,
-                    Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
+                    Trial.reused_from, Sweep.mlflow_experiment_id, Sweep.mlflow_run_id)
              .join(Trial, Trial.id == Attempt.trial_id)
              .join(Sweep, Sweep.id == Trial.sweep_id))
 
@@ -252,8 +265,7 @@ class Store:
                 trial_row(sweep_id, idx, p, data_hash, max_attempts, now, donors)
                 for idx, p in enumerate(items)
             ]
-            for chunk in chunks(rows):
-                s.execute(insert(Trial), list(chunk))
+            _insert_trials(s, rows, now)
             if study is None and rows and all(r["status"] == "completed" for r in rows):
                 # Everything was reused: nothing will ever be dispatched to finish it.
                 sweep.status, sweep.started_at, sweep.finished_at = "completed", now, now
@@ -279,7 +291,7 @@ class Store:
                 sweep_id, 0 if last is None else last + 1, planned, sweep.data_hash,
                 sweep.max_attempts, now, donors, optuna_trial_number,
             )
-            s.execute(insert(Trial), [row])
+            _insert_trials(s, [row], now)
             sweep.n_trials += 1
             if row["status"] == "pending" and sweep.status == "completed":
                 sweep.status, sweep.finished_at = "running", None  # more work arrived
@@ -321,8 +333,7 @@ class Store:
                           donors)
                 for i, p in enumerate(items)
             ]
-            for chunk in chunks(rows):
-                s.execute(insert(Trial), list(chunk))
+            _insert_trials(s, rows, now)
             sweep.n_trials += len(rows)
             sweep.study = dict(study)
             if stop is not None:
@@ -601,11 +612,11 @@ class Store:
             _end_attempt(s, trial_id, status, values["error"], result is not None)
             return True
 
-    def requeue(self, trial_id: str, error: str | None) -> str:
+    def requeue(self, trial_id: str, error: str | None, owner: str | None = None) -> str:
         """After a retryable failure: back to pending while attempts < max_attempts, else
         failed; cancelled instead if its sweep has stopped (cancelled or failed meanwhile),
         which leases nothing again. Returns the trial's status afterwards (unchanged unless
-        it was running)."""
+        it was running, and with `owner`, leased by that coordinator)."""
         with self._write() as s:
             sweep_id = s.scalar(select(Trial.sweep_id).where(Trial.id == trial_id))
             if sweep_id is None:
@@ -613,8 +624,8 @@ class Store:
             # the sweep before the trial, as cancel_sweep locks them: it cannot stop unseen
             sweep = _locked_sweep(s, sweep_id)
             trial = s.get(Trial, trial_id, with_for_update=True)
-            if trial.status != "running":
-                return trial.status
+            if trial.status != "running" or owner is not None and trial.lease_owner != owner:
+                return trial.status  # another lease's outcome, not this one's to end
             _end_attempt(s, trial_id, "failed", error)
             trial.error = error
             trial.lease_owner = trial.lease_expires_at = None
@@ -736,13 +747,16 @@ class Store:
                         .values(status="cancelled", finished_at=now))
             sweep.status, sweep.error, sweep.finished_at = "failed", error, now
 
-    def mark_cancelled(self, trial_id: str) -> bool:
-        """A pending or running trial becomes cancelled; False if it had already finished."""
+    def mark_cancelled(self, trial_id: str, owner: str | None = None) -> bool:
+        """A pending or running trial becomes cancelled; False if it had already finished
+        (or, with `owner`, is not running under that coordinator's lease)."""
         stmt = (
             update(Trial)
             .where(Trial.id == trial_id, Trial.status.in_(ACTIVE_STATUSES))
             .values(status="cancelled", finished_at=utcnow(), lease_expires_at=None)
         )
+        if owner is not None:
+            stmt = stmt.where(Trial.status == "running", Trial.lease_owner == owner)
         with self._write() as s:
             if bulk_update(s, stmt) != 1:
                 return False
@@ -835,8 +849,7 @@ class Store:
 
     def _attempt_records(self, stmt: Select[Any]) -> list[AttemptRecord]:
         with self._read() as s:
-            return [_attempt_record(a, sweep_id, arm, spec, result, exp, parent)
-                    for a, sweep_id, arm, spec, result, exp, parent in s.execute(stmt)]
+            return [_attempt_record(*row) for row in s.execute(stmt)]
 
     def set_attempt_run(self, trial_id: str, seq: int, run_id: str) -> None:
         """The attempt's MLflow run; also the trial's while this is its latest attempt."""

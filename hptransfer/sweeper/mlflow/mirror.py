@@ -38,6 +38,7 @@ from hptransfer.status import ACTIVE
 from hptransfer.sweeper.backoff import Backoff
 from hptransfer.sweeper.db.records import AttemptRecord, SweepRecord
 from hptransfer.sweeper.db.store import Store
+from hptransfer.sweeper.spec.model import RESERVED_TAG_PREFIXES
 
 from .params import (
     MAX_METRICS_PER_BATCH,
@@ -248,8 +249,10 @@ class Mirror:
     @staticmethod
     def _sweep_tags(sweep: SweepRecord) -> dict[str, str]:
         tags = sweep.spec.get("tags") if isinstance(sweep.spec, dict) else None
-        return {**{str(k): str(v) for k, v in (tags or {}).items()},
-                "hpt.sweep_id": sweep.id, "hpt.name": sweep.name}
+        # a spec stored before reserved keys were refused: such a tag would steer the run
+        own = {str(k): str(v) for k, v in (tags or {}).items()
+               if not str(k).lower().startswith(RESERVED_TAG_PREFIXES)}
+        return {**own, "hpt.sweep_id": sweep.id, "hpt.name": sweep.name}
 
     def _create_sweep(self, sweep: SweepRecord) -> None:
         c = self.client()
@@ -335,6 +338,8 @@ class Mirror:
             tags = {"mlflow.parentRunId": a.parent_run_id, "hpt.trial_id": a.trial_id,
                     "hpt.attempt": str(a.seq), "hpt.sweep_id": a.sweep_id, "hpt.arm": a.arm,
                     "hpt.role": "trial", "hpt.status": "running"}
+            if a.reused_from:  # not trained here: the result of an identical earlier trial
+                tags["hpt.reused_from"] = a.reused_from
             run_id = c.create_run(a.experiment_id, start_time=_ms(a.started_at), tags=tags,
                                   run_name=run_name(a.arm, a.spec)).info.run_id
         self._tolerant("trial params", lambda: self._log_batch(
@@ -357,13 +362,16 @@ class Mirror:
         start = _ms(a.started_at) or 0
         curve = list(result.get("curve") or [])
         metrics = _curve_metrics(curve, start)
-        in_curve = {(m.key, m.step) for m in metrics}
+        in_curve = {(m.key, m.step): m.value for m in metrics}
         last = max((int(p["step"]) for p in curve if p.get("step") is not None), default=0)
-        final_step = int(result.get("steps") or last)
+        # the run's value of a key is MLflow's latest (highest step, then timestamp): the
+        # final numbers go at the curve's last step or later, a millisecond after its point
+        # there (a diverged trial's curve ends one step past its `steps`, with more tokens)
+        final_step = max(int(result.get("steps") or last), last)
         for key in FINAL_METRICS:
             value = to_float(result.get(key))
-            if value is not None and (key, final_step) not in in_curve:
-                metrics.append(Metric(key, value, start + final_step, final_step))
+            if value is not None and in_curve.get((key, final_step)) != value:
+                metrics.append(Metric(key, value, start + final_step + 1, final_step))
         self._log_metrics(run_id, metrics)
         if table:
             text = json.dumps(table, indent=2, sort_keys=True, default=str)
@@ -375,8 +383,18 @@ class Mirror:
         while self._live:
             trial_id, start, points = self._live.popleft()
             known = self._runs.get(trial_id)
-            if known is not None and known[1] == start:  # else no run yet: points dropped
+            if known is None or known[1] != start:  # no run yet: points dropped
+                continue
+            try:
                 self._log_metrics(known[0], _curve_metrics(points, known[1]))
+            except Exception as exc:
+                if is_transient(exc):
+                    raise
+                # its run was deleted in MLflow's UI, say: it would refuse every later point
+                # too, and failing the pass would hold up every other row's copy
+                del self._runs[trial_id]
+                log.warning("MLflow rejected trial %s's live metrics: %s: %s; its later live "
+                            "points are dropped", trial_id, type(exc).__name__, str(exc)[:300])
 
     # writes ---------------------------------------------------------------------------
     def _log_metrics(self, run_id: str, metrics: list[Any]) -> None:

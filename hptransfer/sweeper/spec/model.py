@@ -74,6 +74,9 @@ MAX_TAG_VALUE_CHARS = 1024
 MAX_CONCURRENT = 1024
 MAX_RETRIES = 100
 TagKey = Annotated[str, Field(min_length=1, max_length=MAX_TAG_KEY_CHARS)]
+# tag namespaces a sweep's own tags may not use: MLflow's (mlflow.runName, mlflow.parentRunId
+# steer its runs) and the ones the mirror writes (hpt.sweep_id, hpt.role, ...)
+RESERVED_TAG_PREFIXES = ("mlflow.", "hpt.")
 TagValue = Annotated[str, Field(max_length=MAX_TAG_VALUE_CHARS)]
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.- ")
 
@@ -125,6 +128,8 @@ class SweepSpec(SpecModel):
         context = info.context if isinstance(info.context, dict) else {}
         cap = context.get("max_trials")
         problems = self._cross_field_problems()
+        if "max_trials" in context:  # a submission (load_spec): stored specs keep their tags
+            problems += self._reserved_tag_problems()
         if not problems and cap is not None:
             problems = self._size_problems(cap)
         if not problems:
@@ -132,6 +137,12 @@ class SweepSpec(SpecModel):
         if problems:
             raise SpecError(problems)
         return self
+
+    def _reserved_tag_problems(self) -> list[dict[str, str]]:
+        return [error(f"tags.{key}", f"tag keys starting with {prefix!r} are MLflow's or "
+                                     "this service's own; rename the tag")
+                for key in self.tags for prefix in RESERVED_TAG_PREFIXES
+                if key.lower().startswith(prefix)]
 
     # ---- validation across fields ------------------------------------------------------
 
