@@ -462,6 +462,23 @@ def test_a_superseded_leases_late_outcome_touches_nothing(store: Store) -> None:
     assert [x.status for x in store.attempts(a.id)] == ["cancelled", "completed"]
     assert store.get_trial(a.id).final_val_loss == 2.5
 
+def test_no_password_in_a_stored_error(store: Store) -> None:
+    """A worker's traceback or a lost task's error may quote a URL with its password; the
+    API, dashboards and MLflow show what the store holds."""
+    sid = new_sweep(store, plan()[:3])
+    a, b, c = store.lease_pending("me", 3)
+    leak = "OperationalError: could not connect to postgresql://hpt:S3CRET@db:5432/x"
+    assert store.finish_trial(a.id, "failed", {"final_val_loss": None, "error": leak})
+    assert store.finish_trial(b.id, "failed", None, error=leak)
+    store.requeue(c.id, leak)
+    store.fail_sweep(sid, leak)
+    texts = [store.get_trial(a.id).error, store.get_trial(a.id).result["error"],
+             store.get_trial(b.id).error, store.get_trial(c.id).error,
+             store.get_sweep(sid).error, *(x.error for t in (a, b, c)
+                                           for x in store.attempts(t.id))]
+    assert all("S3CRET" not in t for t in texts if t), texts
+    assert "postgresql://hpt:***@db:5432/x" in store.get_trial(b.id).error
+
 def test_a_trial_orphaned_again_and_again_fails_rather_than_loop(store: Store) -> None:
     """A trial that takes its coordinator down (a host out of memory) would otherwise be
     re-queued, and take it down, for good."""

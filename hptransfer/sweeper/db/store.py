@@ -29,7 +29,7 @@ from sqlalchemy import Select, case, func, insert, or_, select, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
-from hptransfer.redaction import mask_url
+from hptransfer.redaction import mask_url, redact
 from hptransfer.status import TrialStatus
 
 from .engine import (
@@ -340,7 +340,7 @@ class Store:
                 status, reason = stop
                 if status not in SWEEP_STATUSES:
                     raise ValueError(f"sweep status must be one of {SWEEP_STATUSES}")
-                sweep.status, sweep.error, sweep.finished_at = status, reason, now
+                sweep.status, sweep.error, sweep.finished_at = status, redact(reason), now
                 sweep.started_at = sweep.started_at or now
             elif any(r["status"] == "pending" for r in rows):
                 sweep.status, sweep.finished_at = "running", None
@@ -590,12 +590,15 @@ class Store:
         if status not in TRIAL_STATUSES or not TrialStatus(status).is_finished():
             raise ValueError(f"finish status must be a finished one, got {status!r}")
         values: dict[str, Any] = {
-            "status": status, "finished_at": utcnow(), "lease_expires_at": None, "error": error,
+            "status": status, "finished_at": utcnow(), "lease_expires_at": None,
+            "error": redact(error),
         }
         if worker_node is not None:
             values["worker_node"] = worker_node
         if result is not None:
             dumped = dump_model(result)
+            if dumped.get("error"):  # a traceback may quote a URL with its password
+                dumped["error"] = redact(dumped["error"])
             values["result"] = dumped
             values.update(result_columns(dumped))
             if dumped.get("data_hash"):
@@ -626,6 +629,7 @@ class Store:
             trial = s.get(Trial, trial_id, with_for_update=True)
             if trial.status != "running" or owner is not None and trial.lease_owner != owner:
                 return trial.status  # another lease's outcome, not this one's to end
+            error = redact(error)
             _end_attempt(s, trial_id, "failed", error)
             trial.error = error
             trial.lease_owner = trial.lease_expires_at = None
@@ -745,7 +749,7 @@ class Store:
             bulk_update(s, update(Trial)
                         .where(Trial.sweep_id == sweep_id, Trial.status == "pending")
                         .values(status="cancelled", finished_at=now))
-            sweep.status, sweep.error, sweep.finished_at = "failed", error, now
+            sweep.status, sweep.error, sweep.finished_at = "failed", redact(error), now
 
     def mark_cancelled(self, trial_id: str, owner: str | None = None) -> bool:
         """A pending or running trial becomes cancelled; False if it had already finished
@@ -769,7 +773,7 @@ class Store:
         if status not in SWEEP_STATUSES:
             raise ValueError(f"sweep status must be one of {SWEEP_STATUSES}, got {status!r}")
         now = utcnow()
-        values: dict[str, Any] = {"status": status, "error": error}
+        values: dict[str, Any] = {"status": status, "error": redact(error)}
         if status == "running":
             values["started_at"] = func.coalesce(Sweep.started_at, now)
             values["finished_at"] = None
