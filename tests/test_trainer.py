@@ -72,8 +72,33 @@ def test_tokens_per_param_budget(tmp_path):
 
 def test_failed_trial_reports_error(tmp_path):
     r = run_trial(spec(data={"source": str(tmp_path / "missing.bin"), "vocab_size": 256}))
-    assert r.status == "failed"
+    assert r.status == "failed" and r.curve == []
     assert "does not exist" in r.error or "not found" in r.error.lower()
+
+
+def test_a_trial_that_fails_midway_keeps_the_curve_it_reported(tmp_path):
+    """MLflow showed those points live: the app DB, which owns the result, holds them too."""
+    from hptransfer.workers.trainer import run_trials
+
+    seen = []
+
+    def reporter(metrics):
+        seen.append(dict(metrics))
+        if metrics["step"] == 12:
+            raise RuntimeError("the node's disk is full")
+
+    r = run_trial(spec(), reporter=reporter, cache_dir=str(tmp_path))
+    assert r.status == "failed" and "disk is full" in r.error
+    assert r.curve == seen and [p["step"] for p in r.curve] == list(range(1, 13))
+
+    def packed_reporter(member, metrics):
+        if member == 1 and metrics["step"] == 7:
+            raise RuntimeError("the node's disk is full")
+
+    out = run_trials([spec(seed=0), spec(seed=1)], reporter=packed_reporter,
+                     cache_dir=str(tmp_path))
+    assert [x.status for x in out] == ["failed", "failed"]  # one pack: it fails as a whole
+    assert [len(x.curve) for x in out] == [7, 7]  # both had their step-7 point
 
 
 @pytest.mark.parametrize(

@@ -198,10 +198,14 @@ def _train_group(specs: list[TrialSpec], report: PackedReporter, data: TokenData
     """Train one pack; (results, whether it ran out of memory, so that it may be trained
     again smaller). `on_stop(row, result)` hears a member that stopped early."""
     started = time.perf_counter()
+    pack = None
     try:
-        return _Pack(specs, report, None, data=data, on_stop=on_stop).train(), False
+        pack = _Pack(specs, report, None, data=data, on_stop=on_stop)
+        return pack.train(), False
     except Exception as exc:
-        return [failed_result(s, exc, started) for s in specs], is_out_of_memory(exc)
+        curves = [m.progress.curve for m in pack.members] if pack else [None] * len(specs)
+        return ([failed_result(s, exc, started, c) for s, c in zip(specs, curves, strict=True)],
+                is_out_of_memory(exc))
 
 
 @dataclass

@@ -184,11 +184,14 @@ def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable, devi
     )
 
 
-def failed_result(spec: Any, exc: BaseException, started: float) -> TrialResult:
-    """A failed trial is a result the coordinator stores, not an exception."""
+def failed_result(spec: Any, exc: BaseException, started: float,
+                  curve: list[dict[str, Any]] | None = None) -> TrialResult:
+    """A failed trial is a result the coordinator stores, not an exception; with the curve
+    it had reported before it failed (so the app DB holds what MLflow showed live)."""
     return TrialResult(
         status="failed",
         error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
         wall_time_s=time.perf_counter() - started,
         spec_hash=spec.content_hash() if isinstance(spec, TrialSpec) else None,
+        curve=list(curve or []),
     )

@@ -68,15 +68,17 @@ def run_trial(
 ) -> TrialResult:
     """Train `spec` to its budget. Never raises for training problems: the status says."""
     started = time.perf_counter()
+    progress = Progress()
     try:
         spec = spec if isinstance(spec, TrialSpec) else TrialSpec.model_validate(spec)
-        return _train(spec, reporter, cache_dir, started)
+        return _train(spec, reporter, cache_dir, started, progress)
     except Exception as exc:
-        return failed_result(spec, exc, started)
+        return failed_result(spec, exc, started, progress.curve)
 
 
 def _train(
-    spec: TrialSpec, reporter: Reporter | None, cache_dir: str | None, started: float
+    spec: TrialSpec, reporter: Reporter | None, cache_dir: str | None, started: float,
+    progress: Progress,
 ) -> TrialResult:
     prepare_process(spec)
     device = resolve_device(spec.device)
@@ -92,7 +94,6 @@ def _train(
     opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
            else FlatAdamW(groups, betas=betas))
 
-    progress = Progress()
     pending_steps: list[int] = []
     pending_losses: list[torch.Tensor] = []
     t_train = time.perf_counter()
