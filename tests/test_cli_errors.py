@@ -185,3 +185,20 @@ def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
         assert failed[column].dtype != object, column
     assert is_float_dtype(failed["final_val_loss"]) and failed["final_val_loss"].isna().all()
     assert failed["final_val_loss"].round(3).isna().all()  # .round raised on object dtype
+
+
+def test_fits_with_an_arm_the_sweep_lacks_is_a_422_naming_its_arms(server):
+    import httpx
+
+    url, _ = server
+    with Client(url) as c:
+        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": "arms"})["id"]
+    r = httpx.get(f"{url}/sweeps/{sweep_id}/fits", params={"reference_arm": "nope"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == (f"reference_arm 'nope' is not an arm of sweep {sweep_id}; "
+                                 "its arms: gpt/completep")
+    out = run("fits", sweep_id, "--reference-arm", "nope", "--url", url)
+    assert out.returncode == 2 and "its arms: gpt/completep" in out.stderr, out.stderr
+    ok = httpx.get(f"{url}/sweeps/{sweep_id}/fits", params={"reference_arm": "gpt/completep",
+                                                            "bootstrap": 0})
+    assert ok.status_code == 200, ok.text

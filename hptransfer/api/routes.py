@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from pydantic import TypeAdapter
 
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.status import TrialStatus
+from hptransfer.sweeper.service import UnknownArm
 from hptransfer.sweeper.spec.stages import STAGE_ORDER
 
 from .auth import require_token
@@ -127,8 +128,12 @@ def get_fits(
     request: Request,
     sweep_id: str,
     bootstrap: Annotated[int, Query(ge=0, le=2000)] = 100,
-    reference_arm: str | None = None,
+    reference_arm: Annotated[str | None, Query(max_length=200)] = None,
 ) -> dict[str, Any]:
     """The fit report: optimal LR per shape, transfer drift, frontier, FLOP savings, N:L,
     Chinchilla; each with its inputs, residuals and a reason when there is not enough data."""
-    return coordinator(request).fits(sweep_id, bootstrap=bootstrap, reference_arm=reference_arm)
+    try:
+        return coordinator(request).fits(sweep_id, bootstrap=bootstrap,
+                                         reference_arm=reference_arm)
+    except UnknownArm as exc:  # say which arms there are
+        raise HTTPException(status_code=422, detail=str(exc)) from None

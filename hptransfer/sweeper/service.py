@@ -29,6 +29,10 @@ from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
 
+
+class UnknownArm(ValueError):
+    """A request named an arm the sweep does not have."""
+
 # hook(coordinator, sweep_id) -> artifacts ({"dashboards/sweep.html": ...}) for the parent run
 FinishedHook = Callable[[Any, str], Mapping[str, str | bytes]]
 
@@ -132,7 +136,7 @@ class Coordinator:
         return self.store.stage_counts_of(studies) if studies else {}
 
     def _study_spec(self, sweep: SweepRecord) -> SweepSpec:
-        """A study's validated spec, validated once per process (not on every summary)."""
+        """A sweep's validated spec, validated once per process (not on every summary)."""
         return self._study_specs.get(sweep.id, sweep.spec)
 
     def _summarise(self, sweep: SweepRecord, mean_wall_s: float | None,
@@ -169,8 +173,15 @@ class Coordinator:
 
     def fits(self, sweep_id: str, bootstrap: int = 100,
              reference_arm: str | None = None) -> dict[str, Any]:
-        if self.store.get_sweep(sweep_id) is None:
+        """The fit report; UnknownArm when `reference_arm` is not one of the sweep's arms."""
+        sweep = self.store.get_sweep(sweep_id)
+        if sweep is None:
             raise NotFoundError(f"no sweep with id {sweep_id!r}")
+        if reference_arm is not None:
+            arms = [arm.name for arm in self._study_spec(sweep).arms]
+            if reference_arm not in arms:
+                raise UnknownArm(f"reference_arm {reference_arm[:200]!r} is not an arm of "
+                                 f"sweep {sweep_id}; its arms: {', '.join(arms)}")
         return fits_payload(sweep_report(self.store, sweep_id, bootstrap, reference_arm))
 
     def _sweep_finished(self, sweep_id: str) -> dict[str, str | bytes]:
