@@ -195,3 +195,48 @@ def test_directory_source_caps_the_entries_it_looks_at(client, tiny_spec, root, 
     assert "looks at too many files (limit 5 entries" in message, message
     (root / "many" / "note0.txt").unlink()
     assert post(client, tiny_spec, str(root / "many")).status_code == 201
+
+
+def _submitted_trial(client, tiny_spec, source: str):
+    """A sweep submitted through the API; its first trial as the dispatcher leases it."""
+    from hptransfer.sweeper.db.store import Store
+
+    r = post(client, tiny_spec, source)
+    assert r.status_code == 201, r.text
+    store = Store(get_settings().database_url)
+    (trial,) = store.lease_pending("me", 1, sweep_id=r.json()["id"])
+    store.close()
+    return trial
+
+
+def test_the_worker_refuses_a_source_that_left_the_roots_after_submit(client, root, tiny_spec,
+                                                                     tmp_path):
+    from hptransfer.workers.trainer import run_trial
+
+    write_shard(root / "corpus" / "a.bin")
+    trial = _submitted_trial(client, tiny_spec, str(root / "corpus"))
+    private = write_shard(tmp_path / "private" / "a.bin").parent
+    (root / "corpus" / "a.bin").unlink()
+    (root / "corpus").rmdir()
+    os.symlink(private, root / "corpus")  # swapped after the submit-time check
+    roots = [str(r) for r in get_settings().data_roots]
+    result = run_trial(trial.spec, roots=roots, data_hash=trial.data_hash)
+    assert result.status == "failed" and "data roots" in result.error, result.error
+    assert result.steps == 0 and result.curve == []
+
+
+def test_the_worker_refuses_data_that_changed_since_submit(client, root, tiny_spec):
+    from hptransfer.workers.trainer import run_trial, run_trials
+
+    write_shard(root / "shards" / "a.bin")
+    trial = _submitted_trial(client, tiny_spec, str(root / "shards"))
+    roots = [str(r) for r in get_settings().data_roots]
+    spec = {**trial.spec, "budget": {"steps": 2}}
+    assert run_trial(spec, roots=roots, data_hash=trial.data_hash).status == "completed"
+    write_shard(root / "shards" / "b.bin")  # a shard directory still being written
+    result = run_trial(spec, roots=roots, data_hash=trial.data_hash)
+    assert result.status == "failed", result.status
+    assert "the data changed since the sweep was submitted" in result.error
+    packed = run_trials([spec, {**spec, "seed": 1}], roots=roots, data_hash=trial.data_hash)
+    assert [r.status for r in packed] == ["failed", "failed"]
+    assert run_trial(spec).status == "completed"  # a local run of one's own: no guard

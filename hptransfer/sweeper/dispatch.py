@@ -630,10 +630,14 @@ class Dispatcher:
         if spec.resources.gpus:
             options["num_gpus"] = spec.resources.gpus
         cache = str(self.settings.cache_dir)
+        # the worker checks the data again: still inside the roots, still what was submitted
+        guard = ([str(r) for r in self.settings.data_roots], trials[0].data_hash)
         if len(trials) == 1:
-            ref = self._remote.options(**options).remote(specs[0], ids[0], self._board, cache)
+            ref = self._remote.options(**options).remote(specs[0], ids[0], self._board, cache,
+                                                         *guard)
         else:
-            ref = self._remote_pack.options(**options).remote(specs, ids, self._board, cache)
+            ref = self._remote_pack.options(**options).remote(specs, ids, self._board, cache,
+                                                              *guard)
         for i, trial in enumerate(trials):
             self.in_flight[trial.id] = InFlight(trial, ref, spec.resources.cpus,
                                                    spec.resources.gpus,

@@ -87,6 +87,8 @@ def run_trials(
     cache_dir: str | None = None,
     memory_limit: float | None = None,
     on_result: Callable[[int, TrialResult], None] | None = None,
+    roots: Sequence[str] | None = None,
+    data_hash: str | None = None,
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
@@ -101,7 +103,8 @@ def run_trials(
     a member that stopped early (diverged, pruned) when it stopped, a split pack's members
     when their group has trained (the last group's come with the return only).
     Raises ValueError if the specs are not packable; training problems never raise (every
-    member's result then says failed, as run_trial's would).
+    member's result then says failed, as run_trial's would). `roots`, `data_hash`: a
+    sweep's data guard (plan.load_trial_data).
     """
     started = time.perf_counter()
     specs = [s if isinstance(s, TrialSpec) else TrialSpec.model_validate(s) for s in specs]
@@ -109,7 +112,7 @@ def run_trials(
     try:
         prepare_process(specs[0])
         device = resolve_device(specs[0].device)
-        data = load_trial_data(specs[0], cache_dir)
+        data = load_trial_data(specs[0], cache_dir, roots, data_hash)
         budget = (MEMORY_HEADROOM * free_memory(device, specs[0].num_threads)
                   if memory_limit is None else memory_limit)
         half = autocasts(device, specs[0].precision)

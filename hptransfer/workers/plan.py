@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hptransfer.data import TokenDataset, load_dataset
+from hptransfer.data import DataError, TokenDataset, load_dataset
 from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTable
 from hptransfer.models.flops import flops_per_token, param_counts
 
@@ -52,8 +54,22 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec,
             for xs, ys in zip(x.split(size, dim), y.split(size, dim), strict=True)]
 
 
-def load_trial_data(spec: TrialSpec, cache_dir: str | None = None) -> TokenDataset:
-    return load_dataset(spec.data, cache_dir=cache_dir)
+def load_trial_data(spec: TrialSpec, cache_dir: str | None = None,
+                    roots: Sequence[str] | None = None,
+                    data_hash: str | None = None) -> TokenDataset:
+    """The trial's data. A trial of a sweep gets the server's data `roots` (a source that
+    left them since submit, say a path swapped for a symlink, is refused here too) and the
+    sweep's `data_hash`: data that changed since submit (a shard directory still being
+    written) is refused, since the sweep's trials would train and validate on different
+    data and its fits would compare them."""
+    data = load_dataset(spec.data, cache_dir=cache_dir,
+                        roots=None if roots is None else [Path(r) for r in roots])
+    if data_hash is not None and data.content_hash != data_hash:
+        raise DataError(
+            f"the data changed since the sweep was submitted (hash {data_hash[:12]} then, "
+            f"{data.content_hash[:12]} now): its trials would not train or validate on the "
+            "same data; submit a new sweep once the data is final")
+    return data
 
 
 @dataclass

@@ -56,16 +56,20 @@ def _out(result: TrialResult) -> dict[str, Any]:
 
 
 def execute_trial(
-    spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None
+    spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None,
+    roots: list[str] | None = None, data_hash: str | None = None,
 ) -> dict[str, Any]:
+    """`roots`, `data_hash`: the server's data roots and the sweep's data hash, which the
+    worker checks again (plan.load_trial_data)."""
     report = _channel(progress)
-    result = run_trial(spec, reporter=lambda m: report(trial_id, m), cache_dir=cache_dir)
+    result = run_trial(spec, reporter=lambda m: report(trial_id, m), cache_dir=cache_dir,
+                       roots=roots, data_hash=data_hash)
     return _out(result)
 
 
 def execute_trials(
     specs: list[dict[str, Any]], trial_ids: list[str], progress: Any | None,
-    cache_dir: str | None,
+    cache_dir: str | None, roots: list[str] | None = None, data_hash: str | None = None,
 ) -> list[dict[str, Any]]:
     """One result per spec, in order (members of one shape, trained packed). A pack split
     for memory delivers each group's results to `progress` as the group finishes, so they
@@ -82,5 +86,6 @@ def execute_trials(
             log.warning("could not deliver trial %s's result early: %s", trial_ids[i], exc)
 
     results = run_trials(specs, reporter=lambda i, m: report(trial_ids[i], m),
-                         cache_dir=cache_dir, on_result=deliver if progress else None)
+                         cache_dir=cache_dir, on_result=deliver if progress else None,
+                         roots=roots, data_hash=data_hash)
     return [_out(r) for r in results]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,24 +65,27 @@ def run_trial(
     spec: TrialSpec | dict,
     reporter: Reporter | None = None,
     cache_dir: str | None = None,
+    roots: Sequence[str] | None = None,
+    data_hash: str | None = None,
 ) -> TrialResult:
-    """Train `spec` to its budget. Never raises for training problems: the status says."""
+    """Train `spec` to its budget. Never raises for training problems: the status says.
+    `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data)."""
     started = time.perf_counter()
     progress = Progress()
     try:
         spec = spec if isinstance(spec, TrialSpec) else TrialSpec.model_validate(spec)
-        return _train(spec, reporter, cache_dir, started, progress)
+        prepare_process(spec)
+        data = load_trial_data(spec, cache_dir, roots, data_hash)
+        return _train(spec, reporter, data, started, progress)
     except Exception as exc:
         return failed_result(spec, exc, started, progress.curve)
 
 
 def _train(
-    spec: TrialSpec, reporter: Reporter | None, cache_dir: str | None, started: float,
+    spec: TrialSpec, reporter: Reporter | None, data: TokenDataset, started: float,
     progress: Progress,
 ) -> TrialResult:
-    prepare_process(spec)
     device = resolve_device(spec.device)
-    data = load_trial_data(spec, cache_dir)
     plan = plan_trial(spec, data, device)
     built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
                               device=device)
