@@ -579,3 +579,67 @@ def test_the_cache_keeps_to_its_cap_least_recently_used_first(
         DataSpec(max_corpus_bytes=sizes[1], val_tokens=2_000),
         cache_dir=tmp_path / "fresh").content_hash
     assert first.content_hash != again.content_hash
+
+
+def test_a_killed_writers_temp_file_is_evicted_once_stale(tmp_path: Path) -> None:
+    """A writer killed mid-write (Ray cancel, OOM killer) never runs its `finally`: its temp
+    file was skipped by eviction and held its space for good."""
+    from hptransfer.data.cache import STALE_TMP_S, evict_least_used
+
+    stale = tmp_path / ".tokens-byte-a.npy.k1l2.tmp"
+    fresh = tmp_path / ".tokens-byte-b.npy.x9y8.tmp"  # a write in progress right now
+    for path in (stale, fresh):
+        path.write_bytes(b"\0" * 100_000)
+    old = time.time() - STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    kept = tmp_path / "tokens-byte-c.npy"
+    kept.write_bytes(b"\0" * 10)
+    assert evict_least_used(tmp_path, keep=kept, max_bytes=1e12) == 1
+    assert not stale.exists() and fresh.exists() and kept.exists()
+
+
+def _unwritable(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`directory` refuses new files: immutable where chattr works (root on ext4/xfs), else
+    its temp-file creation fails as a read-only mount's does."""
+    import errno
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if shutil.which("chattr") and subprocess.run(["chattr", "+i", str(directory)],
+                                                 capture_output=True).returncode == 0:
+        try:
+            (directory / "probe").write_text("x")
+        except OSError:
+            return
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+        (directory / "probe").unlink()
+    from hptransfer.data import cache as cache_module
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(cache_module.tempfile, "mkstemp", read_only)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_an_unwritable_cache_serves_from_memory(tmp_path: Path, tokenizer: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    spec = DataSpec(max_corpus_bytes=60_000, val_tokens=2_000, tokenizer=tokenizer,
+                    **({"bpe_vocab_size": 300} if tokenizer == "bpe" else {}))
+    expected = load_dataset(spec, cache_dir=tmp_path / "writable")
+    cache = tmp_path / "read-only"
+    _unwritable(cache, monkeypatch)
+    try:
+        got = load_dataset(spec, cache_dir=cache)  # raised the OSError (a 500 at submit)
+    finally:
+        subprocess.run(["chattr", "-i", str(cache)], capture_output=True)
+    assert got.content_hash == expected.content_hash and got.n_tokens == expected.n_tokens
+    assert not any(cache.iterdir())
+
+
+def test_a_corpus_bound_below_every_file_says_so() -> None:
+    # empty stdlib files (package __init__.py) fit any bound: the corpus was empty instead
+    with pytest.raises(DataError, match="max_corpus_bytes=1 is smaller than every stdlib file"):
+        load_stdlib_corpus(1)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cache import evict_least_used, mark_used, write_atomic
+from .cache import evict_least_used, mark_used, publish
 from .corpus import FILE_SEPARATOR, Corpus
 
 if TYPE_CHECKING:
@@ -35,9 +35,12 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: Path) -> "BPETokenizer":
+        return cls.from_str(path.read_text(encoding="utf-8"))
+
+    @classmethod
+    def from_str(cls, text: str) -> "BPETokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
-        text = path.read_text(encoding="utf-8")
         return cls(HFTokenizer.from_str(text), text)
 
     def encode(self, text: str) -> list[int]:
@@ -88,6 +91,8 @@ def load_or_train_bpe(corpus: Corpus, vocab_size: int, cache_dir: Path) -> BPETo
             path.unlink(missing_ok=True)
     json_text = train_bpe(corpus.pieces, vocab_size).to_str()
     # First writer wins so concurrent workers all tokenize with one and the same tokenizer.
-    write_atomic(path, lambda tmp: tmp.write_text(json_text, encoding="utf-8"), first_wins=True)
+    if not publish(path, lambda tmp: tmp.write_text(json_text, encoding="utf-8"),
+                   first_wins=True):
+        return BPETokenizer.from_str(json_text)  # an unwritable cache: this one, unshared
     evict_least_used(path.parent, keep=path)
     return BPETokenizer.from_file(path)

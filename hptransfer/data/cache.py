@@ -18,6 +18,8 @@ from .errors import DataError
 log = logging.getLogger(__name__)
 # an entry used this recently may be in use right now (a sweep starting its trials): kept
 MIN_IDLE_S = 600.0
+# a temp file (".name.*.tmp") this old is a killed writer's leftover, not a write in progress
+STALE_TMP_S = 3600.0
 
 
 def ensure_dir(path: Path) -> Path:
@@ -57,6 +59,18 @@ def write_atomic(final: Path, write: Callable[[Path], None], *, first_wins: bool
         tmp.unlink(missing_ok=True)
 
 
+def publish(final: Path, write: Callable[[Path], None], *, first_wins: bool = False) -> bool:
+    """`write_atomic`, except that a cache that cannot be written (read-only, full, another
+    user's) is no error: the caller serves what it built from memory. False then."""
+    try:
+        write_atomic(final, write, first_wins=first_wins)
+    except OSError as exc:
+        log.warning("data cache %s not written (%s); serving it from memory, rebuilt on "
+                    "the next load", final, exc)
+        return False
+    return True
+
+
 def mark_used(path: Path) -> None:
     """A cache hit: the entry's modification time is its last use (what eviction orders by)."""
     with contextlib.suppress(OSError):  # a read-only cache still serves its entries
@@ -70,15 +84,21 @@ def evict_least_used(directory: Path, keep: Path, max_bytes: float | None = None
     `min_idle_s` seconds; the number deleted."""
     cap = cache_max_bytes() if max_bytes is None else max_bytes
     entries = []
+    now, removed = time.time(), 0
     with contextlib.suppress(OSError), os.scandir(directory) as it:
         for entry in it:
-            if entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
-                continue  # a write in progress (".name.tmp"), or not ours
+            if not entry.is_file(follow_symlinks=False):
+                continue  # not ours
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
-                entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+                if not entry.name.startswith("."):
+                    entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+                elif entry.name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
+                    # a writer killed mid-write (its `finally` never ran): never published,
+                    # never read, and it would hold its space for good
+                    os.unlink(entry.path)
+                    removed += 1
     total = sum(size for _, size, _ in entries)
-    now, removed = time.time(), 0
     for used, size, path in sorted(entries):
         if total <= cap:
             break

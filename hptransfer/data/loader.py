@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .bpe import load_or_train_bpe
-from .cache import ensure_dir, evict_least_used, mark_used, write_atomic
+from .cache import ensure_dir, evict_least_used, mark_used, publish
 from .checks import first_out_of_range, out_of_range_message
 from .corpus import FILE_SEPARATOR, Corpus, load_stdlib_corpus
 from .dataset import TokenDataset
@@ -88,8 +88,8 @@ def _cached_tokens(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> np.ndarr
             np.save(f, tokens)
 
     # Content-addressed, so any concurrent writer produces the same bytes: last one may win.
-    write_atomic(path, save)
-    evict_least_used(path.parent, keep=path)
+    if publish(path, save):
+        evict_least_used(path.parent, keep=path)
     return tokens
 
 
