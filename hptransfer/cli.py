@@ -131,8 +131,11 @@ def _default_coordcheck_plot(a: argparse.Namespace, p: Parameterization):
 @command("train")
 def cmd_train(a: argparse.Namespace) -> int:
     from hptransfer.client import read_spec_file
+    from hptransfer.config import check_worker_settings
     from hptransfer.workers.trainer import run_trial
     from hptransfer.workers.trial import TrialSpec
+
+    check_worker_settings()
 
     spec = TrialSpec.model_validate(read_spec_file(a.spec))
 
@@ -197,7 +200,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
                   "--insecure to serve unauthenticated anyway.", file=sys.stderr)
             return 2
         print(f"warning: serving on {host} without HPT_API_TOKEN (--insecure)", file=sys.stderr)
-    print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)")
     serve_forever(settings, host, port, a.log_level)
     return 0
 
@@ -295,12 +297,15 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     import os
     import subprocess
 
+    from hptransfer.api.server import listen
     from hptransfer.config import get_settings
+    from hptransfer.redaction import mask_url
     from hptransfer.sweeper.mlflow.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()
+    listen(a.host, a.port).close()  # a port in use is one line here; MLflow's exits 0
     cmd = ui_command(settings.mlflow_uri, a.host, a.port)
-    print(f"MLflow UI on {ui_url(f'http://{a.host}:{a.port}')} for {settings.mlflow_uri}")
+    print(f"MLflow UI on {ui_url(f'http://{a.host}:{a.port}')} for {mask_url(settings.mlflow_uri)}")
     return subprocess.call(cmd, env={**os.environ, **SERVER_ENV})
 
 
@@ -308,7 +313,22 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
 def cmd_demo(a: argparse.Namespace) -> int:
     from hptransfer.demo import run_demo
 
-    return run_demo(spec_path=a.spec, out_dir=a.out)
+    try:
+        return run_demo(spec_path=a.spec, out_dir=a.out)
+    except KeyboardInterrupt:  # run_demo's own clean-up has run by now
+        print("\nhpt demo: stopped", file=sys.stderr)
+        return 130
+
+
+def port_number(text: str) -> int:
+    """A TCP port to listen on, 1-65535 (argparse type)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="API + dispatcher + Ray + MLflow tracking")
     p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--port", type=port_number, default=None)
     p.add_argument("--log-level", default="info")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without HPT_API_TOKEN (unauthenticated)")
@@ -402,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
     p.add_argument("--host", default=UI_HOST)
-    p.add_argument("--port", type=int, default=UI_PORT)
+    p.add_argument("--port", type=port_number, default=UI_PORT)
 
     p = sub.add_parser("demo", help="a small real study on the CPU, end to end")
     p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_study.yaml)")

@@ -142,13 +142,23 @@ def compile_mode() -> str:
     (`workers/device.compile_wanted`); all = always, short CPU runs included."""
     mode = _env("HPT_COMPILE") or "1"
     if mode not in COMPILE_MODES:
-        raise ValueError(f"HPT_COMPILE={mode!r}: use one of {', '.join(COMPILE_MODES)}")
+        raise SettingsError(f"HPT_COMPILE={mode!r}: use one of {', '.join(COMPILE_MODES)}")
     return mode
 
 
+def check_worker_settings() -> None:
+    """Raise SettingsError for a bad value of a variable that trials read ($HPT_COMPILE,
+    $HPT_CACHE_MAX_GB) before any work starts."""
+    cache_max_bytes()
+    compile_mode()
+
+
 def get_settings() -> Settings:
-    """Read the settings from the environment now (no caching, so tests can monkeypatch it)."""
+    """Read the settings from the environment now (no caching, so tests can monkeypatch it).
+    Variables only workers read are checked here too: a bad value is one clear error when
+    the server, the demo or `hpt doctor` starts, not a failure of some trials later."""
     home = home_dir()
+    check_worker_settings()
     return Settings(
         home=home,
         database_url=_env("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",

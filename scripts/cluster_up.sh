@@ -54,21 +54,24 @@ DIR=$(cd "$DIR" && pwd)
 # Chosen once and kept, so a restarted component comes back where the others expect it.
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 secret() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
+# every value shell-quoted (printf %q): these files are sourced, and a chosen token or a
+# clone path may hold spaces or $(...)
+keep() { printf '%s=%q\n' "$1" "$2"; }
 if [ ! -f "$DIR/state" ]; then
   umask 077
   {
-    echo "PG_PORT=$(free_port)"
-    echo "MLFLOW_PORT=$(free_port)"
-    echo "RAY_PORT=$(free_port)"
-    echo "RAY_DASHBOARD_PORT=$(free_port)"
-    echo "RAY_CLIENT_PORT=$(free_port)"
-    for n in HEAD WORKER COORD; do echo "RAY_AGENT_PORT_$n=$(free_port)"; done
-    echo "API_PORT=$(free_port)"
-    echo "PG_PASSWORD=$(secret)"
-    echo "API_TOKEN=${HPT_API_TOKEN:-$(secret)}"
-    echo "RAY_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(32))')"
+    keep PG_PORT "$(free_port)"
+    keep MLFLOW_PORT "$(free_port)"
+    keep RAY_PORT "$(free_port)"
+    keep RAY_DASHBOARD_PORT "$(free_port)"
+    keep RAY_CLIENT_PORT "$(free_port)"
+    for n in HEAD WORKER COORD; do keep "RAY_AGENT_PORT_$n" "$(free_port)"; done
+    keep API_PORT "$(free_port)"
+    keep PG_PASSWORD "$(secret)"
+    keep API_TOKEN "${HPT_API_TOKEN:-$(secret)}"
+    keep RAY_TOKEN "$("$PY" -c 'import secrets; print(secrets.token_hex(32))')"
     # short: Ray's unix socket paths under it are limited to 107 characters
-    echo "RAY_TMP=$(mktemp -d /tmp/hptray.XXXXXX)"
+    keep RAY_TMP "$(mktemp -d /tmp/hptray.XXXXXX)"
   } > "$DIR/state.tmp"
   mv "$DIR/state.tmp" "$DIR/state"
   umask 022
@@ -80,19 +83,20 @@ mkdir -p "$RAY_TMP"
 PG_URL=postgresql://hpt:$PG_PASSWORD@127.0.0.1:$PG_PORT
 RAY_ADDRESS_=127.0.0.1:$RAY_PORT
 umask 077
-cat > "$DIR/env" <<EOF
-# the coordinator's settings: source this file to use the local cluster from a shell
-export HPT_HOME=$DIR/hpt
-export HPT_DATABASE_URL=$PG_URL/hpt
-export HPT_OPTUNA_URL=$PG_URL/optuna
-export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT
-export RAY_ADDRESS=$RAY_ADDRESS_
-export HPT_API_TOKEN=$API_TOKEN
-export HPT_URL=http://127.0.0.1:$API_PORT
-export RAY_AUTH_MODE=token
-export RAY_AUTH_TOKEN=$RAY_TOKEN
-export HPT_RAY_REQUIRE=hpt_worker
-EOF
+{
+  echo "# the coordinator's settings: source this file to use the local cluster from a shell"
+  printf 'export %s\n' \
+    "$(keep HPT_HOME "$DIR/hpt")" \
+    "$(keep HPT_DATABASE_URL "$PG_URL/hpt")" \
+    "$(keep HPT_OPTUNA_URL "$PG_URL/optuna")" \
+    "$(keep MLFLOW_TRACKING_URI "http://127.0.0.1:$MLFLOW_PORT")" \
+    "$(keep RAY_ADDRESS "$RAY_ADDRESS_")" \
+    "$(keep HPT_API_TOKEN "$API_TOKEN")" \
+    "$(keep HPT_URL "http://127.0.0.1:$API_PORT")" \
+    "$(keep RAY_AUTH_MODE token)" \
+    "$(keep RAY_AUTH_TOKEN "$RAY_TOKEN")" \
+    "$(keep HPT_RAY_REQUIRE hpt_worker)"
+} > "$DIR/env"
 umask 022
 
 # ---------------------------------------------------------------- process helpers
@@ -148,9 +152,9 @@ if [ ! -f "$PGDATA/PG_VERSION" ]; then
   [ "$(id -u)" = 0 ] && chown postgres "$PGDATA"
   as_pg test -w "$PGDATA" || die "the postgres user cannot write $PGDATA: pick an \
 HPT_CLUSTER_DIR whose parents it can enter (not a mode-700 folder of root)"
-  pwfile=$(mktemp)
+  pwfile=$(mktemp)  # mode 600: the password is readable by its owner alone
   echo "$PG_PASSWORD" > "$pwfile"
-  chmod 644 "$pwfile"
+  [ "$(id -u)" = 0 ] && chown postgres "$pwfile"  # initdb runs as postgres
   as_pg "$PG_BIN/initdb" -D "$PGDATA" -U hpt --pwfile="$pwfile" --auth=scram-sha-256 \
     -E UTF8 >"$DIR/logs/postgres-init.log" 2>&1 || { rm -f "$pwfile"
     die "initdb failed (log: $DIR/logs/postgres-init.log)"; }

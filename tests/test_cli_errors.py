@@ -202,3 +202,32 @@ def test_fits_with_an_arm_the_sweep_lacks_is_a_422_naming_its_arms(server):
     ok = httpx.get(f"{url}/sweeps/{sweep_id}/fits", params={"reference_arm": "gpt/completep",
                                                             "bootstrap": 0})
     assert ok.status_code == 200, ok.text
+
+
+def test_serving_on_a_port_in_use_is_one_line_and_exit_2():
+    busy = socket.create_server(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+    try:
+        for args in (["serve", "--port", str(port)], ["mlflow-ui", "--port", str(port)]):
+            out = run(*args)
+            assert out.returncode == 2, (args, out.returncode, out.stderr[-500:])
+            assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+            assert "Traceback" not in out.stderr and " on http" not in out.stdout
+    finally:
+        busy.close()
+    out = run("serve", "--port", "70000")
+    assert out.returncode == 2 and "'70000' is not a port number (1-65535)" in out.stderr
+
+
+def test_a_bad_worker_setting_is_refused_up_front(tmp_path):
+    import os
+
+    trial = tmp_path / "trial.yaml"
+    trial.write_text("width: 32\ndepth: 1\nhead_dim: 32\nbudget: {steps: 2}\n")
+    for name, value, says in (("HPT_CACHE_MAX_GB", "abc", "HPT_CACHE_MAX_GB must be a number"),
+                              ("HPT_COMPILE", "bogus", "HPT_COMPILE='bogus': use one of")):
+        env = {**os.environ, name: value, "HPT_HOME": str(tmp_path / "home")}
+        for args in (["train", str(trial)], ["doctor", "--quick"]):
+            out = run(*args, env=env)
+            assert out.returncode == 2 and says in out.stderr, (args, out.stderr[-800:])
+            assert "Traceback" not in out.stderr

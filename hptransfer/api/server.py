@@ -23,6 +23,10 @@ from .app import create_app
 SERVER_OPTIONS = {"http": "httptools", "loop": "uvloop"}
 
 
+class CannotListen(ValueError):
+    """The address to serve on cannot be bound (a port in use, say)."""
+
+
 def serve_forever(settings: Settings, host: str, port: int, log_level: str = "info") -> None:
     """`hpt serve`: the API in the main thread until SIGTERM or SIGINT, then a clean stop.
 
@@ -37,6 +41,8 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
     from hptransfer.sweeper.dispatch import init_ray
 
     sock = listen(host, port)  # before Ray, whose processes pick free ports as they start
+    print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)",
+          flush=True)
     init_ray(settings)
     # uvicorn puts these back after a signal-initiated stop and re-raises the signal into
     # them: they only note it, so the clean-up below runs.
@@ -57,7 +63,11 @@ def listen(host: str, port: int) -> socket.socket:
     only until some other process binds it, and starting Ray starts several that bind
     ports of their own (a restart on the same port once found Ray's metrics agent on it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except (OSError, OverflowError) as exc:  # in use, no such address, out of range
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from None
 
 
 def free_port() -> int:
