@@ -95,11 +95,12 @@ def shift_interval(check: tuple[float, float, float],
 
 def transfer_check(
     df: pd.DataFrame, *, bootstrap: int = 200, seed: int | None = 0, ci: float = 0.95,
-    base_fit: OptimalLRResult | None = None,
+    base_fit: OptimalLRResult | None = None, neighbours: int = 2,
 ) -> TransferCheckResult:
     """The transfer check of a study frame (stages tune, transfer, check). The shift's CI
     counts both η*s' uncertainty: `base_fit`, η* of the tune stage with its CI
-    (`optimal_lr` of the tune trials at the same bootstrap and ci), is fitted when not given."""
+    (`optimal_lr` of the tune trials at the same bootstrap and ci, on `neighbours` LRs each
+    side of the best, as the study transferred it), is fitted when not given."""
     what = "the transfer check"
     tune = df[df["stage"] == "tune"]
     checked = df[df["stage"] == "check"]
@@ -116,7 +117,8 @@ def transfer_check(
         budget = set(checked["tokens_per_param"].fillna(-1.0))
         at = at[at["tokens_per_param"].fillna(-1.0).isin(budget)]
     if base_fit is None:
-        base_fit = optimal_lr(tune, bootstrap=bootstrap, seed=seed, ci=ci)
+        base_fit = optimal_lr(tune, bootstrap=bootstrap, seed=seed, ci=ci,
+                              neighbours=neighbours)
     base = base_fit.shapes
     check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
     check = check_fit.shapes
@@ -201,8 +203,10 @@ def study_fit_report(
     size_tolerance: float = 0.15,
     within: float = 0.01,
     n_grid: int = 20,
+    neighbours: int = 2,
 ) -> Any:
-    """A `FitReport` whose every analysis comes from its stage (see `STAGE_SOURCES`)."""
+    """A `FitReport` whose every analysis comes from its stage (see `STAGE_SOURCES`);
+    `neighbours`: LRs each side of the best that the tune stage's η* is fitted on."""
     from .report import FitReport  # report imports this module for its table list
 
     report = FitReport(bootstrap=bootstrap, seed=seed)
@@ -229,9 +233,10 @@ def study_fit_report(
     with single_threaded_blas():
         tune = part("tune")
         report.optimal_lr = run("optimal_lr", lambda: optimal_lr(
-            tune, bootstrap=bootstrap, seed=seed, ci=ci))
+            tune, bootstrap=bootstrap, seed=seed, ci=ci, neighbours=neighbours))
         report.transfer_check = run("transfer_check", lambda: transfer_check(
-            df, bootstrap=bootstrap, seed=seed, ci=ci, base_fit=report.optimal_lr))
+            df, bootstrap=bootstrap, seed=seed, ci=ci, base_fit=report.optimal_lr,
+            neighbours=neighbours))
         # a ladder shape may run at two token budgets: each (shape, tokens) is its own point,
         # so the frontier takes the lower envelope and L(N, D) sees D vary at fixed N
         ladder = run("frontier", lambda: by_budget(part("transfer"), "flops"))

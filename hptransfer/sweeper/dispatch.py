@@ -39,6 +39,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import optuna
@@ -58,6 +59,7 @@ from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.workers.remote import execute_trial, execute_trials
 
 from .backoff import Backoff
+from .db.rows import utcnow
 from .db.store import Store, SweepRecord, TrialRecord
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
@@ -74,6 +76,9 @@ log = logging.getLogger(__name__)
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
 MAX_BACKOFF_S = 30.0  # the longest pause between tries of a failing database or Optuna storage
 _MAX_PEEK = 2000  # pending trials read per sweep and tick to plan packs from
+# Optuna sweeps stopped this recently are passed over at start-up (their trials left RUNNING
+# in Optuna are told): a bound, so a start does not grow with every sweep ever cancelled
+RECENTLY_STOPPED_S = 7 * 86_400.0
 
 
 class BadSweep(Exception):
@@ -195,6 +200,10 @@ class Dispatcher:
         # leased were cancelled with it, and its untold pass tells their Optuna trials FAIL
         self.stopped: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.waiting: dict[str, str] = {}  # sweep id -> why its trials cannot start now
+        # Optuna sweeps active at the last tick: one that left the set stopped or finished,
+        # maybe by another process's request (an API-only server cancelling it), so its
+        # Optuna trials go to the untold pass
+        self._optuna_active: set[str] = set()
         self.optuna = OptunaSearch(settings.optuna_url)
         self._specs = SpecCache()
         self._stop = threading.Event()
@@ -255,6 +264,10 @@ class Dispatcher:
                 self.untold.add(sweep.id)
             elif not self.store.count_trials(sweep.id, status=list(ACTIVE)):
                 self._refresh(sweep.id)
+        # stopped lately while no dispatcher was there to tell Optuna (cancelled through an
+        # API-only server, or just before the last coordinator died)
+        self.untold |= set(self.store.stopped_sweep_ids(
+            search="optuna", since=utcnow() - timedelta(seconds=RECENTLY_STOPPED_S)))
         self._tell_untold()
 
     def _take_stopped(self) -> None:
@@ -558,6 +571,12 @@ class Dispatcher:
         active = self.store.active_sweeps()
         for gone in set(self.waiting) - {sweep.id for sweep in active}:
             self.waiting.pop(gone, None)  # cancelled or finished: it waits for nothing now
+        now_optuna = {sweep.id for sweep in active if sweep.search == "optuna"}
+        for gone in self._optuna_active - now_optuna:  # completed, or stopped by anyone
+            sweep = self.store.get_sweep(gone)
+            if sweep is not None and SweepStatus(sweep.status).is_stopped():
+                self.untold.add(gone)  # told by the next tick's pass
+        self._optuna_active = now_optuna
         for sweep in active:
             try:
                 spec = self._spec(sweep)
@@ -756,9 +775,9 @@ class Dispatcher:
         sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
         value = (result or {}).get("final_val_loss")
-        vocab = 256
-        if result and result.get("param_table"):
-            vocab = trial.spec.get("data", {}).get("vocab_size") or 256
+        data = trial.spec.get("data", {})  # the diverged penalty scales with the vocabulary
+        vocab = data.get("vocab_size") or (
+            data.get("bpe_vocab_size") if data.get("tokenizer") == "bpe" else None) or 256
         with self._optuna_calls():
             study = self._study(sweep.id, spec, _shape_of(trial))
             self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)

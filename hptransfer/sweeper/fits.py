@@ -16,6 +16,7 @@ from hptransfer.analysis.serialize import json_safe
 from hptransfer.analysis.staged import is_study_frame, study_fit_report
 
 from .db.store import Store
+from .optuna_search import fit_neighbours
 
 log = logging.getLogger(__name__)
 _CACHE: dict[tuple, FitReport] = {}
@@ -32,12 +33,12 @@ def sweep_report(
         if key in _CACHE:
             return _CACHE[key]
     frame = store.results_frame(sweep_id)
+    sweep = store.get_sweep(sweep_id)
+    neighbours = fit_neighbours(sweep.search if sweep is not None else "grid")
     if is_study_frame(frame):  # a staged study: each fit from its own stage
-        report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap)
+        report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
+                                  neighbours=neighbours)
     else:
-        sweep = store.get_sweep(sweep_id)
-        # a search's LRs are dense near η* and sparse far away: fit on the nearest neighbours
-        neighbours = 1 if sweep is not None and sweep.search == "optuna" else 2
         report = fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
                             bootstrap=bootstrap, neighbours=neighbours)
     with _LOCK:

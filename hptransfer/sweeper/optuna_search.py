@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 
@@ -65,6 +66,13 @@ def first_batch(key: str, lr_min: float, lr_max: float, n: int) -> list[float]:
     return [2.0 ** (lo + (i + offset) * (hi - lo) / n) for i in order]
 
 
+def fit_neighbours(search_method: str) -> int:
+    """LRs each side of the best that η*'s parabola is fitted on: a search's LRs are dense
+    near η* and sparse far away (a wider window lets the far tail pull the vertex); a grid's
+    are evenly spaced."""
+    return 1 if search_method == "optuna" else 2
+
+
 def half_slice(lr_min: float, lr_max: float, n_startup: int) -> float:
     """Half a first-batch slice, in octaves: how far the refinement and the bracketing
     place their LRs from the best one (the first batch's points are a slice apart)."""
@@ -80,7 +88,12 @@ def refinement(best_lr: float, lr_min: float, lr_max: float, n_startup: int) -> 
     x, lo, hi = math.log2(best_lr), math.log2(lr_min), math.log2(lr_max)
     sides = (max(lo, x - half), min(hi, x + half))
     # a best LR (almost) at the edge has nothing beyond it to refine
-    return [2.0**v for v in sides if abs(v - x) >= half / 4]
+    return [_within(2.0**v, lr_min, lr_max) for v in sides if abs(v - x) >= half / 4]
+
+
+def _within(lr: float, lr_min: float, lr_max: float) -> float:
+    """`lr` clamped to the range in linear terms: 2**log2(x) can land an ulp outside it."""
+    return min(lr_max, max(lr_min, lr))
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,7 @@ def bracket(seen: list[Seen], lr_min: float, lr_max: float, n_startup: int) -> f
             continue
         step = min(half, room, *(d / 2 for d, _ in beyond if d <= 2 * half))
         if step >= half / 8:  # else the side is crowded with failed runs: leave it
-            return 2.0 ** (best + side * step)
+            return _within(2.0 ** (best + side * step), lr_min, lr_max)
     return None
 
 
@@ -174,16 +187,43 @@ def _sampler(name: str, seed: int, n_startup: int) -> optuna.samplers.BaseSample
                                       constant_liar=True)
 
 
+class _WithoutDiverged:
+    """A study as a pruner sees it, less its diverged trials: told COMPLETE with a penalty,
+    a run that diverged late would be a yardstick as good as its early values."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[Any]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states)
+                if not _diverged(t)]
+
+
+class _Yardsticks(optuna.pruners.BasePruner):
+    """Optuna's `inner` pruner comparing with the trials that did not diverge."""
+
+    def __init__(self, inner: optuna.pruners.BasePruner) -> None:
+        self.inner = inner
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return self.inner.prune(_WithoutDiverged(study), trial)  # type: ignore[arg-type]
+
+
 def _pruner(search: Search) -> optuna.pruners.BasePruner:
-    # every pruner only sees decisions the gate allows (after decision_step, with
-    # MIN_FULL_BUDGET trials completed), so the first value it gets is at the same step
-    # for every trial of a study
+    # every pruner hears every report (successive halving records a trial's rung values only
+    # when asked), but its verdict counts only where the gate allows it (after
+    # decision_step, with MIN_FULL_BUDGET trials completed; see should_prune)
     if search.pruner == "rank":
         return RankPruner(search.keep_top)
     if search.pruner == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=2)
+        return _Yardsticks(optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
+                                                                  reduction_factor=2))
     if search.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=MIN_FULL_BUDGET, n_warmup_steps=0)
+        return _Yardsticks(optuna.pruners.MedianPruner(n_startup_trials=MIN_FULL_BUDGET,
+                                                       n_warmup_steps=0))
     return optuna.pruners.NopPruner()
 
 
@@ -224,7 +264,9 @@ class OptunaSearch:
             n_startup = search.startup_count()
             study = optuna.create_study(
                 study_name=name, storage=self.storage, load_if_exists=True,
-                direction="minimize", sampler=_sampler(search.sampler, stable_seed(name),
+                # seeded by the shape, not the sweep: the same spec and results ask the
+                # same LRs, so a resubmitted sweep reuses every trial, not the first batch only
+                direction="minimize", sampler=_sampler(search.sampler, stable_seed(shape),
                                                        n_startup),
                 pruner=_pruner(search),
             )
@@ -306,11 +348,12 @@ class OptunaSearch:
         if trial_id in self._pruned:
             return True
         live.trial.report(val_loss, step)  # every step: later trials compare against it
+        verdict = live.trial.should_prune()  # asked every time: the pruner records rungs
         if step < live.decide_from or step >= live.total:
             return False
         if self.full_budget_count(live.study) < MIN_FULL_BUDGET:
             return False
-        if live.trial.should_prune():
+        if verdict:
             self._pruned.add(trial_id)
             return True
         return False

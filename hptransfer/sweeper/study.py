@@ -30,6 +30,7 @@ from hptransfer.analysis.staged import transfer_check
 from hptransfer.status import SweepStatus, TrialStatus
 from hptransfer.workers.trial import MAX_LR
 
+from .optuna_search import fit_neighbours
 from .plan import PlannedTrial, ShapeKey, trial_at
 from .spec import SweepSpec
 from .spec.stages import STAGE_ORDER
@@ -160,7 +161,8 @@ def _tune_decisions(
 ) -> tuple[dict[str, dict[str, float]], dict[str, list[float]], list[str]]:
     """Per arm: the transferred HPs, or LRs to add beyond the grid edge, or why it stops."""
     assert spec.stages is not None
-    opt = optimal_lr(tune, bootstrap=0) if len(tune) else None
+    opt = (optimal_lr(tune, bootstrap=0, neighbours=fit_neighbours(spec.search.method))
+           if len(tune) else None)
     decisions: dict[str, dict[str, float]] = {}
     extend: dict[str, list[float]] = {}
     stops: list[str] = []
@@ -325,7 +327,7 @@ def _check_extensions(spec: SweepSpec, state: dict[str, Any],
     check = spec.stages.check if spec.stages is not None else None
     if check is None or check.extend == 0 or "stage" not in frame:
         return {}
-    result = transfer_check(frame, bootstrap=0)
+    result = transfer_check(frame, bootstrap=0, neighbours=fit_neighbours(spec.search.method))
     curves = result.curves  # the bracket's points, as the check fitted them
     used = state.get("check_extensions", {})
     out: dict[tuple[str, int, int], list[float]] = {}

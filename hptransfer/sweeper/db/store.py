@@ -399,6 +399,15 @@ class Store:
                     .order_by(Sweep.created_at, Sweep.id))
             return [sweep_record(x) for x in s.scalars(stmt)]
 
+    def stopped_sweep_ids(self, search: str, since: datetime) -> list[str]:
+        """Sweeps of that search method that stopped (cancelled, failed, stopped) since."""
+        with self._read() as s:
+            stmt = (select(Sweep.id)
+                    .where(Sweep.status.in_(STOPPED_SWEEP_STATUSES), Sweep.search == search,
+                           Sweep.finished_at >= since)
+                    .order_by(Sweep.created_at, Sweep.id))
+            return list(s.scalars(stmt))
+
     def status_counts(self, sweep_id: str) -> dict[str, int]:
         """Number of trials in every status (zeros included)."""
         with self._read() as s:
