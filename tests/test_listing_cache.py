@@ -127,3 +127,40 @@ def test_probe_cache_reuses_a_probe_within_its_time_limit():
     assert cache("optuna", probe)[0].detail == "call 1"
     time.sleep(0.3)
     assert cache("optuna", probe)[0].detail == "call 2"
+
+
+def test_relisting_a_page_of_many_studies_does_not_validate_their_specs_again(
+        hpt_home, monkeypatch):
+    """A page of studies (each summary needs its validated spec) larger than the spec cache
+    evicted, in order, every spec the next rebuild needed: 0.6-0.9 s per rebuild of 1000."""
+    from fastapi.testclient import TestClient
+    from test_study import study_dict
+
+    import hptransfer.sweeper.spec.cache as cache_module
+    from hptransfer.api.app import create_app
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.plan import plan_sweep
+    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.sweeper.study import initial_state
+
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        store = api.app.state.coordinator.store
+        spec = load_spec(study_dict())
+        tune, raw = plan_sweep(spec), spec.model_dump(mode="json")
+        for i in range(300):  # more than the cache held
+            store.create_sweep(f"study-{i}", raw, "h", "grid", tune, reuse=False,
+                               study=initial_state(spec, len(tune)))
+        assert len(api.get("/sweeps", params={"limit": 1000}).json()) == 300
+        validations = []
+        real = cache_module.SweepSpec
+
+        class Counting:
+            @staticmethod
+            def model_validate(data):
+                validations.append(1)
+                return real.model_validate(data)
+
+        monkeypatch.setattr(cache_module, "SweepSpec", Counting)
+        api.app.state.listings._entries.clear()  # what any commit to the app database does
+        assert len(api.get("/sweeps", params={"limit": 1000}).json()) == 300
+        assert validations == []

@@ -10,6 +10,7 @@ from pydantic import TypeAdapter
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.status import TrialStatus
 from hptransfer.sweeper.service import UnknownArm
+from hptransfer.sweeper.spec.cache import MAX_PAGE
 from hptransfer.sweeper.spec.stages import STAGE_ORDER
 
 from .auth import require_token
@@ -68,7 +69,7 @@ def submit_sweep(
             tags=["sweeps"])
 async def list_sweeps(
     request: Request,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> Response:
     """A page of sweep summaries, newest first. Served from the listing cache while nothing

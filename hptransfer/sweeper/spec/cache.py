@@ -13,9 +13,13 @@ from typing import Any
 
 from .model import SweepSpec
 
+# the most sweeps one listing page shows (GET /sweeps?limit=): a page of studies re-listed
+# after every commit must find all its specs here, or LRU eviction validates them all again
+MAX_PAGE = 1000
+
 
 class SpecCache:
-    def __init__(self, size: int = 256) -> None:
+    def __init__(self, size: int = MAX_PAGE + 24) -> None:
         if size < 1:
             raise ValueError(f"SpecCache size must be >= 1, got {size}")
         self.size = size
