@@ -10,11 +10,13 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from hptransfer.dashboards import (
     plotly_js_path,
     plotly_js_text,
+    render_busy_html,
     render_index_html,
     render_not_found_html,
     render_sweep_html,
     sweep_data,
 )
+from hptransfer.sweeper.fits import FitsBusy
 
 from .routes import NOT_MODIFIED, coordinator
 
@@ -50,6 +52,9 @@ def sweep_dashboard(
         data = sweep_data(c, sweep_id, bootstrap)
     except LookupError:
         return HTMLResponse(render_not_found_html(f"No sweep with id {sweep_id!r}."), 404)
+    except FitsBusy as exc:
+        return HTMLResponse(render_busy_html(str(exc)), 503,
+                            headers={"Retry-After": str(exc.retry_after_s)})
     html = render_sweep_html(data.summary, data.trials, data.report,
                              coordcheck_dir=data.coordcheck_dir)
     return HTMLResponse(html)

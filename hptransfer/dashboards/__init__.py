@@ -5,7 +5,12 @@ self-contained file and `dashboard_artifacts` returns what is logged to MLflow.
 """
 
 from .export import dashboard_artifacts, store_summary, sweep_data, write_sweep_dashboard
-from .pages import render_index_html, render_not_found_html, render_sweep_html
+from .pages import (
+    render_busy_html,
+    render_index_html,
+    render_not_found_html,
+    render_sweep_html,
+)
 from .static import PLOTLY_ROUTE, plotly_js_path, plotly_js_text
 
 __all__ = [
@@ -13,6 +18,7 @@ __all__ = [
     "dashboard_artifacts",
     "plotly_js_path",
     "plotly_js_text",
+    "render_busy_html",
     "render_index_html",
     "render_not_found_html",
     "render_sweep_html",

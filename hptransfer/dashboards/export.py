@@ -63,15 +63,18 @@ def _coordcheck_dir(source: Any) -> Path | None:
     return Path(settings.home) / "coordcheck"
 
 
-def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100) -> SweepData:
-    """`source` is a Coordinator (summary with ETA) or a Store; LookupError if unknown."""
+def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100,
+               wait: bool = False) -> SweepData:
+    """`source` is a Coordinator (summary with ETA) or a Store; LookupError if unknown.
+    `wait`: for a report not cached, wait for a computation slot rather than raise FitsBusy
+    (a file or an artifact being written, not a request)."""
     store: Store = getattr(source, "store", source)
     summary = source.summary(sweep_id) if hasattr(source, "summary") \
         else store_summary(store, sweep_id)
     # the pages render plain mappings: the records are serialised here, at the boundary
     trials = [t.to_dict() for t in
               store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT)]
-    report = sweep_report(store, sweep_id, bootstrap)  # cached per finished-trial counts
+    report = sweep_report(store, sweep_id, bootstrap, wait=wait)  # cached per trial counts
     return SweepData(summary, trials, report, _coordcheck_dir(source))
 
 
@@ -88,7 +91,8 @@ def write_sweep_dashboard(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "index.html"
-    path.write_text(_offline_html(sweep_data(source, sweep_id, bootstrap)), encoding="utf-8")
+    path.write_text(_offline_html(sweep_data(source, sweep_id, bootstrap, wait=True)),
+                    encoding="utf-8")
     return path
 
 
@@ -97,7 +101,7 @@ def dashboard_artifacts(source: Any, sweep_id: str, bootstrap: int = 100) -> dic
 
     A PNG is left out when its figure has no data (the HTML says why).
     """
-    data = sweep_data(source, sweep_id, bootstrap)
+    data = sweep_data(source, sweep_id, bootstrap, wait=True)
     out: dict[str, str | bytes] = {"dashboards/sweep.html": _offline_html(data)}
     for name, draw in (("loss_vs_lr", lr_png), ("frontier", frontier_png)):
         png = draw(data.report)

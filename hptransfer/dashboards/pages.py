@@ -96,6 +96,13 @@ def render_sweep_html(
     )
 
 
+def render_busy_html(why: str, home: str = "/dashboards") -> str:
+    body = section("Busy", f"<p>{esc(why)}</p><p>This page reloads in a few seconds.</p>"
+                           f"<p><a href=\"{esc(home)}\">Back to all sweeps</a></p>")
+    return page("busy · hptransfer", body, plotly=None, home=home).replace(
+        "<head>", '<head><meta http-equiv="refresh" content="5">', 1)
+
+
 def render_not_found_html(what: str, home: str = "/dashboards") -> str:
     body = section("Not found", f"<p>{esc(what)}</p><p><a href=\"{esc(home)}\">"
                                 "Back to all sweeps</a></p>")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -22,30 +23,76 @@ log = logging.getLogger(__name__)
 _CACHE: dict[tuple, FitReport] = {}
 _LOCK = threading.Lock()
 _CACHE_SIZE = 64
+# A report not in the cache can take seconds of CPU and hundreds of MB (bootstrap 2000 on
+# 5000 trials: ~5 s, ~0.6 GB), each in one of the server's request threads: at most
+# MAX_COMPUTING are computed at once, identical requests share one computation, and past
+# MAX_ADMITTED requests waiting for reports a request is refused (FitsBusy: 503).
+MAX_COMPUTING = max(1, (os.cpu_count() or 2) // 2)
+MAX_ADMITTED = 4 * MAX_COMPUTING
+_COMPUTING = threading.BoundedSemaphore(MAX_COMPUTING)
+_ADMITTED = threading.BoundedSemaphore(MAX_ADMITTED)
+_BUILDING: dict[tuple, threading.Event] = {}  # key -> set when its computation ends
+
+
+class FitsBusy(RuntimeError):
+    """Too many fit reports are being computed for this request to wait its turn."""
+
+    retry_after_s = 5
 
 
 def sweep_report(
-    store: Store, sweep_id: str, bootstrap: int = 100, reference_arm: str | None = None
+    store: Store, sweep_id: str, bootstrap: int = 100, reference_arm: str | None = None,
+    wait: bool = False,
 ) -> FitReport:
+    """The sweep's fit report, from the cache when its finished trials have not changed.
+    A miss waits for a computation slot; with `wait=False` (a request) FitsBusy is raised
+    at once when MAX_ADMITTED requests are already waiting or computing."""
     counts = tuple(sorted(store.status_counts(sweep_id).items()))
     key = (sweep_id, counts, bootstrap, reference_arm)
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
+    if not _ADMITTED.acquire(blocking=wait):
+        raise FitsBusy(f"{MAX_ADMITTED} fit reports are being computed or waited for; retry "
+                       f"in a few seconds (a lower bootstrap is faster)")
+    try:
+        while True:
+            with _LOCK:
+                if key in _CACHE:
+                    return _CACHE[key]
+                building = _BUILDING.get(key)
+                mine = building is None
+                if mine:
+                    building = _BUILDING[key] = threading.Event()
+            if not mine:
+                building.wait()  # an identical request computes it: then from the cache
+                continue  # (or it failed: computed here)
+            try:
+                with _COMPUTING:
+                    report = _compute(store, sweep_id, bootstrap, reference_arm)
+                with _LOCK:
+                    if len(_CACHE) >= _CACHE_SIZE:
+                        _CACHE.pop(next(iter(_CACHE)))
+                    _CACHE[key] = report
+                return report
+            finally:
+                with _LOCK:
+                    _BUILDING.pop(key, None)
+                building.set()
+    finally:
+        _ADMITTED.release()
+
+
+def _compute(store: Store, sweep_id: str, bootstrap: int,
+             reference_arm: str | None) -> FitReport:
     frame = store.results_frame(sweep_id)
     sweep = store.get_sweep(sweep_id)
     neighbours = fit_neighbours(sweep.search if sweep is not None else "grid")
     if is_study_frame(frame):  # a staged study: each fit from its own stage
-        report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
-                                  neighbours=neighbours)
-    else:
-        report = fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
-                            bootstrap=bootstrap, neighbours=neighbours)
-    with _LOCK:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = report
-    return report
+        return study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
+                                neighbours=neighbours)
+    return fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
+                      bootstrap=bootstrap, neighbours=neighbours)
 
 
 def fits_payload(report: FitReport) -> dict[str, Any]:

@@ -197,4 +197,4 @@ class Coordinator:
 
 
 def _fit_artifacts(coordinator: Coordinator, sweep_id: str) -> dict[str, str]:
-    return fits_artifacts(sweep_report(coordinator.store, sweep_id))
+    return fits_artifacts(sweep_report(coordinator.store, sweep_id, wait=True))
