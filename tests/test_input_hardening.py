@@ -418,3 +418,26 @@ def test_a_body_of_many_unknown_keys_gets_a_bounded_answer(client, tiny_spec):
     assert errors[0]["field"] == "0" and "unknown field '0'" in errors[0]["message"]
     assert errors[-1] == {"field": "", "message": "... and 59950 more errors: fix these first"}
     assert nothing_stored(client)
+
+
+@pytest.mark.parametrize("method, path, allowed", [
+    ("PUT", "/sweeps", "GET, HEAD, POST"), ("DELETE", "/sweeps", "GET, HEAD, POST"),
+    ("OPTIONS", "/sweeps", "GET, HEAD, POST"), ("POST", "/health", "GET, HEAD"),
+])
+def test_a_405_names_every_method_the_path_serves(hpt_home, method, path, allowed):
+    # Starlette named the first route that matched the path only: `Allow: POST` on /sweeps
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        r = c.request(method, path)
+    assert r.status_code == 405 and r.headers["Allow"] == allowed
+    assert r.json()["error"].startswith(f"{method} is not served at {path}: use ")
+
+
+@pytest.mark.parametrize("path", ["/health", "/sweeps", "/dashboards",
+                                  "/dashboards/static/plotly.min.js"])
+def test_head_is_answered_as_get_without_the_body(hpt_home, path):
+    with TestClient(create_app(get_settings(), dispatch=False)) as c:
+        head, get = c.head(path), c.get(path)
+    assert head.status_code == get.status_code == 200  # a 405 before
+    assert head.content == b"" and head.headers["content-length"] == get.headers[
+        "content-length"]
+    assert head.headers["content-type"] == get.headers["content-type"]

@@ -20,7 +20,7 @@ from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
-from .guards import RefuseNulInURL, error_response
+from .guards import HeadAsGet, RefuseNulInURL, allowed_methods, error_response
 from .health import remember_mlflow_store
 from .listing import ListingCache
 from .routes import router
@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
     app.include_router(router)
     app.include_router(dashboards_router)
     app.add_middleware(RefuseNulInURL)
+    app.add_middleware(HeadAsGet)
     _install_error_handlers(app)
     return app
 
@@ -98,7 +99,16 @@ def _install_error_handlers(app: FastAPI) -> None:
             f"{e['field']}: {e['message']}" for e in exc.errors), exc.errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        allowed = (allowed_methods(request.app.router.routes, request.scope)
+                   if exc.status_code == 405 else [])
+        if allowed:
+            use = " or ".join([", ".join(allowed[:-1]), allowed[-1]] if len(allowed) > 1
+                              else allowed)
+            response = error_response(405, f"{request.method} is not served at "
+                                           f"{request.url.path}: use {use}")
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
         response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response

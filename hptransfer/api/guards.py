@@ -70,3 +70,36 @@ class RefuseNulInURL:
                                       "query: remove it")(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered as GET without its body (RFC 9110 9.3.2: a
+    general-purpose server supports it; an uptime check by HEAD /health saw a 405)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
+
+
+def allowed_methods(routes: Any, scope: dict) -> list[str]:
+    """Every method some route serves at this request's path (the 405's Allow: Starlette's
+    names only the first route that matched the path)."""
+    from starlette.routing import Match
+
+    served = [method for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+              if any(route.matches({**scope, "method": method})[0] == Match.FULL
+                     for route in routes)]
+    if "GET" in served and "HEAD" not in served:  # HeadAsGet answers it
+        served.insert(1, "HEAD")
+    return served
