@@ -113,17 +113,20 @@ class Client:
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/health")
 
-    def trials(self, sweep_id: str, **filters: Any) -> pd.DataFrame:
+    def trials(self, sweep_id: str, curves: bool = False, **filters: Any) -> pd.DataFrame:
         """All trials of a sweep (paged through) as a DataFrame, one row per trial; the
-        same columns and numeric dtypes whether or not any row matched or has results."""
+        same columns and numeric dtypes whether or not any row matched or has results.
+        `curves`: each `result` with its loss curve (fetched 100 trials a request)."""
         from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
 
         rows: list[dict] = []
         params = {k: v for k, v in filters.items() if v is not None}
+        params["curves"] = "true" if curves else "false"
         path = f"/sweeps/{_path_id(sweep_id)}/trials"
+        page_size = 100 if curves else 1000
         while True:
             page = self._call("GET", path,
-                              params={**params, "limit": 1000, "offset": len(rows)})
+                              params={**params, "limit": page_size, "offset": len(rows)})
             rows.extend(page["items"])
             if not page["items"] or len(rows) >= page["total"]:
                 break

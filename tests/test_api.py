@@ -30,7 +30,7 @@ def test_submit_run_and_track_a_sweep(server, tiny_spec):
         done = c.wait(s["id"], poll=0.3, timeout=300, progress=False)
         assert done["status"] == "completed"
         assert done["counts"].get("completed", 0) + done["counts"].get("diverged", 0) == 3
-        df = c.trials(s["id"])
+        df = c.trials(s["id"], curves=True)  # the curves too: the first point is read below
     assert len(df) == 3 and set(df["lr"]) == {2**-8, 2**-6, 2**-4}
     finished = df[df["status"] == "completed"]
     assert (finished["final_val_loss"] < 5.6).all()

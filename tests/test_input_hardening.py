@@ -441,3 +441,26 @@ def test_head_is_answered_as_get_without_the_body(hpt_home, path):
     assert head.content == b"" and head.headers["content-length"] == get.headers[
         "content-length"]
     assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_a_trial_page_leaves_the_curves_in_the_database_unless_asked(any_db_client,
+                                                                    tiny_spec):
+    """A curve has a point per evaluation: a page of 10 000 trials with them was hundreds
+    of MB read and sent (846 kB a trial at 1000-point curves)."""
+    sweep_id = any_db_client.post("/sweeps", json=tiny_spec).json()["id"]
+    store = any_db_client.app.state.coordinator.store
+    curve = [{"step": i, "train_loss": 5.0 - i / 1e4, "val_loss": 5.1} for i in range(1, 2001)]
+    for t in store.lease_pending("me", 10, sweep_id=sweep_id):
+        store.finish_trial(t.id, "completed", {"final_val_loss": 4.9, "curve": curve,
+                                               "notes": ["n"], "param_table": {"g": 1}})
+    url = f"/sweeps/{sweep_id}/trials"
+    slim = any_db_client.get(url, params={"limit": 10_000})
+    assert slim.status_code == 200 and len(slim.content) < 10_000, len(slim.content)
+    for item in slim.json()["items"]:
+        assert "curve" not in item["result"]  # the rest of the result is there
+        assert item["result"]["notes"] == ["n"] and item["result"]["param_table"] == {"g": 1}
+        assert item["final_val_loss"] == 4.9
+    full = any_db_client.get(url, params={"limit": 100, "curves": "true"})
+    assert [len(i["result"]["curve"]) for i in full.json()["items"]] == [2000] * 3
+    too_many = any_db_client.get(url, params={"limit": 101, "curves": "true"})
+    assert too_many.status_code == 422 and "at most 100 trials" in too_many.json()["error"]

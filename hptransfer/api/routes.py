@@ -17,6 +17,9 @@ from .auth import require_token
 from .guards import StrictJSONRoute, require_json
 from .schemas import EXAMPLE_SPEC, ErrorResponse, Health, SweepSummary, TrialPage
 
+# trials a page holds with their curves (a point per evaluation each)
+MAX_CURVE_PAGE = 100
+
 router = APIRouter(route_class=StrictJSONRoute)
 ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
           404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
@@ -104,16 +107,23 @@ def list_trials(
                                        description="a study's stage: " + STAGES)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+    curves: Annotated[bool, Query(description="each result with its loss curve (at most "
+                                              f"{MAX_CURVE_PAGE} trials a page)")] = False,
 ) -> dict[str, Any]:
+    """A page of the sweep's trials; results without their curves unless `curves=true`."""
     c = coordinator(request)
     c.summary(sweep_id)  # 404 for an unknown sweep
+    if curves and limit > MAX_CURVE_PAGE:
+        raise HTTPException(status_code=422, detail=(
+            f"with curves=true a page holds at most {MAX_CURVE_PAGE} trials (limit={limit}): "
+            "page through them, or leave the curves out"))
     filters = dict(status=status, arm=arm, width=width, depth=depth, stage=stage)
     return {
         "total": c.store.count_trials(sweep_id, **filters),
         "limit": limit,
         "offset": offset,
-        "items": [t.to_dict() for t in
-                  c.store.trials(sweep_id, limit=limit, offset=offset, **filters)],
+        "items": [t.to_dict() for t in c.store.trials(sweep_id, limit=limit, offset=offset,
+                                                      curves=curves, **filters)],
     }
 
 

@@ -73,7 +73,8 @@ def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100,
         else store_summary(store, sweep_id)
     # the pages render plain mappings: the records are serialised here, at the boundary
     trials = [t.to_dict() for t in
-              store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT)]
+              store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT,
+                           curves=False)]
     report = sweep_report(store, sweep_id, bootstrap, wait=wait)  # cached per trial counts
     return SweepData(summary, trials, report, _coordcheck_dir(source))
 

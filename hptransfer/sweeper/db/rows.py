@@ -44,17 +44,19 @@ def new_id(n: int) -> str:
     return uuid.uuid4().hex[:n]
 
 
-def _columns(obj: Base) -> dict[str, Any]:
-    """Every column of an ORM row, by attribute name."""
-    return {attr.key: getattr(obj, attr.key) for attr in inspect(obj).mapper.column_attrs}
+def _columns(obj: Base, **given: Any) -> dict[str, Any]:
+    """Every column of an ORM row, by attribute name; `given` ones as given (a deferred
+    column is not loaded for them)."""
+    return {attr.key: given[attr.key] if attr.key in given else getattr(obj, attr.key)
+            for attr in inspect(obj).mapper.column_attrs}
 
 
 def sweep_record(obj: Sweep, counts: dict[str, int] | None = None) -> SweepRecord:
     return SweepRecord(**_columns(obj), counts=counts)
 
 
-def trial_record(obj: Trial) -> TrialRecord:
-    return TrialRecord(**_columns(obj))
+def trial_record(obj: Trial, **given: Any) -> TrialRecord:
+    return TrialRecord(**_columns(obj, **given))
 
 
 def dump_model(value: Any) -> dict[str, Any]:

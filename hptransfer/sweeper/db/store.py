@@ -25,9 +25,11 @@ from datetime import datetime, timedelta
 from typing import Any, cast
 
 import pandas as pd
-from sqlalchemy import Select, case, func, insert, or_, select, update
+from sqlalchemy import JSON, Select, case, func, insert, or_, select, update
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from hptransfer.redaction import mask_url, redact
 from hptransfer.status import TrialStatus
@@ -468,8 +470,11 @@ class Store:
         sigma_base: float | None = None,
         seed: int | None = None,
         stage: str | None = None,
+        curves: bool = True,
     ) -> list[TrialRecord]:
-        """A page of a sweep's trials in plan order (idx), optionally filtered."""
+        """A page of a sweep's trials in plan order (idx), optionally filtered. With
+        `curves=False` each result comes without its curve, left in the database (a curve
+        has a point per evaluation: a page of them can be hundreds of MB)."""
         stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
             select(Trial).where(Trial.sweep_id == sweep_id)
         )
@@ -477,7 +482,16 @@ class Store:
         if limit is not None:
             stmt = stmt.limit(limit)
         with self._read() as s:
-            return [trial_record(t) for t in s.scalars(stmt)]
+            if curves:
+                return [trial_record(t) for t in s.scalars(stmt)]
+            slim = stmt.add_columns(self._result_without_curve()).options(defer(Trial.result))
+            return [trial_record(t, result=result) for t, result in s.execute(slim)]
+
+    def _result_without_curve(self) -> Any:
+        """The result column less its `curve`, computed by the database."""
+        if self.dialect == "postgresql":
+            return sql_cast(sql_cast(Trial.result, JSONB).op("-")("curve"), JSON)
+        return func.json_remove(Trial.result, "$.curve", type_=JSON)
 
     def count_trials(
         self,
