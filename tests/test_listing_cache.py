@@ -164,3 +164,32 @@ def test_relisting_a_page_of_many_studies_does_not_validate_their_specs_again(
         api.app.state.listings._entries.clear()  # what any commit to the app database does
         assert len(api.get("/sweeps", params={"limit": 1000}).json()) == 300
         assert validations == []
+
+
+def test_a_listing_does_not_read_the_specs_it_drops(hpt_home):
+    import copy
+    import tracemalloc
+
+    from conftest import TINY_SPEC
+    from fastapi.testclient import TestClient
+
+    from hptransfer.api.app import create_app
+    from hptransfer.config import get_settings
+    from hptransfer.sweeper.spec import load_spec
+
+    raw = {**copy.deepcopy(TINY_SPEC), "description": "d" * 10_000,
+           "tags": {f"k{i:03d}" + "x" * 120: "v" * 1024 for i in range(64)}}
+    stored = load_spec(raw).model_dump(mode="json")  # ~86 kB, the most a submit takes
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        store = api.app.state.coordinator.store
+        for i in range(300):
+            store.create_sweep(f"s{i}", stored, "h", "grid", [], planned_total=0)
+        api.app.state.listings._entries.clear()
+        tracemalloc.start()
+        try:
+            r = api.get("/sweeps", params={"limit": 1000})
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert r.status_code == 200 and len(r.json()) == 300
+    assert peak < 300 * 20_000, peak  # 56 MB when every spec was read to be dropped

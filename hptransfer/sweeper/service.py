@@ -117,7 +117,7 @@ class Coordinator:
 
     def summaries(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         """Summaries of a page of sweeps, newest first, in a constant number of queries."""
-        sweeps = self.store.list_sweeps(limit=limit, offset=offset)
+        sweeps = self.store.list_sweeps(limit=limit, offset=offset, specs=False)
         means = self.store.mean_wall_times([s.id for s in sweeps])
         stages = self._stage_counts(sweeps)
         return [self._summarise(s, means.get(s.id), stages.get(s.id)) for s in sweeps]

@@ -51,8 +51,9 @@ def _columns(obj: Base, **given: Any) -> dict[str, Any]:
             for attr in inspect(obj).mapper.column_attrs}
 
 
-def sweep_record(obj: Sweep, counts: dict[str, int] | None = None) -> SweepRecord:
-    return SweepRecord(**_columns(obj), counts=counts)
+def sweep_record(obj: Sweep, counts: dict[str, int] | None = None,
+                 **given: Any) -> SweepRecord:
+    return SweepRecord(**_columns(obj, **given), counts=counts)
 
 
 def trial_record(obj: Trial, **given: Any) -> TrialRecord:
