@@ -400,8 +400,9 @@ class Store:
             if specs:
                 return [sweep_record(x, counts[x.id]) for x in sweeps]
             studies = [x.id for x in sweeps if x.study is not None]
-            spec_of = dict(s.execute(select(Sweep.id, Sweep.spec).where(
-                Sweep.id.in_(studies)))) if studies else {}
+            spec_of = {sweep_id: spec for chunk in chunks(studies)
+                       for sweep_id, spec in s.execute(select(Sweep.id, Sweep.spec)
+                                                       .where(Sweep.id.in_(list(chunk))))}
             return [sweep_record(x, counts[x.id], spec=spec_of.get(x.id, {}))
                     for x in sweeps]
 
