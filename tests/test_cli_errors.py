@@ -127,13 +127,18 @@ def test_status_lists_every_sweep_not_the_first_page(server):
         assert len(c.list_all(page=7)) == len(c.list_all()) >= 101
 
 
+def submit_and_wait(url: str, tmp_path, name: str) -> subprocess.Popen:
+    """`hpt submit SPEC --wait` running; its first line says the sweep id."""
+    return subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, name)), "--wait",
+                             "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def test_submit_wait_exits_1_when_the_sweep_fails(server, tmp_path):
     from hptransfer.sweeper.db.store import Store
 
     url, settings = server
-    p = subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, "will-fail")), "--wait",
-                          "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = submit_and_wait(url, tmp_path, "will-fail")
     try:
         line = p.stdout.readline()  # "submitted sweep ID (3 trials)"
         sweep_id = line.split()[2]
@@ -150,9 +155,7 @@ def test_submit_wait_exits_1_when_the_sweep_fails(server, tmp_path):
 
 def test_ctrl_c_while_waiting_says_the_sweep_goes_on(server, tmp_path):
     url, _ = server
-    p = subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, "interrupted")), "--wait",
-                          "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = submit_and_wait(url, tmp_path, "interrupted")
     try:
         sweep_id = p.stdout.readline().split()[2]
         time.sleep(1.0)  # polling now

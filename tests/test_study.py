@@ -351,13 +351,19 @@ def test_an_optuna_study_needs_three_lrs_per_shape_and_its_edge_names_its_fields
 # ------------------------------------------------------------------ store
 
 
-def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
+def stored_study(tmp_path):
+    """(spec, store, sweep id) of study_dict()'s study, its tune stage stored."""
     spec = load_spec(study_dict())
     tune = plan_sweep(spec)
     store = Store(f"sqlite:///{tmp_path}/hpt.db")
     store.migrate()
     sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
                              study=initial_state(spec, len(tune)))
+    return spec, store, sid
+
+
+def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
+    spec, store, sid = stored_study(tmp_path)
     for t in store.lease_pending("me", 100, sweep_id=sid):  # all tune trials finish
         store.finish_trial(t.id, "completed", {"final_val_loss": bowl(-8)(
             type("P", (), {"lr": t.lr})())})
@@ -487,12 +493,7 @@ def test_a_done_study_whose_refresh_failed_completes_on_a_later_tick(hpt_home, m
 def test_a_cancelled_study_has_no_stage_waiting_or_done(tmp_path):
     from hptransfer.sweeper.study import study_progress
 
-    spec = load_spec(study_dict())
-    tune = plan_sweep(spec)
-    store = Store(f"sqlite:///{tmp_path}/hpt.db")
-    store.migrate()
-    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
-                             study=initial_state(spec, len(tune)))
+    spec, store, sid = stored_study(tmp_path)
     leased = store.lease_pending("me", 3, sweep_id=sid)
     store.finish_trial(leased[0].id, "completed", {"final_val_loss": 3.0})
     running = {s["stage"]: s["state"] for s in study_progress(
