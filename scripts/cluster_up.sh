@@ -85,17 +85,16 @@ RAY_ADDRESS_=127.0.0.1:$RAY_PORT
 umask 077
 {
   echo "# the coordinator's settings: source this file to use the local cluster from a shell"
-  printf 'export %s\n' \
-    "$(keep HPT_HOME "$DIR/hpt")" \
-    "$(keep HPT_DATABASE_URL "$PG_URL/hpt")" \
-    "$(keep HPT_OPTUNA_URL "$PG_URL/optuna")" \
-    "$(keep MLFLOW_TRACKING_URI "http://127.0.0.1:$MLFLOW_PORT")" \
-    "$(keep RAY_ADDRESS "$RAY_ADDRESS_")" \
-    "$(keep HPT_API_TOKEN "$API_TOKEN")" \
-    "$(keep HPT_URL "http://127.0.0.1:$API_PORT")" \
-    "$(keep RAY_AUTH_MODE token)" \
-    "$(keep RAY_AUTH_TOKEN "$RAY_TOKEN")" \
-    "$(keep HPT_RAY_REQUIRE hpt_worker)"
+  printf 'export HPT_HOME=%q\n' "$DIR/hpt"
+  printf 'export HPT_DATABASE_URL=%q\n' "$PG_URL/hpt"
+  printf 'export HPT_OPTUNA_URL=%q\n' "$PG_URL/optuna"
+  printf 'export MLFLOW_TRACKING_URI=%q\n' "http://127.0.0.1:$MLFLOW_PORT"
+  printf 'export RAY_ADDRESS=%q\n' "$RAY_ADDRESS_"
+  printf 'export HPT_API_TOKEN=%q\n' "$API_TOKEN"
+  printf 'export HPT_URL=%q\n' "http://127.0.0.1:$API_PORT"
+  printf 'export RAY_AUTH_MODE=%q\n' token
+  printf 'export RAY_AUTH_TOKEN=%q\n' "$RAY_TOKEN"
+  printf 'export HPT_RAY_REQUIRE=%q\n' hpt_worker
 } > "$DIR/env"
 umask 022
 

@@ -122,7 +122,7 @@ def test_coordinator_environment_matches_cluster_up(compose):
     env = compose["services"]["coordinator"]["environment"]
     names = set(env) - {"<<"} | set(compose["x-ray-auth"])
     script = CLUSTER_UP.read_text()
-    exported = set(re.findall(r"^export (\w+)=", script, flags=re.M))
+    exported = set(re.findall(r"^\s*printf 'export (\w+)=", script, flags=re.M))
     # HPT_URL tells local shells where the API is; in compose that is the published port
     assert exported - {"HPT_URL"} <= names, exported - names
     assert {"HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS",

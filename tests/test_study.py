@@ -652,6 +652,7 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
     (the study used to hang: the dispatcher read the negative "trials left to ask" of a
     study whose later stages outnumber the Optuna budget as "some left")."""
     from hptransfer.analysis import optimal_lr
+    from hptransfer.sweeper.optuna_search import fit_neighbours
     from hptransfer.sweeper.study import _round_lr
 
     url, _ = server
@@ -670,7 +671,8 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
     assert list(df["stage"].drop_duplicates()) == ["tune", "transfer", "check"]
     # η* fitted here from the tune trials is the LR the later stages were planned at
     frame = tune.drop(columns=["stage"]).rename(columns={"id": "trial_id"})
-    best = optimal_lr(frame, bootstrap=0).shapes.iloc[0]
+    # on one neighbour each side, as a search's LRs are fitted (optuna_search.fit_neighbours)
+    best = optimal_lr(frame, bootstrap=0, neighbours=fit_neighbours("optuna")).shapes.iloc[0]
     eta = _round_lr(float(best["lr_opt"]))
     assert done["study"]["hps"]["gpt/completep"]["lr"] == pytest.approx(eta, rel=1e-12)
     transfer = df[df["stage"] == "transfer"]
