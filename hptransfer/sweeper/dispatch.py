@@ -775,12 +775,11 @@ class Dispatcher:
         sweep = self.store.get_sweep(trial.sweep_id)
         spec = self._spec(sweep)
         value = (result or {}).get("final_val_loss")
-        data = trial.spec.get("data", {})  # the diverged penalty scales with the vocabulary
-        vocab = data.get("vocab_size") or (
-            data.get("bpe_vocab_size") if data.get("tokenizer") == "bpe" else None) or 256
         with self._optuna_calls():
             study = self._study(sweep.id, spec, _shape_of(trial))
-            self.optuna.tell(study, trial.optuna_trial_number, status, value, vocab)
+            # the diverged penalty scales with the models' vocabulary
+            self.optuna.tell(study, trial.optuna_trial_number, status, value,
+                             spec.model_vocab_size())
             self.optuna_storage.succeeded()
 
     @contextlib.contextmanager

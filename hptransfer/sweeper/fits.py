@@ -31,7 +31,7 @@ MAX_COMPUTING = max(1, (os.cpu_count() or 2) // 2)
 MAX_ADMITTED = 4 * MAX_COMPUTING
 _COMPUTING = threading.BoundedSemaphore(MAX_COMPUTING)
 _ADMITTED = threading.BoundedSemaphore(MAX_ADMITTED)
-_BUILDING: dict[tuple, threading.Event] = {}  # key -> set when its computation ends
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}  # one computation per key at a time
 
 
 class FitsBusy(RuntimeError):
@@ -56,29 +56,25 @@ def sweep_report(
         raise FitsBusy(f"{MAX_ADMITTED} fit reports are being computed or waited for; retry "
                        f"in a few seconds (a lower bootstrap is faster)")
     try:
-        while True:
+        with _LOCK:
+            lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+        with lock:  # identical requests queue behind one computation and reuse it
             with _LOCK:
                 if key in _CACHE:
                     return _CACHE[key]
-                building = _BUILDING.get(key)
-                mine = building is None
-                if mine:
-                    building = _BUILDING[key] = threading.Event()
-            if not mine:
-                building.wait()  # an identical request computes it: then from the cache
-                continue  # (or it failed: computed here)
             try:
                 with _COMPUTING:
                     report = _compute(store, sweep_id, bootstrap, reference_arm)
-                with _LOCK:
-                    if len(_CACHE) >= _CACHE_SIZE:
-                        _CACHE.pop(next(iter(_CACHE)))
-                    _CACHE[key] = report
-                return report
-            finally:
-                with _LOCK:
-                    _BUILDING.pop(key, None)
-                building.set()
+            except BaseException:
+                with _LOCK:  # nothing cached under it: its lock goes too
+                    _KEY_LOCKS.pop(key, None)
+                raise
+            with _LOCK:
+                if len(_CACHE) >= _CACHE_SIZE:
+                    _KEY_LOCKS.pop(next(iter(_CACHE)), None)
+                    _CACHE.pop(next(iter(_CACHE)))
+                _CACHE[key] = report
+            return report
     finally:
         _ADMITTED.release()
 

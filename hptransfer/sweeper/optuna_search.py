@@ -167,9 +167,9 @@ class RankPruner(optuna.pruners.BasePruner):
         if not math.isfinite(value):
             return True
         better = 0
-        for other in study.get_trials(deepcopy=False):
-            if other.number == trial.number or _diverged(other):
-                continue  # a run that diverged later is no yardstick, however good early
+        for other in study.get_trials(deepcopy=False):  # less diverged ones (_Yardsticks)
+            if other.number == trial.number:
+                continue
             seen = other.intermediate_values.get(step)
             if seen is not None and seen < value:
                 better += 1
@@ -217,7 +217,7 @@ def _pruner(search: Search) -> optuna.pruners.BasePruner:
     # when asked), but its verdict counts only where the gate allows it (after
     # decision_step, with MIN_FULL_BUDGET trials completed; see should_prune)
     if search.pruner == "rank":
-        return RankPruner(search.keep_top)
+        return _Yardsticks(RankPruner(search.keep_top))
     if search.pruner == "successive_halving":
         return _Yardsticks(optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
                                                                   reduction_factor=2))
