@@ -254,6 +254,55 @@ def test_reuse_copies_completed_results(store: Store) -> None:
     assert first != second
 
 
+
+def test_a_trial_planned_twice_trains_once_and_both_rows_get_the_result(store: Store) -> None:
+    # a study's ladder and aspect-ratio stages can plan one shape at one budget: one trial
+    # trains, its twin waits (not leased, not in a pack) and takes the result when it completes
+    items = plan()[:2]
+    sid = new_sweep(store, [items[0], items[1], items[0]])
+    first, other, twin = trial_ids(store, sid)
+    assert [t.id for t in store.leasable(sid, 10)] == [first, other]
+    assert [t.id for t in store.lease_pending("c", 10)] == [first, other]
+    assert store.lease_pending("c", 10) == [] and store.leasable(sid, 10) == []
+    assert store.get_trial(twin).status == "pending"
+    assert store.finish_trial(first, "completed", result(3.25), worker_node="n1", owner="c")
+    row = store.get_trial(twin)
+    assert (row.status, row.reused_from, row.worker_node) == ("completed", first, "n1")
+    assert row.result == store.get_trial(first).result and row.final_val_loss == 3.25
+    (attempt,) = store.attempts(twin)  # MLflow mirrors it as a run, tagged reused_from
+    assert (attempt.seq, attempt.status, attempt.result is not None) == (1, "completed", True)
+    assert store.finish_trial(other, "completed", result(3.5), owner="c")
+    assert store.refresh_sweep_status(sid) == "completed"
+
+
+def test_a_twin_trains_itself_when_its_first_fails_for_good(store: Store) -> None:
+    items = plan()[:1]
+    sid = new_sweep(store, [items[0], items[0]], max_attempts=2)
+    first, twin = trial_ids(store, sid)
+    for attempt in (1, 2):  # retried: the twin still waits
+        (leased,) = store.lease_pending("c", 10)
+        assert leased.id == first and leased.attempts == attempt
+        store.requeue(first, "WorkerCrashedError: boom", owner="c")
+    assert store.get_trial(first).status == "failed"
+    (leased,) = store.lease_pending("c", 10)
+    assert leased.id == twin
+    # a failure or divergence is no result to hand over: nothing is copied
+    assert store.finish_trial(twin, "diverged", result(float("nan"), status="diverged"))
+    assert store.get_trial(first).status == "failed"
+
+
+def test_twins_wait_only_where_the_sweep_reuses_results(store: Store) -> None:
+    items = plan()[:1]
+    for kw in ({"reuse": False}, {"data_hash": None}):
+        sid = new_sweep(store, [items[0], items[0]], **kw)
+        assert len(store.lease_pending("c", 10, sweep_id=sid)) == 2
+    # Optuna's asks are each told their own outcome: an asked twin is leased as asked
+    sid = new_sweep(store, [], search="optuna")
+    for n in (0, 1):
+        store.add_trial(sid, items[0], optuna_trial_number=n)
+    assert len(store.lease_pending("c", 10, sweep_id=sid)) == 2
+
+
 # --------------------------------------------------------------------------- leasing
 
 

@@ -386,6 +386,39 @@ def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
     store.close()
 
 
+def test_a_shape_in_the_ladder_and_the_aspect_ratio_stage_trains_once(tmp_path):
+    # (64, 2) is a ladder shape and an aspect-ratio shape at the sweep's budget: both stages
+    # plan it (each keeps its row, for its own fit) and the store trains it once
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    store = Store(f"sqlite:///{tmp_path}/hpt.db")
+    store.migrate()
+    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
+                             data_hash="data", study=initial_state(spec, len(tune)))
+    for t in store.lease_pending("me", 100, sweep_id=sid):
+        store.finish_trial(t.id, "completed", {"final_val_loss": bowl(-8)(t)})
+    step = next_step(spec, store.get_sweep(sid).study, store.results_frame(sid))
+    assert store.plan_stage(sid, 0, step.state, step.trials)
+    planned = store.trials(sid, status="pending", limit=None)
+    twins = [t for t in planned if (t.width, t.depth) == (64, 2) and t.stage != "check"]
+    assert sorted(t.stage for t in twins) == ["aspect_ratio"] * 2 + ["transfer"] * 2
+    assert len({t.content_hash for t in twins}) == 2  # one per arm
+    leased = store.lease_pending("me", 100, sweep_id=sid)
+    assert len(leased) == len(planned) - 2
+    assert {(t.stage, t.content_hash) for t in leased if t.id in {x.id for x in twins}} == {
+        ("transfer", h) for h in {t.content_hash for t in twins}}
+    for t in leased:
+        store.finish_trial(t.id, "completed", {"final_val_loss": 3.0 + t.width / 1e3})
+    frame = store.results_frame(sid)
+    at = frame[(frame["width"] == 64) & (frame["depth"] == 2) & frame["stage"].isin(
+        ["transfer", "aspect_ratio"])]
+    assert len(at) == 4 and (at["status"] == "completed").all()
+    assert at.groupby("stage")["reused"].agg(list).to_dict() == {
+        "aspect_ratio": [True, True], "transfer": [False, False]}
+    assert store.count_trials(sid, status=["pending", "running"]) == 0
+    store.close()
+
+
 def test_an_extension_or_offset_past_max_lr_is_left_out_not_planned():
     """A grid that validates up to MAX_LR: the tune extension past it, or a check offset
     past it, would be trials that cannot validate (the planner raised)."""

@@ -616,8 +616,7 @@ class Dispatcher:
         # every task slot this sweep may fill at once, for balancing the packs
         fits = _tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
         slots = min(spec.max_concurrent, max(1, fits))
-        pending = self.store.trials(sweep_id, status="pending",
-                                    limit=min(_MAX_PEEK, slots * MAX_PACK))
+        pending = self.store.leasable(sweep_id, limit=min(_MAX_PEEK, slots * MAX_PACK))
         gpu = on_gpu(spec)
         planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
                              lambda t, n: pack_cost(n, t.spec, gpu))

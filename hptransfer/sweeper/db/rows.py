@@ -123,14 +123,20 @@ def trial_row(
     }
     donor = donors.get(p.content_hash) if p.content_hash else None
     if donor is not None:
-        row.update({k: getattr(donor, k) for k in RESULT_COLUMNS})
-        row.update(
-            status="completed",
-            result=donor.result,
-            worker_node=donor.worker_node,
-            # point at the trial that actually ran, not at another copy of it
-            reused_from=donor.reused_from or donor.id,
-            started_at=now,
-            finished_at=now,
-        )
+        row.update(reused_values(donor, now))
     return row
+
+
+def reused_values(donor: TrialRecord, now: datetime) -> dict[str, Any]:
+    """A trial's column values when it takes `donor`'s result instead of training (the donor
+    completed the same content hash on the same data)."""
+    return {
+        **{k: getattr(donor, k) for k in RESULT_COLUMNS},
+        "status": "completed",
+        "result": donor.result,
+        "worker_node": donor.worker_node,
+        # point at the trial that actually ran, not at another copy of it
+        "reused_from": donor.reused_from or donor.id,
+        "started_at": now,
+        "finished_at": now,
+    }

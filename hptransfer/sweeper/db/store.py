@@ -25,11 +25,23 @@ from datetime import datetime, timedelta
 from typing import Any, cast
 
 import pandas as pd
-from sqlalchemy import JSON, Select, case, func, insert, or_, select, update
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Select,
+    and_,
+    case,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import Session, defer, sessionmaker
+from sqlalchemy.orm import Session, aliased, defer, sessionmaker
 
 from hptransfer.redaction import mask_url, redact
 from hptransfer.status import TrialStatus
@@ -53,6 +65,7 @@ from .rows import (
     dump_model,
     new_id,
     result_columns,
+    reused_values,
     sweep_record,
     trial_record,
     trial_row,
@@ -135,6 +148,23 @@ def _insert_trials(s: Session, rows: list[dict[str, Any]], now: datetime) -> Non
               for r in rows if r.get("reused_from") is not None]
     for chunk in chunks(reused):
         s.execute(insert(Attempt), list(chunk))
+
+
+def _waits_for_twin() -> ColumnElement[bool]:
+    """A pending trial that an earlier trial of its sweep (plan order) with the same content
+    hash is still pending or running for: it is not leased, and takes that trial's result when
+    it completes (`Store._settle_twins`), rather than training the same thing twice (a study's
+    ladder and aspect-ratio stages may plan one shape at one budget). Only where the sweep
+    reuses results (reuse on, a data hash: the rule that reuses a finished donor), and not for
+    Optuna's asks, each of which is told its own outcome. Needs Sweep joined."""
+    twin = aliased(Trial)
+    return and_(
+        Sweep.reuse.is_(True), Sweep.data_hash.is_not(None),
+        Trial.optuna_trial_number.is_(None),
+        exists().where(twin.sweep_id == Trial.sweep_id,
+                       twin.content_hash == Trial.content_hash,
+                       twin.status.in_(ACTIVE_STATUSES), twin.idx < Trial.idx),
+    )
 
 
 def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
@@ -499,6 +529,16 @@ class Store:
             slim = stmt.add_columns(self._result_without_curve()).options(defer(Trial.result))
             return [trial_record(t, result=result) for t, result in s.execute(slim)]
 
+    def leasable(self, sweep_id: str, limit: int) -> list[TrialRecord]:
+        """The first `limit` pending trials of a sweep that `lease_pending` would lease, in
+        plan order (what the dispatcher plans its packs over)."""
+        stmt = (select(Trial).join(Sweep, Sweep.id == Trial.sweep_id)
+                .where(Trial.sweep_id == sweep_id, Trial.status == "pending",
+                       ~_waits_for_twin())
+                .order_by(Trial.idx).limit(limit))
+        with self._read() as s:
+            return [trial_record(t) for t in s.scalars(stmt)]
+
     def _result_without_curve(self) -> Any:
         """The result column less its `curve`, computed by the database."""
         if self.dialect == "postgresql":
@@ -541,7 +581,8 @@ class Store:
 
         Oldest sweep first, then plan order; with `ids`, only those trials (the dispatcher
         leases a pack's members together). Safe with several coordinators: a trial is
-        never leased twice. The leased trials' sweeps become running.
+        never leased twice. The leased trials' sweeps become running. A trial waiting for an
+        identical one planned before it is not leased (see `_waits_for_twin`).
         """
         if limit <= 0:
             return []
@@ -550,7 +591,8 @@ class Store:
             stmt = (
                 select(Trial.id)
                 .join(Sweep, Sweep.id == Trial.sweep_id)
-                .where(Trial.status == "pending", Sweep.status.in_(ACTIVE_STATUSES))
+                .where(Trial.status == "pending", Sweep.status.in_(ACTIVE_STATUSES),
+                       ~_waits_for_twin())
                 .order_by(Sweep.created_at, Sweep.id, Trial.idx)
                 .limit(limit)
             )
@@ -620,7 +662,8 @@ class Store:
         """Record a running trial's outcome; False (and no change) unless it is running.
 
         A completed or cancelled trial is never overwritten. With `owner`, the write also
-        requires that coordinator to still hold the lease.
+        requires that coordinator to still hold the lease. A completed trial's twins that
+        waited for it complete with its result in the same transaction (`_settle_twins`).
         """
         if status not in TRIAL_STATUSES or not TrialStatus(status).is_finished():
             raise ValueError(f"finish status must be a finished one, got {status!r}")
@@ -648,7 +691,36 @@ class Store:
             if bulk_update(s, stmt.values(**values)) != 1:
                 return False
             _end_attempt(s, trial_id, status, values["error"], result is not None)
+            if status == "completed" and result is not None:
+                self._settle_twins(s, trial_id)
             return True
+
+    @staticmethod
+    def _settle_twins(s: Session, trial_id: str) -> None:
+        """The pending trials that waited for completed `trial_id` (`_waits_for_twin`) take
+        its result, as a finished donor's is reused (each with its one finished attempt)."""
+        done = s.get(Trial, trial_id)
+        sweep = s.get(Sweep, done.sweep_id) if done is not None else None
+        if done is None or sweep is None or not (sweep.reuse and sweep.data_hash):
+            return
+        twins = list(s.scalars(select(Trial.id).where(
+            Trial.sweep_id == done.sweep_id, Trial.content_hash == done.content_hash,
+            Trial.status == "pending", Trial.optuna_trial_number.is_(None),
+            Trial.data_hash == done.data_hash, Trial.id != done.id)))
+        if not twins:
+            return
+        now = utcnow()
+        values = {**reused_values(trial_record(done), now), "lease_owner": None,
+                  "lease_expires_at": None, "error": None}
+        bulk_update(s, update(Trial).where(Trial.id.in_(twins), Trial.status == "pending")
+                    .values(**values))
+        last_seq = dict(s.execute(
+            select(Attempt.trial_id, func.max(Attempt.seq))
+            .where(Attempt.trial_id.in_(twins)).group_by(Attempt.trial_id)).all())
+        s.execute(insert(Attempt), [
+            {"trial_id": tid, "seq": (last_seq.get(tid) or 0) + 1, "status": "completed",
+             "error": None, "has_result": True, "started_at": now, "finished_at": now,
+             "mlflow_run_id": None, "mlflow_synced_status": None} for tid in twins])
 
     def requeue(self, trial_id: str, error: str | None, owner: str | None = None) -> str:
         """After a retryable failure: back to pending while attempts < max_attempts, else
