@@ -64,6 +64,29 @@ def test_reporter_sees_val_loss_and_can_prune(tmp_path):
     assert [m["step"] for m in seen if "val_loss" in m] == [5, 10]
 
 
+
+def test_evaluations_are_capped_so_a_curve_stays_bounded(tmp_path, monkeypatch):
+    import torch
+
+    from hptransfer.workers import plan as plan_module
+
+    # eval_every=1 on a 100k-step trial: at most MAX_EVALUATIONS evaluations (curve points)
+    long = spec(eval_every=1, budget={"steps": 100_000})
+    data = plan_module.load_trial_data(long, str(tmp_path))
+    planned = plan_module.plan_trial(long, data, torch.device("cpu"))
+    steps = range(1, planned.total_steps + 1)
+    assert sum(map(planned.is_eval_step, steps)) == plan_module.MAX_EVALUATIONS == 200
+    assert sum(planned.is_curve_step(d) or planned.is_eval_step(d) for d in steps) <= 250
+    assert "eval_every raised from 1 to 500" in " ".join(planned.notes)
+    # a short trial keeps the eval_every it asked for, without a note
+    short = plan_module.plan_trial(spec(eval_every=1), data, torch.device("cpu"))
+    assert short.eval_every == 1 and not any("eval_every" in n for n in short.notes)
+    # and a trained trial evaluates where its plan says, saying why in its notes
+    monkeypatch.setattr(plan_module, "MAX_EVALUATIONS", 4)
+    r = run_trial(spec(eval_every=1), cache_dir=str(tmp_path))
+    assert [p["step"] for p in r.curve if "val_loss" in p] == [8, 16, 24, 30]
+    assert any("eval_every raised from 1 to 8" in n for n in r.notes)
+
 def test_tokens_per_param_budget(tmp_path):
     s = spec(budget={"tokens_per_param": 0.5})
     r = run_trial(s, cache_dir=str(tmp_path))

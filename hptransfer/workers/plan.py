@@ -29,6 +29,10 @@ from .host_memory import keep_freed_memory
 from .trial import TrialResult, TrialSpec, sequences_per_pass
 
 CURVE_POINTS = 50
+# at most this many evaluations per trial: each is a curve point (stored with the result, sent
+# in listings, logged to MLflow) and a pass over the validation tokens, so a small eval_every
+# on a long trial is raised to keep the curve bounded (the trial's notes say so)
+MAX_EVALUATIONS = 200
 # at most this many optimizer steps between two host reads of the losses (divergence check)
 DIVERGENCE_CHECK_EVERY = 32
 
@@ -131,11 +135,17 @@ def plan_trial(spec: TrialSpec, data: TokenDataset, device: torch.device) -> Tri
     warmup = spec.arch != "ngpt"
     if not warmup and spec.schedule.warmup_fraction > 0:
         notes.append("ngpt: warmup disabled (nGPT trains without warmup)")
+    eval_every = spec.eval_every or max(1, total_steps // 10)
+    fewest = -(-total_steps // MAX_EVALUATIONS)  # the eval_every that keeps to the cap
+    if eval_every < fewest:
+        notes.append(f"eval_every raised from {eval_every} to {fewest}: at most "
+                     f"{MAX_EVALUATIONS} evaluations in a trial of {total_steps} steps")
+        eval_every = fewest
     return TrialPlan(
         spec=spec, data=data, cfg=cfg, counts=counts,
         flops=flops_per_token(cfg, spec.seq_len),
         tokens_per_step=tokens_per_step, total_steps=total_steps, warmup=warmup,
-        eval_every=spec.eval_every or max(1, total_steps // 10),
+        eval_every=eval_every,
         curve_every=max(1, total_steps // CURVE_POINTS),
         notes=notes,
     )
