@@ -443,6 +443,24 @@ def test_head_is_answered_as_get_without_the_body(hpt_home, path):
     assert head.headers["content-type"] == get.headers["content-type"]
 
 
+
+def test_a_trailing_slash_is_served_not_redirected(client, tiny_spec):
+    """Starlette answered /sweeps/ with a 307 to a URL built from the request it saw: behind
+    a proxy that ends TLS, http://, and a client not following 307 lost its POST."""
+    proxied = {"X-Forwarded-Proto": "https", "Host": "hpt.example"}
+    r = client.post("/sweeps/", json=tiny_spec, headers=proxied, follow_redirects=False)
+    assert r.status_code == 201 and "location" not in r.headers, r.text
+    sweep_id = r.json()["id"]
+    for path, want in ((f"/sweeps/{sweep_id}/", sweep_id), ("/sweeps/", sweep_id),
+                       (f"/sweeps/{sweep_id}/trials/", sweep_id), ("/health/", None),
+                       ("/dashboards/", None), ("/dashboards", None)):
+        got = client.get(path, headers=proxied, follow_redirects=False)
+        assert got.status_code == 200 and "location" not in got.headers, (path, got.text)
+        if want is not None:
+            assert want in got.text
+    assert client.get("/sweeps//", follow_redirects=False).status_code == 200
+    assert client.get("/nowhere/", follow_redirects=False).status_code == 404
+
 def test_a_trial_page_leaves_the_curves_in_the_database_unless_asked(any_db_client,
                                                                     tiny_spec):
     """A curve has a point per evaluation: a page of 10 000 trials with them was hundreds

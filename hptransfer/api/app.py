@@ -20,7 +20,13 @@ from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
-from .guards import HeadAsGet, RefuseNulInURL, allowed_methods, error_response
+from .guards import (
+    HeadAsGet,
+    RefuseNulInURL,
+    TrailingSlashServed,
+    allowed_methods,
+    error_response,
+)
 from .health import remember_mlflow_store
 from .listing import ListingCache
 from .routes import router
@@ -58,11 +64,13 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
         lifespan=lifespan,
         # 413 past this: a 50 MB description or 200k tags never reach the parser.
         max_body_size=settings.max_request_bytes,
+        redirect_slashes=False,  # a trailing slash is served, not redirected (guards.py)
     )
     app.include_router(router)
     app.include_router(dashboards_router)
     app.add_middleware(RefuseNulInURL)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(TrailingSlashServed)
     _install_error_handlers(app)
     return app
 

@@ -27,7 +27,6 @@ _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
 
 
 @router.get("", response_class=HTMLResponse, responses=NOT_MODIFIED)
-@router.get("/", response_class=HTMLResponse, include_in_schema=False)
 async def dashboards_index(request: Request) -> Response:
     """Every sweep with its status, progress and a link to its dashboard (rendered once per
     change, with an ETag: see `hptransfer.api.listing`)."""

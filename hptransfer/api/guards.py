@@ -72,6 +72,24 @@ class RefuseNulInURL:
         await self.app(scope, receive, send)
 
 
+class TrailingSlashServed:
+    """ASGI middleware: /sweeps/ is served as /sweeps, not redirected to it. Starlette's
+    redirect named the URL from the request it saw, so behind a proxy that ends TLS it sent
+    clients to http:// (and a client that does not follow a 307 lost its POST). Only "/"
+    itself keeps its slash."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            if raw:
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
+
 class HeadAsGet:
     """ASGI middleware: HEAD is answered as GET without its body (RFC 9110 9.3.2: a
     general-purpose server supports it; an uptime check by HEAD /health saw a 405)."""
