@@ -351,14 +351,14 @@ def test_an_optuna_study_needs_three_lrs_per_shape_and_its_edge_names_its_fields
 # ------------------------------------------------------------------ store
 
 
-def stored_study(tmp_path):
+def stored_study(tmp_path, data_hash=None):
     """(spec, store, sweep id) of study_dict()'s study, its tune stage stored."""
     spec = load_spec(study_dict())
     tune = plan_sweep(spec)
     store = Store(f"sqlite:///{tmp_path}/hpt.db")
     store.migrate()
     sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
-                             study=initial_state(spec, len(tune)))
+                             data_hash=data_hash, study=initial_state(spec, len(tune)))
     return spec, store, sid
 
 
@@ -389,12 +389,7 @@ def test_plan_stage_is_one_transaction_and_never_twice(tmp_path):
 def test_a_shape_in_the_ladder_and_the_aspect_ratio_stage_trains_once(tmp_path):
     # (64, 2) is a ladder shape and an aspect-ratio shape at the sweep's budget: both stages
     # plan it (each keeps its row, for its own fit) and the store trains it once
-    spec = load_spec(study_dict())
-    tune = plan_sweep(spec)
-    store = Store(f"sqlite:///{tmp_path}/hpt.db")
-    store.migrate()
-    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
-                             data_hash="data", study=initial_state(spec, len(tune)))
+    spec, store, sid = stored_study(tmp_path, data_hash="data")
     for t in store.lease_pending("me", 100, sweep_id=sid):
         store.finish_trial(t.id, "completed", {"final_val_loss": bowl(-8)(t)})
     step = next_step(spec, store.get_sweep(sid).study, store.results_frame(sid))

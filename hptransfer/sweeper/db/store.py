@@ -142,12 +142,27 @@ def _insert_trials(s: Session, rows: list[dict[str, Any]], now: datetime) -> Non
     donor's result, so that MLflow (which mirrors attempts) shows it too."""
     for chunk in chunks(rows):
         s.execute(insert(Trial), list(chunk))
-    reused = [{"trial_id": r["id"], "seq": 1, "status": r["status"], "error": None,
-               "has_result": True, "started_at": now, "finished_at": now,
-               "mlflow_run_id": None, "mlflow_synced_status": None}
-              for r in rows if r.get("reused_from") is not None]
+    reused = [r["id"] for r in rows if r.get("reused_from") is not None]
     for chunk in chunks(reused):
-        s.execute(insert(Attempt), list(chunk))
+        s.execute(insert(Attempt), [_attempt_row(tid, 1, "completed", now) for tid in chunk])
+
+
+def _attempt_row(trial_id: str, seq: int, status: str, now: datetime) -> dict[str, Any]:
+    """Insert values of an attempt starting now: running, or finished at once with its
+    trial's (reused) result."""
+    running = status == "running"
+    return {"trial_id": trial_id, "seq": seq, "status": status, "error": None,
+            "has_result": not running, "started_at": now, "finished_at": None if running else now,
+            "mlflow_run_id": None, "mlflow_synced_status": None}
+
+
+def _add_attempts(s: Session, trial_ids: list[str], status: str, now: datetime) -> None:
+    """One new attempt per trial, its seq after the trial's earlier ones (see _attempt_row)."""
+    last_seq = dict(s.execute(
+        select(Attempt.trial_id, func.max(Attempt.seq))
+        .where(Attempt.trial_id.in_(trial_ids)).group_by(Attempt.trial_id)).all())
+    s.execute(insert(Attempt), [_attempt_row(tid, (last_seq.get(tid) or 0) + 1, status, now)
+                                for tid in trial_ids])
 
 
 def _waits_for_twin() -> ColumnElement[bool]:
@@ -634,14 +649,7 @@ class Store:
                 .where(Sweep.id.in_(to_start))
                 .values(status="running", started_at=now),
             )
-            # every lease is an attempt: seq continues after the trial's earlier leases
-            last_seq = dict(s.execute(
-                select(Attempt.trial_id, func.max(Attempt.seq))
-                .where(Attempt.trial_id.in_(ids)).group_by(Attempt.trial_id)).all())
-            s.execute(insert(Attempt), [
-                {"trial_id": tid, "seq": (last_seq.get(tid) or 0) + 1, "status": "running",
-                 "error": None, "has_result": False, "started_at": now, "finished_at": None,
-                 "mlflow_run_id": None, "mlflow_synced_status": None} for tid in ids])
+            _add_attempts(s, ids, "running", now)  # every lease is an attempt
             leased = s.scalars(
                 select(Trial)
                 .join(Sweep, Sweep.id == Trial.sweep_id)
@@ -714,13 +722,7 @@ class Store:
                   "lease_expires_at": None, "error": None}
         bulk_update(s, update(Trial).where(Trial.id.in_(twins), Trial.status == "pending")
                     .values(**values))
-        last_seq = dict(s.execute(
-            select(Attempt.trial_id, func.max(Attempt.seq))
-            .where(Attempt.trial_id.in_(twins)).group_by(Attempt.trial_id)).all())
-        s.execute(insert(Attempt), [
-            {"trial_id": tid, "seq": (last_seq.get(tid) or 0) + 1, "status": "completed",
-             "error": None, "has_result": True, "started_at": now, "finished_at": now,
-             "mlflow_run_id": None, "mlflow_synced_status": None} for tid in twins])
+        _add_attempts(s, twins, "completed", now)
 
     def requeue(self, trial_id: str, error: str | None, owner: str | None = None) -> str:
         """After a retryable failure: back to pending while attempts < max_attempts, else
