@@ -80,7 +80,7 @@ def _gpt_option_grid():
     for bias, act, pos, (x0, extra, ve), depth, ratio in itertools.product(
         (False, True), ("relu2", "gelu"), ("rope", "alibi"), mixing, (1, 3, 4), (4, 2)
     ):
-        if ve <= depth:
+        if ve <= (depth + 1) // 2:  # table j feeds blocks j and depth-1-j
             yield dict(
                 bias=bias, activation=act, position=pos, x0_mixing=x0, extra_embeddings=extra,
                 value_embeddings=ve, depth=depth, mlp_ratio=ratio,

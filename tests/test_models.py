@@ -31,7 +31,8 @@ def test_step0_loss_near_uniform(arch, param, opts):
     assert abs(loss_of(b.model, x) - math.log(VOCAB)) < 0.15
 
 
-def test_x0_mixing_at_init_equals_plain_gpt():
+def test_x0_mixing_at_init_equals_plain_gpt_on_the_normed_embedding():
+    # variants.md (modded-nanogpt): x = x00 = norm(embed(tokens)), lambdas init [1, 0, ...]
     plain = build_model("gpt", 128, 4, "completep", head_dim=32, seed=3)
     mixed = build_model(
         "gpt", 128, 4, "completep", head_dim=32, seed=3,
@@ -42,12 +43,44 @@ def test_x0_mixing_at_init_equals_plain_gpt():
     assert not unexpected
     assert all("extra_embeds" in k or "value_embeds" in k or "lambdas" in k for k in missing)
     x = torch.randint(0, VOCAB, (2, 16))
+    assert not torch.allclose(mixed.model(x), plain.model(x))  # x00 enters normed
+    plain.model.embed.register_forward_hook(lambda _m, _i, out: F.rms_norm(out, (128,)))
     torch.testing.assert_close(mixed.model(x), plain.model(x), rtol=0, atol=0)
+    # x00 and an extra table enter the stream at the same RMS (1), whatever the init's sigma
+    seen = []
+    mixed.model.blocks[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        mixed.model(x)
+        mixed.model.x0_lambdas[0] = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])  # only x01
+        mixed.model(x)
+    rms = [float(t.pow(2).mean(-1).sqrt().mean()) for t in seen]
+    assert rms == pytest.approx([1.0, 1.0], rel=1e-3)
     # and moving a lambda changes the output, so the extra path is really wired in
     with torch.no_grad():
         mixed.model.x0_lambdas[1, 2] = 0.5
         mixed.model.blocks[0].attn.ve_lambdas[1] = 0.5
     assert not torch.allclose(mixed.model(x), plain.model(x))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+def test_every_value_embedding_table_feeds_a_block(depth):
+    """Table j feeds blocks j and depth-1-j: at most half the depth (rounded up) tables, each
+    of which gets a gradient; a table more is refused (it would feed no block: no gradient,
+    and the CPU optimizer's step raised on it)."""
+    tables = (depth + 1) // 2
+    b = build_model("gpt", 64, depth, "completep", head_dim=32, value_embeddings=tables)
+    with torch.no_grad():  # mixed in (init [1, 0]: a table gets a zero gradient at first)
+        for block in b.model.blocks:
+            if block.attn.ve_lambdas is not None:
+                block.attn.ve_lambdas[1] = 0.5
+    x = torch.randint(0, VOCAB, (2, 8))
+    b.model(x).square().mean().backward()
+    assert all(e.weight.grad is not None and e.weight.grad.abs().sum() > 0
+               for e in b.model.value_embeds)
+    assert sorted(set(b.model.ve_layer.values())) == list(range(tables))
+    with pytest.raises(ModelConfigError, match=r"cannot exceed half the depth, rounded up "
+                                               rf"\({tables} at depth {depth}\)"):
+        build_model("gpt", 64, depth, "completep", head_dim=32, value_embeddings=tables + 1)
 
 
 def test_causality():

@@ -184,9 +184,10 @@ def test_arch_option_conflicts():
 
 
 def test_per_shape_failure_is_reported_once_per_cause():
-    d = with_("arms.0.arch_options", {"value_embeddings": 3})
+    d = with_("arms.0.arch_options", {"value_embeddings": 2})
     err = one_error(d, "arms[0]", "cannot be built", "width 64, depth 2", "width 128, depth 2",
-                    "value_embeddings (3) cannot exceed depth (2)")
+                    "value_embeddings (2) cannot exceed half the depth, rounded up (1 at "
+                    "depth 2)")
     assert "depth 4" not in err["message"]
 
 

@@ -85,9 +85,13 @@ class ModelConfig:
                             f"got {self.extra_embeddings}")
         if self.extra_embeddings > 0 and not self.x0_mixing:
             problems.append("extra_embeddings > 0 needs x0_mixing: true (they are mixed by it)")
-        if self.value_embeddings > self.depth:
+        if self.value_embeddings > (self.depth + 1) // 2:
+            # table j feeds blocks j and depth-1-j (models/gpt.py): beyond half the depth a
+            # table would feed no block, a parameter that never gets a gradient
             problems.append(
-                f"value_embeddings ({self.value_embeddings}) cannot exceed depth ({self.depth})"
+                f"value_embeddings ({self.value_embeddings}) cannot exceed half the depth, "
+                f"rounded up ({(self.depth + 1) // 2} at depth {self.depth}): table j feeds "
+                f"blocks j and depth-1-j"
             )
         if self.arch == "ngpt":
             if self.x0_mixing or self.extra_embeddings or self.value_embeddings:

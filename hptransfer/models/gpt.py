@@ -103,7 +103,8 @@ class GPT(nn.Module):
             Block(cfg, mult, uses_value_embed=i in self.ve_layer) for i in range(cfg.depth)
         )
         if cfg.x0_mixing:
-            # per block: [residual, x00, x01..x0k]; init [1, 0, ...] = plain GPT
+            # per block: [residual, x00, x01..x0k]; init [1, 0, ...]: plain GPT on the
+            # RMS-normed embedding (x00, like the extra tables, enters normed)
             lambdas = torch.zeros(cfg.depth, 2 + cfg.extra_embeddings)
             lambdas[:, 0] = 1.0
             self.x0_lambdas = nn.Parameter(lambdas)
@@ -126,6 +127,8 @@ class GPT(nn.Module):
         """Token ids (B, T) -> logits (B, T, vocab); (K, B, T) -> (K, B, T, vocab) packed."""
         n = self.cfg.width
         x = x00 = self.embed(idx)
+        if self.x0_lambdas is not None:  # modded-nanogpt: x = x00 = norm(embed(tokens))
+            x = x00 = F.rms_norm(x00, (n,))
         extras = [F.rms_norm(e(idx), (n,)) for e in self.extra_embeds]
         ves = [e(idx) for e in self.value_embeds]
         for i, block in enumerate(self.blocks):

@@ -290,7 +290,7 @@ class Arm(SpecModel):
             problems.append(error("parameterization", str(exc)))
         try:
             # Deep enough that only arch/option conflicts show; depth limits are per shape.
-            ModelConfig(arch=self.arch, depth=max(2, self.arch_options.value_embeddings),
+            ModelConfig(arch=self.arch, depth=max(2, 2 * self.arch_options.value_embeddings - 1),
                         **self.arch_options.model_dump())
         except ModelConfigError as exc:
             problems.append(error("arch_options", str(exc)))
