@@ -607,6 +607,27 @@ def test_aspect_ratio_compares_a_size_group_at_one_budget() -> None:
                for w in result.warnings), result.warnings
 
 
+
+@pytest.mark.parametrize("tpps", [
+    (20.05, 20.10) * 4,  # 0.25 % apart, across a fixed 1 % bin's edge (20.086)
+    (20.00, 20.05) * 4,  # the same spread inside one such bin
+])
+def test_aspect_ratio_budgets_apart_by_whole_batch_rounding_are_one(tpps) -> None:
+    """Trained to 20 tokens per parameter in whole batches, shapes land a little above it;
+    fixed 1 % bins split 20.05 from 20.10 (half the shapes set aside, N:L from 4 ratios)."""
+    x0, rows = math.log(11.8), []
+    for depth, tpp in zip((4, 6, 8, 12, 16, 24, 32, 48), tpps, strict=True):
+        width = round(math.sqrt(1e7 / depth))
+        n, u = 12 * width**2 * depth, math.log(width / depth) - x0
+        rows += [{"arm": "cp", "width": width, "depth": depth, "lr": 2.0**x,
+                  "tokens": tpp * n, "params_non_embedding": n,
+                  "final_val_loss": 3.0 + 0.2 * u**2 + 0.02 * u**3 + 0.01 * (x + 8) ** 2}
+                 for x in (-10, -9, -8, -7, -6)]
+    result = optimal_aspect_ratio(trial_frame(rows))
+    row = result.to_frame().iloc[0]
+    assert not any("set aside" in w for w in result.warnings), result.warnings
+    assert row["n_points"] == 8 and row["nl_opt"] == pytest.approx(11.8, rel=1e-3)
+
 def test_chinchilla_refuses_constant_tokens_per_parameter() -> None:
     n = np.logspace(7, 10, 10)
     fit = fit_chinchilla(n, 20 * n, 1.7 + 400 / n**0.34 + 400 / (20 * n) ** 0.28)
@@ -637,6 +658,22 @@ def test_fit_lr_parabola_refuses_an_lr_without_a_logarithm(bad: float) -> None:
     with pytest.raises(AnalysisError, match="one length"):
         fit_lr_parabola([1e-3, 2e-3], [3.0])
 
+
+
+def test_repeated_lrs_are_refused_or_not_fitted_never_a_numpy_error() -> None:
+    """An LR given once per seed: with neighbours=1 the window held 2 distinct LRs and the
+    3x3 normal equations were singular (numpy's LinAlgError escaped)."""
+    from hptransfer.analysis.parabola import fit_parabolas
+
+    x = np.repeat([-10.0, -9.0, -8.0, -7.0], 2)
+    y = 3.0 + 0.05 * (x + 8.6) ** 2
+    with pytest.raises(AnalysisError, match="each lr once, with its mean loss: lr 0.00.* "
+                                            "appears 2 times"):
+        fit_lr_parabola(2.0**x, y, neighbours=1)
+    fits = fit_parabolas(x[None, :], y[None, :], neighbours=1)  # 2 distinct LRs in its window
+    assert not fits.fit_ok[0] and np.isnan(fits.log2_opt[0])
+    fits = fit_parabolas(x[None, :], y[None, :], neighbours=2)  # 3 distinct: the vertex
+    assert fits.fit_ok[0] and fits.log2_opt[0] == pytest.approx(-8.6)
 
 def test_missing_columns_raise_a_clear_error() -> None:
     df = lr_sweep({("a", 256, 4): -8.0}).drop(columns=["lr", "seed"])

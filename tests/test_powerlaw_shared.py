@@ -104,3 +104,24 @@ def test_savings_of_noisy_shared_fits_have_a_real_ci_containing_the_truth() -> N
     loss = head["loss"]
     truth = 1 - (a1 / (loss - E_TRUE)) ** (1 / b1) / (a0 / (loss - E_TRUE)) ** (1 / b0)
     assert head["ci_low"] <= truth <= head["ci_high"]
+
+
+@pytest.mark.parametrize("arms", [("mup", "completep"), ("sp", "mup", "completep")])
+def test_a_study_reports_completep_over_mup_with_or_without_sp(arms) -> None:
+    """The paper's headline is CompleteP over µP: a study of µP and CompleteP alone reported
+    only µP over CompleteP (the first arm by name as the reference), another number."""
+    from hptransfer.analysis.frontier import FrontierResult
+    from hptransfer.analysis.staged import study_savings
+
+    points = {arm: p for arm, p in _points(0.0).items() if arm in arms}
+    frontier = FrontierResult(pd.DataFrame(), fit_power_laws_shared_e(points, bootstrap=0))
+    result = study_savings(frontier, None, {a: a for a in arms}, n_grid=9, ci=0.95)
+    pairs = {(c.arm, c.reference): c for c in result.comparisons.values()}
+    assert ("completep", "mup") in pairs and ("mup", "completep") not in pairs, sorted(pairs)
+    assert result.reference == ("sp" if "sp" in arms else "mup")
+    # the closed form at the grid's middle loss: 1 - C_completep(L) / C_mup(L)
+    table = pairs[("completep", "mup")].table
+    loss = float(table["loss"].iloc[len(table) // 2])
+    (a_c, b_c), (a_m, b_m) = LAWS["completep"], LAWS["mup"]
+    want = 1 - (a_c / (loss - E_TRUE)) ** (1 / b_c) / (a_m / (loss - E_TRUE)) ** (1 / b_m)
+    assert float(table["savings"].iloc[len(table) // 2]) == pytest.approx(want, abs=2e-3)

@@ -193,3 +193,13 @@ def test_trial_and_sweep_data_sections_are_the_data_layer_spec():
 
     assert TrialSpec.model_fields["data"].annotation is DataSpec
     assert SweepSpec.model_fields["data"].annotation is DataSpec
+
+
+def test_the_content_hash_changes_with_the_result_revision(monkeypatch):
+    """Results trained before a change that alters them are not reused after it."""
+    from hptransfer.workers import trial
+
+    before = spec().content_hash()
+    monkeypatch.setattr(trial, "RESULT_REVISION", trial.RESULT_REVISION + 1)
+    assert spec().content_hash() != before
+    assert spec(device="cpu").content_hash() == spec(device="auto").content_hash()

@@ -17,6 +17,7 @@ import pandas as pd
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .serialize import analysis_dict, frame_records, with_none
+from .stats import snap_runs
 from .trials import Trials
 
 _BAND_GRID = 4001
@@ -213,10 +214,12 @@ def _one_budget_per_group(points: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
     loss at any N:L, so comparing across budgets moves N:L toward it. The rest are set aside,
     each group saying so."""
     tpp = points["tokens"].to_numpy(dtype=float) / points["params"].to_numpy(dtype=float)
-    # budgets within 1 % are one (tokens are whole batches, so a budget is rarely exact)
+    # budgets within 1 % of their neighbour are one (tokens are whole batches, so a budget is
+    # rarely exact: trained to 20 tokens per parameter, shapes land anywhere in [20, 20.1])
     valid = np.isfinite(tpp) & (tpp > 0)
     label = np.full(len(tpp), np.nan)
-    label[valid] = np.round(np.log(tpp[valid]) / np.log(1.01))
+    group = points.groupby(["arm", "group"], sort=True).ngroup().to_numpy()
+    label[valid] = snap_runs(np.log(tpp[valid]), group[valid], np.log(1.01))
     points = points.assign(budget=label, tpp=tpp)
     keep = np.ones(len(points), dtype=bool)
     notes = []

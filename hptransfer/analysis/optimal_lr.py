@@ -17,7 +17,7 @@ import pandas as pd
 from .errors import NotEnoughData
 from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict, frame_records
-from .stats import percentile_ci
+from .stats import percentile_ci, snap_runs
 from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
 
 SHAPE_KEYS: tuple[str, ...] = ("arm", "width", "depth", "sigma_base")
@@ -102,14 +102,7 @@ LR_TOLERANCE_OCTAVES = 1e-4
 def _snapped_log2(lr: np.ndarray, sid: np.ndarray) -> np.ndarray:
     """log2(lr), each run of a shape's values less than LR_TOLERANCE_OCTAVES apart set to
     the run's first value."""
-    raw = np.log2(lr)
-    order = np.lexsort((raw, sid))
-    x, s = raw[order], sid[order]
-    new = np.ones(len(order), dtype=bool)
-    new[1:] = (s[1:] != s[:-1]) | (np.diff(x) > LR_TOLERANCE_OCTAVES)
-    snapped = np.empty_like(raw)
-    snapped[order] = x[np.flatnonzero(new)][np.cumsum(new) - 1]
-    return snapped
+    return snap_runs(np.log2(lr), sid, LR_TOLERANCE_OCTAVES)
 
 
 def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:

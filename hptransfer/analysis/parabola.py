@@ -65,7 +65,9 @@ def fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> ParabolaFits
         axis=1,
     )
     rhs = np.stack(t, axis=-1)
-    fit_ok = has_data & (n_fit >= 3)
+    # a quadratic needs 3 distinct LRs (x sorted per row: equal ones are neighbours)
+    repeats = (np.diff(np.sort(np.where(window, x, np.nan), axis=1), axis=1) == 0).sum(axis=1)
+    fit_ok = has_data & (n_fit - repeats >= 3)
     normal[~fit_ok] = np.eye(3)
     rhs[~fit_ok] = 0.0
     coef = np.linalg.solve(normal, rhs[..., None])[..., 0]
@@ -113,6 +115,10 @@ def fit_lr_parabola(
     bad = lr[~(np.isfinite(lr) & (lr > 0))]
     if bad.size:
         raise AnalysisError(f"every lr must be positive and finite, got {bad[:5].tolist()}")
+    values, counts = np.unique(lr, return_counts=True)
+    if (counts > 1).any():
+        raise AnalysisError(f"each lr once, with its mean loss: lr {values[counts > 1][0]:g} "
+                            f"appears {counts.max()} times")
     x = np.log2(lr)
     order = np.argsort(x)
     fits = fit_parabolas(x[order][None, :], y[order][None, :], neighbours)

@@ -20,7 +20,7 @@ from .serialize import json_safe
 from .staged import TransferCheckResult
 from .stats import single_threaded_blas
 from .transfer import TransferResult, transfer_drift
-from .trials import CORE_COLUMNS, Trials, prepare_trials
+from .trials import CORE_COLUMNS, MUP_LABELS, SP_LABELS, Trials, prepare_trials
 
 TABLE_NAMES: tuple[str, ...] = (
     "optimal_lr",
@@ -32,8 +32,6 @@ TABLE_NAMES: tuple[str, ...] = (
     "chinchilla",
 )
 # Parameterization labels taken as µP when picking a default reference arm (the paper's).
-_MUP_LABELS = frozenset({"mup", "µp", "μp", "mu_p", "mu-p"})
-_SP_LABELS = frozenset({"sp", "standard"})
 
 T = TypeVar("T")
 
@@ -104,7 +102,7 @@ def _choose_reference(trials: Trials) -> tuple[str | None, str | None]:
     pairs = frame[["arm", "parameterization"]].drop_duplicates()
     labels = pairs["parameterization"].str.lower()
     # the paper's baselines: savings are quoted against µP, else against SP
-    for baseline, name in ((_MUP_LABELS, "µP"), (_SP_LABELS, "SP")):
+    for baseline, name in ((MUP_LABELS, "µP"), (SP_LABELS, "SP")):
         found = sorted(set(pairs["arm"].to_numpy()[labels.isin(baseline).to_numpy(bool)]))
         if len(found) == 1:
             return found[0], f"no reference arm given; using the {name} arm {found[0]}"

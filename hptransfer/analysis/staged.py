@@ -30,7 +30,7 @@ from .optimal_lr import OptimalLRResult, optimal_lr, per_budget
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
 from .stats import single_threaded_blas
-from .trials import CORE_COLUMNS, prepare_trials
+from .trials import CORE_COLUMNS, MUP_LABELS, SP_LABELS, prepare_trials
 
 STAGE_SOURCES: dict[str, str] = {
     "optimal_lr": "tune",
@@ -40,8 +40,6 @@ STAGE_SOURCES: dict[str, str] = {
     "aspect_ratio": "aspect_ratio",
     "chinchilla": "transfer + aspect_ratio",
 }
-_MUP = frozenset({"mup", "µp", "μp"})
-_SP = frozenset({"sp", "standard"})
 
 
 def is_study_frame(df: pd.DataFrame) -> bool:
@@ -177,13 +175,14 @@ def _param_of(frame: pd.DataFrame) -> dict[str, str]:
 
 def study_savings(frontier: Any, reference_arm: str | None, arms_param: dict[str, str],
                   n_grid: int, ci: float) -> SavingsResult:
-    """Every arm over the reference (default: SP), plus every other arm over µP (the paper's
-    headline, CompleteP over µP), keyed `arm` and `arm|reference`."""
+    """Every arm over the reference (default: SP, without one µP), plus every other arm over
+    µP (the paper's headline, CompleteP over µP), keyed `arm` and `arm|reference`."""
+    sp = [a for a, p in arms_param.items() if p in SP_LABELS]
+    mup = [a for a, p in arms_param.items() if p in MUP_LABELS]
     if reference_arm is None:
-        sp = [a for a, p in arms_param.items() if p in _SP]
-        reference_arm = sp[0] if len(sp) == 1 else None
+        # a study without SP still reports CompleteP over µP, not µP over CompleteP
+        reference_arm = next((arms[0] for arms in (sp, mup) if len(arms) == 1), None)
     result = flop_savings(frontier, reference_arm, n_grid=n_grid, ci=ci)
-    mup = [a for a, p in arms_param.items() if p in _MUP]
     if len(mup) == 1 and mup[0] != result.reference and mup[0] in frontier.fits:
         for arm, fit in frontier.fits.items():
             if arm in (mup[0], result.reference):

@@ -45,6 +45,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def snap_runs(values: np.ndarray, groups: np.ndarray, gap: float) -> np.ndarray:
+    """Each run of a group's sorted values whose neighbours are less than `gap` apart, set to
+    the run's first (smallest) value: values that differ by rounding become equal, wherever
+    they fall (fixed-width bins split two near values whenever a bin edge lies between)."""
+    order = np.lexsort((values, groups))
+    x, g = values[order], groups[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (g[1:] != g[:-1]) | (np.diff(x) > gap)
+    snapped = np.empty_like(values, dtype=float)
+    snapped[order] = x[np.flatnonzero(new)][np.cumsum(new) - 1]
+    return snapped
+
 def single_threaded_blas() -> AbstractContextManager[object]:
     """Run BLAS single-threaded inside the block, when threadpoolctl is available.
 

@@ -48,6 +48,10 @@ ALL_COLUMNS: tuple[str, ...] = (
     "steps",  # optimizer steps trained: where a pruned trial stopped
 )
 STATUSES = frozenset(TrialStatus)
+# how a trial frame's `parameterization` column names the paper's baselines (lower case):
+# savings are quoted against µP (CompleteP over µP is the headline), else against SP
+MUP_LABELS = frozenset({"mup", "µp", "μp", "mu_p", "mu-p"})
+SP_LABELS = frozenset({"sp", "standard"})
 
 # Outcome codes: only OK rows carry a loss; DIVERGED rows are counted but never averaged.
 OK, DIVERGED, IGNORED = 0, 1, 2

@@ -46,6 +46,11 @@ MAX_GRAD_CLIP = 1e6
 MAX_DIVERGENCE_FACTOR = 1e12
 MAX_SEED = 2**32 - 1  # numpy's seed range
 MAX_THREADS = 1024
+
+# Enters every trial's content hash: raised when a change to the code makes the same spec
+# train to a different result, so results trained before it are not reused after it.
+# 2: x0 mixing normalises x00 (models/gpt.py); at most 200 evaluations (workers/plan.py).
+RESULT_REVISION = 2
 _MODEL = ModelConfig()
 
 
@@ -188,9 +193,10 @@ class TrialSpec(BaseModel):
 
     def content_hash(self) -> str:
         """Hash of everything that changes the result (device, threads and micro-batching
-        excluded: they change only the rounding)."""
+        excluded: they change only the rounding), and of RESULT_REVISION."""
         d = self.model_dump(mode="json", exclude={"device", "num_threads", "micro_batch_size"})
-        blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+        blob = json.dumps({"revision": RESULT_REVISION, "spec": d}, sort_keys=True,
+                          separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
