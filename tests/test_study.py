@@ -663,6 +663,11 @@ def test_study_report_takes_each_fit_from_its_stage():
     assert {r["stage"] for r in head["aspect_ratio"]} == {"aspect_ratio"}
     text = report.format_text()
     assert "[from stage: transfer]" in text and "Headline" in text
+    assert "(within 1%: " in text
+    # the N:L range is the loss band asked for, and says which (it always said 1 %)
+    wide = study_fit_report(df, bootstrap=0, within=0.05)
+    assert {r["within"] for r in wide.to_dict()["headline"]["aspect_ratio"]} == {0.05}
+    assert "(within 5%: " in wide.format_text() and "(within 1%: " not in wide.format_text()
     assert "Transfer drift" not in text  # the plain-sweep drift table is not a study's
     # an optimum that moved past the bracket gives a bound, never a "reliable" shift
     far = df.copy()

@@ -463,6 +463,7 @@ def headline(report: FitReport) -> dict[str, Any]:
             out["aspect_ratio"].append({
                 "arm": r["arm"], "params": r["params_median"], "nl_opt": r["nl_opt"],
                 "nl_within_low": r["nl_within_low"], "nl_within_high": r["nl_within_high"],
+                "within": report.aspect_ratio.within,
                 "reliable": bool(r["reliable"]), "stage": "aspect_ratio"})
     return json_safe(out)
 
@@ -499,7 +500,8 @@ def headline_lines(report: FitReport) -> list[str]:
         lines.append(f"FLOP savings {r['arm']} over {r['reference']} at loss "
                      f"{r['loss']:.3f}: {r['savings']:+.1%}, {ci} [transfer]{_ok(r['reliable'])}")
     for r in h["aspect_ratio"]:
+        band = f"within {r.get('within', 0.01):.0%}"  # the loss band the N:L range spans
         lines.append(f"compute-optimal N:L {r['arm']} at ~{_num(r['params']):.3g} params: "
-                     f"{_num(r['nl_opt']):.3g} (within 1%: {_num(r['nl_within_low']):.3g}"
+                     f"{_num(r['nl_opt']):.3g} ({band}: {_num(r['nl_within_low']):.3g}"
                      f"-{_num(r['nl_within_high']):.3g}) [aspect_ratio]{_ok(r['reliable'])}")
     return lines or ["(no results yet)"]

@@ -195,9 +195,10 @@ def savings_section(report: FitReport | None) -> str:
 
 
 def aspect_section(report: FitReport | None) -> str:
-    title = "Compute-optimal aspect ratio N:L (cubic fit in log N:L, within-1 % band)"
-    box = _box(report, "aspect_ratio")
     result = report.aspect_ratio if report else None
+    band = f"{result.within:.0%}" if result is not None else "1 %"
+    title = f"Compute-optimal aspect ratio N:L (cubic fit in log N:L, within-{band} band)"
+    box = _box(report, "aspect_ratio")
     groups = aspect_series(result) if result is not None else []
     fitted = [g for g in groups if g.curve_x]
     if not fitted:
