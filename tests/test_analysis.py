@@ -889,3 +889,25 @@ def test_an_optimum_at_the_widest_shape_says_whether_a_wider_one_exists(shallowe
     notes = " ".join(row["warnings"])
     assert advice in notes
     assert ("is a bound" in notes) == (shallowest == 1)
+
+
+def test_a_shape_with_no_completed_run_is_named_as_left_out_of_the_frontier() -> None:
+    """A ladder shape that diverged at every LR tried is absent from its arm's frontier (and
+    so from its savings): the frontier, the report and its text say which one."""
+    rows = []
+    for width in (32, 64, 128, 256):
+        for x in (-10, -9, -8):
+            diverged = width == 128
+            rows.append({"arm": "cp", "width": width, "depth": 2, "lr": 2.0**x,
+                         "status": "diverged" if diverged else "completed",
+                         "final_val_loss": np.nan if diverged else
+                         2.0 + 100 * (6.0 * width**2 * 1e6) ** -0.3 + 0.01 * (x + 9) ** 2,
+                         "flops": 6.0 * width**2 * 1e6})
+    frame = trial_frame(rows)
+    frontier = loss_compute_frontier(frame, bootstrap=0)
+    assert frontier.left_out == ["arm cp, width 128, depth 2: no completed run (3 diverged); "
+                                 "left out of the loss-vs-compute frontier"]
+    assert sorted(frontier.points["width"]) == [32, 64, 256]
+    report = fit_report(frame, bootstrap=0)
+    assert frontier.left_out[0] in report.warnings
+    assert f"warning: {frontier.left_out[0]}" in report.format_text()

@@ -42,6 +42,8 @@ class FrontierResult:
     reasons: dict[str, NotEnoughData] = field(default_factory=dict)
     reason: NotEnoughData | None = None
     warnings: list[str] = field(default_factory=list)
+    # shapes without a completed run, left out (also in `warnings`)
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def reliable(self) -> bool:
@@ -117,6 +119,8 @@ def loss_compute_frontier(
     warnings = list(opt.warnings)
     best = opt.best_points()
     point_keys = [k for k in opt.keys if k != "sigma_base"]
+    left_out = _shapes_left_out(opt.shapes, best, point_keys)
+    warnings += left_out
     points = best[[*point_keys, "sigma_base", "best_lr", "flops", "best_loss", "best_trial_ids"]]
     points = points.rename(columns={"best_loss": "loss", "best_trial_ids": "trial_ids"})
     flops = points["flops"].to_numpy(dtype=float)
@@ -165,4 +169,24 @@ def loss_compute_frontier(
     elif not any(f.ok for f in fits.values()):
         because = "; ".join(r.message for r in reasons.values()) or "no shape has a best point"
         reason = NotEnoughData("the loss-vs-compute frontier", because)
-    return FrontierResult(points, fits, reasons, reason, warnings)
+    return FrontierResult(points, fits, reasons, reason, warnings, left_out)
+
+
+def _shapes_left_out(shapes: pd.DataFrame, best: pd.DataFrame, keys: list[str]) -> list[str]:
+    """A warning per shape with no completed run (all diverged or failed): the frontier
+    leaves it out, and where a ladder shape diverged at an arm's transferred LR, that arm's
+    frontier (and its savings) rest on the shapes it could train."""
+    if shapes.empty:
+        return []
+    have = set(best[keys].itertuples(index=False, name=None))
+    out = []
+    for key, grp in shapes.groupby(keys, sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        if key in have:
+            continue
+        where = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in zip(keys, key, strict=True))
+        diverged = int(grp["n_diverged"].sum()) if "n_diverged" in grp else 0
+        out.append(f"{where}: no completed run ({diverged} diverged); left out of the "
+                   "loss-vs-compute frontier")
+    return out

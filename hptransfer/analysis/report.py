@@ -179,6 +179,8 @@ def fit_report(
             "frontier",
             lambda: loss_compute_frontier(points, bootstrap=bootstrap, seed=seed, ci=ci))
         report.frontier = frontier
+        if frontier is not None:
+            report.warnings.extend(frontier.left_out)
         if reference_arm is None:
             reference_arm, note = _choose_reference(trials)
             if note and trials.frame["arm"].nunique() > 1:

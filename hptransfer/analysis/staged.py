@@ -244,6 +244,7 @@ def study_fit_report(
             report.frontier = run("frontier", lambda: loss_compute_frontier(
                 ladder, bootstrap=bootstrap, seed=seed, ci=ci, shared_asymptote=True))
         if report.frontier is not None:
+            report.warnings.extend(report.frontier.left_out)
             report.savings = run("savings", lambda: study_savings(
                 report.frontier, reference_arm, _param_of(df), n_grid, ci))
             if report.savings is not None:

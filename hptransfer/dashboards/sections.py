@@ -162,7 +162,7 @@ def frontier_section(report: FitReport | None) -> str:
         for f in result.to_frame().itertuples()
     ]
     reasons = [a.reason for a in arms if a.reason]
-    warn = [w for fit in result.fits.values() for w in fit.warnings]
+    warn = [*result.left_out, *(w for fit in result.fits.values() for w in fit.warnings)]
     fig = figures.frontier_figure(arms, _palette(report))
     body = (box or "") + figures.to_div(fig) + notes(reasons + warn)
     body += table(["arm", "shapes", "on frontier", "E", "A", "b", "reliable"], rows)
