@@ -221,12 +221,12 @@ def test_corpus_that_cannot_load_is_an_error(tmp_path):
     not_a_dir = tmp_path / "cache"
     not_a_dir.write_text("a file where the cache directory should be")
     with pytest.raises(CoordCheckError, match="corpus data unavailable"):
-        run_coordcheck("width", parameterization="mup", sizes=[64, 128], head_dim=32, steps=1,
+        run_coordcheck("width", parameterization="mup", sizes=[64, 128], head_dim=32, steps=2,
                        batch_size=2, seq_len=16, data="corpus", data_cache_dir=str(not_a_dir))
 
 
 def test_data_source_is_explicit_and_checked():
-    kw = dict(sizes=[64, 128], head_dim=32, steps=1, batch_size=2, seq_len=16)
+    kw = dict(sizes=[64, 128], head_dim=32, steps=2, batch_size=2, seq_len=16)
     with pytest.raises(TypeError, match="data"):
         run_coordcheck("width", **kw)  # no default: every caller says what it trains on
     with pytest.raises(CoordCheckError, match="data must be one of"):
@@ -255,6 +255,19 @@ def test_rejects_bad_settings():
         run_coordcheck("depth", sizes=[4], data="random")
     with pytest.raises(CoordCheckError, match="steps"):
         run_coordcheck("depth", steps=0, data="random")
+    # one step judges nothing (steps from min_step=2 are): it passed SP, as anything
+    with pytest.raises(CoordCheckError, match=r"steps must be >= 2 \(min_step"):
+        run_coordcheck("width", parameterization="sp", steps=1, data="random")
+
+
+def test_a_module_with_no_judged_step_does_not_pass():
+    from hptransfer.coordcheck.verdict import judge
+
+    only_init = [{"module": "final_residual", "step": 1, "slope": 1.5}]
+    v = judge(only_init, axis="width", arch="gpt", kind="sp", alpha=None)
+    assert not v.passed and v.modules["final_residual"] == "not judged"
+    assert v.reasons == ["final_residual: no step >= 2 to judge (run more steps, or lower "
+                         "min_step)"]
 
 
 def synthetic(module: str, values: list[float]) -> list[dict]:

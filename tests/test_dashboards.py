@@ -380,6 +380,63 @@ def test_study_page_in_headless_chromium(tmp_path):
     check_page(path.as_uri(), tmp_path / "study_page.png", 5, height=5200)
 
 
+
+def test_a_study_with_a_mup_arm_labels_its_over_mup_band_by_arm() -> None:
+    """The study's CompleteP-over-µP comparison is keyed "arm|reference": its legend read
+    "gpt-completep|gpt-mup vs gpt-mup" in no arm's colour."""
+    from hptransfer.analysis.staged import study_fit_report
+    from hptransfer.dashboards.series import savings_series
+
+    frame = study_frame()
+    mup = frame[frame["arm"] == "gpt-sp"].assign(arm="gpt-mup", parameterization="mup")
+    mup["final_val_loss"] += 0.02
+    frame = pd.concat([frame, mup], ignore_index=True)
+    report = study_fit_report(frame, bootstrap=0)
+    bands = {(b.arm, b.reference) for b in savings_series(report.savings)}
+    assert ("gpt-completep", "gpt-mup") in bands
+    assert all("|" not in arm for arm, _ in bands), bands
+    html = render_sweep_html(summary_of(frame), frame, report)
+    assert "gpt-completep|gpt-mup" not in html and "gpt-completep vs gpt-mup" in html
+
+
+def test_running_trials_show_behind_many_failures_and_every_failure_is_counted(tmp_path,
+                                                                               tiny_spec):
+    """A sweep's running and failed trials came in one query of 500 in plan order: 510
+    failures planned first hid the 3 trials running after them ("No trial is running")."""
+    from hptransfer.dashboards.export import NOTABLE_LIMIT, sweep_data
+    from hptransfer.dashboards.progress import FAILED_SHOWN
+    from hptransfer.sweeper.db.store import Store
+    from hptransfer.sweeper.plan import plan_sweep
+    from hptransfer.sweeper.spec import load_spec
+
+    spec = dict(tiny_spec, grid={**tiny_spec["grid"], "depths": [1, 2, 3],
+                                 "seeds": list(range(60))})
+    planned = plan_sweep(load_spec(spec))  # 3 depths x 3 LRs x 60 seeds: 540
+    store = Store(f"sqlite:///{tmp_path}/hpt.db")
+    store.migrate()
+    sid = store.create_sweep("big", spec, "h", "grid", planned)
+    n_failed = NOTABLE_LIMIT + 10
+    for t in store.lease_pending("me", len(planned)):
+        if t.idx < n_failed:
+            store.finish_trial(t.id, "failed", None, f"RuntimeError: boom {t.idx}")
+    data = sweep_data(store, sid, bootstrap=0)
+    html = render_sweep_html(data.summary, data.trials, None)
+    assert f"Running now ({len(planned) - n_failed})" in html
+    assert f"Failed trials ({n_failed}; the last {FAILED_SHOWN}, last error line)" in html
+    assert f"boom {n_failed - 1}<" in html and "boom 0<" not in html
+    store.close()
+
+
+def test_a_failed_trial_without_error_text_in_a_frame_renders() -> None:
+    # a DataFrame of trials holds NaN where a failed trial has no error: .strip() on it broke
+    # the whole Progress section
+    trials = pd.DataFrame([{"id": "t1", "status": "failed", "error": "RuntimeError: boom"},
+                           {"id": "t2", "status": "failed"}])
+    summary = {"id": "s1", "name": "x", "status": "failed", "counts": {"failed": 2},
+               "total": 2, "done": 2}
+    html = render_sweep_html(summary, trials, None)
+    assert "could not render" not in html and "Failed trials (2; last error line)" in html
+
 def test_every_trial_status_has_a_colour_chip_and_bar_segment():
     from hptransfer.dashboards.html import STATUS_COLORS, progress_bar, status_chips
     from hptransfer.status import TrialStatus

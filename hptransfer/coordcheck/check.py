@@ -62,8 +62,9 @@ def run_coordcheck(
     started = time.perf_counter()
     if axis not in AXES:
         raise CoordCheckError(f"axis must be one of {AXES}, got {axis!r}")
-    if steps < 1:
-        raise CoordCheckError(f"steps must be >= 1, got {steps}")
+    if steps < max(1, min_step):  # a check that judges no step would pass anything
+        raise CoordCheckError(f"steps must be >= {max(1, min_step)} (min_step: the first step "
+                              f"judged), got {steps}")
     if data not in DATA_SOURCES:
         raise CoordCheckError(f"data must be one of {DATA_SOURCES}, got {data!r}")
     sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES[axis])})

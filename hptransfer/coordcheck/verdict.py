@@ -193,9 +193,11 @@ def judge(
             medians[m] = None
             reasons.append(f"{m}: non-finite or zero activations at steps {diverged}")
             continue
-        if not devs:
-            verdicts[m] = "stable"
+        if not devs:  # nothing judged is no evidence of stability (steps < min_step)
+            verdicts[m] = "not judged"
             medians[m] = None
+            reasons.append(f"{m}: no step >= {min_step} to judge (run more steps, or lower "
+                           f"min_step)")
             continue
         med = float(np.median([d for _, d in devs]))
         medians[m] = float(np.median(raw))

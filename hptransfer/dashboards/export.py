@@ -18,6 +18,7 @@ from hptransfer.sweeper.fits import sweep_report
 
 from .pages import render_sweep_html
 from .pngs import frontier_png, lr_png
+from .progress import FAILED_SHOWN
 
 # Enough for the tables (running now + recent failures) without reading a huge sweep.
 NOTABLE_LIMIT = 500
@@ -72,9 +73,13 @@ def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100,
     summary = source.summary(sweep_id) if hasattr(source, "summary") \
         else store_summary(store, sweep_id)
     # the pages render plain mappings: the records are serialised here, at the boundary
-    trials = [t.to_dict() for t in
-              store.trials(sweep_id, status=["running", "failed"], limit=NOTABLE_LIMIT,
-                           curves=False)]
+    # every running trial (up to NOTABLE_LIMIT), then the last failures in plan order: one
+    # query for both let a sweep's first 500 failures hide whatever was running after them
+    failed = int((summary.get("counts") or {}).get("failed", 0))
+    rows = (store.trials(sweep_id, status="running", limit=NOTABLE_LIMIT, curves=False)
+            + store.trials(sweep_id, status="failed", limit=FAILED_SHOWN,
+                           offset=max(0, failed - FAILED_SHOWN), curves=False))
+    trials = [t.to_dict() for t in rows]
     report = sweep_report(store, sweep_id, bootstrap, wait=wait)  # cached per trial counts
     return SweepData(summary, trials, report, _coordcheck_dir(source))
 

@@ -187,8 +187,12 @@ def _savings_range(bands: list[SavingsBand]) -> list[float]:
 def savings_figure(bands: list[SavingsBand], palette: dict[str, str]) -> go.Figure:
     """1 - C_arm/C_ref at matched loss, with the bootstrap CI as a shaded band."""
     fig = go.Figure()
+    seen: set[str] = set()
     for band in (b for b in bands if b.loss):
         color = _color(palette, band.arm)
+        group = f"{band.arm} vs {band.reference}"  # an arm may be compared to two references
+        dash = "dash" if band.arm in seen else "solid"  # its second one (over µP) dashed
+        seen.add(band.arm)
         pct = [100.0 * v for v in band.savings]
         ci = [(lo, hi) for lo, hi in zip(band.ci_low, band.ci_high, strict=True)
               if math.isfinite(lo) and math.isfinite(hi)]
@@ -197,11 +201,11 @@ def savings_figure(bands: list[SavingsBand], palette: dict[str, str]) -> go.Figu
                 x=band.loss + band.loss[::-1],
                 y=[100.0 * h for _, h in ci] + [100.0 * lo for lo, _ in ci][::-1],
                 fill="toself", mode="lines", line=dict(width=0), hoverinfo="skip",
-                fillcolor=_rgba(color, 0.18), name=f"{band.arm}: CI", legendgroup=band.arm,
+                fillcolor=_rgba(color, 0.18), name=f"{group}: CI", legendgroup=group,
             ))
         fig.add_trace(go.Scatter(
-            x=band.loss, y=pct, mode="lines+markers", legendgroup=band.arm,
-            name=f"{band.arm} vs {band.reference}", line=dict(color=color, width=2),
+            x=band.loss, y=pct, mode="lines+markers", legendgroup=group,
+            name=group, line=dict(color=color, width=2, dash=dash),
             marker=dict(size=4), hovertemplate="loss %{x:.4f}<br>savings %{y:.1f}%<extra></extra>",
         ))
     fig.add_hline(y=0.0, line=dict(color="#888", width=1, dash="dot"))

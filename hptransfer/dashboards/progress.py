@@ -94,6 +94,15 @@ def _facts(summary: Mapping[str, Any]) -> str:
     return f'<div class="facts">{cells}</div>'
 
 
+FAILED_SHOWN = 10  # the failed trials listed (the last ones in plan order)
+
+
+def _last_error_line(trial: Mapping[str, Any]) -> str:
+    error = trial.get("error")
+    lines = error.strip().splitlines() if isinstance(error, str) else []  # NaN in a frame
+    return lines[-1][:200] if lines else "-"
+
+
 def progress_section(summary: Mapping[str, Any], trials: TrialRows | None) -> str:
     counts = summary.get("counts") or {}
     parts = [_facts(summary), progress_bar(counts, int(summary.get("total") or 0)),
@@ -118,9 +127,9 @@ def progress_section(summary: Mapping[str, Any], trials: TrialRows | None) -> st
     failed = [t for t in records if t.get("status") == "failed"]
     if failed:
         rows = [[_trial_id(t), t.get("arm"), t.get("width"), t.get("depth"), _lr(t.get("lr")),
-                 t.get("seed"), (t.get("error") or "").strip().splitlines()[-1:] or ["-"]]
-                for t in failed[-10:]]
-        rows = [[*r[:-1], r[-1][0][:200]] for r in rows]
-        parts.append(f"<h3>Failed trials ({len(failed)}; last error line)</h3>"
+                 t.get("seed"), _last_error_line(t)] for t in failed[-FAILED_SHOWN:]]
+        n_failed = max(int(counts.get("failed", 0)), len(failed))  # the page holds the last
+        shown = f"the last {len(rows)}, " if n_failed > len(rows) else ""
+        parts.append(f"<h3>Failed trials ({n_failed}; {shown}last error line)</h3>"
                      + table(["trial", "arm", "width", "depth", "lr", "seed", "error"], rows))
     return section("Progress", "".join(parts), "progress")

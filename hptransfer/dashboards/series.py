@@ -245,13 +245,14 @@ class SavingsBand:
 
 def savings_series(result: SavingsResult) -> list[SavingsBand]:
     out = []
-    for arm, comp in sorted(result.comparisons.items()):
+    # keyed "arm" or, for a study's comparisons over µP, "arm|reference": label by the arm
+    for _, comp in sorted(result.comparisons.items()):
         table = comp.table
         if len(table):
             table = table[np.isfinite(table["savings"].to_numpy(dtype=float))]
         out.append(
             SavingsBand(
-                arm=arm,
+                arm=comp.arm,
                 reference=comp.reference,
                 loss=table["loss"].astype(float).tolist() if len(table) else [],
                 savings=table["savings"].astype(float).tolist() if len(table) else [],
