@@ -144,17 +144,19 @@ def test_single_member_pack_and_dict_specs(tmp_path):
 def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeypatch):
     """micro_batch_size 3 of batch 4 (pieces of 3 and 1 sequences, gradients accumulated):
     the same run as the whole batch at once, solo and packed, while the model never sees
-    more than 3 sequences per pass."""
+    more than 3 sequences per pass, evaluations included (they ran the whole batch per pass,
+    and a pack K batches: past what the memory split planned for)."""
     import hptransfer.workers.packed as packed_module
     import hptransfer.workers.trainer as trainer_module
 
     seen: list[int] = []  # sequences per training forward pass
+    seen_eval: list[int] = []  # and per evaluation pass
     real_build = trainer_module.build_from_config
 
     def build_and_watch(*args, **kwargs):
         built = real_build(*args, **kwargs)
-        built.model.register_forward_pre_hook(
-            lambda module, inputs: seen.append(inputs[0].shape[-2]) if module.training else None)
+        built.model.register_forward_pre_hook(lambda module, inputs: (
+            seen if module.training else seen_eval).append(inputs[0].shape[-2]))
         return built
 
     whole = specs_for(CASES[name])[:2]
@@ -167,8 +169,11 @@ def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeyp
     solo = run_trial(micro[0], cache_dir=str(tmp_path))
     assert seen[:4] == [3, 1, 3, 1] and max(seen) == 3  # two passes per step
     n_solo = len(seen)
+    n_solo_eval = len(seen_eval)
+    assert n_solo_eval and max(seen_eval) == 3
     packed = run_trials(micro, cache_dir=str(tmp_path))
     assert seen[n_solo:n_solo + 4] == [3, 1, 3, 1] and max(seen[n_solo:]) == 3
+    assert len(seen_eval) > n_solo_eval and max(seen_eval[n_solo_eval:]) == 3
     for result, ref in ((solo, ref_solo), *zip(packed, ref_packed, strict=True)):
         assert result.status == ref.status == "completed", (result.error, ref.error)
         assert result.steps == ref.steps and result.tokens == ref.tokens

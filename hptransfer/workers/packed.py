@@ -47,6 +47,7 @@ from .plan import (
     plan_trial,
     prepare_process,
     trial_result,
+    validation_batches,
 )
 from .trial import TrialResult, TrialSpec
 
@@ -339,7 +340,7 @@ class _Pack:
         k = len(self.rows)
         total = torch.zeros(k, dtype=torch.float64, device=self.device)
         count = 0
-        for x, y in self.data.val_batches(self.spec.batch_size, self.spec.seq_len):
+        for x, y in validation_batches(self.data, self.spec):
             x, y = to_device(x, self.device), to_device(y, self.device)
             shared = (k, *x.shape)  # every member sees the same validation batch
             total += self._token_losses(x.expand(shared), y.expand(shared)).sum(dim=1).double()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,15 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, spec: TrialSpec,
     return [(xs, ys, xs.shape[dim] / x.shape[dim])
             for xs, ys in zip(x.split(size, dim), y.split(size, dim), strict=True)]
 
+
+
+def validation_batches(data: TokenDataset,
+                       spec: TrialSpec) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation windows in passes of at most spec.micro_batch_size sequences (a
+    pass of the whole batch would hold activations the micro-batch was set to bound; the
+    windows, and so the mean loss, are the same whatever the pass size)."""
+    return data.val_batches(sequences_per_pass(spec.batch_size, spec.micro_batch_size),
+                            spec.seq_len)
 
 def load_trial_data(spec: TrialSpec, cache_dir: str | None = None,
                     roots: Sequence[str] | None = None,

@@ -35,6 +35,7 @@ from .plan import (
     plan_trial,
     prepare_process,
     trial_result,
+    validation_batches,
 )
 from .trial import TrialResult, TrialSpec
 
@@ -51,7 +52,7 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
     """Mean loss over the fixed validation set (identical for every trial of a sweep)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for x, y in data.val_batches(spec.batch_size, spec.seq_len):
+    for x, y in validation_batches(data, spec):
         x, y = to_device(x, device), to_device(y, device)
         with autocast(device, spec.precision):
             logits = forward(x)
