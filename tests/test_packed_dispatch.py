@@ -268,14 +268,24 @@ def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_clu
         assert any(n.startswith(PACKED + "4 ") for n in r.result["notes"])
 
 
+@pytest.mark.parametrize("drain_s", [0.0, 3.0])
 def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_died(
-        hpt_home, ray_cluster, tiny_spec, tmp_path):
+        hpt_home, ray_cluster, tiny_spec, tmp_path, drain_s):
     """A pack that does not fit in memory trains in groups, one after another, in one task.
     Its worker dying in the second group used to take the first group's results with it:
     every member was charged an attempt and trained again. The first group's results now
     reach the coordinator as that group finishes and are stored; only the second group's
-    members are retried."""
+    members are retried. Also when the progress board answers slower than a tick (drain_s):
+    the dead task's members were recorded lost before the delivered results were read."""
+    from hptransfer.sweeper.progress import ProgressBoard
     from hptransfer.workers.remote import execute_trials
+
+    class SlowBoard(ProgressBoard):
+        def drain(self):  # a busy board
+            import time
+
+            time.sleep(drain_s)
+            return super().drain()
 
     spec = packed_spec(tiny_spec, "split-then-lost", 4, steps=30)
     spec.update(max_concurrent=1, retries=1)
@@ -314,6 +324,8 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
     coordinator.start()
     try:
         coordinator.dispatcher._remote_pack = ray.remote(split_then_die)
+        if drain_s:
+            coordinator.dispatcher._board = ray.remote(num_cpus=0)(SlowBoard).remote()
         sweep_id = coordinator.submit(spec)["id"]
         wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 240,
                  "the sweep to complete after the retry")

@@ -36,6 +36,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
 MAX_BACKOFF_S = 30.0  # the longest pause between tries of a failing database or Optuna storage
+# how long a failed pack task's members wait for the progress board to answer (results
+# its members delivered before the task ended) before they are recorded lost
+BOARD_GRACE_S = 30.0
 _MAX_PEEK = 2000  # pending trials read per sweep and tick to plan packs from
 # Optuna sweeps stopped this recently are passed over at start-up (their trials left RUNNING
 # in Optuna are told): a bound, so a start does not grow with every sweep ever cancelled
@@ -111,6 +115,10 @@ class InFlight:
     # drains of the progress board sent before this attempt's task: what those return is an
     # earlier attempt's (lost, then leased again), not this one's
     drains_before: int = 0
+    # a pack's task seen failed or cancelled: the drains sent by then, and when (see
+    # Dispatcher._board_heard_since)
+    ended_after_drain: int | None = None
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -212,6 +220,7 @@ class Dispatcher:
         self._board = None
         self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
         self._drains_sent = 0
+        self._drains_heard = 0  # the latest drain answered (or failed): its number
         self._remote = None
         self._remote_pack = None
         self.ticks = Backoff("dispatch", log, poll_interval, MAX_BACKOFF_S)
@@ -417,6 +426,7 @@ class Dispatcher:
         if not ready:
             return
         ref, self._drain = self._drain, None
+        self._drains_heard = self._drains_sent  # one call in flight: this is the latest sent
         try:
             updates, delivered = ray.get(ref)
         except Exception as exc:  # live metrics are best effort; results still arrive
@@ -459,11 +469,26 @@ class Dispatcher:
         ready_set = set(ready)
         for f in self.in_flight.values():
             if f.outcome is None and f.ref in ready_set:
-                f.outcome = _outcome(f.ref, f.member)
+                outcome = _outcome(f.ref, f.member)
+                if outcome.status in ("lost", TrialStatus.CANCELLED) and f.member is not None \
+                        and not self._board_heard_since(f):
+                    continue  # its final result may wait in the board: taken next tick
+                f.outcome = outcome
         done = [tid for tid, f in self.in_flight.items() if f.outcome is not None]
         for trial_id in done:
             self._store_outcome(trial_id, self.in_flight[trial_id])
         return len(done)
+
+    def _board_heard_since(self, f: InFlight) -> bool:
+        """Whether a drain of the board sent after f's pack task was seen to fail (or be
+        cancelled) has answered, or BOARD_GRACE_S passed. A member may have handed its final
+        result to the board before the task ended (a split pack's group, a member stopped
+        early); a drain that answers slower than a tick would otherwise find it only after
+        the member was charged a lost attempt and trained again."""
+        if f.ended_after_drain is None:
+            f.ended_after_drain, f.ended_at = self._drains_sent, time.monotonic()
+        return (self._drains_heard > f.ended_after_drain
+                or time.monotonic() - f.ended_at > BOARD_GRACE_S)
 
     def _store_outcome(self, trial_id: str, f: InFlight) -> None:
         out = f.outcome
