@@ -268,3 +268,132 @@ def test_an_unknown_hpt_compile_is_an_error_naming_the_choices(monkeypatch):
     monkeypatch.setenv("HPT_COMPILE", "yes")
     with pytest.raises(ValueError, match=r"HPT_COMPILE='yes': use one of 0, 1, all"):
         compile_wanted(torch.device("cpu"))
+
+
+# ---- compile failures after the first forward: the backward, later graphs, OOM -----------
+
+TINY_RUN = dict(width=32, depth=1, head_dim=16, batch_size=2, seq_len=16, base_width=32,
+                base_depth=1, data={"val_tokens": 256, "max_corpus_bytes": 200_000},
+                budget={"steps": 4}, eval_every=2, lr=2**-7, device="cpu")
+
+
+class _CodegenFailed(RuntimeError):
+    """What a backend raises where it cannot generate a graph's code (inductor's C++ or
+    Triton compile errors are plain RuntimeErrors)."""
+
+
+def _compile_with(monkeypatch, backend) -> None:  # noqa: ANN001
+    """HPT_COMPILE=all (the CPU compiles as CUDA does by default) with `backend`."""
+    real = torch.compile
+    monkeypatch.setenv("HPT_COMPILE", "all")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend))
+
+
+def _backward_fails():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fail(gm, _inputs):  # noqa: ANN001
+        raise _CodegenFailed("the backward graph's code did not compile")
+
+    return aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=fail)
+
+
+def _eager_result(specs: list[TrialSpec], tmp_path, monkeypatch):  # noqa: ANN001
+    from hptransfer.workers.trainer import run_trial, run_trials
+
+    with monkeypatch.context() as m:
+        m.setenv("HPT_COMPILE", "0")
+        return ([run_trial(specs[0], cache_dir=str(tmp_path))] if len(specs) == 1
+                else run_trials(specs, cache_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_backward_graph_that_fails_to_compile_runs_eager_with_a_note(k, monkeypatch,
+                                                                        tmp_path):
+    """AOTAutograd compiles the backward graph at the first .backward(), outside Compiled's
+    call: its failure ended the trial (or every member of a pack) failed, not eager."""
+    from hptransfer.workers.trainer import run_trial, run_trials
+
+    specs = [TrialSpec(**{**TINY_RUN, "seed": i}) for i in range(k)]
+    eager = _eager_result(specs, tmp_path, monkeypatch)
+    _compile_with(monkeypatch, _backward_fails())
+    got = ([run_trial(specs[0], cache_dir=str(tmp_path))] if k == 1
+           else run_trials(specs, cache_dir=str(tmp_path)))
+    for r, ref in zip(got, eager, strict=True):
+        assert r.status == "completed", r.error
+        assert r.final_val_loss == pytest.approx(ref.final_val_loss, rel=1e-5)
+        assert any(n.startswith("torch.compile failed for the ") and "_CodegenFailed" in n
+                   for n in r.notes), r.notes
+
+
+def test_a_later_graph_that_fails_to_compile_runs_eager(monkeypatch, tmp_path):
+    """The training graph compiles, the evaluation's (no_grad, eval mode: a new graph) does
+    not; and a pack's smaller graph after it drops a pruned member does not: eager, not
+    failed."""
+    from hptransfer.workers import packed
+    from hptransfer.workers.trainer import run_trial, run_trials
+
+    graphs = []
+
+    def first_only(gm, _inputs):  # noqa: ANN001
+        graphs.append(gm)
+        if len(graphs) > 1:
+            raise _CodegenFailed("a later graph's code did not compile")
+        return gm.forward
+
+    _compile_with(monkeypatch, first_only)
+    r = run_trial(TrialSpec(**TINY_RUN), cache_dir=str(tmp_path))
+    assert r.status == "completed" and len(r.curve) == 4, r.error
+    assert sum(n.startswith("torch.compile failed for the model") for n in r.notes) == 1
+
+    compacted = {"yes": False}
+    real_compact = packed._Pack._compact
+
+    def compact(self):  # noqa: ANN001, ANN202
+        before = len(self.rows)
+        real_compact(self)
+        compacted["yes"] |= len(self.rows) < before
+
+    def until_compacted(gm, _inputs):  # noqa: ANN001
+        if compacted["yes"]:
+            raise _CodegenFailed("the smaller pack's graph did not compile")
+        return gm.forward
+
+    dynamo.reset()
+    monkeypatch.setattr(packed._Pack, "_compact", compact)
+    _compile_with(monkeypatch, until_compacted)
+    specs = [TrialSpec(**{**TINY_RUN, "seed": i, "eval_every": 4}) for i in range(3)]
+    rs = run_trials(specs, reporter=lambda i, m: i == 1 and m["step"] == 2,
+                    cache_dir=str(tmp_path))
+    assert [r.status for r in rs] == ["completed", "pruned", "completed"], rs[0].error
+    assert compacted["yes"] and any("torch.compile failed" in n for n in rs[0].notes)
+
+
+def test_running_out_of_memory_is_not_taken_for_a_compile_failure():
+    """A first compiled call that runs out of memory raised nothing: it went eager for good
+    under a 'torch.compile failed' note, and a pack that should halve did not."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    notes: list[str] = []
+    compiled = Compiled(fn, CUDA, notes, "packed model")
+    with pytest.raises(torch.OutOfMemoryError):
+        compiled(torch.ones(3))
+    assert notes == [] and compiled.fn is not compiled.eager
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA L40S", 362e12), ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12),
+    ("NVIDIA A10G", 125e12), ("Tesla T4", None),
+])
+def test_mfu_peak_by_device_name_the_longest_name_first(monkeypatch, name, peak):
+    """Names matched as substrings in table order gave an L40 the L4's peak (its MFU 1.5x
+    too high) and an H100 PCIe the SXM part's (24 % too low). Dense bf16, datasheets."""
+    from hptransfer.workers.device import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(CUDA) == peak

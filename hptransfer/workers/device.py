@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hptransfer.config import compile_mode
 
-# dense bf16 tensor-core peaks (FLOP/s) of common accelerators, for MFU; None = unknown
+# dense bf16 tensor-core peaks (FLOP/s) of common accelerators, for MFU; None = unknown.
+# Matched in the device's name longest key first: "L40" holds "L4", "H100 PCIe" "H100".
 _PEAK_BF16 = {
     "H200": 989e12,
-    "H100": 989e12,
+    "H100": 989e12,  # SXM
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "A10G": 125e12,
     "L4": 121e12,
 }
@@ -56,9 +60,9 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, peak in _PEAK_BF16.items():
+    for key in sorted(_PEAK_BF16, key=len, reverse=True):
         if key in name:
-            return peak
+            return _PEAK_BF16[key]
     return None
 
 
@@ -85,30 +89,92 @@ def compile_wanted(device: torch.device, work_flops: float | None = None) -> boo
     return (work_flops or 0.0) >= CPU_COMPILE_MIN_FLOPS
 
 
+# where torch.compile's own code runs: an error raised from inside them is the compiler's
+_COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "triton")
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether `exc` is torch.compile failing (tracing, or a backend generating code for a
+    graph), not the computation it compiles: worth running eager instead. Dynamo wraps what
+    fails at a call (BackendCompilerFailed); a backward graph compiled at .backward() raises
+    its compiler's own error (a C++ or Triton compile error), known by the compiler's frames
+    in its traceback. A real error misread as one recurs eager and is raised then. An
+    allocation failure is never one (a pack halves on it; eager needs more memory)."""
+    if is_out_of_memory_anywhere(exc):
+        return False
+    if isinstance(exc, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COMPILER_MODULES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class Compiled:
-    """`fn` under torch.compile where wanted, falling back to eager (with a note) if compiling
-    or the first compiled call fails; results are the same either way."""
+    """`fn` under torch.compile where wanted, falling back to eager (with a note) where
+    compiling fails: at the first call (a compiler or backend missing, an unsupported op),
+    and at any later graph (an evaluation's, a smaller pack's): compile failures only, so
+    a real error, an out-of-memory above all, is raised as it would be eager. A backward
+    graph is compiled at its first .backward(), outside this call: a trainer that sees that
+    fail calls `fall_back` and redoes the step. Results are the same either way."""
 
     def __init__(self, fn: Callable, device: torch.device, notes: list[str], what: str,
                  work_flops: float | None = None):
         self.eager, self.notes, self.what = fn, notes, what
         self.fn = torch.compile(fn) if compile_wanted(device, work_flops) else fn
-        self.checked = self.fn is fn
+        self.checked = self.fn is fn  # eager, or compiled and its first call went through
         if not self.checked and device.type == "cpu":
             notes.append(f"the {what} runs under torch.compile on the CPU (HPT_COMPILE=0 keeps "
                          "it eager)")
 
     def __call__(self, *args: Any) -> Any:
-        if self.checked:
+        if self.fn is self.eager:
             return self.fn(*args)
         try:
             out = self.fn(*args)
-        except Exception as exc:  # compiler/backend missing or unsupported op: run eager
-            self.notes.append(
-                f"torch.compile failed for the {self.what} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); ran eager"
-            )
-            self.fn = self.eager
+        except Exception as exc:
+            # the first call: anything but running out of memory (a compiler missing can
+            # raise anything); later ones: compile failures only
+            first_failure = not self.checked and not is_out_of_memory_anywhere(exc)
+            if not (first_failure or is_compile_failure(exc)) or not self.fall_back(exc):
+                raise
             out = self.fn(*args)
         self.checked = True
         return out
+
+    def fall_back(self, exc: BaseException) -> bool:
+        """Run eager from now on, saying why; False if already eager (nothing to fall back
+        from, so the caller raises)."""
+        if self.fn is self.eager:
+            return False
+        self.notes.append(
+            f"torch.compile failed for the {self.what} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); ran eager"
+        )
+        self.fn = self.eager
+        return True
+
+
+def is_out_of_memory_anywhere(exc: BaseException) -> bool:
+    """An allocation failure, raised as such or as the cause of a compiler's error."""
+    from .memory import is_out_of_memory
+
+    return any(c is not None and is_out_of_memory(c)
+               for c in (exc, exc.__cause__, exc.__context__))
+
+
+T = TypeVar("T")
+
+
+def eager_if_backward_fails(model: Compiled, step: Callable[..., T], *args: Any) -> T:
+    """`step(*args)`: a forward and backward that only fill .grad, so it can run again. Where
+    compiling the model's backward graph fails (at .backward(), outside `model`'s call),
+    `model` falls back to eager and the step runs again."""
+    try:
+        return step(*args)
+    except Exception as exc:
+        if not (is_compile_failure(exc) and model.fall_back(exc)):
+            raise
+        return step(*args)

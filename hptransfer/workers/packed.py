@@ -36,7 +36,14 @@ from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
 
-from .device import Compiled, autocast, autocasts, resolve_device, to_device
+from .device import (
+    Compiled,
+    autocast,
+    autocasts,
+    eager_if_backward_fails,
+    resolve_device,
+    to_device,
+)
 from .memory import free_memory, is_out_of_memory, trial_memory
 from .plan import (
     Progress,
@@ -447,6 +454,21 @@ class _Pack:
         self._row_idx = torch.tensor(self.rows, device=self.device)
 
     # ---- the loop ----------------------------------------------------------------------
+    def _gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each member's loss on its batch, (members,); its gradient in .grad, accumulated
+        over micro-batches along the batch axis (1)."""
+        for p in self.params.values():
+            p.grad = None
+        losses = torch.zeros(len(self.rows), device=self.device)
+        for xc, yc, weight in micro_batches(x, y, self.spec, dim=1):
+            with _STACK_SIZE_MAY_CHANGE:
+                part = self.loss_fn(xc, yc)
+            if weight != 1.0:
+                part = part * weight
+            part.sum().backward()  # members are independent: each gets its own gradient
+            losses += part.detach()
+        return losses
+
     def train(self) -> list[TrialResult]:
         spec, plan, device = self.spec, self.plan, self.device
         self._row_idx = torch.tensor(self.rows, device=device)
@@ -459,17 +481,7 @@ class _Pack:
                                                  self.members[i].spec.seed)
                            for i in self.rows), strict=True)
             x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
-            for p in self.params.values():
-                p.grad = None
-            losses = torch.zeros(len(self.rows), device=device)
-            # micro-batches along the batch axis (1); gradients accumulate in .grad
-            for xc, yc, weight in micro_batches(x, y, spec, dim=1):
-                with _STACK_SIZE_MAY_CHANGE:
-                    part = self.loss_fn(xc, yc)
-                if weight != 1.0:
-                    part = part * weight
-                part.sum().backward()  # members are independent: each gets its own gradient
-                losses += part.detach()
+            losses = eager_if_backward_fails(self.loss_fn, self._gradients, x, y)
             if self.initial is None:
                 self.initial = losses.detach().double().clone()
             t = step + 1

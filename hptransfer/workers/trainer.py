@@ -25,7 +25,7 @@ from hptransfer.data import TokenDataset
 from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
-from .device import Compiled, autocast, resolve_device, to_device
+from .device import Compiled, autocast, eager_if_backward_fails, resolve_device, to_device
 from .flat_adamw import FlatAdamW
 from .plan import (
     Progress,
@@ -98,6 +98,20 @@ def _train(
     opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
            else FlatAdamW(groups, betas=betas))
 
+    def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A step's loss, its gradient accumulated over micro-batches in .grad."""
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for xs, ys, weight in micro_batches(x, y, spec):
+            with autocast(device, spec.precision):
+                logits = model(xs)
+            part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
+            if weight != 1.0:
+                part = part * weight
+            part.backward()
+            loss += part.detach()
+        return loss
+
     pending_steps: list[int] = []
     pending_losses: list[torch.Tensor] = []
     t_train = time.perf_counter()
@@ -107,16 +121,7 @@ def _train(
             g["lr"] = g["initial_lr"] * factor
         x, y = data.train_batch(step, spec.batch_size, spec.seq_len, spec.seed)
         x, y = to_device(x, device), to_device(y, device)
-        opt.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=device)
-        for xs, ys, weight in micro_batches(x, y, spec):  # gradients accumulate in .grad
-            with autocast(device, spec.precision):
-                logits = model(xs)
-            part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
-            if weight != 1.0:
-                part = part * weight
-            part.backward()
-            loss += part.detach()
+        loss = eager_if_backward_fails(model, gradients, x, y)
         if spec.grad_clip:
             torch.nn.utils.clip_grad_norm_(built.model.parameters(), spec.grad_clip)
         opt.step()
