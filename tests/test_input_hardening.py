@@ -170,8 +170,9 @@ def test_admission_prices_the_small_head_paths_saved_softmax(tiny_spec):
     tiny_spec["fixed"]["head_dim"] = 8
     (cost,) = trial_costs(load_spec(tiny_spec))
     heads, t = 32 // 8, 32
-    # 4 bytes x batch 4 x seq 32 x (depth 1 x (width 32 x 17 + heads 4 x T 32) + 3 x 256)
-    assert cost.activation_bytes == 4 * 4 * t * (32 * 17 + heads * t + 3 * 256)
+    # 4 bytes x batch 4 x seq 32 x (depth 1 x (width 32 x 17 + heads 4 x T 32) + the final
+    # norm's width 32 + 3 x 256)
+    assert cost.activation_bytes == 4 * 4 * t * (32 * 17 + heads * t + 32 + 3 * 256)
 
 
 def test_micro_batches_bound_the_admitted_activations(client, tiny_spec):
@@ -213,8 +214,9 @@ def test_admission_memory_estimate_against_an_independent_count(tiny_spec):
                         max_seq_len=32, base_width=32, base_depth=1)
     n = sum(p.numel() for p in built.model.parameters())
     assert cost.params == n and cost.state_bytes == 16 * n
-    # activations: 4 bytes x batch 4 x seq 32 x (depth 1 x width 32 x (9 + 2*4) + 3 x 256)
-    assert cost.activation_bytes == 4 * 4 * 32 * (32 * 17 + 3 * 256)
+    # activations: 4 bytes x batch 4 x seq 32 x (depth 1 x width 32 x (9 + 2*4) + the final
+    # norm's width 32 + 3 x 256)
+    assert cost.activation_bytes == 4 * 4 * 32 * (32 * 17 + 32 + 3 * 256)
     assert cost.tokens == 10 * 4 * 32
 
 
@@ -482,3 +484,19 @@ def test_a_trial_page_leaves_the_curves_in_the_database_unless_asked(any_db_clie
     assert [len(i["result"]["curve"]) for i in full.json()["items"]] == [2000] * 3
     too_many = any_db_client.get(url, params={"limit": 101, "curves": "true"})
     assert too_many.status_code == 422 and "at most 100 trials" in too_many.json()["error"]
+
+
+def test_admission_prices_bf16_as_fp32_unless_the_trial_must_run_on_cuda(tiny_spec):
+    """bf16 autocasts on CUDA only: a bf16 trial that may run on a CPU worker trains fp32
+    there, and was admitted at its halved activations."""
+    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.sweeper.spec import load_spec
+
+    (fp32,) = trial_costs(load_spec(tiny_spec))
+    costs = {}
+    for device in ("cpu", "auto", "cuda"):
+        tiny_spec["fixed"].update(device=device, precision="bf16")
+        tiny_spec["resources"] = {"cpus": 1, "gpus": 0.5 if device == "cuda" else 0}
+        (costs[device],) = trial_costs(load_spec(tiny_spec))
+    assert costs["cpu"].activation_bytes == costs["auto"].activation_bytes == fp32.activation_bytes
+    assert costs["cuda"].activation_bytes < 0.8 * fp32.activation_bytes

@@ -16,7 +16,15 @@ memory (bytes), fp32 master weights as the trainer keeps them (also under bf16 a
                                out, since SDPA's fused kernels do not keep them
   + a x B x T x L x H x T      ... except where attention takes the small-head path
                                (models/layers.py), which keeps its softmax for backward
-  + a x 3 x B x T x V          logits, their softmax and its gradient
+  + 4 x B x T x N              the final LayerNorm's input
+  + 3 x 4 x B x T x V          logits, their softmax and its gradient (fp32: the loss is
+                               computed on an fp32 copy of the logits, also under autocast)
+Under bf16 autocast not every activation halves (autocast's fp32 ops keep fp32 inputs):
+the two LayerNorm inputs per block stay 4 bytes (of the 9 + 2 r), the logits cost 2 + 4 + 4
+bytes (bf16 logits, their fp32 softmax and gradient), and autocast's bf16 copies of the
+block matrices, 2 bytes per parameter, are kept for backward too. Against what autograd
+saves under CPU autocast (tests/test_pack_memory.py) the halved-everything estimate read
+1.19-1.26x low; this one is checked to within 0.85-1.05x, like fp32's.
 The estimate is deliberately simple: it stops a width 2^16, depth 1024 trial at submit and
 a pack of 64 deep models from filling a GPU, not a tight fit.
 """
@@ -46,7 +54,8 @@ PACKED_STATE_BYTES_PER_PARAM = 24
 # (2.4x for the smallest shape, 37 MB, mostly the allocator's fixed slack)
 PEAK_OVER_SAVED = 2.0
 _ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
-_LOGIT_COPIES = 3
+_FP32_FLOATS_PER_WIDTH = 2  # of them, the LayerNorm inputs: fp32 under autocast too
+_LOGIT_BYTES = {False: 3 * 4, True: 2 + 4 + 4}  # per vocab entry: fp32 run, bf16 autocast
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,15 @@ def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None
         per_block += cfg.n_heads * t  # the small-head path's saved softmax
     # activations live for one micro-batch at a time
     live = sequences_per_pass(spec.batch_size, spec.micro_batch_size)
-    per_token = cfg.depth * per_block + _LOGIT_COPIES * vocab_size
-    activations = (2 if half else 4) * live * t * per_token
+    if half:
+        fp32 = _FP32_FLOATS_PER_WIDTH * cfg.width
+        block_bytes = 4 * fp32 + 2 * (per_block - fp32)
+        copies = 2 * param_counts(cfg).non_embedding  # autocast's bf16 block matrices
+    else:
+        block_bytes, copies = 4 * per_block, 0
+    # and the final LayerNorm's input, fp32 either way
+    per_token = cfg.depth * block_bytes + 4 * cfg.width + _LOGIT_BYTES[half] * vocab_size
+    activations = live * t * per_token + copies
     return MemoryNeed(params=params, state_bytes=float(STATE_BYTES_PER_PARAM * params),
                       activation_bytes=float(activations))
 
