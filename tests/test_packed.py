@@ -180,3 +180,15 @@ def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeyp
         assert result.curve[0]["train_loss"] == pytest.approx(ref.curve[0]["train_loss"],
                                                               rel=1e-6)
         assert result.final_val_loss == pytest.approx(ref.final_val_loss, rel=1e-4)
+
+
+def test_every_member_diverging_at_one_sync_step_ends_diverged(tmp_path):
+    """All members stopped at once left no member to index: compaction built its index from
+    an empty (float) list and every member ended failed with an IndexError, so a tune stage
+    whose LRs all diverged read as "failed, the LR range is not the cause"."""
+    specs = [TrialSpec(**{**TINY, "lr": lr, "seed": i})
+             for i, lr in enumerate((256.0, 512.0, 1024.0))]
+    packed = run_trials(specs, cache_dir=str(tmp_path))
+    for spec, result in zip(specs, packed, strict=True):
+        assert result.status == "diverged", result.error
+        assert_same_result(result, run_trial(spec, cache_dir=str(tmp_path)))

@@ -442,8 +442,10 @@ class _Pack:
         keep = [r for r, i in enumerate(self.rows) if self.members[i].progress.running]
         if len(keep) == len(self.rows):
             return
-        idx = torch.tensor(keep, device=self.device)
         self.rows = [self.rows[r] for r in keep]
+        if not keep:  # every member stopped: nothing left to train (the loop ends)
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self._set_params(self.flat.detach()[idx])
         self.exp_avg, self.exp_avg_sq = self.exp_avg[idx], self.exp_avg_sq[idx]
         self.grad, self.scratch = self.grad[idx], self.scratch[idx]
