@@ -14,6 +14,7 @@ import yaml
 
 from hptransfer.config import client_token, client_url
 from hptransfer.redaction import mask_url, redact
+from hptransfer.spec_text import StrictYAMLLoader, looks_like_path, non_finite_paths
 from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
@@ -186,9 +187,6 @@ class Client:
                 bar.close()
 
 
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
-
-
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     """A YAML/JSON spec file as a mapping; ValueError naming the file and what is wrong."""
     try:
@@ -203,10 +201,16 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:
+    """YAML/JSON text read as the server reads it (spec_text: a key given twice is an
+    error, not the last one kept)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
-        raise ValueError(f"{where} is not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+        raise ValueError(f"{where} is not valid YAML/JSON: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
+    if isinstance(data, str) and "\n" not in text.strip():  # a path mistyped, most likely
+        raise ValueError(f"no such file: {text.strip()[:300]} (nor is it a spec's YAML/JSON "
+                         "text)")
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a sweep spec must be a mapping (YAML/JSON object)")
     return data
@@ -214,12 +218,15 @@ def _parse(text: str, where: str) -> dict[str, Any]:
 
 def _as_dict(spec: Any) -> dict[str, Any]:
     if hasattr(spec, "model_dump"):
-        return spec.model_dump(mode="json")
-    if isinstance(spec, dict):
-        return spec
-    text = str(spec)
-    one_line = len(text) < 4096 and "\n" not in text
-    if isinstance(spec, Path) or (one_line and (text.lower().endswith(SPEC_SUFFIXES)
-                                                or Path(text).exists())):
-        return read_spec_file(text)
-    return _parse(text, "the spec text")
+        data = spec.model_dump(mode="json")
+    elif isinstance(spec, dict):
+        data = spec
+    elif isinstance(spec, Path) or looks_like_path(str(spec)):
+        data = read_spec_file(spec)
+    else:
+        data = _parse(str(spec), "the spec text")
+    # JSON cannot carry them: the request could not be sent to be refused by field
+    if bad := non_finite_paths(data):
+        raise ValueError(f"{', '.join(bad)}: Infinity or NaN is not a value a spec field "
+                         "accepts; give a finite number")
+    return data

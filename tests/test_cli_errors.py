@@ -66,6 +66,33 @@ def test_a_bad_spec_file_or_url_is_one_line_naming_it(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+
+def test_the_client_reads_a_spec_as_the_server_does(tmp_path):
+    """Through the client a key given twice was kept once (the last), Infinity/NaN failed in
+    httpx's encoder naming no field, JSON text of a real spec raised OSError (taken for a
+    path too long), and a mistyped path was "not a mapping"."""
+    import json
+
+    from hptransfer.client import _as_dict
+
+    spec = copy.deepcopy(TINY_SPEC)
+    assert _as_dict(json.dumps(spec)) == spec  # JSON text, far past a file name's length
+    assert _as_dict(yaml.safe_dump(spec)) == spec
+    (tmp_path / "dup.yaml").write_text("name: a\nname: b\n")
+    (tmp_path / "dup.json").write_text('{"name": "a", "name": "b"}')
+    for path in ("dup.yaml", "dup.json"):
+        with pytest.raises(ValueError, match="duplicate key 'name'"):
+            _as_dict(str(tmp_path / path))
+    with pytest.raises(ValueError, match=r"^budget.steps, grid.lrs\[1\]: Infinity or NaN is "
+                                         r"not a value a spec field accepts"):
+        _as_dict({**spec, "budget": {"steps": float("inf")},
+                  "grid": {**spec["grid"], "lrs": [1e-3, float("nan")]}})
+    (tmp_path / "inf.yaml").write_text("budget: {steps: .inf}\n")
+    with pytest.raises(ValueError, match="^budget.steps: Infinity or NaN"):
+        _as_dict(str(tmp_path / "inf.yaml"))
+    out = run("submit", "examples/cpu_smal", "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2 and "no such file: examples/cpu_smal" in out.stderr, out.stderr
+
 def test_no_credential_in_what_the_client_says():
     out = run("status", "--url", "http://admin:S3CRETPW@127.0.0.1:9")
     assert out.returncode == 2 and "cannot reach http://admin:***@127.0.0.1:9" in out.stderr

@@ -494,9 +494,12 @@ def test_admission_prices_bf16_as_fp32_unless_the_trial_must_run_on_cuda(tiny_sp
 
     (fp32,) = trial_costs(load_spec(tiny_spec))
     costs = {}
-    for device in ("cpu", "auto", "cuda"):
+    for device, gpus in (("cpu", 0), ("auto", 0), ("cuda", 0.5), ("auto", 0.5)):
         tiny_spec["fixed"].update(device=device, precision="bf16")
-        tiny_spec["resources"] = {"cpus": 1, "gpus": 0.5 if device == "cuda" else 0}
-        (costs[device],) = trial_costs(load_spec(tiny_spec))
-    assert costs["cpu"].activation_bytes == costs["auto"].activation_bytes == fp32.activation_bytes
-    assert costs["cuda"].activation_bytes < 0.8 * fp32.activation_bytes
+        tiny_spec["resources"] = {"cpus": 1, "gpus": gpus}
+        (costs[device, gpus],) = trial_costs(load_spec(tiny_spec))
+    assert {costs["cpu", 0].activation_bytes, costs["auto", 0].activation_bytes} == {
+        fp32.activation_bytes}
+    # on a GPU Ray gives it (device cuda, or auto with resources.gpus): bf16 activations
+    assert costs["cuda", 0.5].activation_bytes == costs["auto", 0.5].activation_bytes
+    assert costs["cuda", 0.5].activation_bytes < 0.8 * fp32.activation_bytes

@@ -14,7 +14,8 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from hptransfer.sweeper.spec.loading import DuplicateKey, strict_json_loads
+from hptransfer.spec_text import DuplicateKey
+from hptransfer.sweeper.spec.loading import strict_json_loads
 
 
 class StrictJSONRequest(Request):

@@ -77,10 +77,10 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
         for (width, depth, tokens_per_param), field in trained_shapes(spec).items():
             trial = spec.trial_spec(arm, width, depth, lr, sigma, seed, tokens_per_param)
             cfg = trial.model_config_obj(vocab_size=vocab)
-            # bf16 halves activations only where it autocasts, on CUDA; a trial that may run
-            # on a CPU (device auto or cpu) trains fp32 there, and is priced so
-            need = trial_memory(trial, vocab, half_activations=(
-                trial.precision == "bf16" and trial.device == "cuda"))
+            # bf16 autocasts on CUDA only: a trial that may run on a CPU (device cpu, or auto
+            # without a GPU to ask Ray for) trains fp32 there, and is priced so
+            need = trial_memory(trial, vocab, half_activations=trial.precision == "bf16" and (
+                trial.device == "cuda" or (trial.device == "auto" and spec.resources.gpus > 0)))
             b, t = trial.batch_size, trial.seq_len
             steps = trial.budget.steps_for(b * t, param_counts(cfg).non_embedding)
             tokens = float(steps) * b * t

@@ -9,33 +9,26 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hptransfer.spec_text import (
+    DuplicateKey,
+    StrictYAMLLoader,
+    looks_like_path,
+    unique_keys,
+)
+
 from .errors import NonFiniteJSON, SpecError, error
-
-
-class DuplicateKey(ValueError):
-    """A JSON object that names one key twice (Python's json keeps the last silently)."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKey(f"duplicate key {key[:100]!r}: give each field once")
-        out[key] = value
-    return out
 
 
 def strict_json_loads(text: str | bytes) -> Any:
     """json.loads, but Infinity/-Infinity/NaN (which Python accepts, JSON does not) become
     values no spec field accepts, so they are refused with the field's path; and a repeated
     key is an error (DuplicateKey), as in a YAML spec."""
-    return json.loads(text, parse_constant=NonFiniteJSON, object_pairs_hook=_unique_keys)
+    return json.loads(text, parse_constant=NonFiniteJSON, object_pairs_hook=unique_keys)
 
 
 def nul_problems(data: Any, path: str = "") -> list[dict[str, str]]:
@@ -64,7 +57,7 @@ def read_spec_data(source: dict | str | os.PathLike) -> dict:
     """The mapping of fields in `source`: a dict, a file path, or YAML/JSON text."""
     if isinstance(source, dict):
         data: Any = source
-    elif isinstance(source, os.PathLike) or (isinstance(source, str) and _looks_like_path(source)):
+    elif isinstance(source, os.PathLike) or (isinstance(source, str) and looks_like_path(source)):
         data = _read_file(Path(source))
     elif isinstance(source, str):
         data = _parse_text(source, where="")
@@ -77,17 +70,6 @@ def read_spec_data(source: dict | str | os.PathLike) -> dict:
     if problems := nul_problems(data):
         raise SpecError(problems)
     return data
-
-
-def _looks_like_path(text: str) -> bool:
-    if "\n" in text or not text.strip():
-        return False
-    if text.strip().lower().endswith((".yaml", ".yml", ".json")):
-        return True
-    try:
-        return Path(text).is_file()
-    except OSError:  # e.g. a name too long to be a path: it is text
-        return False
 
 
 def _read_file(path: Path) -> Any:
@@ -125,36 +107,9 @@ def _parse_json(text: str, where: str) -> Any:
         raise SpecError([error("", f"invalid JSON{where}: {exc}")]) from None
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None,
-                    f"duplicate key {key!r} (first given on line {seen[key] + 1})",
-                    key_node.start_mark,
-                )
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-# YAML 1.1 (PyYAML) reads `1e-3` and `2e9` as strings; read them as numbers, as YAML 1.2 does.
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+        return yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
