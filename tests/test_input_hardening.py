@@ -227,6 +227,14 @@ def test_case9_body_size_cap(hpt_home, monkeypatch, tiny_spec):
     with TestClient(create_app(get_settings(), dispatch=False)) as c:
         r = c.post("/sweeps", json={**tiny_spec, "description": "x" * 5000})
         assert r.status_code == 413, r.text
+        # in JSON as every error, with the limit and its setting (was text: Content Too Large)
+        assert r.json()["error"].startswith("the request body is over the server's limit of "
+                                            "4096 bytes (HPT_MAX_REQUEST_BYTES)")
+        # a body streamed without a Content-Length is counted as it arrives
+        body = json.dumps({**tiny_spec, "description": "x" * 5000}).encode()
+        chunks = (body[i:i + 1000] for i in range(0, len(body), 1000))
+        r = c.post("/sweeps", content=chunks, headers=JSON)
+        assert r.status_code == 413 and "HPT_MAX_REQUEST_BYTES" in r.json()["error"], r.text
         assert c.get("/sweeps").json() == []
         assert c.post("/sweeps", json=tiny_spec).status_code == 201
 

@@ -21,6 +21,7 @@ from hptransfer.sweeper.spec import SpecError
 
 from .dashboards import router as dashboards_router
 from .guards import (
+    BodyLimit,
     HeadAsGet,
     RefuseNulInURL,
     TrailingSlashServed,
@@ -62,8 +63,6 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
         version="0.1.0",
         description="Hyper-parameter transfer sweeps: submit, watch, cancel; fits and dashboards.",
         lifespan=lifespan,
-        # 413 past this: a 50 MB description or 200k tags never reach the parser.
-        max_body_size=settings.max_request_bytes,
         redirect_slashes=False,  # a trailing slash is served, not redirected (guards.py)
     )
     app.include_router(router)
@@ -71,6 +70,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
     app.add_middleware(RefuseNulInURL)
     app.add_middleware(HeadAsGet)
     app.add_middleware(TrailingSlashServed)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)  # outermost
     _install_error_handlers(app)
     return app
 

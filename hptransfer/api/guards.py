@@ -111,6 +111,70 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
+
+class _BodyTooLarge(Exception):
+    """Raised from a request's receive once its body passed the limit."""
+
+
+def _is_too_large(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_too_large(e) for e in exc.exceptions)
+    return isinstance(exc, _BodyTooLarge)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is refused with a JSON 413 that says
+    the limit and its setting, before a handler sees it (a 50 MB description or 200k tags
+    never reach the parser): by its Content-Length at once, else as it streams in.
+    (FastAPI's own limit answered in plain text, "Content Too Large", from outside every
+    middleware that could have said more.)"""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        await error_response(413, (
+            f"the request body is over the server's limit of {self.max_bytes} bytes "
+            "(HPT_MAX_REQUEST_BYTES): send a smaller spec, or raise the limit where the "
+            "server runs"))(scope, receive, send)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen, started, over = 0, False, False
+
+        async def counted() -> dict:
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    over = True
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            if over:  # the handler's answer to a body it could not read: ours instead
+                if not started:
+                    started = True
+                    await self._refuse(scope, receive, send)
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except BaseException as exc:
+            if started or not _is_too_large(exc):
+                raise
+            await self._refuse(scope, receive, send)
+
 def allowed_methods(routes: Any, scope: dict) -> list[str]:
     """Every method some route serves at this request's path (the 405's Allow: Starlette's
     names only the first route that matched the path)."""
