@@ -9,6 +9,7 @@ Any URL can point at a server (PostgreSQL, an `mlflow server`) instead.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,22 @@ def check_worker_settings() -> None:
     compile_mode()
 
 
+_DATABASE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\+[A-Za-z0-9_]+)?://")
+
+
+def _env_database_url(name: str) -> str | None:
+    """A database URL (dialect[+driver]://...) from `name`, or None when unset; anything
+    else is a SettingsError naming the variable (it failed deep in the server's start-up,
+    after Ray had started, as a traceback naming neither)."""
+    value = _env(name)
+    if value is not None and not _DATABASE_URL.match(value):
+        raise SettingsError(
+            f"{name} is not a database URL (it does not start dialect://; its value is not "
+            "shown, it may hold a password); give one such as "
+            "postgresql://user:password@host:5432/db or sqlite:////path/to/file.db")
+    return value
+
+
 def get_settings() -> Settings:
     """Read the settings from the environment now (no caching, so tests can monkeypatch it).
     Variables only workers read are checked here too: a bad value is one clear error when
@@ -161,8 +178,8 @@ def get_settings() -> Settings:
     check_worker_settings()
     return Settings(
         home=home,
-        database_url=_env("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
-        optuna_url=_env("HPT_OPTUNA_URL") or f"sqlite:///{home / 'optuna.db'}",
+        database_url=_env_database_url("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
+        optuna_url=_env_database_url("HPT_OPTUNA_URL") or f"sqlite:///{home / 'optuna.db'}",
         mlflow_uri=_env("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
         mlflow_artifacts=home / "mlartifacts",
         ray_address=_env("RAY_ADDRESS"),

@@ -261,3 +261,17 @@ def test_a_bad_worker_setting_is_refused_up_front(tmp_path):
             out = run(*args, env=env)
             assert out.returncode == 2 and says in out.stderr, (args, out.stderr[-800:])
             assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name", ["HPT_DATABASE_URL", "HPT_OPTUNA_URL"])
+def test_a_database_url_that_is_not_one_is_named_at_once(tmp_path, name):
+    """It failed deep in the server's start, after Ray had started: a 41-line traceback
+    naming neither the variable nor what to give."""
+    import os
+
+    env = {**os.environ, name: "postgresql:/admin:S3CRETPW@db", "HPT_HOME": str(tmp_path)}
+    for args in (["serve"], ["doctor", "--quick"]):
+        out = run(*args, env=env)
+        assert out.returncode == 2, (args, out.stderr[-800:])
+        assert f"{name} is not a database URL" in out.stderr and "Traceback" not in out.stderr
+        assert "S3CRETPW" not in out.stderr + out.stdout
