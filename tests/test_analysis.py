@@ -628,6 +628,30 @@ def test_aspect_ratio_budgets_apart_by_whole_batch_rounding_are_one(tpps) -> Non
     assert not any("set aside" in w for w in result.warnings), result.warnings
     assert row["n_points"] == 8 and row["nl_opt"] == pytest.approx(11.8, rel=1e-3)
 
+
+def test_aspect_ratio_shapes_trained_the_same_tokens_are_at_one_budget() -> None:
+    """A budget in steps trains every shape the same tokens; the shapes' sizes differ within
+    the group's tolerance (here +-6 %), so their tokens per parameter do too, and all but
+    one budget's shapes were set aside (N:L refused: "fewer than 4 aspect ratios")."""
+    x0, rows = math.log(11.8), []
+    for depth, size in zip((4, 6, 8, 12, 16, 24), (0.94, 1.06, 1.0, 0.96, 1.04, 1.0),
+                           strict=True):
+        width = round(math.sqrt(1e7 * size / depth))
+        n, u = 12 * width**2 * depth, math.log(width / depth) - x0
+        rows += [{"arm": "cp", "width": width, "depth": depth, "lr": 2.0**x,
+                  "tokens": 2.0e8, "params_non_embedding": n,
+                  "final_val_loss": 3.0 + 0.2 * u**2 + 0.02 * u**3 + 0.01 * (x + 8) ** 2}
+                 for x in (-10, -9, -8, -7, -6)]
+    result = optimal_aspect_ratio(trial_frame(rows))
+    assert result.set_aside == [] and result.to_frame().iloc[0]["n_points"] == 6
+    # shapes truly trained longer are still set aside, and the report's text says so
+    rows += [{**r, "tokens": 8.0e8, "final_val_loss": r["final_val_loss"] - 0.2}
+             for r in rows if r["depth"] == 8]
+    report = fit_report(trial_frame(rows), bootstrap=0)
+    assert len(report.aspect_ratio.set_aside) == 1 and "(1 set aside)" in (
+        report.aspect_ratio.set_aside[0])
+    assert f"warning: {report.aspect_ratio.set_aside[0]}" in report.format_text()
+
 def test_chinchilla_refuses_constant_tokens_per_parameter() -> None:
     n = np.logspace(7, 10, 10)
     fit = fit_chinchilla(n, 20 * n, 1.7 + 400 / n**0.34 + 400 / (20 * n) ** 0.28)

@@ -101,6 +101,7 @@ class AspectRatioResult:
     warnings: list[str] = field(default_factory=list)
     tolerance: float = 0.15
     within: float = 0.01
+    set_aside: list[str] = field(default_factory=list)  # shapes at another budget (warnings)
 
     @property
     def reliable(self) -> bool:
@@ -217,9 +218,15 @@ def _one_budget_per_group(points: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
     # budgets within 1 % of their neighbour are one (tokens are whole batches, so a budget is
     # rarely exact: trained to 20 tokens per parameter, shapes land anywhere in [20, 20.1])
     valid = np.isfinite(tpp) & (tpp > 0)
-    label = np.full(len(tpp), np.nan)
     group = points.groupby(["arm", "group"], sort=True).ngroup().to_numpy()
-    label[valid] = snap_runs(np.log(tpp[valid]), group[valid], np.log(1.01))
+    by_tpp = snap_runs(np.log(tpp[valid]), group[valid], np.log(1.01))
+    # a budget in steps or tokens trains every shape the same tokens, whose tokens per
+    # parameter then differ as their sizes do (within the group's ±tolerance): one budget
+    # too. Shapes share a budget where either matches, transitively.
+    by_tokens = snap_runs(np.log(points["tokens"].to_numpy(dtype=float)[valid]),
+                          group[valid], np.log(1.01))
+    label = np.full(len(tpp), np.nan)
+    label[valid] = _linked(group[valid], by_tpp, by_tokens)
     points = points.assign(budget=label, tpp=tpp)
     keep = np.ones(len(points), dtype=bool)
     notes = []
@@ -228,7 +235,8 @@ def _one_budget_per_group(points: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
         if budgets.nunique() < 2:
             continue
         counts = budgets.value_counts()
-        chosen = min(counts.index[counts.to_numpy() == counts.max()])
+        tied = counts.index[counts.to_numpy() == counts.max()]
+        chosen = min(tied, key=lambda b: grp["tpp"][grp["budget"] == b].min())  # the smallest
         out = grp.index[grp["budget"].to_numpy() != chosen]
         keep[points.index.get_indexer(out)] = False
         shown = grp["tpp"][grp["budget"] == chosen].iloc[0]
@@ -237,6 +245,26 @@ def _one_budget_per_group(points: pd.DataFrame) -> tuple[pd.DataFrame, list[str]
             f"{budgets.nunique()} token budgets; compared at {shown:.3g} tokens per parameter "
             f"only ({len(out)} set aside)")
     return points[keep].drop(columns=["budget", "tpp"]), notes
+
+
+def _linked(*keys: np.ndarray) -> np.ndarray:
+    """A label per row: rows equal in any of `keys` after the first (which every link must
+    share too) get one label, transitively (union-find)."""
+    n = len(keys[0])
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for key in keys[1:]:
+        first: dict[tuple, int] = {}
+        for i, k in enumerate(zip(keys[0], key, strict=True)):
+            j = first.setdefault(k, i)
+            parent[root(i)] = root(j)
+    return np.array([root(i) for i in range(n)], dtype=float)
 
 
 def optimal_aspect_ratio(
@@ -308,4 +336,4 @@ def optimal_aspect_ratio(
         if points.empty:
             because = "no shape has a completed run with a recorded params_non_embedding"
         reason = NotEnoughData("the compute-optimal N:L", because)
-    return AspectRatioResult(groups, points, reason, warnings, tolerance, within)
+    return AspectRatioResult(groups, points, reason, warnings, tolerance, within, set_aside)

@@ -194,6 +194,8 @@ def fit_report(
             "aspect_ratio",
             lambda: optimal_aspect_ratio(points, tolerance=size_tolerance, within=within),
         )
+        if report.aspect_ratio is not None:  # in the text too, not only the JSON
+            report.warnings.extend(report.aspect_ratio.set_aside)
         report.chinchilla = run(
             "chinchilla", lambda: chinchilla_fit(points, bootstrap=bootstrap, seed=seed, ci=ci)
         )

@@ -251,6 +251,8 @@ def study_fit_report(
                 report.reference_arm = report.savings.reference
         report.aspect_ratio = run("aspect_ratio", lambda: optimal_aspect_ratio(
             part("aspect_ratio"), tolerance=size_tolerance, within=within))
+        if report.aspect_ratio is not None:  # in the text too, not only the JSON
+            report.warnings.extend(report.aspect_ratio.set_aside)
         report.chinchilla = run("chinchilla", lambda: chinchilla_fit(
             by_budget(part("transfer", "aspect_ratio"), "params_non_embedding"),
             bootstrap=bootstrap, seed=seed, ci=ci))
