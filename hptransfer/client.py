@@ -48,7 +48,7 @@ class Client:
         token = token if token is not None else client_token()
         if token and not token.isprintable():
             raise ValueError("the API token has a control character in it (a line break?); "
-                             "check --token or HPT_TOKEN")
+                             "check --token or HPT_API_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -118,8 +118,15 @@ class Client:
         """All trials of a sweep (paged through) as a DataFrame, one row per trial; the
         same columns and numeric dtypes whether or not any row matched or has results.
         `curves`: each `result` with its loss curve (fetched 100 trials a request)."""
+        from dataclasses import fields
+
+        from hptransfer.sweeper.db.query import TrialFilters
         from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
 
+        allowed = [f.name for f in fields(TrialFilters)]
+        if unknown := sorted(set(filters) - set(allowed)):  # the API would ignore a typo
+            raise TypeError(f"unknown trial filter {', '.join(unknown)}; filter by "
+                            f"{', '.join(allowed)}")
         rows: list[dict] = []
         params = {k: v for k, v in filters.items() if v is not None}
         params["curves"] = "true" if curves else "false"
@@ -143,7 +150,10 @@ class Client:
         frontier, savings, aspect_ratio, chinchilla); `fits_raw` has the whole report, and
         for a study its `stages` (the stage each analysis came from) and `headline`."""
         raw = self.fits_raw(sweep_id, bootstrap, reference_arm)
-        return {name: pd.DataFrame(rows) for name, rows in raw["tables"].items()}
+        columns = raw.get("table_columns") or {}
+        # an empty table keeps its columns (`fits(...)["savings"]["reliable"]` always works)
+        return {name: pd.DataFrame(rows, columns=columns.get(name) if not rows else None)
+                for name, rows in raw["tables"].items()}
 
     def fits_raw(self, sweep_id: str, bootstrap: int = 100,
                  reference_arm: str | None = None) -> dict[str, Any]:

@@ -209,6 +209,14 @@ def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
         full = c.trials(sweep_id)
         none = c.trials(sweep_id, status="diverged")
         failed = c.trials(sweep_id, status="failed")
+        # a typo'd filter is an error, not every trial (the API ignores what it does not know)
+        with pytest.raises(TypeError, match="unknown trial filter widht; filter by status, arm, "
+                                            "width"):
+            c.trials(sweep_id, widht=64)
+        # fit tables keep their columns when no row is there (savings of one arm: none)
+        fits = c.fits(sweep_id, bootstrap=0)
+        assert fits["savings"].empty and "reliable" in fits["savings"].columns
+        assert {"reliable"} <= set(fits["aspect_ratio"].columns)
     assert list(full.columns) == list(none.columns) == list(TRIAL_COLUMNS) and len(none) == 0
     assert len(failed) == 1 and failed["error"].iloc[0] == "boom"
     for column in TRIAL_NUMERIC_COLUMNS:  # no result: NaN floats, not None objects

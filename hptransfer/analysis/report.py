@@ -62,9 +62,11 @@ class FitReport:
         return {name: getattr(self, name) for name in TABLE_NAMES}
 
     def tables(self) -> dict[str, pd.DataFrame]:
-        """One DataFrame per analysis, keyed by TABLE_NAMES; empty when it did not run."""
+        """One DataFrame per analysis, keyed by TABLE_NAMES; when it did not run, empty with
+        the columns its text table shows (so `table["reliable"]` works either way)."""
         return {
-            name: result.to_frame() if result is not None else pd.DataFrame()
+            name: result.to_frame() if result is not None
+            else pd.DataFrame(columns=_TEXT_COLUMNS[name])
             for name, result in self.results().items()
         }
 

@@ -95,8 +95,12 @@ def fits_payload(report: FitReport) -> dict[str, Any]:
     """JSON for the API: the report, its tables as records, and the text rendering."""
     out = report.to_dict()
     try:
+        tables = report.tables()
         out["tables"] = {name: json_safe(frame.to_dict(orient="records"))
-                         for name, frame in report.tables().items()}
+                         for name, frame in tables.items()}
+        # records of an empty table lose its columns: the client rebuilds frames with them
+        out["table_columns"] = {name: [str(c) for c in frame.columns]
+                                for name, frame in tables.items()}
         out["text"] = report.format_text()
     except Exception as exc:  # a rendering bug must not hide the report itself
         log.exception("fit tables failed")
