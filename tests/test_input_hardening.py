@@ -511,3 +511,29 @@ def test_admission_prices_bf16_as_fp32_unless_the_trial_must_run_on_cuda(tiny_sp
     # on a GPU Ray gives it (device cuda, or auto with resources.gpus): bf16 activations
     assert costs["cuda", 0.5].activation_bytes == costs["auto", 0.5].activation_bytes
     assert costs["cuda", 0.5].activation_bytes < 0.8 * fp32.activation_bytes
+
+
+def test_a_gpu_sweep_is_priced_against_a_gpu_not_the_cpu_nodes(client, tiny_spec,
+                                                               monkeypatch):
+    """A GPU sweep on a coordinator whose Ray nodes are CPU-only so far was refused against
+    their RAM ("more memory than the 17.3 GB of the largest Ray worker node"), though the
+    README says it waits for a GPU node; past the largest GPU it is still refused."""
+    from hptransfer.sweeper import admission
+
+    monkeypatch.setattr(admission, "largest_worker_memory",
+                        lambda: (17.3e9, "the largest Ray worker node"))
+    tiny_spec["fixed"].update(device="cuda", precision="bf16", head_dim=128,
+                              base_width=4096, base_depth=16)
+    tiny_spec["grid"].update(widths=[4096], depths=[16], lrs=[1e-3])  # ~3.2 B parameters
+    tiny_spec["budget"] = {"steps": 1, "batch_size": 1}
+    cpu = {"cpus": 1, "gpus": 0}
+    r = client.post("/sweeps", json={**tiny_spec, "fixed": {**tiny_spec["fixed"],
+                                                            "device": "auto"},
+                                     "resources": cpu})
+    assert r.status_code == 422 and "the 17.3 GB of the largest Ray worker node" in r.text
+    tiny_spec["resources"] = {"cpus": 1, "gpus": 1}
+    assert client.post("/sweeps", json=tiny_spec).status_code == 201
+    tiny_spec["grid"].update(widths=[65536], depths=[1024])  # ~52 T parameters
+    tiny_spec["fixed"].update(base_width=65536, base_depth=1024)
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422 and "the 192 GB of the largest GPU" in r.json()["error"], r.text

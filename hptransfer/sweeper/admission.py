@@ -7,8 +7,8 @@ state and the activations kept for backward), compute as analytic training FLOPs
 (`models.flops`) x the trial's token budget.
 
 A trial is refused when its memory exceeds the memory of the largest alive Ray node (when
-Ray is initialised; else this host's), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB,
-HPT_MAX_TRIAL_FLOPS).
+Ray is initialised; else this host's; not for a sweep on GPUs, whose memory Ray does not
+report), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB, HPT_MAX_TRIAL_FLOPS).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .spec import SpecError, SweepSpec
 from .spec.stages import STAGE_ORDER
 
 GB = 1e9
+LARGEST_GPU_BYTES = 192 * GB  # B200, MI300X: no single accelerator holds more today
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,15 @@ def largest_worker_memory() -> tuple[float, str]:
 def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
     """Raise SpecError with the figures for every shape that cannot run, each under the
     field that asks for it (``grid`` or ``stages.<stage>.shapes``)."""
-    worker_bytes, where = largest_worker_memory()
-    limits = [(worker_bytes, f"the {worker_bytes / GB:.3g} GB of {where}")]
+    if spec.resources.gpus:
+        # a GPU trial lives in its GPU's memory, which Ray does not report (and no GPU node
+        # may have joined yet: the sweep waits for one); its worker splits or halves a pack
+        # that would not fit there. Past the largest GPU made it cannot run anywhere.
+        limits = [(LARGEST_GPU_BYTES, f"the {LARGEST_GPU_BYTES / GB:.3g} GB of the largest "
+                                      "GPU (a trial runs on one)")]
+    else:  # a CPU trial lives in its node's memory
+        worker_bytes, where = largest_worker_memory()
+        limits = [(worker_bytes, f"the {worker_bytes / GB:.3g} GB of {where}")]
     if settings.max_trial_memory_gb is not None:
         limits.append((settings.max_trial_memory_gb * GB,
                        f"HPT_MAX_TRIAL_MEMORY_GB={settings.max_trial_memory_gb:g}"))
