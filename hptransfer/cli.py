@@ -444,9 +444,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not isinstance(exc, ApiError):
             raise
-        print(f"hpt {args.command}: {exc.message}", file=sys.stderr)
+        if not exc.errors:
+            print(f"hpt {args.command}: {exc.message}", file=sys.stderr)
+            return 2
+        # the message joins the errors on one line: list them instead, one a line
+        what = exc.message.split(": ", 1)[0] if ": " in exc.message else f"HTTP {exc.status}"
+        print(f"hpt {args.command}: {what}:", file=sys.stderr)
         for e in exc.errors:
-            print(f"  {e['field']}: {e['message']}", file=sys.stderr)
+            print(f"  {e['field'] + ': ' if e['field'] else ''}{e['message']}", file=sys.stderr)
         return 2
 
 

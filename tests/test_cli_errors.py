@@ -283,3 +283,18 @@ def test_a_database_url_that_is_not_one_is_named_at_once(tmp_path, name):
         assert out.returncode == 2, (args, out.stderr[-800:])
         assert f"{name} is not a database URL" in out.stderr and "Traceback" not in out.stderr
         assert "S3CRETPW" not in out.stderr + out.stdout
+
+
+def test_a_refused_spec_lists_each_problem_once_one_a_line(server, tmp_path):
+    url, _ = server
+    spec = {**copy.deepcopy(TINY_SPEC), "name": "two-typos"}
+    spec["grid"]["widthz"] = [32]
+    spec["budget"]["stepz"] = 3
+    path = tmp_path / "typos.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    out = run("submit", str(path), "--url", url)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[0] == "hpt submit: invalid sweep spec:", out.stderr
+    assert sorted(line.split(":")[0].strip() for line in lines[1:]) == ["budget.stepz",
+                                                                      "grid.widthz"]
+    assert out.stderr.count("widthz") == 1  # it was on the first line too, all joined
