@@ -130,14 +130,20 @@ def _default_coordcheck_plot(a: argparse.Namespace, p: Parameterization):
 
 @command("train")
 def cmd_train(a: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from hptransfer.client import read_spec_file
     from hptransfer.config import check_worker_settings
+    from hptransfer.sweeper.spec.errors import spec_error
     from hptransfer.workers.trainer import run_trial
     from hptransfer.workers.trial import TrialSpec
 
     check_worker_settings()
-
-    spec = TrialSpec.model_validate(read_spec_file(a.spec))
+    try:
+        spec = TrialSpec.model_validate(read_spec_file(a.spec))
+    except ValidationError as exc:  # each field named, with "did you mean", as a sweep's
+        raise ValueError(f"{a.spec} is not a valid TrialSpec: {spec_error(exc, TrialSpec)}"
+                         ) from None
 
     def report(m: dict) -> None:
         if not a.json:

@@ -93,6 +93,18 @@ def test_the_client_reads_a_spec_as_the_server_does(tmp_path):
     out = run("submit", "examples/cpu_smal", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2 and "no such file: examples/cpu_smal" in out.stderr, out.stderr
 
+
+def test_a_bad_trial_spec_names_its_fields_as_a_sweeps_do(tmp_path):
+    """`hpt train` printed pydantic's raw dump (type names, documentation URLs)."""
+    path = tmp_path / "trial.yaml"
+    path.write_text("width: 32\ndepth: 1\nhead_dim: 32\nbudget: {steps: 2, batch_size: 4}\n"
+                    "widht: 3\n")
+    out = run("train", str(path))
+    assert out.returncode == 2 and "is not a valid TrialSpec" in out.stderr, out.stderr
+    assert "widht: unknown field 'widht'; did you mean 'width'?" in out.stderr
+    assert "budget.batch_size: unknown field 'batch_size'" in out.stderr
+    assert "errors.pydantic.dev" not in out.stderr and "Traceback" not in out.stderr
+
 def test_no_credential_in_what_the_client_says():
     out = run("status", "--url", "http://admin:S3CRETPW@127.0.0.1:9")
     assert out.returncode == 2 and "cannot reach http://admin:***@127.0.0.1:9" in out.stderr
