@@ -136,9 +136,12 @@ class Compiled:
             out = self.fn(*args)
         except Exception as exc:
             # the first call: anything but running out of memory (a compiler missing can
-            # raise anything); later ones: compile failures only
-            first_failure = not self.checked and not is_out_of_memory_anywhere(exc)
-            if not (first_failure or is_compile_failure(exc)) or not self.fall_back(exc):
+            # raise anything); later ones: a graph that dynamo could not compile (what it
+            # raises then), never an error of compiled code that ran (an in-place update
+            # may have been applied in part: running it again would apply it twice)
+            later = isinstance(exc, torch._dynamo.exc.TorchDynamoException)
+            if (is_out_of_memory_anywhere(exc) or not (later or not self.checked)
+                    or not self.fall_back(exc)):
                 raise
             out = self.fn(*args)
         self.checked = True
