@@ -218,9 +218,6 @@ def _parse(text: str, where: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ValueError(f"{where} is not valid YAML/JSON: "
                          f"{' '.join(str(exc).split())[:300]}") from None
-    if isinstance(data, str) and "\n" not in text.strip():  # a path mistyped, most likely
-        raise ValueError(f"no such file: {text.strip()[:300]} (nor is it a spec's YAML/JSON "
-                         "text)")
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a sweep spec must be a mapping (YAML/JSON object)")
     return data
@@ -234,6 +231,10 @@ def _as_dict(spec: Any) -> dict[str, Any]:
     elif isinstance(spec, Path) or looks_like_path(str(spec)):
         data = read_spec_file(spec)
     else:
+        text = str(spec).strip()
+        if "\n" not in text and not text.startswith("{") and ":" not in text:
+            # one line that is neither a file nor a mapping: a path mistyped, most likely
+            raise ValueError(f"no such file: {text[:300]} (nor is it a spec's YAML/JSON text)")
         data = _parse(str(spec), "the spec text")
     # JSON cannot carry them: the request could not be sent to be refused by field
     if bad := non_finite_paths(data):

@@ -12,6 +12,7 @@ from hptransfer.status import TrialStatus
 from hptransfer.sweeper.service import UnknownArm
 from hptransfer.sweeper.spec.cache import MAX_PAGE
 from hptransfer.sweeper.spec.stages import STAGE_ORDER
+from hptransfer.workers.trial import MAX_SEED, MAX_SIGMA
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
@@ -103,6 +104,8 @@ def list_trials(
     arm: str | None = None,
     width: Annotated[int | None, Query(gt=0, le=MAX_WIDTH)] = None,
     depth: Annotated[int | None, Query(gt=0, le=MAX_DEPTH)] = None,
+    sigma_base: Annotated[float | None, Query(gt=0, le=MAX_SIGMA)] = None,
+    seed: Annotated[int | None, Query(ge=0, le=MAX_SEED)] = None,
     stage: Annotated[str | None, Query(pattern=f"^({STAGES})$",
                                        description="a study's stage: " + STAGES)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
@@ -117,7 +120,8 @@ def list_trials(
         raise HTTPException(status_code=422, detail=(
             f"with curves=true a page holds at most {MAX_CURVE_PAGE} trials (limit={limit}): "
             "page through them, or leave the curves out"))
-    filters = dict(status=status, arm=arm, width=width, depth=depth, stage=stage)
+    filters = dict(status=status, arm=arm, width=width, depth=depth, sigma_base=sigma_base,
+                   seed=seed, stage=stage)
     return {
         "total": c.store.count_trials(sweep_id, **filters),
         "limit": limit,
