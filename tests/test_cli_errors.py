@@ -92,6 +92,9 @@ def test_the_client_reads_a_spec_as_the_server_does(tmp_path):
         _as_dict(str(tmp_path / "inf.yaml"))
     out = run("submit", "examples/cpu_smal", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2 and "no such file: examples/cpu_smal" in out.stderr, out.stderr
+    (tmp_path / "word.yaml").write_text("hello\n")  # a file that is there, holding no mapping
+    with pytest.raises(ValueError, match="word.yaml: a sweep spec must be a mapping"):
+        _as_dict(str(tmp_path / "word.yaml"))
 
 
 def test_a_bad_trial_spec_names_its_fields_as_a_sweeps_do(tmp_path):
@@ -225,6 +228,10 @@ def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
         with pytest.raises(TypeError, match="unknown trial filter widht; filter by status, arm, "
                                             "width"):
             c.trials(sweep_id, widht=64)
+        # and every filter the client takes, the API applies (seed, sigma_base were ignored)
+        assert len(c.trials(sweep_id, seed=12345)) == 0
+        assert len(c.trials(sweep_id, sigma_base=99.0)) == 0
+        assert len(c.trials(sweep_id, seed=0)) == len(full)
         # fit tables keep their columns when no row is there (savings of one arm: none)
         fits = c.fits(sweep_id, bootstrap=0)
         assert fits["savings"].empty and "reliable" in fits["savings"].columns
