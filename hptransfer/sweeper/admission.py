@@ -19,6 +19,7 @@ from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.workers.memory import host_memory, trial_memory
 
+from .packing import on_gpu
 from .spec import SpecError, SweepSpec
 from .spec.stages import STAGE_ORDER
 
@@ -78,10 +79,9 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
         for (width, depth, tokens_per_param), field in trained_shapes(spec).items():
             trial = spec.trial_spec(arm, width, depth, lr, sigma, seed, tokens_per_param)
             cfg = trial.model_config_obj(vocab_size=vocab)
-            # bf16 autocasts on CUDA only: a trial that may run on a CPU (device cpu, or auto
-            # without a GPU to ask Ray for) trains fp32 there, and is priced so
-            need = trial_memory(trial, vocab, half_activations=trial.precision == "bf16" and (
-                trial.device == "cuda" or (trial.device == "auto" and spec.resources.gpus > 0)))
+            # bf16 autocasts on CUDA only: a trial that may run on a CPU trains fp32 there
+            need = trial_memory(trial, vocab,
+                                half_activations=trial.precision == "bf16" and on_gpu(spec))
             b, t = trial.batch_size, trial.seq_len
             steps = trial.budget.steps_for(b * t, param_counts(cfg).non_embedding)
             tokens = float(steps) * b * t
@@ -116,7 +116,7 @@ def largest_worker_memory() -> tuple[float, str]:
 def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
     """Raise SpecError with the figures for every shape that cannot run, each under the
     field that asks for it (``grid`` or ``stages.<stage>.shapes``)."""
-    if spec.resources.gpus:
+    if on_gpu(spec):
         # a GPU trial lives in its GPU's memory, which Ray does not report (and no GPU node
         # may have joined yet: the sweep waits for one); its worker splits or halves a pack
         # that would not fit there. Past the largest GPU made it cannot run anywhere.

@@ -174,12 +174,18 @@ def _waits_for_twin() -> ColumnElement[bool]:
     Optuna's asks, each of which is told its own outcome. Needs Sweep joined."""
     twin = aliased(Trial)
     return and_(
-        Sweep.reuse.is_(True), Sweep.data_hash.is_not(None),
-        Trial.optuna_trial_number.is_(None),
+        _may_wait_for_twin(),
         exists().where(twin.sweep_id == Trial.sweep_id,
                        twin.content_hash == Trial.content_hash,
                        twin.status.in_(ACTIVE_STATUSES), twin.idx < Trial.idx),
     )
+
+
+def _may_wait_for_twin() -> ColumnElement[bool]:
+    """A trial of a sweep that reuses results, not asked by Optuna (see _waits_for_twin).
+    Needs Sweep joined."""
+    return and_(Sweep.reuse.is_(True), Sweep.data_hash.is_not(None),
+                Trial.optuna_trial_number.is_(None))
 
 
 def _attempt_record(a: Attempt, sweep_id: str, arm: str, spec: dict[str, Any],
@@ -708,13 +714,13 @@ class Store:
         """The pending trials that waited for completed `trial_id` (`_waits_for_twin`) take
         its result, as a finished donor's is reused (each with its one finished attempt)."""
         done = s.get(Trial, trial_id)
-        sweep = s.get(Sweep, done.sweep_id) if done is not None else None
-        if done is None or sweep is None or not (sweep.reuse and sweep.data_hash):
+        if done is None:
             return
-        twins = list(s.scalars(select(Trial.id).where(
-            Trial.sweep_id == done.sweep_id, Trial.content_hash == done.content_hash,
-            Trial.status == "pending", Trial.optuna_trial_number.is_(None),
-            Trial.data_hash == done.data_hash, Trial.id != done.id)))
+        twins = list(s.scalars(
+            select(Trial.id).join(Sweep, Sweep.id == Trial.sweep_id).where(
+                _may_wait_for_twin(), Trial.sweep_id == done.sweep_id,
+                Trial.content_hash == done.content_hash, Trial.status == "pending",
+                Trial.data_hash == done.data_hash, Trial.id != done.id)))
         if not twins:
             return
         now = utcnow()
