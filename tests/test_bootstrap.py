@@ -1,9 +1,9 @@
 """The residual (fixed-design) bootstrap behind every curve fit's CI, against known laws.
 
-The coverage test draws many studies from known power laws with one shared E (the demo's
-ladder design, log-normal noise), fits each with its bootstrap CI of the savings at a fixed
-loss, and counts how often that CI holds the closed-form truth
-1 - (A_arm/(L-E))^(1/b_arm) / (A_ref/(L-E))^(1/b_ref)."""
+The coverage tests draw many studies from known power laws with one shared E (the demo's
+ladder design, log-normal noise), fit each (all arms under one E, or each arm alone) with its
+bootstrap CI of the savings at a fixed loss, and count how often that CI holds the
+closed-form truth 1 - (A_arm/(L-E))^(1/b_arm) / (A_ref/(L-E))^(1/b_ref)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 from hptransfer.analysis import compare_fits, fit_power_law
-from hptransfer.analysis.fit_result import residual_bootstrap
+from hptransfer.analysis.fit_result import (
+    hat_values,
+    residual_bootstrap,
+    student_ratios,
+    studentize,
+)
 from hptransfer.analysis.powerlaw_shared import fit_power_laws_shared_e
 
 E_TRUE = 0.987
@@ -38,7 +43,8 @@ def test_zero_residuals_give_identical_refits_and_no_width() -> None:
     np.testing.assert_array_equal(boot, 10.0)
 
 
-def _drawn_noise(fitted: np.ndarray, residuals: np.ndarray, seed: int) -> np.ndarray:
+def _drawn_noise(fitted: np.ndarray, residuals: np.ndarray, seed: int,
+                 leverage: np.ndarray | None = None) -> np.ndarray:
     """The noise residual_bootstrap adds to `fitted` in each of its 200 redraws."""
     seen: list[np.ndarray] = []
 
@@ -46,7 +52,7 @@ def _drawn_noise(fitted: np.ndarray, residuals: np.ndarray, seed: int) -> np.nda
         seen.append(y - fitted)
         return np.zeros(2)
 
-    residual_bootstrap(fitted, residuals, 2, 200, seed, refit)
+    residual_bootstrap(fitted, residuals, 2, 200, seed, refit, leverage=leverage)
     return np.concatenate(seen)
 
 
@@ -61,6 +67,40 @@ def test_draws_keep_the_design_and_rescale_median_centred_residuals() -> None:
     # the same seed gives the same draws, another seed others
     np.testing.assert_array_equal(_drawn_noise(fitted, residuals, 3), draws)
     assert not np.array_equal(_drawn_noise(fitted, residuals, 4), draws)
+
+
+def test_leverage_modifies_each_residual_by_its_own_hat_value() -> None:
+    fitted = np.arange(5.0)
+    residuals = np.array([0.1, -0.2, 0.3, 0.0, -0.05])
+    leverage = np.array([0.9, 0.2, 0.5, 0.2, 0.99999])  # the last is capped at 0.99
+    draws = _drawn_noise(fitted, residuals, 0, leverage)
+    # r_i / sqrt(1 - h_i), then median-centred (Davison & Hinkley alg. 6.3); no global factor
+    modified = residuals / np.sqrt(1 - np.minimum(leverage, 0.99))
+    allowed = modified - np.median(modified)
+    assert np.isin(np.round(draws, 12), np.round(allowed, 12)).all()
+    assert len(np.unique(np.round(draws, 12))) == 5
+
+
+def test_hat_values_are_the_linear_models_and_skip_parameters_at_a_bound() -> None:
+    x = np.column_stack([np.ones(6), np.linspace(0, 1, 6), np.linspace(0, 1, 6) ** 3])
+    h = hat_values(x)
+    np.testing.assert_allclose(h, np.diag(x @ np.linalg.solve(x.T @ x, x.T)))
+    assert h.sum() == pytest.approx(3.0)
+    # a parameter held at its bound is not fitted: the hat values of the other two columns
+    np.testing.assert_allclose(hat_values(x, np.array([0, 0, 1])), hat_values(x[:, :2]))
+
+
+def test_studentize_rescales_each_refit_by_its_own_noise_scale() -> None:
+    ratios = student_ratios(0.02, np.array([0.01, 0.02, 0.04, 0.0]))
+    np.testing.assert_array_equal(ratios[:3], [2.0, 1.0, 0.5])
+    assert np.isnan(ratios[3])  # a refit with no residual spread cannot be studentized
+    refits = np.array([1.5, 3.0, 0.0, 2.0])
+    out = studentize(1.0, refits, ratios)
+    np.testing.assert_array_equal(out[:3], [2.0, 3.0, 0.5])
+    assert np.isnan(out[3])
+    assert studentize(1.0, np.array([np.inf]), np.array([0.5]))[0] == np.inf  # stays unbounded
+    # exact data (no spread anywhere): the refits are kept as they are
+    np.testing.assert_array_equal(student_ratios(0.0, np.zeros(3)), 1.0)
 
 
 def test_no_resamples_is_an_empty_sample() -> None:
@@ -78,7 +118,9 @@ def test_single_power_law_b_ci_covers_the_truth() -> None:
         assert len(fit.boot_params) == 60  # a fixed design never skips a resample
         assert fit.ci["b"][1] > fit.ci["b"][0]
         hits.append(fit.ci["b"][0] <= b <= fit.ci["b"][1])
-    assert np.mean(hits) >= 0.75, np.mean(hits)  # 0.87 over 30 studies when written
+    # 0.87 over 30 studies when written; at these seeds 0.85 before the refits were
+    # studentized (fit_result.studentize), 0.90 after
+    assert np.mean(hits) >= 0.75, np.mean(hits)
 
 
 @pytest.mark.parametrize("sigma", [0.01, 0.02])
@@ -100,3 +142,28 @@ def test_savings_ci_covers_the_truth_near_the_nominal_rate(sigma: float) -> None
     # median span far over the noise's own scale would be one too wide to say anything
     assert coverage >= 0.80, coverage
     assert np.median(spans) < 1.0 + 60 * sigma, np.median(spans)
+
+
+def test_separate_fits_savings_ci_covers_the_truth_near_the_nominal_rate() -> None:
+    """Each arm fitted alone (loss_compute_frontier's default): 3 parameters on 7 points leave
+    4 degrees of freedom to the noise scale. Refits that take that scale as known gave a
+    z-interval where a t-interval is due: 0.878 here (0.88-0.90 over other seeds, 0.916 over
+    600 intervals at bootstrap=200); studentized refits give 0.972 here (0.94-0.97)."""
+    rng = np.random.default_rng(123)
+    pairs = [("completep", "sp"), ("mup", "sp"), ("completep", "mup")]
+    hits, spans = [], []
+    for rep in range(60):
+        fits = {
+            arm: fit_power_law(DESIGN, (E_TRUE + A * DESIGN**-b) * np.exp(rng.normal(0, 0.01, 7)),
+                               bootstrap=60, seed=3 * rep + i)
+            for i, (arm, (A, b)) in enumerate(LAWS.items())
+        }
+        for arm, ref in pairs:
+            row = compare_fits(fits[arm], fits[ref], losses=[LOSS]).table.iloc[0]
+            hits.append(row["ci_low"] <= _true_savings(arm, ref) <= row["ci_high"])
+            spans.append((1 - row["ci_low"]) / (1 - row["ci_high"]))
+    coverage = float(np.mean(hits))
+    # 180 intervals at a nominal 95 %: 0.92 sits between the two with 8-9 intervals to spare
+    # either way; the span bound is the shared-E test's (1 + 60 sigma): not wider than useful
+    assert coverage >= 0.92, coverage
+    assert np.median(spans) < 1.6, np.median(spans)

@@ -13,8 +13,12 @@ from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
     exponent_ci_problem,
+    fit_leverage,
     named_cis,
     residual_bootstrap,
+    residual_scale,
+    student_ratios,
+    studentize,
     usable_points,
 )
 from .serialize import json_safe
@@ -49,6 +53,9 @@ class PowerLawFit(FitResult):
     loss: np.ndarray
     residuals: np.ndarray
     boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 3)), kw_only=True)
+    # scale / s* of each refit (`fit_result.student_ratios`): the savings' refits are
+    # studentized with it; empty (a fit built by hand): the refits are used as they are
+    boot_ratio: np.ndarray = field(default_factory=lambda: np.empty(0), kw_only=True)
     # the arms fitted jointly with this one under one E (see powerlaw_shared); empty if alone
     shared_asymptote: list[str] = field(default_factory=list, kw_only=True)
 
@@ -81,14 +88,22 @@ class PowerLawFit(FitResult):
     def boot_compute_for_loss(self, loss: np.ndarray) -> np.ndarray:
         """Inverse under each bootstrap refit; shape (n_boot, len(loss)). +inf where a
         refit's asymptote lies at or above the loss (it never reaches it: the compute is
-        unbounded, and ranks as such in a percentile); NaN only for a failed refit."""
+        unbounded, and ranks as such in a percentile); NaN only for a failed refit. With
+        `boot_ratio`, studentized (`fit_result.studentize`) on the log compute."""
         p = self.boot_params
         if p.size == 0:
             return np.empty((0, np.size(loss)))
         loss = np.asarray(loss, dtype=float)[None, :]
         compute = _invert(loss, p[:, :1], p[:, 1:2], p[:, 2:3], self.c_scale)
         unreachable = np.isfinite(p).all(axis=1, keepdims=True) & (loss <= p[:, :1])
-        return np.where(unreachable, np.inf, compute)
+        compute = np.where(unreachable, np.inf, compute)
+        if len(self.boot_ratio) != len(p):
+            return compute
+        # studentized on the log compute, where a refit's error is near linear in the noise
+        log_hat = np.log(self.compute_for_loss(loss[0]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            stud = np.exp(studentize(log_hat, np.log(compute), self.boot_ratio[:, None]))
+        return np.where(np.isfinite(log_hat), stud, compute)
 
     def to_dict(self) -> dict[str, Any]:
         return json_safe(
@@ -115,6 +130,20 @@ class PowerLawFit(FitResult):
                 **self.status_dict(),
             }
         )
+
+
+def studentized_cis(
+    E: float, A: float, b: float, boot: np.ndarray, c_scale: float, ratios: np.ndarray,
+    ci: float,
+) -> dict[str, tuple[float, float]]:
+    """CIs of E, A and b from refits (columns E, A' = A * c_scale^-b, b), each studentized
+    (`fit_result.studentize`) on its own log scale."""
+    a_orig = boot[:, 1] * c_scale ** boot[:, 2]
+    samples = {}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, value, refits in (("E", E, boot[:, 0]), ("A", A, a_orig), ("b", b, boot[:, 2])):
+            samples[name] = np.exp(studentize(np.log(value), np.log(refits), ratios))
+    return named_cis(samples, ci)
 
 
 def _invert(loss: np.ndarray, e: Any, a_scaled: Any, b: Any, c_scale: float) -> np.ndarray:
@@ -260,7 +289,7 @@ def fit_power_law(
 
     `f_scale` is the log-residual size (about a relative error) beyond which points count
     linearly, so a few bad runs do not drag the fit. The CI refits `bootstrap` residual
-    resamples (`fit_result.residual_bootstrap`).
+    resamples (`fit_result.residual_bootstrap`), studentized (`fit_result.studentize`).
     """
     (c, y), ids, warnings = usable_points((compute, loss), trial_ids)
     if np.unique(c).size < 3:
@@ -284,13 +313,20 @@ def fit_power_law(
     A = a_scaled * c_scale**b
     residuals = logy - _model(p, x)
 
+    # each refit also returns its own noise scale, to studentize it (`fit_result.studentize`)
     def refit(logy_star: np.ndarray) -> np.ndarray:
         r = _solve(x, logy_star, p, bounds, f_scale)
-        return np.exp(r.x) if r.success else np.full(3, np.nan)
+        if not r.success:
+            return np.full(4, np.nan)
+        s_star = residual_scale(logy_star - _model(r.x, x), 3, fit_leverage(r))
+        return np.r_[np.exp(r.x), s_star]
 
-    boot = residual_bootstrap(logy - residuals, residuals, 3, bootstrap, seed, refit)
-    a_orig = boot[:, 1] * c_scale ** boot[:, 2]
-    ci_map = named_cis({"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ci)
+    leverage = fit_leverage(best)
+    out = residual_bootstrap(logy - residuals, residuals, 4, bootstrap, seed, refit,
+                             leverage=leverage)
+    boot = out[:, :3]
+    ratios = student_ratios(residual_scale(residuals, 3, leverage), out[:, 3])
+    ci_map = studentized_cis(E, A, b, boot, c_scale, ratios, ci)
 
     problems = fit_problems(c, y, E, b, ci_map)
     return PowerLawFit(
@@ -307,4 +343,5 @@ def fit_power_law(
         reliable=not problems,
         warnings=warnings + problems,
         boot_params=boot,
+        boot_ratio=ratios,
     )

@@ -18,7 +18,13 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import named_cis, residual_bootstrap, usable_points
+from .fit_result import (
+    fit_leverage,
+    residual_bootstrap,
+    residual_scale,
+    student_ratios,
+    usable_points,
+)
 from .powerlaw import (
     _LOG_B_BOUNDS,
     _LOG_E_RANGE,
@@ -27,6 +33,7 @@ from .powerlaw import (
     e_profile_grid,
     fit_problems,
     profile_over_e,
+    studentized_cis,
 )
 from .stats import single_threaded
 
@@ -133,11 +140,22 @@ def fit_power_laws_shared_e(
     y_all = np.concatenate(ys)
     fitted = np.concatenate([np.logaddexp(e, a[i] - b[i] * x) for i, x in enumerate(xs)])
 
+    n_params = 1 + 2 * k
+
+    # each refit also returns its own noise scale, to studentize it (`fit_result.studentize`)
     def refit(y_star: np.ndarray) -> np.ndarray:
         r = _solve(xs, np.split(y_star, sizes), p, bounds, f_scale)
-        return r.x if r.success else np.full(1 + 2 * k, np.nan)
+        if not r.success:
+            return np.full(n_params + 1, np.nan)
+        # r.fun is model - data: the residual scale does not depend on the sign
+        return np.r_[r.x, residual_scale(r.fun, n_params, fit_leverage(r))]
 
-    boot = residual_bootstrap(fitted, y_all - fitted, 1 + 2 * k, bootstrap, seed, refit)
+    leverage = fit_leverage(best)
+    out = residual_bootstrap(fitted, y_all - fitted, n_params + 1, bootstrap, seed, refit,
+                             leverage=leverage)
+    boot = out[:, :n_params]
+    # one joint refit, one noise scale: every arm's refit i is studentized by the same ratio
+    ratios = student_ratios(residual_scale(y_all - fitted, n_params, leverage), out[:, n_params])
     arm_residuals = np.split(y_all - fitted, sizes)
     E = float(np.exp(e))
     for i, arm in enumerate(arms):
@@ -146,12 +164,13 @@ def fit_power_laws_shared_e(
         residuals = arm_residuals[i]
         arm_boot = np.column_stack([np.exp(boot[:, 0]), np.exp(boot[:, 1 + 2 * i]),
                                     np.exp(boot[:, 2 + 2 * i])])
-        a_orig = arm_boot[:, 1] * c_scale ** arm_boot[:, 2]
-        ci_map = named_cis({"E": arm_boot[:, 0], "A": a_orig, "b": arm_boot[:, 2]}, ci)
+        A_i = a_scaled * c_scale**b_i
+        ci_map = studentized_cis(E, A_i, b_i, arm_boot, c_scale, ratios, ci)
         problems = fit_problems(c, y, E, b_i, ci_map)
         fits[arm] = PowerLawFit(
-            E, a_scaled * c_scale**b_i, b_i, c_scale, c, y, residuals,
+            E, A_i, b_i, c_scale, c, y, residuals,
             trial_ids=ids, ci=ci_map, ci_level=ci, reliable=not problems,
-            warnings=warnings + problems, boot_params=arm_boot, shared_asymptote=arms,
+            warnings=warnings + problems, boot_params=arm_boot, boot_ratio=ratios,
+            shared_asymptote=arms,
         )
     return {arm: fits[arm] for arm in points}
