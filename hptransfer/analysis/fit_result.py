@@ -154,6 +154,28 @@ def residual_bootstrap(
     return np.array([refit(fitted + d) for d in draws]).reshape(-1, n_params)
 
 
+def studentized_bootstrap(
+    fitted: np.ndarray, residuals: np.ndarray, n_params: int, n_resamples: int,
+    seed: int | None, solve: Callable[[np.ndarray], Any],
+    params: Callable[[Any], np.ndarray], leverage: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`residual_bootstrap` of a scipy `least_squares` fit whose refits are to be studentized:
+    (refit parameters, shape (n_resamples, n_params); `student_ratios` of the refits).
+    `solve` refits the redrawn responses, `params` reads a result's parameters; each refit's
+    own noise scale comes from its residuals (`fun`, model - data: the sign does not matter)
+    and its own hat values, as the fit's from `residuals` and `leverage`."""
+    def refit(y_star: np.ndarray) -> np.ndarray:
+        r = solve(y_star)
+        if not r.success:
+            return np.full(n_params + 1, np.nan)
+        return np.r_[params(r), residual_scale(r.fun, n_params, fit_leverage(r))]
+
+    out = residual_bootstrap(fitted, residuals, n_params + 1, n_resamples, seed, refit,
+                             leverage=leverage)
+    scale = residual_scale(residuals, n_params, leverage)
+    return out[:, :n_params], student_ratios(scale, out[:, n_params])
+
+
 def student_ratios(scale: float, refit_scales: np.ndarray) -> np.ndarray:
     """scale / s* for each refit's own `residual_scale` s*, the factor `studentize` applies.
     A refit with no residual spread cannot be studentized: NaN (skipped by the percentiles,

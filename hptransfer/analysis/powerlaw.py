@@ -15,10 +15,8 @@ from .fit_result import (
     exponent_ci_problem,
     fit_leverage,
     named_cis,
-    residual_bootstrap,
-    residual_scale,
-    student_ratios,
     studentize,
+    studentized_bootstrap,
     usable_points,
 )
 from .serialize import json_safe
@@ -313,19 +311,10 @@ def fit_power_law(
     A = a_scaled * c_scale**b
     residuals = logy - _model(p, x)
 
-    # each refit also returns its own noise scale, to studentize it (`fit_result.studentize`)
-    def refit(logy_star: np.ndarray) -> np.ndarray:
-        r = _solve(x, logy_star, p, bounds, f_scale)
-        if not r.success:
-            return np.full(4, np.nan)
-        s_star = residual_scale(logy_star - _model(r.x, x), 3, fit_leverage(r))
-        return np.r_[np.exp(r.x), s_star]
-
-    leverage = fit_leverage(best)
-    out = residual_bootstrap(logy - residuals, residuals, 4, bootstrap, seed, refit,
-                             leverage=leverage)
-    boot = out[:, :3]
-    ratios = student_ratios(residual_scale(residuals, 3, leverage), out[:, 3])
+    boot, ratios = studentized_bootstrap(
+        logy - residuals, residuals, 3, bootstrap, seed,
+        lambda logy_star: _solve(x, logy_star, p, bounds, f_scale), lambda r: np.exp(r.x),
+        fit_leverage(best))
     ci_map = studentized_cis(E, A, b, boot, c_scale, ratios, ci)
 
     problems = fit_problems(c, y, E, b, ci_map)

@@ -18,13 +18,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from .errors import NotEnoughData
-from .fit_result import (
-    fit_leverage,
-    residual_bootstrap,
-    residual_scale,
-    student_ratios,
-    usable_points,
-)
+from .fit_result import fit_leverage, studentized_bootstrap, usable_points
 from .powerlaw import (
     _LOG_B_BOUNDS,
     _LOG_E_RANGE,
@@ -140,22 +134,11 @@ def fit_power_laws_shared_e(
     y_all = np.concatenate(ys)
     fitted = np.concatenate([np.logaddexp(e, a[i] - b[i] * x) for i, x in enumerate(xs)])
 
-    n_params = 1 + 2 * k
-
-    # each refit also returns its own noise scale, to studentize it (`fit_result.studentize`)
-    def refit(y_star: np.ndarray) -> np.ndarray:
-        r = _solve(xs, np.split(y_star, sizes), p, bounds, f_scale)
-        if not r.success:
-            return np.full(n_params + 1, np.nan)
-        # r.fun is model - data: the residual scale does not depend on the sign
-        return np.r_[r.x, residual_scale(r.fun, n_params, fit_leverage(r))]
-
-    leverage = fit_leverage(best)
-    out = residual_bootstrap(fitted, y_all - fitted, n_params + 1, bootstrap, seed, refit,
-                             leverage=leverage)
-    boot = out[:, :n_params]
     # one joint refit, one noise scale: every arm's refit i is studentized by the same ratio
-    ratios = student_ratios(residual_scale(y_all - fitted, n_params, leverage), out[:, n_params])
+    boot, ratios = studentized_bootstrap(
+        fitted, y_all - fitted, 1 + 2 * k, bootstrap, seed,
+        lambda y_star: _solve(xs, np.split(y_star, sizes), p, bounds, f_scale),
+        lambda r: r.x, fit_leverage(best))
     arm_residuals = np.split(y_all - fitted, sizes)
     E = float(np.exp(e))
     for i, arm in enumerate(arms):
