@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hptransfer.analysis import compare_fits, fit_power_law
+from hptransfer.analysis import compare_fits, fit_chinchilla, fit_power_law
 from hptransfer.analysis.fit_result import (
     hat_values,
     residual_bootstrap,
@@ -79,6 +79,32 @@ def test_leverage_modifies_each_residual_by_its_own_hat_value() -> None:
     allowed = modified - np.median(modified)
     assert np.isin(np.round(draws, 12), np.round(allowed, 12)).all()
     assert len(np.unique(np.round(draws, 12))) == 5
+
+
+def test_a_pool_limits_the_residuals_drawn_not_their_number() -> None:
+    fitted = np.arange(6.0)
+    residuals = np.array([0.1, -0.2, 0.0, 0.3, 1e-4, -0.1])  # 0.0 and 1e-4: the fit's own
+    leverage = np.full(6, 0.5)
+    pool = np.abs(residuals) > 1e-3
+    seen: list[np.ndarray] = []
+
+    def refit(y: np.ndarray) -> np.ndarray:
+        seen.append(y - fitted)
+        return np.zeros(2)
+
+    residual_bootstrap(fitted, residuals, 2, 200, 0, refit, leverage=leverage, pool=pool)
+    draws = np.concatenate(seen)
+    assert all(len(d) == 6 for d in seen)  # still one residual per point
+    modified = residuals[pool] / np.sqrt(0.5)
+    allowed = modified - np.median(modified)
+    assert np.isin(np.round(draws, 12), np.round(allowed, 12)).all()
+    assert len(np.unique(np.round(draws, 12))) == 4
+    # a pool of fewer than two residuals (exact data) draws from all of them
+    few = np.zeros(6, dtype=bool)
+    few[0] = True
+    seen.clear()
+    residual_bootstrap(fitted, residuals, 2, 200, 0, refit, leverage=leverage, pool=few)
+    assert len(np.unique(np.round(np.concatenate(seen), 12))) == 6
 
 
 def test_hat_values_are_the_linear_models_and_skip_parameters_at_a_bound() -> None:
@@ -167,3 +193,32 @@ def test_separate_fits_savings_ci_covers_the_truth_near_the_nominal_rate() -> No
     # either way; the span bound is the shared-E test's (1 + 60 sigma): not wider than useful
     assert coverage >= 0.92, coverage
     assert np.median(spans) < 1.6, np.median(spans)
+
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}  # Hoffmann et al.
+
+
+def test_chinchilla_cis_cover_the_truth_near_the_nominal_rate() -> None:
+    """fit_chinchilla's Huber loss (δ = 1e-3 against 1 % noise) is near L1: the fit passes
+    through about one point per parameter, and with those ~0 residuals redrawn among the
+    others the refits stayed too close to the estimate: the plain percentile CIs of E, A, B,
+    α, β covered the truth 0.848 of the time here (0.73-0.86 on the demo's 15-point design,
+    0.90-0.92 on 36 points; README). Drawing only the residuals outside δ, leverage-adjusted,
+    and studentizing each refit by its own noise scale: 0.94 here."""
+    n, d = (g.ravel() for g in np.meshgrid(np.logspace(7, 10, 5), np.logspace(9, 12, 5)))
+    p = CHINCHILLA
+    law = p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p["beta"]
+    rng = np.random.default_rng(7)
+    hits, spans = [], []
+    for rep in range(100):
+        fit = fit_chinchilla(n, d, law * np.exp(rng.normal(0, 0.01, n.size)),
+                             bootstrap=60, seed=rep)
+        assert len(fit.boot_params) == 60
+        hits += [fit.ci[k][0] <= v <= fit.ci[k][1] for k, v in p.items()]
+        spans.append(fit.ci["alpha"][1] / fit.ci["alpha"][0])
+    coverage = float(np.mean(hits))
+    # 500 intervals (100 studies x 5 parameters) at a nominal 95 %: 0.90 sits between the
+    # old 0.848 and the new 0.94 with ~20 intervals to spare either way; α's CI must stay
+    # narrow enough to say something
+    assert coverage >= 0.90, coverage
+    assert np.median(spans) < 1.5, np.median(spans)

@@ -21,8 +21,9 @@ from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
     exponent_ci_problem,
-    named_cis,
-    residual_bootstrap,
+    fit_leverage,
+    studentized_bootstrap,
+    studentized_log_cis,
     usable_points,
 )
 from .optimal_lr import OptimalLRResult, as_optimal
@@ -72,7 +73,11 @@ class ChinchillaFit(FitResult):
     loss: np.ndarray
     residuals: np.ndarray
     objective: float = float("nan")
+    # the bootstrap refits' (E, A, B, α, β), as refitted (not studentized)
     boot_params: np.ndarray = field(default_factory=lambda: np.empty((0, 5)), kw_only=True)
+    # scale / s* of each refit (`fit_result.student_ratios`): the CIs studentize the refits
+    # with it; a quantity derived from `boot_params` is studentized with it likewise
+    boot_ratio: np.ndarray = field(default_factory=lambda: np.empty(0), kw_only=True)
 
     @property
     def G(self) -> float:
@@ -155,6 +160,14 @@ class _Objective:
         lse, _ = self._lse_and_weights(theta)
         return self._huber(lse - self.log_loss)
 
+    def residuals_and_jacobian(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The log residuals (model - data) at one θ' and their Jacobian in θ', shape (n, 5):
+        the least-squares view of the fit that its leverage needs (L-BFGS-B gives none)."""
+        lse, w = self._lse_and_weights(theta)
+        w1, w2, w3 = w
+        jac = np.column_stack([w1, w2, w3, -w1 * self.u, -w2 * self.v])
+        return lse - self.log_loss, jac
+
     def value_and_grad(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
         """Objective and gradient for one θ'; written out flat because L-BFGS-B calls it a lot."""
         a, b, e, al, be = theta
@@ -189,6 +202,31 @@ class _Objective:
 _BOUNDS = [(-60.0, 60.0), (-60.0, 60.0), (-10.0, 10.0), _EXP_BOUNDS, _EXP_BOUNDS]
 _LO = np.array([b[0] for b in _BOUNDS])
 _HI = np.array([b[1] for b in _BOUNDS])
+
+
+@dataclass
+class _LeastSquaresView:
+    """An L-BFGS-B optimum as `fit_result.studentized_bootstrap` and `fit_leverage` read a
+    scipy `least_squares` result: parameters (E, A, B, α, β), log residuals and their
+    Jacobian, the parameters held at a bound."""
+
+    x: np.ndarray
+    fun: np.ndarray
+    jac: np.ndarray
+    active_mask: np.ndarray
+    success: bool
+
+
+def _least_squares_view(obj: _Objective, result: Any) -> _LeastSquaresView:
+    """The Jacobian is the plain one of the log residuals, not weighted by the Huber loss:
+    with δ = 1e-3 nearly every residual is in Huber's linear part, whose weights (δ/|r|)
+    would follow the noise rather than the design."""
+    theta = result.x
+    fun, jac = obj.residuals_and_jacobian(theta)
+    at_bound = (theta <= _LO) | (theta >= _HI)  # L-BFGS-B projects onto the bounds exactly
+    # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
+    return _LeastSquaresView(obj.from_centred(theta), fun, jac, at_bound.astype(int),
+                             bool(np.isfinite(result.fun)))
 
 
 def _refine(obj: _Objective, theta0: np.ndarray) -> Any:
@@ -244,8 +282,11 @@ def fit_chinchilla(
     """Fit L(N, D) = E + A/N^α + B/D^β (N params, D tokens) by Huber on log loss.
 
     `top_k` grid starts with the lowest objective are refined by L-BFGS-B and the best kept.
-    The CI refits `bootstrap` residual resamples (`fit_result.residual_bootstrap`),
-    refining from the full-data optimum.
+    The CI refits `bootstrap` residual resamples, refining from the full-data optimum: the
+    leverage-adjusted residuals of the points outside Huber's quadratic zone are redrawn
+    (`fit_result.drawn_residuals`) and each refit is studentized by its own noise scale on
+    the log of each parameter (`fit_result.studentized_bootstrap`, `studentized_log_cis`),
+    as the power-law fits' are.
     """
     (n_arr, d_arr, y), ids, warnings = usable_points((n, d, loss), trial_ids)
     if len(y) < 6:
@@ -272,14 +313,19 @@ def fit_chinchilla(
     fitted = np.log(E + A / n_arr**alpha + B / d_arr**beta)
     residuals = np.log(y) - fitted
 
-    def refit(log_y_star: np.ndarray) -> np.ndarray:
+    def solve(log_y_star: np.ndarray) -> _LeastSquaresView:
         sub = _Objective(n_arr, d_arr, np.exp(log_y_star), delta)
-        r = _refine(sub, theta)  # same design, so the same centring: start at the full fit
-        # "ABNORMAL" line-search exits at machine precision still sit at the optimum.
-        return sub.from_centred(r.x) if np.isfinite(r.fun) else np.full(5, np.nan)
+        # same design, so the same centring: start at the full fit
+        return _least_squares_view(sub, _refine(sub, theta))
 
-    boot = residual_bootstrap(fitted, residuals, 5, bootstrap, seed, refit)
-    ci_map = named_cis({name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ci)
+    # the points in Huber's quadratic zone are the ones the near-L1 fit passes through: their
+    # ~0 residuals are not drawn (fit_result.drawn_residuals)
+    boot, ratios = studentized_bootstrap(
+        fitted, residuals, 5, bootstrap, seed, solve, lambda r: r.x,
+        fit_leverage(_least_squares_view(obj, best)), pool=np.abs(residuals) > delta)
+    ci_map = studentized_log_cis(
+        dict(zip(PARAM_NAMES, (E, A, B, alpha, beta), strict=True)),
+        {name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ratios, ci)
 
     problems: list[str] = []
     if len(y) < 10:
@@ -318,6 +364,7 @@ def fit_chinchilla(
         reliable=not problems,
         warnings=warnings + problems,
         boot_params=boot,
+        boot_ratio=ratios,
     )
 
 

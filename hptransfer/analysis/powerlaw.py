@@ -14,9 +14,9 @@ from .fit_result import (
     FitResult,
     exponent_ci_problem,
     fit_leverage,
-    named_cis,
     studentize,
     studentized_bootstrap,
+    studentized_log_cis,
     usable_points,
 )
 from .serialize import json_safe
@@ -137,11 +137,8 @@ def studentized_cis(
     """CIs of E, A and b from refits (columns E, A' = A * c_scale^-b, b), each studentized
     (`fit_result.studentize`) on its own log scale."""
     a_orig = boot[:, 1] * c_scale ** boot[:, 2]
-    samples = {}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for name, value, refits in (("E", E, boot[:, 0]), ("A", A, a_orig), ("b", b, boot[:, 2])):
-            samples[name] = np.exp(studentize(np.log(value), np.log(refits), ratios))
-    return named_cis(samples, ci)
+    return studentized_log_cis(
+        {"E": E, "A": A, "b": b}, {"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ratios, ci)
 
 
 def _invert(loss: np.ndarray, e: Any, a_scaled: Any, b: Any, c_scale: float) -> np.ndarray:
