@@ -29,7 +29,7 @@ from .spec import SweepSpec
 # shared 2-core machine, 8 x 64 tokens per pass): 1.30-1.75x at width 64 and 1.02-1.34x at
 # 128 over several runs (1.23-1.56x at the demo's widths 16-40, 16 x 64 tokens, one thread,
 # K=3-5), but 0.94-1.21x at 256 on two threads and 0.89x there on one, so the CPU packs
-# shapes up to 128 wide at that pass size (README, Performance, has the latest figures).
+# shapes up to 128 wide at that pass size (benchmarks/RESULTS.md has the figures).
 CPU_MEASURED_TOKENS = 8 * 64
 CPU_PACK_MAX_WIDTH = 128
 CPU_PACK = 8
