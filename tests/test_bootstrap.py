@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hptransfer.analysis import compare_fits, fit_chinchilla, fit_power_law
+from hptransfer.analysis.chinchilla import ChinchillaResult, compute_max, derived_quantities
 from hptransfer.analysis.fit_result import (
     hat_values,
     residual_bootstrap,
@@ -208,13 +209,16 @@ def test_chinchilla_cis_cover_the_truth_near_the_nominal_rate() -> None:
     n, d = (g.ravel() for g in np.meshgrid(np.logspace(7, 10, 5), np.logspace(9, 12, 5)))
     p = CHINCHILLA
     law = p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p["beta"]
+    # what the fit derives (N_opt's and D_opt's exponents in C, both at the largest compute)
+    derived = derived_quantities(p["A"], p["B"], p["alpha"], p["beta"], compute_max(n, d))
     rng = np.random.default_rng(7)
-    hits, spans = [], []
+    hits, derived_hits, spans = [], [], []
     for rep in range(100):
         fit = fit_chinchilla(n, d, law * np.exp(rng.normal(0, 0.01, n.size)),
                              bootstrap=60, seed=rep)
         assert len(fit.boot_params) == 60
         hits += [fit.ci[k][0] <= v <= fit.ci[k][1] for k, v in p.items()]
+        derived_hits += [fit.ci[k][0] <= v <= fit.ci[k][1] for k, v in derived.items()]
         spans.append(fit.ci["alpha"][1] / fit.ci["alpha"][0])
     coverage = float(np.mean(hits))
     # 500 intervals (100 studies x 5 parameters) at a nominal 95 %: 0.90 sits between the
@@ -222,3 +226,39 @@ def test_chinchilla_cis_cover_the_truth_near_the_nominal_rate() -> None:
     # narrow enough to say something
     assert coverage >= 0.90, coverage
     assert np.median(spans) < 1.5, np.median(spans)
+    # the derived quantities' CIs, studentized from the same refits as the parameters': 0.935
+    # (400 intervals; 0.965 as plain percentiles of the refits). Derived from the wrong
+    # refits (the exponents swapped, say) they would cover far less
+    assert np.mean(derived_hits) >= 0.90, np.mean(derived_hits)
+
+
+def test_derived_quantities_are_the_closed_forms_and_their_cis_agree() -> None:
+    """N_opt and D_opt minimise the law at C = 6 N D (checked by a scan along that line); the
+    exponents are β/(α+β) and α/(α+β); the D exponent's CI is 1 minus the N exponent's and
+    D_opt's CI is C/6 over N_opt's, since both pairs are one quantity each."""
+    p = CHINCHILLA
+    n, d = (g.ravel() for g in np.meshgrid(np.logspace(7, 9, 4), np.logspace(9, 11, 4)))
+    c = compute_max(n, d)
+    assert c == pytest.approx(6 * 1e9 * 1e11)
+    got = derived_quantities(p["A"], p["B"], p["alpha"], p["beta"], c)
+    assert got["n_exponent"] == pytest.approx(0.28 / 0.62)
+    assert got["d_exponent"] == pytest.approx(0.34 / 0.62)
+    scan = np.logspace(8, 12, 40001)
+    loss = p["A"] / scan ** p["alpha"] + p["B"] / (c / 6 / scan) ** p["beta"]
+    assert got["n_opt_at_max"] == pytest.approx(scan[np.argmin(loss)], rel=1e-3)
+    assert got["n_opt_at_max"] * got["d_opt_at_max"] == pytest.approx(c / 6)
+    law = p["E"] + p["A"] / n ** p["alpha"] + p["B"] / d ** p["beta"]
+    rng = np.random.default_rng(3)
+    fit = fit_chinchilla(n, d, law * np.exp(rng.normal(0, 0.01, n.size)), bootstrap=40, seed=1)
+    lo, hi = fit.ci["n_exponent"]
+    assert 0 < lo < fit.n_exponent < hi < 1
+    assert fit.ci["d_exponent"] == pytest.approx((1 - hi, 1 - lo))
+    lo, hi = fit.ci["n_opt_at_max"]
+    assert fit.ci["d_opt_at_max"] == pytest.approx((c / 6 / hi, c / 6 / lo), rel=1e-9)
+    row = fit_frame_row(fit)
+    assert (row["n_exponent_ci_low"], row["n_exponent_ci_high"]) == fit.ci["n_exponent"]
+
+
+def fit_frame_row(fit: object) -> dict:
+    """The one row `ChinchillaResult.to_frame` gives for a single fit."""
+    return ChinchillaResult(fits={"a": fit}).to_frame().iloc[0].to_dict()

@@ -22,6 +22,8 @@ from .fit_result import (
     FitResult,
     exponent_ci_problem,
     fit_leverage,
+    named_cis,
+    studentize,
     studentized_bootstrap,
     studentized_log_cis,
     usable_points,
@@ -37,6 +39,50 @@ _GRID_E = np.arange(-1.0, 1.01, 0.5)
 _GRID_EXP = np.arange(0.0, 2.01, 0.5)
 _EXP_BOUNDS = (1e-3, 4.0)
 PARAM_NAMES = ("E", "A", "B", "alpha", "beta")
+# what the fit derives from its parameters, each with its CI: the exponents of N_opt and D_opt
+# in C, and N_opt, D_opt at the largest compute the fit saw (`ChinchillaFit.compute_max`)
+DERIVED_NAMES = ("n_exponent", "d_exponent", "n_opt_at_max", "d_opt_at_max")
+
+
+def compute_max(n: np.ndarray, d: np.ndarray) -> float:
+    """The largest training compute 6·N·D among the fitted points."""
+    return float(np.max(6.0 * np.asarray(n) * np.asarray(d)))
+
+
+def derived_quantities(
+    A: Any, B: Any, alpha: Any, beta: Any, compute_max: float
+) -> dict[str, np.ndarray]:
+    """DERIVED_NAMES of one fit or, given arrays, of each bootstrap refit."""
+    alpha, beta = np.asarray(alpha, dtype=float), np.asarray(beta, dtype=float)
+    n_opt, d_opt = compute_optimal_allocation(compute_max, A=A, B=B, alpha=alpha, beta=beta)
+    n_exponent = beta / (alpha + beta)
+    return {"n_exponent": n_exponent, "d_exponent": 1.0 - n_exponent,
+            "n_opt_at_max": n_opt, "d_opt_at_max": d_opt}
+
+
+def derived_cis(
+    estimates: dict[str, Any], refits: dict[str, np.ndarray], ratios: np.ndarray, level: float,
+    compute_max: float,
+) -> dict[str, tuple[float, float]]:
+    """CIs of DERIVED_NAMES, studentized like the parameters' (`studentized_log_cis`): N_opt on
+    its log scale, the N exponent on its logit scale (it lies in (0, 1)). D_opt is C/6 over
+    N_opt and the D exponent 1 minus the N exponent, so their CIs are those intervals mapped
+    the same way: each pair is one quantity, with one interval."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logit = studentize(_logit(estimates["n_exponent"]), _logit(refits["n_exponent"]), ratios)
+    cis = named_cis({"n_exponent": 1.0 / (1.0 + np.exp(-logit))}, level)
+    cis |= studentized_log_cis({"n_opt_at_max": estimates["n_opt_at_max"]},
+                               {"n_opt_at_max": refits["n_opt_at_max"]}, ratios, level)
+    lo, hi = cis["n_exponent"]
+    cis["d_exponent"] = (1.0 - hi, 1.0 - lo)
+    lo, hi = cis["n_opt_at_max"]
+    cis["d_opt_at_max"] = (compute_max / 6.0 / hi, compute_max / 6.0 / lo)
+    return cis
+
+
+def _logit(p: Any) -> np.ndarray:
+    p = np.asarray(p, dtype=float)
+    return np.log(p) - np.log1p(-p)
 
 
 def compute_optimal_allocation(
@@ -87,12 +133,20 @@ class ChinchillaFit(FitResult):
     @property
     def n_exponent(self) -> float:
         """N_opt ∝ C^n_exponent."""
-        return self.beta / (self.alpha + self.beta)
+        return float(self.derived()["n_exponent"])
 
     @property
     def d_exponent(self) -> float:
         """D_opt ∝ C^d_exponent."""
-        return self.alpha / (self.alpha + self.beta)
+        return float(self.derived()["d_exponent"])
+
+    @property
+    def compute_max(self) -> float:
+        return compute_max(self.n, self.d)
+
+    def derived(self) -> dict[str, np.ndarray]:
+        """DERIVED_NAMES of this fit (its CIs are in `ci`, as the parameters' are)."""
+        return derived_quantities(self.A, self.B, self.alpha, self.beta, self.compute_max)
 
     def predict(self, n: Any, d: Any) -> np.ndarray:
         n = np.asarray(n, dtype=float)
@@ -326,6 +380,10 @@ def fit_chinchilla(
     ci_map = studentized_log_cis(
         dict(zip(PARAM_NAMES, (E, A, B, alpha, beta), strict=True)),
         {name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ratios, ci)
+    if len(boot):
+        c_max = compute_max(n_arr, d_arr)
+        ci_map |= derived_cis(derived_quantities(A, B, alpha, beta, c_max),
+                              derived_quantities(*boot[:, 1:].T, c_max), ratios, ci, c_max)
 
     problems: list[str] = []
     if len(y) < 10:
@@ -386,18 +444,10 @@ class ChinchillaResult:
             row: dict[str, Any] = {"arm": arm, "n_points": int(fit.n.size)}
             if fit.ok:
                 row.update({k: getattr(fit, k) for k in PARAM_NAMES})
-                for k in PARAM_NAMES:
+                row.update({k: float(v) for k, v in fit.derived().items()},
+                           G=fit.G, compute_max=fit.compute_max)
+                for k in (*PARAM_NAMES, *DERIVED_NAMES):
                     row[f"{k}_ci_low"], row[f"{k}_ci_high"] = fit.ci.get(k, (np.nan, np.nan))
-                c_max = float(np.max(6.0 * fit.n * fit.d))
-                n_opt, d_opt = fit.compute_optimal(c_max)
-                row.update(
-                    G=fit.G,
-                    n_exponent=fit.n_exponent,
-                    d_exponent=fit.d_exponent,
-                    compute_max=c_max,
-                    n_opt_at_max=float(n_opt),
-                    d_opt_at_max=float(d_opt),
-                )
             row.update(fit.status_row())
             rows.append(row)
         columns = [
@@ -406,11 +456,8 @@ class ChinchillaResult:
             *PARAM_NAMES,
             *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")),
             "G",
-            "n_exponent",
-            "d_exponent",
             "compute_max",
-            "n_opt_at_max",
-            "d_opt_at_max",
+            *(c for k in DERIVED_NAMES for c in (k, f"{k}_ci_low", f"{k}_ci_high")),
             "reliable",
             "reason",
             "warnings",

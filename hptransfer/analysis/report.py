@@ -281,6 +281,8 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "beta_ci_low",
         "beta_ci_high",
         "n_exponent",
+        "n_exponent_ci_low",
+        "n_exponent_ci_high",
         "reliable",
     ],
 }
