@@ -50,11 +50,12 @@ def compute_max(n: np.ndarray, d: np.ndarray) -> float:
 
 
 def derived_quantities(
-    A: Any, B: Any, alpha: Any, beta: Any, compute_max: float
+    A: Any, B: Any, alpha: Any, beta: Any, c_max: float
 ) -> dict[str, np.ndarray]:
-    """DERIVED_NAMES of one fit or, given arrays, of each bootstrap refit."""
+    """DERIVED_NAMES of one fit or, given arrays, of each bootstrap refit (`c_max`: the fit's
+    `compute_max`)."""
     alpha, beta = np.asarray(alpha, dtype=float), np.asarray(beta, dtype=float)
-    n_opt, d_opt = compute_optimal_allocation(compute_max, A=A, B=B, alpha=alpha, beta=beta)
+    n_opt, d_opt = compute_optimal_allocation(c_max, A=A, B=B, alpha=alpha, beta=beta)
     n_exponent = beta / (alpha + beta)
     return {"n_exponent": n_exponent, "d_exponent": 1.0 - n_exponent,
             "n_opt_at_max": n_opt, "d_opt_at_max": d_opt}
@@ -62,7 +63,7 @@ def derived_quantities(
 
 def derived_cis(
     estimates: dict[str, Any], refits: dict[str, np.ndarray], ratios: np.ndarray, level: float,
-    compute_max: float,
+    c_max: float,
 ) -> dict[str, tuple[float, float]]:
     """CIs of DERIVED_NAMES, studentized like the parameters' (`studentized_log_cis`): N_opt on
     its log scale, the N exponent on its logit scale (it lies in (0, 1)). D_opt is C/6 over
@@ -76,7 +77,7 @@ def derived_cis(
     lo, hi = cis["n_exponent"]
     cis["d_exponent"] = (1.0 - hi, 1.0 - lo)
     lo, hi = cis["n_opt_at_max"]
-    cis["d_opt_at_max"] = (compute_max / 6.0 / hi, compute_max / 6.0 / lo)
+    cis["d_opt_at_max"] = (c_max / 6.0 / hi, c_max / 6.0 / lo)
     return cis
 
 
