@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from scipy.optimize import minimize
+from scipy.special import expit, logit
 
 from .errors import NotEnoughData
 from .fit_result import (
@@ -70,8 +71,8 @@ def derived_cis(
     N_opt and the D exponent 1 minus the N exponent, so their CIs are those intervals mapped
     the same way: each pair is one quantity, with one interval."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        logit = studentize(_logit(estimates["n_exponent"]), _logit(refits["n_exponent"]), ratios)
-    cis = named_cis({"n_exponent": 1.0 / (1.0 + np.exp(-logit))}, level)
+        on_logit = studentize(logit(estimates["n_exponent"]), logit(refits["n_exponent"]), ratios)
+    cis = named_cis({"n_exponent": expit(on_logit)}, level)
     cis |= studentized_log_cis({"n_opt_at_max": estimates["n_opt_at_max"]},
                                {"n_opt_at_max": refits["n_opt_at_max"]}, ratios, level)
     lo, hi = cis["n_exponent"]
@@ -79,11 +80,6 @@ def derived_cis(
     lo, hi = cis["n_opt_at_max"]
     cis["d_opt_at_max"] = (c_max / 6.0 / hi, c_max / 6.0 / lo)
     return cis
-
-
-def _logit(p: Any) -> np.ndarray:
-    p = np.asarray(p, dtype=float)
-    return np.log(p) - np.log1p(-p)
 
 
 def compute_optimal_allocation(
