@@ -20,7 +20,18 @@ from waiting import run_sweep, wait_for
 
 from hptransfer.api import create_app
 from hptransfer.config import get_settings
-from hptransfer.sweeper.packing import auto_pack, pack_cost, pack_key, plan_packs
+from hptransfer.sweeper.packing import (
+    CPU_ONE_THREAD_PACKS,
+    CPU_PACKS,
+    CUDA_PACKS,
+    auto_pack,
+    measured_packs,
+    pack_cost,
+    pack_key,
+    pack_size,
+    plan_packs,
+)
+from hptransfer.sweeper.plan import plan_sweep
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError, load_spec
 
@@ -48,43 +59,69 @@ def _shape(width: int, batch: int = 32, seq: int = 512, micro: int | None = None
 
 
 def test_auto_pack_follows_the_measured_rule():
-    # the CPU's measurements: 8 x 64 tokens per pass, packs paid up to width 128
-    cpu = [auto_pack(_shape(w, 8, 64), gpu=False) for w in (16, 32, 64, 128, 256)]
+    # the CPU's measurements, 8 x 64 tokens per pass: on two threads packs paid up to width
+    # 128; on one only up to 48 (1.01x at 64, 0.87x at 128)
+    cpu = [auto_pack(_shape(w, 8, 64), CPU_PACKS) for w in (16, 32, 64, 128, 256)]
     assert cpu == [8, 8, 8, 8, 1]
+    one = [auto_pack(_shape(w, 8, 64), CPU_ONE_THREAD_PACKS) for w in (16, 32, 48, 64, 128)]
+    assert one == [8, 8, 8, 1, 1]
     # CUDA (gpu_check.py's scan on an H200, 32 x 512 tokens per pass): K=16 up to 256 wide,
     # 8 up to 512; from 1024 a trial alone already fills the GPU (a pack of 4 gained 1.02x)
-    gpu = [auto_pack(_shape(w), gpu=True) for w in (64, 256, 512, 1024, 4096)]
+    gpu = [auto_pack(_shape(w), CUDA_PACKS) for w in (64, 256, 512, 1024, 4096)]
     assert gpu == [16, 16, 8, 1, 1]
 
 
 def test_auto_pack_weighs_the_tokens_of_a_pass_against_the_width():
     # 4x the tokens per pass weigh as twice the width: 256 wide on 128 x 512 tokens is
     # packed as 512 wide on the measured 32 x 512
-    assert auto_pack(_shape(256, batch=128), gpu=True) == 8
-    assert auto_pack(_shape(256, batch=32, seq=2048), gpu=True) == 8
-    assert auto_pack(_shape(512, batch=128), gpu=True) == 1
+    assert auto_pack(_shape(256, batch=128), CUDA_PACKS) == 8
+    assert auto_pack(_shape(256, batch=32, seq=2048), CUDA_PACKS) == 8
+    assert auto_pack(_shape(512, batch=128), CUDA_PACKS) == 1
     # a micro-batch bounds a pass: a batch of 128 in passes of 32 is the measured shape
-    assert auto_pack(_shape(256, batch=128, micro=32), gpu=True) == 16
-    assert auto_pack(_shape(128, 8, 256), gpu=False) == 1  # 4x the CPU's measured tokens
-    assert auto_pack(_shape(64, 8, 256), gpu=False) == 8
-    assert auto_pack(_shape(64, 16, 256), gpu=False) == 1
+    assert auto_pack(_shape(256, batch=128, micro=32), CUDA_PACKS) == 16
+    assert auto_pack(_shape(128, 8, 256), CPU_PACKS) == 1  # 4x the CPU's measured tokens
+    assert auto_pack(_shape(64, 8, 256), CPU_PACKS) == 8
+    assert auto_pack(_shape(64, 16, 256), CPU_PACKS) == 1
 
 
 def test_pack_cost_is_n_over_the_measured_gain_of_the_shape():
-    assert pack_cost(1, _shape(256), gpu=True) == 1.0
-    assert pack_cost(8, _shape(256), gpu=True) == pytest.approx(8 / 3.5)
-    assert pack_cost(2, _shape(256), gpu=True) == 1.0  # a pack of 2 gains at most 2x
-    assert pack_cost(8, _shape(512), gpu=True) == pytest.approx(8 / 1.5)
-    assert pack_cost(4, _shape(1024), gpu=True) == 4.0  # no gain known: one by one
-    assert pack_cost(8, _shape(64, 8, 64), gpu=False) == pytest.approx(8 / 1.3)
-    assert pack_cost(8, _shape(256, 8, 64), gpu=False) == 8.0
+    assert pack_cost(1, _shape(256), CUDA_PACKS) == 1.0
+    assert pack_cost(8, _shape(256), CUDA_PACKS) == pytest.approx(8 / 3.5)
+    assert pack_cost(2, _shape(256), CUDA_PACKS) == 1.0  # a pack of 2 gains at most 2x
+    assert pack_cost(8, _shape(512), CUDA_PACKS) == pytest.approx(8 / 1.5)
+    assert pack_cost(4, _shape(1024), CUDA_PACKS) == 4.0  # no gain known: one by one
+    assert pack_cost(8, _shape(64, 8, 64), CPU_PACKS) == pytest.approx(8 / 1.3)
+    assert pack_cost(8, _shape(256, 8, 64), CPU_PACKS) == 8.0
+    assert pack_cost(8, _shape(32, 8, 64), CPU_ONE_THREAD_PACKS) == pytest.approx(8 / 1.4)
+    assert pack_cost(8, _shape(48, 8, 64), CPU_ONE_THREAD_PACKS) == pytest.approx(8 / 1.05)
+
+
+@pytest.mark.parametrize(("cpus", "gpus", "device", "threads", "packs"), [
+    (1, 0, "cpu", 1, CPU_ONE_THREAD_PACKS), (0.5, 0, "cpu", 1, CPU_ONE_THREAD_PACKS),
+    (1.9, 0, "cpu", 1, CPU_ONE_THREAD_PACKS), (2, 0, "cpu", 2, CPU_PACKS),
+    (6, 0, "cpu", 6, CPU_PACKS), (1, 1, "auto", 1, CUDA_PACKS),
+    (1, 1, "cpu", 1, CPU_ONE_THREAD_PACKS),
+])
+def test_a_sweep_packs_by_what_was_measured_on_its_device_and_threads(
+        tiny_spec, cpus, gpus, device, threads, packs):
+    spec = load_spec(dict(tiny_spec, resources={"cpus": cpus, "gpus": gpus},
+                          fixed=dict(tiny_spec["fixed"], device=device)))
+    # the threads a task's torch gets: the whole CPUs Ray gives it (never more), at least one
+    assert spec.resources.threads == threads
+    assert {p.trial.num_threads for p in plan_sweep(spec)} == {threads}
+    assert measured_packs(spec) == packs
+    # width 64 on 8 x 64 tokens: packed on two threads, one by one on one
+    shape = _shape(64, 8, 64)
+    assert pack_size(spec, shape) == auto_pack(shape, packs)
+    fixed = load_spec(dict(tiny_spec, resources={"cpus": cpus, "gpus": gpus, "pack": 3}))
+    assert pack_size(fixed, shape) == 3
 
 
 def test_gpu_plan_packs_small_shapes_and_keeps_both_slots_busy():
     small = [_trial(i, 256, 2.0**-i) for i in range(8)]
     large = [_trial(8 + i, 1024, 2.0**-i) for i in range(4)]
-    packs = plan_packs(small + large, 2, lambda t: auto_pack(_shape(t.width), gpu=True),
-                       lambda t, n: pack_cost(n, _shape(t.width), gpu=True))
+    packs = plan_packs(small + large, 2, lambda t: auto_pack(_shape(t.width), CUDA_PACKS),
+                       lambda t, n: pack_cost(n, _shape(t.width), CUDA_PACKS))
     # one pack of 8 (8/3.5 = 2.3 trial-times) would leave a slot to the four 1024-wide
     # trials alone (makespan 3.3); two packs of 4 (1.14 each) balance at 3.14
     assert sorted(len(p) for p in packs) == [1, 1, 1, 1, 4, 4]

@@ -64,7 +64,7 @@ from .db.rows import utcnow
 from .db.store import Store, SweepRecord, TrialRecord
 from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
-from .packing import on_gpu, pack_cost, pack_size, plan_packs
+from .packing import measured_packs, pack_cost, pack_size, plan_packs
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
 from .spec import SweepSpec
@@ -642,9 +642,9 @@ class Dispatcher:
         fits = _tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
         slots = min(spec.max_concurrent, max(1, fits))
         pending = self.store.leasable(sweep_id, limit=min(_MAX_PEEK, slots * MAX_PACK))
-        gpu = on_gpu(spec)
+        where = measured_packs(spec)
         planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
-                             lambda t, n: pack_cost(n, t.spec, gpu))
+                             lambda t, n: pack_cost(n, t.spec, where))
         leased: list[list[TrialRecord]] = []
         try:
             for pack in planned[:free]:
@@ -666,8 +666,7 @@ class Dispatcher:
 
     def _submit(self, spec: SweepSpec, trials: list[TrialRecord]) -> None:
         """Start one Ray task for one trial or a pack of trials of one shape."""
-        threads = max(1, math.ceil(spec.resources.cpus))
-        specs = [{**t.spec, "num_threads": threads} for t in trials]
+        specs = [{**t.spec, "num_threads": spec.resources.threads} for t in trials]
         ids = [t.id for t in trials]
         options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
         if spec.resources.gpus:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from hptransfer.workers.packed import PACKABLE_FIELDS, split_evenly
@@ -24,28 +25,48 @@ from .spec import SweepSpec
 # gains less. Measured only across widths at one pass size per device; other pass sizes
 # (batch, seq_len) are placed by that product, and depth by nothing (a deeper model runs
 # more kernels of the same size).
-#
-# CPU, from benchmarks/packing.py (packed vs sequential trials/s, K=8, same threads, on a
-# shared 2-core machine, 8 x 64 tokens per pass): 1.30-1.75x at width 64 and 1.02-1.34x at
-# 128 over several runs (1.23-1.56x at the demo's widths 16-40, 16 x 64 tokens, one thread,
-# K=3-5), but 0.94-1.21x at 256 on two threads and 0.89x there on one, so the CPU packs
-# shapes up to 128 wide at that pass size (benchmarks/RESULTS.md has the figures).
-CPU_MEASURED_TOKENS = 8 * 64
-CPU_PACK_MAX_WIDTH = 128
-CPU_PACK = 8
-CPU_GAIN = 1.3  # packed/sequential trials/s there: a pack of n costs n / CPU_GAIN trials
+
+
+@dataclass(frozen=True)
+class MeasuredPacks:
+    """Where packing paid on one kind of device: at `tokens` per forward pass, a shape up to
+    `widest` wide packs `k` at a time and gains `gain` (packed/sequential trials/s, the
+    smallest measured up to that width), for each (widest, k, gain) in `packs`, narrowest
+    first."""
+
+    tokens: int
+    packs: tuple[tuple[int, int, float], ...]
+
+
+# CPU, from benchmarks/packing.py (packed vs sequential trials/s, K=8, 8 x 64 tokens per pass,
+# depth 2, on a shared 2-core machine; benchmarks/RESULTS.md has the figures). A CPU pack
+# does no less work per member than a trial alone; it gains where its larger ops keep the
+# threads busier, or where per-op overhead dominates a tiny trial. On one thread
+# (2026-12-05): 1.71x at width 16, 1.40x at 32, 1.13x at 48, 1.01x at 64, 0.87-0.97x from 80
+# to 128; the demo's own shapes (head_dim 8, 16 x 64 tokens, K=5) 1.15x at 24x2, 1.05x at
+# 32x2, 0.94x at 40x3. On two threads: 2.1-2.2x at 16-32, 1.3-1.75x at 48-64 over several
+# runs, 1.2x at 96, 1.02-1.34x at 128, 0.94-1.21x at 256. More threads were not measured and
+# take the two-thread rule.
+CPU_ONE_THREAD_PACKS = MeasuredPacks(8 * 64, ((32, 8, 1.4), (48, 8, 1.05)))
+CPU_PACKS = MeasuredPacks(8 * 64, ((64, 8, 1.3), (128, 8, 1.05)))
 # CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, 32 x 512 tokens per pass,
 # depth 4, 2026-12-04; steady tokens/s of a pack against one trial alone): K=8 gave 3.48x at
 # width 128, 3.78x and 3.87x at 256 (two runs) and 1.60x at 512 (K=4 there: 1.49x); K=16
-# 4.22x at 256; K=4 at 1024 1.02x, one trial alone already reaching 42 % MFU there.
-# (widest shape, K, gain): the gain up to 256 is K=8's, the smaller of those measured.
-CUDA_MEASURED_TOKENS = 32 * 512
-CUDA_PACKS = ((256, 16, 3.5), (512, 8, 1.5))
+# 4.22x at 256; K=4 at 1024 1.02x, one trial alone already reaching 42 % MFU there. The gain
+# up to 256 is K=8's, the smaller of those measured.
+CUDA_PACKS = MeasuredPacks(32 * 512, ((256, 16, 3.5), (512, 8, 1.5)))
 
 
 def on_gpu(spec: SweepSpec) -> bool:
     """Whether the sweep's tasks train on a GPU (Ray gives them one and may use it)."""
     return spec.resources.gpus > 0 and spec.fixed.device != "cpu"
+
+
+def measured_packs(spec: SweepSpec) -> MeasuredPacks:
+    """What packing gained on the device and threads that this sweep's tasks get."""
+    if on_gpu(spec):
+        return CUDA_PACKS
+    return CPU_ONE_THREAD_PACKS if spec.resources.threads == 1 else CPU_PACKS
 
 
 def pass_work(trial: Mapping[str, Any]) -> float:
@@ -54,41 +75,37 @@ def pass_work(trial: Mapping[str, Any]) -> float:
     return float(sequences * trial["seq_len"]) * trial["width"] ** 2
 
 
-def _measured(trial: Mapping[str, Any], gpu: bool) -> tuple[int, float]:
-    """(K, gain) for this trial's shape on this kind of device: the pack `auto` picks and
+def _measured(trial: Mapping[str, Any], where: MeasuredPacks) -> tuple[int, float]:
+    """(K, gain) for this trial's shape where `where` was measured: the pack `auto` picks and
     its measured packed/sequential trials/s; (1, 1.0) where packing did not pay."""
     work = pass_work(trial)
-    if gpu:
-        return next(((k, gain) for widest, k, gain in CUDA_PACKS
-                     if work <= CUDA_MEASURED_TOKENS * widest**2), (1, 1.0))
-    if work <= CPU_MEASURED_TOKENS * CPU_PACK_MAX_WIDTH**2:
-        return CPU_PACK, CPU_GAIN
-    return 1, 1.0
+    return next(((k, gain) for widest, k, gain in where.packs
+                 if work <= where.tokens * widest**2), (1, 1.0))
 
 
-def auto_pack(trial: Mapping[str, Any], gpu: bool) -> int:
-    """The pack size `auto` picks for this trial spec's shape on this kind of device."""
-    return _measured(trial, gpu)[0]
+def auto_pack(trial: Mapping[str, Any], where: MeasuredPacks) -> int:
+    """The pack size `auto` picks for this trial spec's shape where `where` was measured."""
+    return _measured(trial, where)[0]
 
 
 def pack_size(spec: SweepSpec, trial: Mapping[str, Any]) -> int:
     """The most trials of this trial spec's shape that the sweep's spec lets one task
     train (a worker may still split a pack its memory cannot hold: workers/packed.py)."""
     pack = spec.resources.pack
-    return auto_pack(trial, on_gpu(spec)) if pack == "auto" else int(pack)
+    return auto_pack(trial, measured_packs(spec)) if pack == "auto" else int(pack)
 
 
-def pack_gain(trial: Mapping[str, Any], gpu: bool) -> float:
+def pack_gain(trial: Mapping[str, Any], where: MeasuredPacks) -> float:
     """Measured packed/sequential trials/s for this trial's shape (1: no gain known)."""
-    return _measured(trial, gpu)[1]
+    return _measured(trial, where)[1]
 
 
-def pack_cost(n: int, trial: Mapping[str, Any], gpu: bool) -> float:
+def pack_cost(n: int, trial: Mapping[str, Any], where: MeasuredPacks) -> float:
     """Estimated wall time of a pack of n trials of this trial's shape, in units of one
     trial alone: n over the shape's measured gain (a pack of n gains at most n)."""
     if n <= 1:
         return 1.0
-    return n / min(float(n), pack_gain(trial, gpu))
+    return n / min(float(n), pack_gain(trial, where))
 
 
 def pack_key(trial_spec: Mapping[str, Any]) -> str:

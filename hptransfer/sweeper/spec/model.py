@@ -385,7 +385,7 @@ class SweepSpec(SpecModel):
             schedule=self.schedule,
             data=self.data,
             # Only a thread count (not in the content hash): keep torch to the CPUs Ray gave.
-            num_threads=max(1, int(self.resources.cpus)),
+            num_threads=self.resources.threads,
             **self.fixed.model_dump(),
         )
 

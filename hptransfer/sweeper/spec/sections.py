@@ -246,6 +246,13 @@ class Resources(SpecModel):
         raise ValueError(f"give 'auto' or a whole number of trials per task from 1 to "
                          f"{MAX_PACK}, got {value!r:.60}")
 
+    @property
+    def threads(self) -> int:
+        """Torch threads of one task: the whole CPUs it is given, at least one (rounding up
+        would put more threads on the cores than Ray gave, and on a shared core OpenMP's
+        threads wait on each other at every op)."""
+        return max(1, int(self.cpus))
+
 
 class Arm(SpecModel):
     """One contender: an architecture with its options, under one parameterization."""
