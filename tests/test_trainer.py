@@ -203,3 +203,31 @@ def test_the_content_hash_changes_with_the_result_revision(monkeypatch):
     monkeypatch.setattr(trial, "RESULT_REVISION", trial.RESULT_REVISION + 1)
     assert spec().content_hash() != before
     assert spec(device="cpu").content_hash() == spec(device="auto").content_hash()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_flushes_subnormals_on_every_thread_and_then_restores_the_setting(
+        packed, tmp_path):
+    import torch
+
+    from hptransfer.workers.packed import run_trials
+
+    # a batch of subnormal matrices: on two threads a bmm splits the batch between them, and
+    # each row of the product is 64 subnormals added up, a normal float unless they read as 0
+    tiny = torch.full((8, 64, 64), 2.0**-130)
+    ones = torch.ones(64, 64).expand(8, 64, 64)
+    assert torch.all(torch.bmm(tiny, ones) > 0)  # the caller keeps subnormals (x86's default)
+    inside = []
+
+    def reporter(*args):
+        inside.append(bool(torch.all(torch.bmm(tiny, ones) == 0)))
+
+    s = spec(num_threads=2, budget={"steps": 3}, lr=2**-6)
+    if packed:
+        results = run_trials([s, s.model_copy(update={"lr": 2**-7})], reporter=reporter,
+                             cache_dir=str(tmp_path))
+        assert [r.status for r in results] == ["completed"] * 2
+    else:
+        assert run_trial(s, reporter=reporter, cache_dir=str(tmp_path)).status == "completed"
+    assert inside and all(inside)  # flushed on both threads while training
+    assert torch.all(torch.bmm(tiny, ones) > 0)  # and the caller's setting back afterwards

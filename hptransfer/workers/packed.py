@@ -56,6 +56,7 @@ from .plan import (
     trial_result,
     validation_batches,
 )
+from .subnormals import subnormals_flushed
 from .trial import TrialResult, TrialSpec
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes `specs`
@@ -89,6 +90,7 @@ def check_packable(specs: Sequence[TrialSpec]) -> None:
                 )
 
 
+@subnormals_flushed()
 def run_trials(
     specs: Sequence[TrialSpec | dict],
     reporter: PackedReporter | None = None,

@@ -37,6 +37,7 @@ from .plan import (
     trial_result,
     validation_batches,
 )
+from .subnormals import subnormals_flushed
 from .trial import TrialResult, TrialSpec
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
@@ -62,6 +63,7 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
     return total.item() / count
 
 
+@subnormals_flushed()
 def run_trial(
     spec: TrialSpec | dict,
     reporter: Reporter | None = None,
