@@ -45,9 +45,9 @@ class MeasuredPacks:
 # (2026-12-05): 1.71x at width 16, 1.40x at 32, 1.13x at 48, 1.01x at 64, 0.87-0.97x from 80
 # to 128; the demo's own shapes (benchmarks/packing_demo.py: head_dim 8, 16 x 64 tokens, K=5,
 # each arm) 1.23-1.27x at 16x2, 1.05-1.06x at 24x2, 1.03-1.06x at 32x2, 0.96-0.98x at 40x3.
-# On two threads: 2.1-2.2x at 16-32, 1.3-1.75x at 48-64 over several
-# runs, 1.2x at 96, 1.02-1.34x at 128, 0.94-1.21x at 256. More threads were not measured and
-# take the two-thread rule.
+# On two threads: 2.1-2.2x at 16-32, 1.3-1.75x at 48-64 over several runs, 1.2x at 96,
+# 1.02-1.34x at 128, 0.94-1.21x at 256. More threads were not measured and take the
+# two-thread rule.
 CPU_ONE_THREAD_PACKS = MeasuredPacks(8 * 64, ((32, 8, 1.4), (48, 8, 1.05)))
 CPU_PACKS = MeasuredPacks(8 * 64, ((64, 8, 1.3), (128, 8, 1.05)))
 # CUDA, from benchmarks/gpu_check.py on one H200 (bf16, compiled, 32 x 512 tokens per pass,

@@ -26,6 +26,7 @@ from hptransfer.models.flops import flops_per_token, param_counts
 
 from .device import autocasts, peak_flops
 from .host_memory import keep_freed_memory
+from .subnormals import flushing_subnormals, set_flush_everywhere
 from .trial import TrialResult, TrialSpec, sequences_per_pass
 
 CURVE_POINTS = 50
@@ -38,10 +39,12 @@ DIVERGENCE_CHECK_EVERY = 32
 
 
 def prepare_process(spec: TrialSpec) -> None:
-    """Settings a trainer applies before anything else: the spec's thread budget, and freed
-    memory kept for the next step (host_memory.py)."""
+    """Settings a trainer applies before anything else: the spec's thread budget (its threads
+    flushing subnormals as this one does: subnormals.py), and freed memory kept for the next
+    step (host_memory.py)."""
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
+        set_flush_everywhere(flushing_subnormals())
     keep_freed_memory()
 
 

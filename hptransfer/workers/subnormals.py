@@ -30,12 +30,12 @@ _PER_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def subnormals_flushed() -> Iterator[None]:
     """Flush subnormals on every torch thread inside, and restore this thread's previous
     setting on all of them after (the caller's numpy and scipy see no change)."""
-    was = flushing_subnormals()
+    was, threads = flushing_subnormals(), torch.get_num_threads()
     set_flush_everywhere(True)
     try:
         yield
-    finally:
-        set_flush_everywhere(was)
+    finally:  # on every thread either thread count used
+        set_flush_everywhere(was, max(threads, torch.get_num_threads()))
 
 
 def flushing_subnormals() -> bool:
@@ -44,17 +44,19 @@ def flushing_subnormals() -> bool:
     return float(torch.tensor(2.0**-126) * 0.5) == 0.0
 
 
-def set_flush_everywhere(on: bool) -> None:
-    """Set flush-to-zero on this thread and on every thread of torch's OpenMP pool."""
+def set_flush_everywhere(on: bool, threads: int | None = None) -> None:
+    """Set flush-to-zero on this thread and on the first `threads` (default: torch's thread
+    count) threads of torch's OpenMP pool. Call it again after changing the thread count."""
     torch.set_flush_denormal(on)
+    threads = threads or torch.get_num_threads()
     parallel = _openmp_parallel()
-    if parallel is None or torch.get_num_threads() < 2:
+    if parallel is None or threads < 2:
         return
 
     def set_here(_: int | None) -> None:  # runs once on each thread of the team
         torch.set_flush_denormal(on)
 
-    parallel(_PER_THREAD(set_here), None, torch.get_num_threads(), 0)
+    parallel(_PER_THREAD(set_here), None, threads, 0)
 
 
 @cache
