@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from _timing import sequential_and_packed_rounds
 
+from hptransfer.demo import DEFAULT_SPEC
 from hptransfer.sweeper.packing import auto_pack, measured_packs
 from hptransfer.sweeper.spec import Arm, SweepSpec, load_spec
 from hptransfer.workers.trial import TrialSpec
 
-DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
 # the tune shape, the check shape (the ladder's largest) and the ladder's other 2-layer widths
 DEMO_SHAPES = ["32x2", "40x3", "16x2", "24x2"]
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shapes", nargs="*", default=DEMO_SHAPES, help="WIDTHxDEPTH")
-    parser.add_argument("--spec", type=Path, default=DEMO_SPEC)
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC)
     parser.add_argument("--arms", nargs="*", default=None,
                         help="parameterizations to time (default: every arm of the spec)")
     parser.add_argument("--busy", action="store_true",

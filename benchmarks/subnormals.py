@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from hptransfer.demo import DEFAULT_SPEC
 from hptransfer.sweeper.spec import load_spec
 from hptransfer.workers.trainer import run_trial
 from hptransfer.workers.trial import TrialResult, TrialSpec
 
-DEMO_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
 # the trainer as it was: the subnormal setting left to the caller (x86's default: kept)
 kept_run_trial = run_trial.__wrapped__
 
@@ -54,7 +54,7 @@ def ms_per_step(stamps: dict[int, float], first: bool, n: int = 50) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", type=Path, default=DEMO_SPEC)
+    parser.add_argument("--spec", type=Path, default=DEFAULT_SPEC)
     parser.add_argument("--arm", default=None, help="parameterization (default: the first arm)")
     parser.add_argument("--shape", default="40x3", help="WIDTHxDEPTH")
     parser.add_argument("--lrs", type=float, nargs="*", default=[-7, -6, -5], help="log2 LRs")
