@@ -44,7 +44,7 @@ def prepare_process(spec: TrialSpec) -> None:
     step (host_memory.py)."""
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-        set_flush_everywhere(flushing_subnormals())
+    set_flush_everywhere(flushing_subnormals())
     keep_freed_memory()
 
 

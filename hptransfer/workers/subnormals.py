@@ -28,14 +28,16 @@ _PER_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 @contextlib.contextmanager
 def subnormals_flushed() -> Iterator[None]:
-    """Flush subnormals on every torch thread inside, and restore this thread's previous
-    setting on all of them after (the caller's numpy and scipy see no change)."""
-    was, threads = flushing_subnormals(), torch.get_num_threads()
-    set_flush_everywhere(True)
+    """Flush subnormals inside, and restore this thread's previous setting after on every
+    thread the trainer used (the caller's numpy and scipy see no change). Only this thread
+    here: the trainer's `plan.prepare_process`, which sets the thread count, gives the pool
+    this thread's setting, so no team is started for a count the trial will not use."""
+    was = flushing_subnormals()
+    torch.set_flush_denormal(True)
     try:
         yield
-    finally:  # on every thread either thread count used
-        set_flush_everywhere(was, max(threads, torch.get_num_threads()))
+    finally:
+        set_flush_everywhere(was)
 
 
 def flushing_subnormals() -> bool:
@@ -44,11 +46,11 @@ def flushing_subnormals() -> bool:
     return float(torch.tensor(2.0**-126) * 0.5) == 0.0
 
 
-def set_flush_everywhere(on: bool, threads: int | None = None) -> None:
-    """Set flush-to-zero on this thread and on the first `threads` (default: torch's thread
-    count) threads of torch's OpenMP pool. Call it again after changing the thread count."""
+def set_flush_everywhere(on: bool) -> None:
+    """Set flush-to-zero on this thread and on the threads of torch's OpenMP pool, as many
+    as torch's thread count. Call it again after changing the thread count."""
     torch.set_flush_denormal(on)
-    threads = threads or torch.get_num_threads()
+    threads = torch.get_num_threads()
     parallel = _openmp_parallel()
     if parallel is None or threads < 2:
         return
