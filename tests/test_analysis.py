@@ -29,6 +29,7 @@ from hptransfer.analysis import (
     optimal_lr,
     transfer_drift,
 )
+from hptransfer.analysis.basins import rival_basins
 
 LOG2_GRID = np.arange(-12.0, -3.5, 1.0)  # lr = 2^-12 ... 2^-4
 
@@ -270,6 +271,58 @@ def test_concave_curve_is_flagged_not_trusted() -> None:
     assert row["concave"] and not row["reliable"]
     assert row["lr_opt"] == 2.0**-7
     assert any("opens downward" in w for w in row["warnings"])
+
+
+# An SP 64 x 1 Optuna study at 100 steps (tests/test_optuna_search.py), log2 LR -> final loss:
+# the first batch and the refinement around its best. The curve dips at 2^-6.52 and 2^-4.02
+# (and 2^-9.02) to within 0.004 of each other, with 2^-5.27 0.24 above both; the grid puts
+# η* near 2^-7.5 (3.16), and the parabola through 2^-5.27, 2^-4.02 and 2^-3 (vertex
+# 2^-4.19) trained to 3.51.
+SP64_SEARCH = {-11.52: math.nan, -9.02: 3.385334, -6.52: 3.382391, -5.27: 3.626345,
+               -4.02: 3.381978, -3.0: 3.681906}
+
+
+def test_rival_basins_are_dips_as_deep_as_the_best_behind_a_worse_lr() -> None:
+    x, y = list(SP64_SEARCH), list(SP64_SEARCH.values())
+    # the best is 2^-4.02; 2^-6.52 and 2^-9.02 lie behind 2^-5.27's bump, lowest first
+    assert [x[i] for i in rival_basins(x, y)] == [-6.52, -9.02]
+    # the grid of the same shape: its second dip (2^-4) is 6.5 % above the best, no rival
+    grid = {-9: 3.383, -8: 3.165, -7: 3.161, -6: 3.354, -5: 3.502, -4: 3.365, -3: 3.682}
+    assert rival_basins(list(grid), list(grid.values())) == []
+    # one flat, noisy valley: the LRs between never rise more than 1 % above the ends
+    flat = [3.30, 3.17, 3.16, 3.19, 3.162, 3.40]
+    assert rival_basins(range(6), flat) == []
+    # behind a bump: 0.5 % above the best is a rival, 1.5 % is not; the margin is relative
+    assert rival_basins(range(4), [3.0, 3.5, 3.015, 3.6]) == [2]
+    assert rival_basins(range(4), [3.0, 3.5, 3.045, 3.6]) == []
+    assert rival_basins(range(4), [30.0, 35.0, 30.15, 36.0]) == [2]
+    # a diverged LR (NaN) is no bump; fewer than three completed LRs have no basins
+    assert rival_basins(range(4), [3.0, math.nan, 3.01, 3.6]) == []
+    assert rival_basins(range(3), [3.0, 3.5, math.nan]) == []
+    with pytest.raises(ValueError, match="ascending"):
+        rival_basins([1.0, 0.0, 2.0], [3.0, 3.1, 3.2])
+
+
+def test_a_fit_with_a_rival_basin_is_unreliable_and_says_where() -> None:
+    rows = [{"arm": "sp", "width": 64, "depth": 1, "lr": 2.0**x, "final_val_loss": v,
+             **({"status": "diverged"} if math.isnan(v) else {})}
+            for x, v in SP64_SEARCH.items()]
+    row = optimal_lr(trial_frame(rows), bootstrap=0, neighbours=1).shapes.iloc[0]
+    # the parabola itself is fine: three points, convex, vertex inside (2^-4.19)
+    assert row["log2_lr_opt"] == pytest.approx(-4.19, abs=0.01)
+    assert row["n_fit_points"] == 3 and not row["concave"] and not row["clamped"]
+    assert row["edge"] is None
+    assert not row["reliable"]
+    assert math.log2(row["rival_lr"]) == pytest.approx(-6.52)
+    (note,) = [w for w in row["warnings"] if w.startswith("two basins")]
+    assert "0.0109" in note and "3.382" in note  # the rival's LR and its loss
+    # the point the search then asked, half a slice below the rival, trained to 3.16: one
+    # basin, 0.07 below the rest, and a reliable η* between 2^-9.02 and 2^-6.52
+    rows.append({"arm": "sp", "width": 64, "depth": 1, "lr": 2.0**-7.77, "final_val_loss": 3.16})
+    row = optimal_lr(trial_frame(rows), bootstrap=0, neighbours=1).shapes.iloc[0]
+    assert row["reliable"] and np.isnan(row["rival_lr"])
+    assert -9.02 < row["log2_lr_opt"] < -6.52
+    assert not any(w.startswith("two basins") for w in row["warnings"])
 
 
 # ------------------------------------------------------------------------ transfer

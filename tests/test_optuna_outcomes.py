@@ -18,9 +18,8 @@ from hptransfer.analysis.optimal_lr import optimal_lr
 from hptransfer.analysis.staged import study_fit_report
 from hptransfer.config import get_settings
 from hptransfer.sweeper.optuna_search import (
-    BRACKET_ATTR,
     DIVERGED_PENALTY,
-    REFINED_ATTR,
+    PROTECTED_ATTRS,
     OptunaSearch,
     fit_neighbours,
     refinement,
@@ -158,8 +157,7 @@ def _pruning(tmp_path, pruner: str, n_startup: int, runs: list[tuple[float, str]
 
     def probe(value: float) -> bool:
         number, _ = search.ask(study, 1e-4, 1e-1)
-        assert not any(number in study.user_attrs.get(a, []) for a in (REFINED_ATTR,
-                                                                        BRACKET_ATTR))
+        assert not any(number in study.user_attrs.get(a, []) for a in PROTECTED_ATTRS)
         search.bind("probe", study, number, SMALL)
         return search.should_prune("probe", 50, value)
 

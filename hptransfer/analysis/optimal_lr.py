@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .basins import RIVAL_TOLERANCE, rival_basins
 from .errors import NotEnoughData
 from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict, frame_records
@@ -233,6 +234,8 @@ def _shape_notes(
     runs_next: int,
     fit_seeds: int | None,
     boot_failed: float,
+    rival: tuple[float, float] | None = None,
+    best_loss: float = float("nan"),
 ) -> list[str]:
     """Human-readable warnings for one shape's η*."""
     notes: list[str] = []
@@ -248,6 +251,14 @@ def _shape_notes(
     if clamped:
         notes.append(
             f"the parabola's vertex lies outside the fitted LRs; η* clamped to {_fmt(lr_opt)}"
+        )
+    if rival is not None:
+        rival_lr, rival_loss = rival
+        notes.append(
+            f"two basins: LR {_fmt(rival_lr)} trained to {rival_loss:.4g}, within "
+            f"{RIVAL_TOLERANCE:.0%} of the best LR {_fmt(best_lr)}'s {best_loss:.4g}, with "
+            "worse LRs between them; η* could be in either: try LRs around both (or more "
+            "seeds, a longer budget)"
         )
     if div_best > 0:
         notes.append(
@@ -298,6 +309,7 @@ _SHAPE_COLUMNS = (
     "edge",
     "clamped",
     "concave",
+    "rival_lr",
     "reliable",
     "reason",
     "warnings",
@@ -371,7 +383,8 @@ def optimal_lr(
 
     cells = _build_cells(frame, keys)
     x = _matrix(cells, cells.log2_lr)
-    fits = fit_parabolas(x, _matrix(cells, cells.mean), neighbours)
+    means = _matrix(cells, cells.mean)
+    fits = fit_parabolas(x, means, neighbours)
     n_ok_m = _matrix(cells, cells.n_ok, 0.0)
     n_div_m = _matrix(cells, cells.n_div, 0.0)
     rows = np.arange(cells.n_shapes)
@@ -399,7 +412,12 @@ def optimal_lr(
         np.where(fits.x_best <= x_min, "low", np.where(fits.x_best >= x_max, "high", None)),
     )
     on_edge = np.array([e is not None for e in edge], dtype=bool)
-    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge
+    # per shape, the lowest rival basin's column (basins.py), or -1
+    rival_col = np.array([next(iter(rival_basins(x[s][np.isfinite(x[s])],
+                                                 means[s][np.isfinite(x[s])])), -1)
+                          for s in range(cells.n_shapes)], dtype=int)
+    has_rival = rival_col >= 0
+    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
     best_lr = _matrix(cells, cells.lr)[rows, fits.best]
     best_cell = np.flatnonzero(cells.cell_col == 0)[rows] + fits.best
     # Divergence right above the best LR means η* sits near the stability limit.
@@ -431,6 +449,9 @@ def optimal_lr(
             runs_next=int(tot_next[s]),
             fit_seeds=int(fit_seeds[s]) if bootstrap > 0 and fits.fit_ok[s] else None,
             boot_failed=float(boot_failed[s]) if bootstrap > 0 else 0.0,
+            rival=((float(lr_m[s, rival_col[s]]), float(means[s, rival_col[s]]))
+                   if has_rival[s] else None),
+            best_loss=float(fits.y_best[s]),
         )
         reasons.append(reason)
         shape_warnings.append(notes)
@@ -460,6 +481,7 @@ def optimal_lr(
     shapes["edge"] = pd.Series(edge, dtype=object)
     shapes["clamped"] = fits.clamped
     shapes["concave"] = fits.concave
+    shapes["rival_lr"] = np.where(has_rival, lr_m[rows, np.maximum(rival_col, 0)], np.nan)
     shapes["reliable"] = reliable
     shapes["reason"] = pd.Series(reasons, dtype=object)
     shapes["warnings"] = pd.Series(shape_warnings, dtype=object)
@@ -487,7 +509,8 @@ def optimal_lr(
         )
     n_bad = int((fits.fit_ok & ~reliable).sum())
     if n_bad:
-        warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped or concave)")
+        warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped, concave or "
+                        "two basins)")
     return OptimalLRResult(shapes, _curves(cells, fits), keys, reason, warnings, bootstrap, ci)
 
 

@@ -193,7 +193,7 @@ def _axis_row(
     if unreliable:
         notes.append(
             f"{unreliable} of {len(informative)} η* values are unreliable (grid edge, "
-            "clamped or concave): the slope may be biased toward 0"
+            "clamped, concave or two basins): the slope may be biased toward 0"
         )
     if fit.dof <= 0:
         notes.append("no residual degrees of freedom: add shapes to get a confidence interval")

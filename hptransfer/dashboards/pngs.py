@@ -40,7 +40,7 @@ def _draw_panel(ax: Any, panel: LRPanel) -> None:
         if curve.diverged_x:
             ax.plot(curve.diverged_x, [top] * len(curve.diverged_x), "x", color=color, ms=7)
         if curve.eta is not None:
-            # hollow star: η* exists but is unreliable (grid edge, clamped or concave)
+            # hollow star: η* exists but is unreliable (grid edge, clamped, concave, two basins)
             solid = curve.eta.reliable
             ax.plot([curve.eta.log2_lr], [curve.eta.loss], marker="*", ms=13, color=color,
                     mfc=color if solid else "none", mec="black" if solid else color, mew=0.8)

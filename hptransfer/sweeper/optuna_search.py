@@ -15,7 +15,9 @@ What makes a study find η* rather than its first sample:
   default) proposes, `bracket` makes sure the best full-budget LR has a full-budget
   neighbour on both sides (never pruned either), whatever order the trials ran in: alone,
   packed or concurrently, the refinement may have been placed around a best that a later
-  trial beat, or the best's neighbour may have been pruned;
+  trial beat, or the best's neighbour may have been pruned; and when another LR, with a worse
+  one between, trained about as well as the best (a rival basin, analysis/basins.py), it gets
+  the refinement the best got (`rival_refinement`), so the fit is not left to a coin toss;
 - pruning (`_Gate`) never decides before the trial's warmup and `prune_after` of its budget
   are trained, nor before MIN_FULL_BUDGET trials of the study completed without diverging
   (so a quadratic in log2 LR can always be fitted); the default `rank` pruner compares
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import optuna
 
+from hptransfer.analysis.basins import rival_basins
 from hptransfer.models import param_counts
 from hptransfer.workers.trial import TrialSpec
 
@@ -47,6 +51,10 @@ DIVERGED_ATTR = "hpt_diverged"  # user attr: a COMPLETE trial whose value is the
 REFINED_ATTR = "hpt_refined"
 # study user attr: the numbers of the bracketing trials (see `bracket`)
 BRACKET_ATTR = "hpt_bracket"
+# study user attr: the numbers of the trials refining a rival basin (see `rival_refinement`)
+RIVAL_ATTR = "hpt_rival"
+# trials asked to give the fit its points around η* (never pruned)
+PROTECTED_ATTRS = (REFINED_ATTR, BRACKET_ATTR, RIVAL_ATTR)
 
 
 def stable_seed(key: str) -> int:
@@ -130,6 +138,29 @@ def bracket(seen: list[Seen], lr_min: float, lr_max: float, n_startup: int) -> f
         step = min(half, room, *(d / 2 for d, _ in beyond if d <= 2 * half))
         if step >= half / 8:  # else the side is crowded with failed runs: leave it
             return _within(2.0 ** (best + side * step), lr_min, lr_max)
+    return None
+
+
+def rival_refinement(seen: list[Seen], lr_min: float, lr_max: float,
+                     n_startup: int) -> float | None:
+    """The LR to ask so that the lowest rival basin of the full-budget runs (another LR that
+    trained within basins.RIVAL_TOLERANCE of the best, with a worse LR between them) gets
+    the `refinement` the best got, or None when there is none or both its sides have a run
+    (full-budget or open) within that distance. An LR asked before (any outcome) is not
+    asked again."""
+    done = sorted((s.log2_lr, s.value) for s in seen if s.value is not None)
+    rivals = rival_basins([x for x, _ in done], [v for _, v in done])
+    if not rivals:
+        return None
+    x = done[rivals[0]][0]
+    half = half_slice(lr_min, lr_max, n_startup)
+    for lr in refinement(2.0**x, lr_min, lr_max, n_startup):
+        side = 1.0 if math.log2(lr) > x else -1.0
+        covered = any(0 < side * (s.log2_lr - x) <= 1.25 * half
+                      and (s.value is not None or s.open) for s in seen)
+        asked = any(abs(s.log2_lr - math.log2(lr)) < half / 8 for s in seen)
+        if not (covered or asked):
+            return lr
     return None
 
 
@@ -280,6 +311,7 @@ class OptunaSearch:
     def ask(self, study: optuna.Study, lr_min: float, lr_max: float) -> tuple[int, float]:
         self._refine(study, lr_min, lr_max)
         self._bracket(study, lr_min, lr_max)
+        self._rival(study, lr_min, lr_max)
         trial = study.ask()
         lr = trial.suggest_float("lr", lr_min, lr_max, log=True)
         self._asked[trial.number, study.study_name] = trial
@@ -310,6 +342,18 @@ class OptunaSearch:
         """After the refinement, before the sampler: enqueue `bracket`'s LR while the best
         full-budget LR lacks a full-budget neighbour on a side, whatever order the earlier
         trials ran and finished in (alone, packed or concurrently)."""
+        self._enqueue_protected(study, lr_min, lr_max, bracket, BRACKET_ATTR)
+
+    def _rival(self, study: optuna.Study, lr_min: float, lr_max: float) -> None:
+        """After the bracketing, before the sampler: enqueue `rival_refinement`'s LR while a
+        rival basin lacks the refinement the best got."""
+        self._enqueue_protected(study, lr_min, lr_max, rival_refinement, RIVAL_ATTR)
+
+    def _enqueue_protected(self, study: optuna.Study, lr_min: float, lr_max: float,
+                           choose: Callable[[list[Seen], float, float, int], float | None],
+                           attr: str) -> None:
+        """Once the refinement is asked and no enqueued LR waits: enqueue the LR `choose`
+        picks from what the study has seen (if any), its number kept under `attr`."""
         if REFINED_ATTR not in study.user_attrs:
             return
         trials = study.get_trials(deepcopy=False)
@@ -321,22 +365,22 @@ class OptunaSearch:
                      and not _diverged(t) else None,
                      t.state in open_states)
                 for t in trials if "lr" in t.params]
-        lr = bracket(seen, lr_min, lr_max, self._search[study.study_name].startup_count())
+        lr = choose(seen, lr_min, lr_max, self._search[study.study_name].startup_count())
         if lr is None:
             return
         study.enqueue_trial({"lr": lr})
-        numbers = list(study.user_attrs.get(BRACKET_ATTR, []))
-        study.set_user_attr(BRACKET_ATTR, [*numbers, len(trials)])
+        numbers = list(study.user_attrs.get(attr, []))
+        study.set_user_attr(attr, [*numbers, len(trials)])
 
     def bind(self, trial_id: str, study: optuna.Study, number: int, spec: TrialSpec) -> None:
         """Remember an asked trial under our trial id, for pruning reports."""
         trial = self._asked.pop((number, study.study_name), None)
         if trial is not None:
             search = self._search[study.study_name]
-            # the refinement and the bracketing are never pruned: they give the fit its
-            # neighbours around η*
+            # the refinement, the bracketing and a rival's refinement are never pruned: they
+            # give the fit its neighbours around η*
             protected = any(number in study.user_attrs.get(attr, [])
-                            for attr in (REFINED_ATTR, BRACKET_ATTR))
+                            for attr in PROTECTED_ATTRS)
             total = total_steps(spec)
             decide_from = total if protected else decision_step(spec, search.prune_after)
             self._live[trial_id] = _Live(trial, study, decide_from, total)
@@ -392,8 +436,9 @@ class OptunaSearch:
     def retract(self, study: optuna.Study, number: int) -> None:
         """An asked trial that will never run (its row could not be added): told FAIL, and
         its LR enqueued again so the next ask takes it up, keeping its place in the plan
-        (first batch, refinement or bracketing, whose protection from pruning moves with
-        it). A trial asked but killed before it suggested an LR is only told FAIL."""
+        (first batch, refinement, bracketing or a rival's refinement, whose protection from
+        pruning moves with it). A trial asked but killed before it suggested an LR is only
+        told FAIL."""
         self._asked.pop((number, study.study_name), None)
         frozen = study._storage.get_trial(self._trial_id(study, number))
         if frozen.state != optuna.trial.TrialState.RUNNING:
@@ -404,7 +449,7 @@ class OptunaSearch:
             return
         again = len(study.get_trials(deepcopy=False))  # an enqueued trial's number
         study.enqueue_trial({"lr": lr})
-        for attr in (REFINED_ATTR, BRACKET_ATTR):
+        for attr in PROTECTED_ATTRS:
             numbers = list(study.user_attrs.get(attr, []))
             if number in numbers:
                 study.set_user_attr(attr, [*numbers, again])
