@@ -323,6 +323,13 @@ def test_a_fit_with_a_rival_basin_is_unreliable_and_says_where() -> None:
     assert row["reliable"] and np.isnan(row["rival_lr"])
     assert -9.02 < row["log2_lr_opt"] < -6.52
     assert not any(w.startswith("two basins") for w in row["warnings"])
+    # one curve, as fit_lr_parabola takes it: the same rival, and none with 2^-7.77
+    one = fit_lr_parabola([2.0**x for x in SP64_SEARCH], list(SP64_SEARCH.values()), 1)
+    assert one["log2_lr_opt"] == pytest.approx(-4.19, abs=0.01)
+    assert math.log2(one["rival_lr"]) == pytest.approx(-6.52)
+    both = fit_lr_parabola([r["lr"] for r in rows], [r["final_val_loss"] for r in rows], 1)
+    assert math.isnan(both["rival_lr"]) and both["log2_lr_opt"] == pytest.approx(
+        row["log2_lr_opt"])
 
 
 # ------------------------------------------------------------------------ transfer

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .basins import rival_basins
 from .errors import AnalysisError
 
 
@@ -105,8 +106,10 @@ def fit_parabolas(x: np.ndarray, y: np.ndarray, neighbours: int) -> ParabolaFits
 def fit_lr_parabola(
     lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, neighbours: int = 2
 ) -> dict[str, Any]:
-    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients.
-    Raises AnalysisError for LRs that are not positive and finite (no log2)."""
+    """Fit one LR curve (mean loss per LR; NaN = diverged). Returns η*, flags and coefficients,
+    and `rival_lr`, the lowest rival basin's LR (basins.py; NaN when none), which makes η* a
+    guess as `optimal_lr` says. Raises AnalysisError for LRs that are not positive and
+    finite (no log2)."""
     lr = np.asarray(lrs, dtype=float)
     y = np.asarray(losses, dtype=float)
     if lr.shape != y.shape or lr.ndim != 1:
@@ -122,6 +125,7 @@ def fit_lr_parabola(
     x = np.log2(lr)
     order = np.argsort(x)
     fits = fit_parabolas(x[order][None, :], y[order][None, :], neighbours)
+    rivals = rival_basins(x[order], y[order])
     return {
         "lr_opt": float(2.0 ** fits.log2_opt[0]),
         "log2_lr_opt": float(fits.log2_opt[0]),
@@ -132,4 +136,5 @@ def fit_lr_parabola(
         "clamped": bool(fits.clamped[0]),
         "n_fit_points": int(fits.n_fit[0]),
         "curvature": float(fits.coef[0, 2]),
+        "rival_lr": float(lr[order][rivals[0]]) if rivals else float("nan"),
     }
