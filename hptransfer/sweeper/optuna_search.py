@@ -146,8 +146,9 @@ def rival_refinement(seen: list[Seen], lr_min: float, lr_max: float,
     """The LR to ask so that the lowest rival basin of the full-budget runs (another LR that
     trained within basins.RIVAL_TOLERANCE of the best, with a worse LR between them) gets
     the `refinement` the best got, or None when there is none or both its sides have a run
-    (full-budget or open) within that distance. An LR asked before (any outcome) is not
-    asked again."""
+    (full-budget or open) within that distance (half a slice, with a quarter of it to spare:
+    the best's own refinement point often lies exactly that far, up to rounding). An LR
+    asked before (any outcome) is not asked again."""
     done = sorted((s.log2_lr, s.value) for s in seen if s.value is not None)
     rivals = rival_basins([x for x, _ in done], [v for _, v in done])
     if not rivals:
