@@ -3,9 +3,10 @@
 import math
 
 import pytest
+import torch
 from pydantic import ValidationError
 
-from hptransfer.workers.trainer import run_trial
+from hptransfer.workers.trainer import clip_gradients, run_trial
 from hptransfer.workers.trial import Schedule, TrialSpec
 
 SMALL = dict(width=64, depth=2, head_dim=32, batch_size=8, seq_len=32,
@@ -231,3 +232,32 @@ def test_training_flushes_subnormals_on_every_thread_and_then_restores_the_setti
         assert run_trial(s, reporter=reporter, cache_dir=str(tmp_path)).status == "completed"
     assert inside and all(inside)  # flushed on both threads while training
     assert torch.all(torch.bmm(tiny, ones) > 0)  # and the caller's setting back afterwards
+
+
+@pytest.mark.parametrize("max_norm", [10.0, 1000.0])  # the norm is ~144: clipped, not
+def test_clip_gradients_gives_clip_grad_norm_s_numbers_and_skips_a_scale_by_one(max_norm):
+    """Bit for bit torch.nn.utils.clip_grad_norm_'s gradients, clipped or not; when not,
+    no gradient is written (torch multiplies every one by 1.0, which changes nothing)."""
+    shapes = [(64, 64), (64,), (256, 64), (3, 5, 7), (1,)]
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+
+    def params_with(gs: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+        out = [torch.nn.Parameter(torch.zeros_like(g)) for g in gs]
+        for p, g in zip(out, gs, strict=True):
+            p.grad = g.clone()
+        return out
+
+    theirs, ours = params_with(grads), params_with(grads)
+    torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    before = [p.grad._version for p in ours]
+    clip_gradients(ours, max_norm)
+    for a, b in zip(theirs, ours, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    clipped = bool(max_norm < torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+    assert clipped == (max_norm == 10.0)
+    assert [p.grad._version for p in ours] != before if clipped else \
+        [p.grad._version for p in ours] == before
+    if not clipped:  # torch did scale, by exactly 1.0
+        assert all(torch.equal(p.grad, g) for p, g in zip(theirs, grads, strict=True))
+        assert all(p.grad._version > 0 for p in theirs)

@@ -63,6 +63,22 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
     return total.item() / count
 
 
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_(params, max_norm) to the bit. It scales every gradient
+    by clamp(max_norm / (norm + 1e-6), max=1.0) even when that is 1.0, a pass over all of
+    them that changes nothing (x * 1.0 is x); on the CPU, where reading the factor back waits
+    for nothing, this skips that pass. On CUDA it would stall the queue: torch's own."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or grads[0].device.type != "cpu":
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    # as clip_grad_norm_ computes it for one device and dtype: per-tensor norms, then theirs
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    factor = max_norm / (norm + 1e-6)
+    if factor.item() < 1.0:
+        torch._foreach_mul_(grads, factor)
+
+
 @subnormals_flushed()
 def run_trial(
     spec: TrialSpec | dict,
@@ -114,6 +130,7 @@ def _train(
             loss += part.detach()
         return loss
 
+    params = list(built.model.parameters())
     pending_steps: list[int] = []
     pending_losses: list[torch.Tensor] = []
     t_train = time.perf_counter()
@@ -125,7 +142,7 @@ def _train(
         x, y = to_device(x, device), to_device(y, device)
         loss = eager_if_backward_fails(model, gradients, x, y)
         if spec.grad_clip:
-            torch.nn.utils.clip_grad_norm_(built.model.parameters(), spec.grad_clip)
+            clip_gradients(params, spec.grad_clip)
         opt.step()
         built.after_step()
         pending_steps.append(step)
