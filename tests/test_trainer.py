@@ -261,3 +261,11 @@ def test_clip_gradients_gives_clip_grad_norm_s_numbers_and_skips_a_scale_by_one(
     if not clipped:  # torch did scale, by exactly 1.0
         assert all(torch.equal(p.grad, g) for p, g in zip(theirs, grads, strict=True))
         assert all(p.grad._version > 0 for p in theirs)
+    # a NaN gradient makes the norm NaN, and torch then scales every gradient by NaN
+    grads[1][0] = math.nan
+    theirs, ours = params_with(grads), params_with(grads)
+    torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    clip_gradients(ours, max_norm)
+    assert all(p.grad.isnan().all() for p in ours)
+    for a, b in zip(theirs, ours, strict=True):
+        assert torch.equal(a.grad.isnan(), b.grad.isnan())

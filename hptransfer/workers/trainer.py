@@ -75,8 +75,9 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
     # as clip_grad_norm_ computes it for one device and dtype: per-tensor norms, then theirs
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     factor = max_norm / (norm + 1e-6)
-    if factor.item() < 1.0:
-        torch._foreach_mul_(grads, factor)
+    if factor.item() >= 1.0:
+        return  # torch's clamp(factor, max=1.0) is 1.0; a NaN factor scales, as in torch
+    torch._foreach_mul_(grads, factor)
 
 
 @subnormals_flushed()
