@@ -69,7 +69,8 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
     them that changes nothing (x * 1.0 is x); on the CPU, where reading the factor back waits
     for nothing, this skips that pass. On CUDA it would stall the queue: torch's own."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or grads[0].device.type != "cpu":
+    if not grads or grads[0].device.type != "cpu" or any(
+            g.dtype != grads[0].dtype for g in grads):  # torch's groups, its order of sums
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
     # as clip_grad_norm_ computes it for one device and dtype: per-tensor norms, then theirs
