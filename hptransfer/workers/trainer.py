@@ -63,13 +63,19 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
     return total.item() / count
 
 
+def reading_back_is_free(device: torch.device) -> bool:
+    """Whether reading a value of `device` into Python costs nothing: on the CPU; on CUDA it
+    waits for every queued kernel (tests/test_host_reads.py)."""
+    return device.type == "cpu"
+
+
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
     """torch.nn.utils.clip_grad_norm_(params, max_norm) to the bit. It scales every gradient
     by clamp(max_norm / (norm + 1e-6), max=1.0) even when that is 1.0, a pass over all of
     them that changes nothing (x * 1.0 is x); on the CPU, where reading the factor back waits
     for nothing, this skips that pass. On CUDA it would stall the queue: torch's own."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or grads[0].device.type != "cpu" or any(
+    if not grads or not reading_back_is_free(grads[0].device) or any(
             g.dtype != grads[0].dtype for g in grads):  # torch's groups, its order of sums
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
