@@ -234,8 +234,8 @@ def _shape_notes(
     runs_next: int,
     fit_seeds: int | None,
     boot_failed: float,
-    rival: tuple[float, float] | None = None,
-    best_loss: float = float("nan"),
+    rival: tuple[float, float] | None,
+    best_loss: float,
 ) -> list[str]:
     """Human-readable warnings for one shape's η*."""
     notes: list[str] = []
@@ -412,10 +412,7 @@ def optimal_lr(
         np.where(fits.x_best <= x_min, "low", np.where(fits.x_best >= x_max, "high", None)),
     )
     on_edge = np.array([e is not None for e in edge], dtype=bool)
-    # per shape, the lowest rival basin's column (basins.py), or -1
-    rival_col = np.array([next(iter(rival_basins(x[s][np.isfinite(x[s])],
-                                                 means[s][np.isfinite(x[s])])), -1)
-                          for s in range(cells.n_shapes)], dtype=int)
+    rival_col = _rival_columns(x, means)
     has_rival = rival_col >= 0
     reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
     best_lr = _matrix(cells, cells.lr)[rows, fits.best]
@@ -512,6 +509,18 @@ def optimal_lr(
         warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped, concave or "
                         "two basins)")
     return OptimalLRResult(shapes, _curves(cells, fits), keys, reason, warnings, bootstrap, ci)
+
+
+def _rival_columns(x: np.ndarray, means: np.ndarray) -> np.ndarray:
+    """Per shape (row), the column of its lowest rival basin (basins.py), or -1. A row's
+    LRs fill its first columns (the padding after them is NaN)."""
+    out = np.full(len(x), -1, dtype=int)
+    for s, (row_x, row_mean) in enumerate(zip(x, means, strict=True)):
+        n = int(np.isfinite(row_x).sum())
+        rivals = rival_basins(row_x[:n], row_mean[:n])
+        if rivals:
+            out[s] = rivals[0]
+    return out
 
 
 def _nothing_to_fit(trials: Trials, frame: pd.DataFrame) -> str | None:
