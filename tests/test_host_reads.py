@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.data import TokenDataset
+from hptransfer.workers import packed as pack_trainer
 from hptransfer.workers import trainer
 from hptransfer.workers.plan import plan_trial
 from hptransfer.workers.trainer import load_trial_data, run_trial, run_trials
@@ -70,9 +71,10 @@ def test_device_values_are_read_only_at_sync_steps(arch, param, packed, tmp_path
     spec = TrialSpec(**SPEC, arch=arch, parameterization=param)
     syncs = sync_steps(spec, tmp_path)
     assert 30 < len(syncs) < 100  # most steps are not sync steps: the test can tell
-    # the trainer as it runs on CUDA: on the CPU, where reading back is free, its clipping
-    # reads a factor every step (trainer.clip_gradients); on CUDA it must not
-    monkeypatch.setattr(trainer, "reading_back_is_free", lambda device: False)
+    # the trainers as they run on CUDA: on the CPU, where reading back is free, they read
+    # their clipping factors (and a pack its alive mask) every step; on CUDA they must not
+    for module in (trainer, pack_trainer):
+        monkeypatch.setattr(module, "reading_back_is_free", lambda device: False)
     with HostReads(monkeypatch) as probe:
         if packed:
             results = run_trials([spec, spec.model_copy(update={"seed": 1, "lr": 2**-8})],

@@ -46,6 +46,12 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def reading_back_is_free(device: torch.device) -> bool:
+    """Whether reading a value of `device` into Python costs nothing: on the CPU; on CUDA it
+    waits for every queued kernel (tests/test_host_reads.py)."""
+    return device.type == "cpu"
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device: a copy to CUDA from pageable
     memory makes the host wait for every kernel already queued (a host sync each step), so

@@ -41,6 +41,7 @@ from .device import (
     autocast,
     autocasts,
     eager_if_backward_fails,
+    reading_back_is_free,
     resolve_device,
     to_device,
 )
@@ -373,9 +374,15 @@ class _Pack:
         alive = alive & torch.isfinite(lossd) & ~(lossd > self.div_factor * initial)
         # in place on grad and into the scratch buffer: on the CPU a fresh temporary the size
         # of the model is mostly page faults (large allocations are new mappings every time)
+        # where reading back is free (the CPU, eager), the passes over the whole buffer that
+        # would change nothing are skipped: x * 1.0 is x, and no member may have stopped
+        skips = reading_back_is_free(grad.device) and not torch.compiler.is_compiling()
         if spec.grad_clip:  # each member's global norm, as clip_grad_norm_ over its params
-            grad.mul_((spec.grad_clip / (grad.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0))
-        grad.masked_fill_(~alive.unsqueeze(1), 0.0)  # a stopped member: no update
+            factor = (spec.grad_clip / (grad.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
+            if not (skips and bool((factor == 1.0).all())):  # a NaN factor scales
+                grad.mul_(factor)
+        if not (skips and bool(alive.all())):
+            grad.masked_fill_(~alive.unsqueeze(1), 0.0)  # a stopped member: no update
         lrs = self.hp["lr"] * (factors * alive).unsqueeze(1)  # (K, groups)
         # nGPT: then back onto the sphere, per member
         if torch.compiler.is_compiling():

@@ -25,7 +25,14 @@ from hptransfer.data import TokenDataset
 from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 
-from .device import Compiled, autocast, eager_if_backward_fails, resolve_device, to_device
+from .device import (
+    Compiled,
+    autocast,
+    eager_if_backward_fails,
+    reading_back_is_free,
+    resolve_device,
+    to_device,
+)
 from .flat_adamw import FlatAdamW
 from .plan import (
     Progress,
@@ -61,12 +68,6 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset
         total += loss.double()  # the sum in float64, as when it was added up on the host
         count += y.numel()
     return total.item() / count
-
-
-def reading_back_is_free(device: torch.device) -> bool:
-    """Whether reading a value of `device` into Python costs nothing: on the CPU; on CUDA it
-    waits for every queued kernel (tests/test_host_reads.py)."""
-    return device.type == "cpu"
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
