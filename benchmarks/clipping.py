@@ -9,22 +9,32 @@ machine hit both: ms of the clipping itself and of the whole step (medians), "x"
 over ours (> 1: ours is faster), and the share of steps whose norm was over max_norm
 (those scale in both).
 
+Packed trials (`--pack-widths`): a pack of --k members (an LR grid, 2^-10 to 2^-4, batch 8 x
+seq 64, depth 2) on the CPU skips the same scale by 1.0 and its masking of stopped members when
+none stopped (the numbers equal to the bit: tests/test_packed.py). Timed as whole `run_trials`
+runs, skipping against making every pass as on CUDA, alternating over --rounds rounds: the
+median step time (between consecutive reporter calls, the first third of the steps untimed)
+per side and round, "x" = every pass over skipping per round, median and range.
+
     .venv/bin/python benchmarks/clipping.py [--threads 2] [--steps 64] [--shapes 128x2 256x4 512x4]
+        [--pack-widths 64 128] [--k 8] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
-from _timing import bench_head_dim
+from _timing import alternating, bench_head_dim, pack_step_stamps
 
 from hptransfer.models import optimizer_groups
 from hptransfer.models.build import build_model
+from hptransfer.workers import packed
 from hptransfer.workers.flat_adamw import FlatAdamW
 from hptransfer.workers.trainer import clip_gradients, load_trial_data
 from hptransfer.workers.trial import TrialSpec
@@ -71,11 +81,40 @@ def measure(width: int, depth: int, steps: int, cache: str) -> dict[str, float]:
     return {**med, "over": over / (steps - WARMUP)}
 
 
+def pack_step_ms(specs: list[TrialSpec], cache: str, skip: bool) -> float:
+    """Median ms per step of one `run_trials` of `specs`, skipping the passes that change
+    nothing (the CPU's way) or making every one (CUDA's)."""
+    free = packed.reading_back_is_free
+    packed.reading_back_is_free = free if skip else (lambda device: False)
+    try:
+        stamps, results = pack_step_stamps(specs, cache)
+    finally:
+        packed.reading_back_is_free = free
+    assert all(r.status == "completed" for r in results), [r.error for r in results]
+    steps = sorted(stamps)[len(stamps) // 3:]
+    return statistics.median((stamps[b] - stamps[a]) / (b - a)
+                             for a, b in itertools.pairwise(steps)) * 1e3
+
+
+def measure_pack(width: int, k: int, steps: int, threads: int, rounds: int, cache: str
+                 ) -> dict[str, list[float]]:
+    specs = [TrialSpec(width=width, depth=2, head_dim=bench_head_dim(width), base_width=64,
+                       base_depth=2, lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)), seed=i,
+                       batch_size=8, seq_len=64, budget={"steps": steps}, eval_every=50,
+                       data={"val_tokens": 2048}, device="cpu", num_threads=threads)
+             for i in range(k)]
+    return alternating({"every": lambda: pack_step_ms(specs, cache, skip=False),
+                        "skip": lambda: pack_step_ms(specs, cache, skip=True)}, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--shapes", nargs="*", default=["128x2", "256x4", "512x4"])
+    parser.add_argument("--pack-widths", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), batch {BATCH} x seq {SEQ}; "
@@ -90,8 +129,19 @@ def main() -> None:
                   f"{m['clip_torch'] / m['clip_ours']:>5.2f} {m['step_torch']:>13.2f} "
                   f"{m['step_ours']:>8.2f} {m['step_torch'] / m['step_ours']:>6.3f} "
                   f"{m['over']:>8.0%}", flush=True)
-    print("\nx = torch's median over ours (> 1: ours is faster); clipped = share of timed steps "
-          "whose gradient norm was over max_norm")
+        if args.pack_widths:
+            print(f"\npacks of {args.k}, {args.steps} steps, {args.rounds} alternating rounds: "
+                  "ms per step (medians of the rounds)")
+            print(f"{'width':>5} {'every pass ms':>13} {'skipping ms':>11} {'x':>6} "
+                  f"{'x range':>12}")
+        for width in args.pack_widths:
+            m = measure_pack(width, args.k, args.steps, args.threads, args.rounds, cache)
+            ratios = [e / s for e, s in zip(m["every"], m["skip"], strict=True)]
+            print(f"{width:>5} {statistics.median(m['every']):>13.2f} "
+                  f"{statistics.median(m['skip']):>11.2f} {statistics.median(ratios):>6.3f} "
+                  f"{min(ratios):>5.3f}-{max(ratios):.3f}", flush=True)
+    print("\nx = torch's median over ours, or every pass over skipping (> 1: skipping is "
+          "faster); clipped = share of timed steps whose gradient norm was over max_norm")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+# credentials as database drivers read them, not as urlsplit does: a user name (no ':' or
+# '/'), then ':' and a password that may hold a raw '/', '#' or '?' (SQLAlchemy takes
+# postgresql://u:ml/pw@host/db), up to the last '@'; or a bare token@. Where an '@' comes
+# later in a URL without credentials (http://h:80/p?mail=a@b), more is masked than needed.
+_USERINFO = re.compile(
+    r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@?#]*)(?::(?P<password>.*))?@")
 # key=value outside a URL (a libpq DSN "host=h password=pw", a quoted query string); the key
 # ends with the secret word, so "access_token=" is masked and "max_tokens=" is not
 _SECRET_ASSIGNMENT = re.compile(
@@ -22,25 +28,26 @@ def _secret(key: str) -> bool:
 
 
 def mask_url(url: str | None) -> str | None:
-    """The URL with any password (user:pw@) and secret-looking query values replaced by ***."""
+    """The URL with any password (user:pw@) or bare credential (token@) and secret-looking
+    query values replaced by ***."""
     if not url:
         return url
+    out = _USERINFO.sub(_masked_userinfo, url, count=1)
     try:
-        parts = urlsplit(url)
+        query = urlsplit(out).query
     except ValueError:
         return "***"
-    out = url  # edited in place: urlunsplit would rewrite sqlite://// as sqlite://
-    if "@" in parts.netloc:
-        creds, host = parts.netloc.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        out = out.replace(parts.netloc, f"{user}:***@{host}" if ":" in creds else f"***@{host}",
-                          1)
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
+    if query:  # edited in place: urlunsplit would rewrite sqlite://// as sqlite://
+        pairs = parse_qsl(query, keep_blank_values=True)
         if any(_secret(k) for k, _ in pairs):
-            query = urlencode([(k, "***" if _secret(k) else v) for k, v in pairs], safe="*")
-            out = out.replace("?" + parts.query, "?" + query, 1)
+            masked = urlencode([(k, "***" if _secret(k) else v) for k, v in pairs], safe="*")
+            out = out.replace("?" + query, "?" + masked, 1)
     return out
+
+
+def _masked_userinfo(m: re.Match[str]) -> str:
+    return f"{m['scheme']}{m['user']}:***@" if m["password"] is not None else \
+        f"{m['scheme']}***@"
 
 
 def redact(text: str | None) -> str | None:

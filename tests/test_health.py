@@ -31,6 +31,13 @@ HPT = Path(sys.executable).with_name("hpt")
     ("http://alice:hunter2@mlflow:5000", "hunter2"),
     ("http://mlflow:5000/?token=abc123&x=1", "abc123"),
     ("https://tok3n@mlflow.example.com", "tok3n"),
+    # raw '/', '#', '?' and '@' in a password: urlsplit finds no credentials in these, but
+    # SQLAlchemy and libpq read them as passwords and connect
+    ("postgresql://hpt:ml/Secret3@127.0.0.1:1/mlflow", "Secret3"),
+    ("postgresql://hpt:opt#Secret2@db/optuna", "Secret2"),
+    ("postgresql://hpt:ml?Secret4@db/mlflow", "Secret4"),
+    ("postgresql://hpt:p@Secret5@db/x", "Secret5"),
+    ("http://u:pa/ss@127.0.0.1:1", "ss"),
 ])
 def test_mask_url_hides_every_credential(url, secret):
     masked = mask_url(url)
@@ -41,6 +48,11 @@ def test_mask_url_hides_every_credential(url, secret):
 def test_mask_url_keeps_urls_without_credentials():
     assert mask_url("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
     assert mask_url("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+    assert mask_url("sqlite:////tmp/a@b/mlflow.db") == "sqlite:////tmp/a@b/mlflow.db"
+    assert mask_url("http://mlflow/runs/a@b") == "http://mlflow/runs/a@b"
+    # where the host, not a password, follows the user name, the host stays
+    assert mask_url("postgresql://hpt:ml/Secret3@127.0.0.1:1/mlflow") == (
+        "postgresql://hpt:***@127.0.0.1:1/mlflow")
 
 
 def test_redact_masks_urls_and_passwords_inside_error_text():

@@ -453,6 +453,8 @@ def test_exception_in_training_fails_at_once_with_traceback(server, tiny_spec, t
     error = done.error
     assert error.startswith("DataError: validation set contains token id 300 >= vocab_size=256")
     assert "Traceback (most recent call last)" in error and "in evaluate" in error
+    # its files named by import path, not by where this server installed them
+    assert 'File "hptransfer/workers/trainer.py"' in error and 'File "/' not in error
     assert done.result["status"] == "failed" and done.result["error"] == error
     assert final["status"] == "completed" and final["counts"]["failed"] == 1
     (run,) = trial_runs(settings.mlflow_uri, experiment_id)[done.id]

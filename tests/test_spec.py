@@ -134,6 +134,31 @@ def test_negative_seed_and_gpus():
     one_error(with_("resources.gpus", -0.5), "resources.gpus", "greater than or equal to 0")
 
 
+def test_val_tokens_must_hold_one_window_of_seq_len():
+    """Refused at submit: accepted, every trial trained to its budget and then failed at its
+    first evaluation. The trial spec refuses it the same way (`hpt train`)."""
+    d = with_("data", {"source": "stdlib", "val_tokens": 128}, with_("fixed.seq_len", 128))
+    one_error(d, "data.val_tokens", "val_tokens=128 is too small for one window of "
+              "seq_len+1=129; raise val_tokens or lower seq_len")
+    ok = with_("data", {"source": "stdlib", "val_tokens": 129}, with_("fixed.seq_len", 128))
+    assert load_spec(ok).data.val_tokens == 129
+    with pytest.raises(ValueError, match="too small for one window of seq_len"):
+        TrialSpec(seq_len=128, data={"val_tokens": 128})
+    assert TrialSpec(seq_len=128, data={"val_tokens": 129}).seq_len == 128
+
+
+def test_resources_below_ray_s_smallest_fraction():
+    """Ray refuses a positive CPU or GPU amount under 1e-4: refused at submit, where it
+    names the field (accepted, it had failed the dispatcher's every tick for every sweep)."""
+    for cpus in (1e-5, 5e-324):
+        one_error(with_("resources.cpus", cpus), "resources.cpus",
+                  "greater than or equal to 0.0001")
+    one_error(with_("resources.gpus", 1e-5), "resources.gpus",
+              "give 0 or at least 0.0001 GPU per task")
+    assert load_spec(with_("resources.cpus", 1e-4)).resources.cpus == 1e-4
+    assert load_spec(with_("resources.gpus", 1e-4)).resources.gpus == 1e-4
+
+
 def test_nan_lr_is_rejected():
     one_error(with_("grid.lrs", [float("nan")]), "grid.lrs[0]", "finite")
 
@@ -202,6 +227,10 @@ def test_log_range_min_above_max():
     d = with_("grid.lrs", {"log2_min": -4, "log2_max": -12, "step": 1})
     one_error(d, "grid.lrs", "log2_min (-4) is greater than log2_max (-12)")
     one_error(with_("grid.lrs", {"log2_min": -4, "log2_max": -2, "step": 0}), "grid.lrs.step")
+    # a step too small to count with (it once overflowed into a 500): a bound, named
+    err = one_error(with_("grid.lrs", {"log2_min": -10, "log2_max": 10, "step": 5e-324}),
+                    "grid.lrs.step", "greater than or equal to 0.001")
+    assert len(err["message"]) < 200
     one_error(with_("grid.lrs", {"log2_min": -4, "log2_max": -2, "step": 1, "x": 1}),
               "grid.lrs.x", "unknown field")
     one_error(with_("grid.lrs", 0.01), "grid.lrs", "list of learning rates or a log range")

@@ -7,6 +7,7 @@ import torch
 
 from .checks import first_out_of_range, out_of_range_message
 from .errors import DataError
+from .spec import val_window_problem
 from .stream import TokenStream
 from .tokenizer import Tokenizer
 
@@ -87,12 +88,10 @@ class TokenDataset:
         last batch holds the remainder and may be smaller than batch_size."""
         # Validate now, not on first next(): this is not itself a generator function.
         _check_positive(batch_size=batch_size, seq_len=seq_len)
+        problem = val_window_problem(self.n_val_tokens, seq_len)
+        if problem:
+            raise DataError(problem)
         n_windows = (self.n_val_tokens - 1) // seq_len
-        if n_windows < 1:
-            raise DataError(
-                f"val_tokens={self.n_val_tokens} is too small for one window of seq_len+1="
-                f"{seq_len + 1}; raise val_tokens or lower seq_len"
-            )
         tokens = self._val_set()
         x_all = tokens[: n_windows * seq_len].reshape(n_windows, seq_len)
         y_all = tokens[1 : n_windows * seq_len + 1].reshape(n_windows, seq_len)

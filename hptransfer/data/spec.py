@@ -27,6 +27,15 @@ MAX_VAL_TOKENS = 1 << 30
 MAX_CORPUS_BYTES = 1 << 32
 
 
+def val_window_problem(val_tokens: int, seq_len: int) -> str | None:
+    """Why `val_tokens` cannot hold one validation window of `seq_len` (its inputs and their
+    targets, one token further), or None. Checked when a spec is given, not after training."""
+    if val_tokens - 1 >= seq_len:
+        return None
+    return (f"val_tokens={val_tokens} is too small for one window of seq_len+1={seq_len + 1}; "
+            "raise val_tokens or lower seq_len")
+
+
 class DataSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 

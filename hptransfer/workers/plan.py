@@ -10,6 +10,7 @@ is the same as checking after every step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import traceback
@@ -222,13 +223,34 @@ def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable, devi
     )
 
 
+def shown_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback as a failed trial shows it, each file named by its import path
+    (hptransfer/workers/trainer.py, torch/nn/modules/module.py) instead of where this
+    machine installed it: the server's layout stays out of API responses."""
+    tb = traceback.TracebackException.from_exception(exc)
+    for frame in tb.stack:
+        frame.filename = _import_path(frame.filename)
+    return "".join(tb.format())
+
+
+@functools.lru_cache(maxsize=256)
+def _import_path(filename: str) -> str:
+    """The file's path from the top of its package (the first folder up without an
+    __init__.py), or its bare name."""
+    path = Path(filename)
+    top = path.parent
+    while (top / "__init__.py").is_file() and top.parent != top:
+        top = top.parent
+    return str(path.relative_to(top)) if path.is_absolute() else path.name
+
+
 def failed_result(spec: Any, exc: BaseException, started: float,
                   curve: list[dict[str, Any]] | None = None) -> TrialResult:
     """A failed trial is a result the coordinator stores, not an exception; with the curve
     it had reported before it failed (so the app DB holds what MLflow showed live)."""
     return TrialResult(
         status="failed",
-        error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+        error=f"{type(exc).__name__}: {exc}\n{shown_traceback(exc)}",
         wall_time_s=time.perf_counter() - started,
         spec_hash=spec.content_hash() if isinstance(spec, TrialSpec) else None,
         curve=list(curve or []),

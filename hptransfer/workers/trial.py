@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hptransfer.data.spec import DataSpec
+from hptransfer.data.spec import DataSpec, val_window_problem
 from hptransfer.models import ModelConfig, Parameterization
 from hptransfer.models.config import (
     MAX_DEPTH,
@@ -176,6 +176,9 @@ class TrialSpec(BaseModel):
         from hptransfer.models.parameterization import check_pairing
 
         check_pairing(self.model_config_obj(), self.parameterization_obj())
+        problem = val_window_problem(self.data.val_tokens, self.seq_len)
+        if problem:  # else the trial would fail at its first evaluation, after training
+            raise ValueError(problem)
         return self
 
     def model_config_obj(self, vocab_size: int = 256) -> ModelConfig:

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from hptransfer.data.spec import DataSpec
+from hptransfer.data.spec import DataSpec, val_window_problem
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
 from hptransfer.workers.trial import Budget, Schedule, TrialSpec
@@ -196,6 +196,9 @@ class SweepSpec(SpecModel):
                     "optuna searches between the smallest and largest learning rate; "
                     "give at least two different values",
                 ))
+        problem = val_window_problem(self.data.val_tokens, self.fixed.seq_len)
+        if problem:  # every trial would train, then fail at its first evaluation
+            problems.append(error("data.val_tokens", problem))
         if self.fixed.device == "cuda" and self.resources.gpus == 0:
             problems.append(error(
                 "fixed.device",

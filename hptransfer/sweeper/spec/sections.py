@@ -46,6 +46,10 @@ MAX_ARMS = 64
 MAX_N_TRIALS = 10_000
 MAX_CPUS = 1024.0
 MAX_GPUS = 64.0
+# Ray counts resources in units of 1e-4 and refuses a task asking for a positive amount below
+# one; caught here, at submit, instead of failing the dispatcher's every tick
+RAY_RESOURCE_UNIT = 1e-4
+MIN_LOG2_STEP = 1e-3  # a finer log2 step than any LR grid needs; the count stays printable
 MAX_PACK = 64  # trials of one shape trained together in one Ray task (workers/packed.py)
 MAX_BATCH_EXPONENT = 4.0
 _FLOAT_TOL = 1e-9
@@ -85,7 +89,7 @@ class LogRange(SpecModel):
     # Bounded so 2**k stays a normal float (and far outside any sane LR anyway).
     log2_min: float = Field(ge=-100, le=math.log2(MAX_LR))
     log2_max: float = Field(ge=-100, le=math.log2(MAX_LR))
-    step: float = Field(gt=0, le=200)
+    step: float = Field(ge=MIN_LOG2_STEP, le=200)
 
     @model_validator(mode="after")
     def _ordered(self) -> LogRange:
@@ -233,9 +237,17 @@ class Resources(SpecModel):
     member stays its own trial. `max_concurrent` counts tasks, so a pack is one of them.
     """
 
-    cpus: float = Field(1.0, gt=0, le=MAX_CPUS)
+    cpus: float = Field(1.0, ge=RAY_RESOURCE_UNIT, le=MAX_CPUS)
     gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
     pack: Literal["auto"] | int = "auto"
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: float) -> float:
+        if 0 < value < RAY_RESOURCE_UNIT:
+            raise ValueError(f"give 0 or at least {RAY_RESOURCE_UNIT:g} GPU per task (Ray's "
+                             f"smallest fraction), got {value:g}")
+        return value
 
     @field_validator("pack", mode="before")
     @classmethod
