@@ -14,7 +14,7 @@ import yaml
 
 from hptransfer.config import client_token, client_url
 from hptransfer.redaction import mask_url, redact
-from hptransfer.spec_text import StrictYAMLLoader, looks_like_path, non_finite_paths
+from hptransfer.spec_text import load_yaml, looks_like_path, non_finite_paths
 from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
@@ -214,10 +214,12 @@ def _parse(text: str, where: str) -> dict[str, Any]:
     """YAML/JSON text read as the server reads it (spec_text: a key given twice is an
     error, not the last one kept)."""
     try:
-        data = yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{where} is not valid YAML/JSON: "
                          f"{' '.join(str(exc).split())[:300]}") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{where}: a sweep spec must be a mapping (YAML/JSON object)")
     return data

@@ -57,6 +57,60 @@ StrictYAMLLoader.add_implicit_resolver(
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+# Only what JSON carries: a date stays text, as in YAML 1.2 (YAML 1.1 makes 2024-05-01 a
+# date, which no JSON request can hold), and the explicit tags for dates, sets, binary and
+# ordered pairs are refused with their line instead of failing later without one.
+StrictYAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers
+            if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in StrictYAMLLoader.yaml_implicit_resolvers.items()
+}
+NON_JSON_TAGS = ("timestamp", "set", "binary", "omap", "pairs")
+
+
+def _refuse_non_json(loader: StrictYAMLLoader, node: yaml.Node) -> None:
+    kind = node.tag.rsplit(":", 1)[-1]
+    raise yaml.constructor.ConstructorError(
+        None, None, f"!!{kind} has no JSON equivalent; give the value as text, a number, a "
+        "list or a mapping", node.start_mark)
+
+
+for _kind in NON_JSON_TAGS:
+    StrictYAMLLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _refuse_non_json)
+
+# values in a spec once YAML's aliases are expanded (as JSON must expand them): 64 arms of
+# a few dozen fields and every grid axis at its bound are a few thousand
+MAX_EXPANDED_VALUES = 100_000
+
+
+def expanded_size(data: Any, cap: int = MAX_EXPANDED_VALUES) -> int:
+    """How many values `data` holds with every shared (aliased) part counted each time it
+    is used, computed without expanding it; stops counting past `cap`. Eight nested
+    aliases in a 300-byte YAML text expand to 10^8 values ("billion laughs")."""
+    sizes: dict[int, int] = {}
+
+    def size(value: Any) -> int:
+        if not isinstance(value, dict | list):
+            return 1
+        if id(value) not in sizes:
+            children = value.values() if isinstance(value, dict) else value
+            total = 1
+            for child in children:
+                total = min(total + size(child), cap + 1)
+            sizes[id(value)] = total
+        return sizes[id(value)]
+
+    return size(data)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` read strictly (StrictYAMLLoader); ValueError if its aliases expand past
+    MAX_EXPANDED_VALUES. YAML errors are the caller's to word."""
+    data = yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
+    if expanded_size(data) > MAX_EXPANDED_VALUES:
+        raise ValueError(f"the spec's aliases (*name) expand to more than "
+                         f"{MAX_EXPANDED_VALUES:,} values; write the parts out or use fewer")
+    return data
 
 
 def looks_like_path(text: str) -> bool:

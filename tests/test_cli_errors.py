@@ -97,6 +97,35 @@ def test_the_client_reads_a_spec_as_the_server_does(tmp_path):
         _as_dict(str(tmp_path / "word.yaml"))
 
 
+def test_yaml_only_as_json_carries_it_on_both_sides(tmp_path):
+    """A YAML date crashed the client with a TypeError from its JSON encoder (a traceback,
+    no field named), !!set and !!binary the same; eight nested aliases in 300 bytes made
+    the client expand 10^8 values (seconds, hundreds of MB) before the server could refuse
+    the request's size."""
+    from hptransfer.client import _as_dict
+    from hptransfer.sweeper.spec import SpecError, load_spec
+
+    dated = yaml.safe_dump(TINY_SPEC) + "tags: {when: 2024-05-01}\n"
+    assert _as_dict(dated)["tags"] == {"when": "2024-05-01"}  # text, as YAML 1.2 reads it
+    assert load_spec(dated).tags == {"when": "2024-05-01"}
+    for tagged in ("!!set {a, b}", "!!binary aGk=", "!!timestamp 2024-05-01"):
+        text = yaml.safe_dump(TINY_SPEC) + f"tags: {{x: {tagged}}}\n"
+        with pytest.raises(ValueError, match=r"has no JSON equivalent.*line \d+"):
+            _as_dict(text)
+        with pytest.raises(SpecError, match="has no JSON equivalent"):
+            load_spec(text)
+    laughs = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9))
+    (tmp_path / "laughs.yaml").write_text(laughs)
+    with pytest.raises(ValueError, match="aliases .* expand to more than 100,000 values"):
+        _as_dict(str(tmp_path / "laughs.yaml"))
+    with pytest.raises(SpecError, match="expand to more than 100,000 values"):
+        load_spec(laughs)
+    # aliases within reason are YAML's own reuse, and stay
+    reused = yaml.safe_dump(TINY_SPEC).replace("name:", "base: &b {steps: 2}\nname:", 1)
+    assert _as_dict(reused)["base"] == {"steps": 2}
+
+
 def test_a_bad_trial_spec_names_its_fields_as_a_sweeps_do(tmp_path):
     """`hpt train` printed pydantic's raw dump (type names, documentation URLs)."""
     path = tmp_path / "trial.yaml"

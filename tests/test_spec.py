@@ -254,6 +254,26 @@ def test_name_rules():
     one_error(with_("name", ""), "name")
     one_error(with_("name", "x" * 101), "name")
     assert load_spec(with_("name", "ok name-1.2_b")).name == "ok name-1.2_b"
+    one_error(with_("name", "  "), "name", "the name is blank")
+    one_error(with_("name", "мир"), "name", "only ASCII letters", "found")
+
+
+@pytest.mark.parametrize("label", ["a\x1b[2Jb\r\n", "\u202eevil", "tab\there", " "])
+def test_arm_labels_are_printable_and_not_blank(label):
+    """Labels reach terminals (`hpt fits`), pages and MLflow: an escape sequence in one
+    cleared the screen of whoever listed the fits."""
+    arms = [{"label": label, "arch": "gpt", "parameterization": "sp"}]
+    err = one_error(with_("arms", arms), "arms[0].label")
+    assert ("blank" if not label.strip() else "only printable ASCII") in err["message"]
+    assert "\x1b" not in err["message"] and "\u202e" not in err["message"]  # echoed escaped
+
+
+def test_arm_labels_keep_punctuation_and_the_defaults():
+    arms = [{"label": "SP <baseline> +x0=1/2", "arch": "gpt", "parameterization": "sp"},
+            {"arch": "gpt", "parameterization": "completep", "arch_options": {"x0_mixing": True}}]
+    spec = load_spec(with_("arms", arms))
+    assert [a.name for a in spec.arms][0] == "SP <baseline> +x0=1/2"
+    assert spec.arms[1].name.startswith("gpt/completep+")
 
 
 def test_optuna_needs_n_trials_and_a_range():

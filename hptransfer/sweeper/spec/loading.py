@@ -16,7 +16,7 @@ import yaml
 
 from hptransfer.spec_text import (
     DuplicateKey,
-    StrictYAMLLoader,
+    load_yaml,
     looks_like_path,
     unique_keys,
 )
@@ -109,7 +109,7 @@ def _parse_json(text: str, where: str) -> Any:
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
+        return load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
@@ -117,3 +117,5 @@ def _parse_yaml(text: str, where: str) -> Any:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         detail = f"{problem} ({context})" if context else problem
         raise SpecError([error("", f"invalid YAML{where}{at}: {detail}")]) from None
+    except ValueError as exc:
+        raise SpecError([error("", f"{exc}{where}")]) from None

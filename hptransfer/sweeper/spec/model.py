@@ -103,11 +103,11 @@ class SweepSpec(SpecModel):
     @classmethod
     def _name_chars(cls, value: str) -> str:
         bad = sorted(set(value) - _NAME_CHARS)
-        if bad or not value.strip():
-            raise ValueError(
-                f"{value!r} may contain only letters, digits, '_', '.', '-' and spaces"
-                + (f" (found {''.join(bad)!r})" if bad else "")
-            )
+        if bad:
+            raise ValueError(f"{value!r:.120} may contain only ASCII letters, digits, '_', "
+                             f"'.', '-' and spaces (found {''.join(bad)!r:.60})")
+        if not value.strip():
+            raise ValueError("the name is blank; give it at least one letter or digit")
         return value
 
     @field_validator("tags", mode="before")

@@ -275,6 +275,22 @@ class Arm(SpecModel):
     parameterization: str = Field(max_length=100)
     alpha: float | None = None
 
+    @field_validator("label")
+    @classmethod
+    def _label_chars(cls, value: str | None) -> str | None:
+        # shown in terminals (`hpt fits`), pages and MLflow: no control characters (an
+        # escape sequence clears a terminal) and no Unicode direction overrides
+        if value is None:
+            return value
+        bad = sorted({c for c in value if not " " <= c <= "~"})
+        if bad:
+            raise ValueError(f"{value!r:.120} may contain only printable ASCII characters "
+                             f"(found {''.join(bad)!r:.60})")
+        if not value.strip():
+            raise ValueError("the label is blank; give it a letter or digit, or leave it out "
+                             "for the default (arch/parameterization)")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> Arm:
         problems = self._problems()
