@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
 from hptransfer.sweeper import fits
+from hptransfer.sweeper.gate import Gate
 
 
 def finished_sweep(store) -> str:
@@ -59,8 +60,7 @@ def test_identical_requests_share_one_computation_and_distinct_ones_queue(hpt_ho
     store.migrate()
     sweep_id = finished_sweep(store)
     slow = SlowCompute(monkeypatch)
-    monkeypatch.setattr(fits, "_COMPUTING", threading.BoundedSemaphore(2))
-    monkeypatch.setattr(fits, "_ADMITTED", threading.BoundedSemaphore(8))
+    monkeypatch.setattr(fits, "GATE", Gate(2, 8, fits.FitsBusy, fits.GATE.why))
     reports = []
 
     def ask(bootstrap):
@@ -82,7 +82,7 @@ def test_identical_requests_share_one_computation_and_distinct_ones_queue(hpt_ho
 def test_past_the_admitted_requests_a_fits_request_is_a_503_with_retry_after(hpt_home,
                                                                             monkeypatch):
     slow = SlowCompute(monkeypatch)
-    monkeypatch.setattr(fits, "_ADMITTED", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(fits, "GATE", Gate(fits.MAX_COMPUTING, 1, fits.FitsBusy, fits.GATE.why))
     with TestClient(create_app(get_settings(), dispatch=False)) as api:
         sweep_id = finished_sweep(api.app.state.coordinator.store)
         first = threading.Thread(target=api.get, args=(f"/sweeps/{sweep_id}/fits",),
@@ -100,3 +100,36 @@ def test_past_the_admitted_requests_a_fits_request_is_a_503_with_retry_after(hpt
         first.join(60)
         again = api.get(f"/sweeps/{sweep_id}/fits", params={"bootstrap": 7})
         assert again.status_code == 200 and slow.calls == 1  # the first one's, cached
+
+
+def test_past_the_admitted_submissions_preparing_data_a_submit_is_a_503(hpt_home,
+                                                                       monkeypatch):
+    """A submission prepares its data in the request thread (a BPE tokenizer trained on a
+    cache miss took 5-13 s): bounded as fit reports are, so a flood of submissions with new
+    tokenizer settings cannot take every core or every request thread."""
+    from hptransfer.sweeper import service
+
+    real, release, entered = service.load_dataset, threading.Event(), threading.Event()
+
+    def slow_load(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service, "load_dataset", slow_load)
+    monkeypatch.setattr(service, "DATA_GATE", Gate(1, 1, service.DataBusy,
+                                                   service.DATA_GATE.why))
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        first: list = []
+        submitting = threading.Thread(target=lambda: first.append(
+            api.post("/sweeps", json={**copy.deepcopy(TINY_SPEC), "name": "first"})))
+        submitting.start()
+        assert entered.wait(30)
+        busy = api.post("/sweeps", json={**copy.deepcopy(TINY_SPEC), "name": "second"})
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "5", busy.text
+        assert "submissions are preparing their data; retry" in busy.text
+        release.set()
+        submitting.join(60)
+        assert first[0].status_code == 201, first[0].text
+        names = [s["name"] for s in api.get("/sweeps").json()]
+        assert names == ["first"]  # the refused one left nothing behind

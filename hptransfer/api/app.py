@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hptransfer.config import Settings, get_settings
 from hptransfer.dashboards import dashboard_artifacts
 from hptransfer.sweeper.db.store import NotFoundError
-from hptransfer.sweeper.fits import FitsBusy
+from hptransfer.sweeper.gate import Busy
 from hptransfer.sweeper.service import Coordinator
 from hptransfer.sweeper.spec import SpecError
 
@@ -121,8 +121,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         return response
 
-    @app.exception_handler(FitsBusy)
-    async def fits_busy(_: Request, exc: FitsBusy) -> JSONResponse:
+    @app.exception_handler(Busy)
+    async def busy(_: Request, exc: Busy) -> JSONResponse:
         response = error_response(503, str(exc))
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response

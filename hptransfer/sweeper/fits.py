@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Any
 
@@ -17,6 +16,7 @@ from hptransfer.analysis.serialize import json_safe
 from hptransfer.analysis.staged import is_study_frame, study_fit_report
 
 from .db.store import Store
+from .gate import Busy, Gate, half_the_cores
 from .optuna_search import fit_neighbours
 
 log = logging.getLogger(__name__)
@@ -27,17 +27,17 @@ _CACHE_SIZE = 64
 # 5000 trials: ~5 s, ~0.6 GB), each in one of the server's request threads: at most
 # MAX_COMPUTING are computed at once, identical requests share one computation, and past
 # MAX_ADMITTED requests waiting for reports a request is refused (FitsBusy: 503).
-MAX_COMPUTING = max(1, (os.cpu_count() or 2) // 2)
+MAX_COMPUTING = half_the_cores()
 MAX_ADMITTED = 4 * MAX_COMPUTING
-_COMPUTING = threading.BoundedSemaphore(MAX_COMPUTING)
-_ADMITTED = threading.BoundedSemaphore(MAX_ADMITTED)
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}  # one computation per key at a time
 
 
-class FitsBusy(RuntimeError):
+class FitsBusy(Busy):
     """Too many fit reports are being computed for this request to wait its turn."""
 
-    retry_after_s = 5
+
+GATE = Gate(MAX_COMPUTING, MAX_ADMITTED, FitsBusy, "fit reports are being computed or "
+            "waited for; retry in a few seconds (a lower bootstrap is faster)")
 
 
 def sweep_report(
@@ -52,10 +52,7 @@ def sweep_report(
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-    if not _ADMITTED.acquire(blocking=wait):
-        raise FitsBusy(f"{MAX_ADMITTED} fit reports are being computed or waited for; retry "
-                       f"in a few seconds (a lower bootstrap is faster)")
-    try:
+    with GATE.admit(wait):
         with _LOCK:
             lock = _KEY_LOCKS.setdefault(key, threading.Lock())
         with lock:  # identical requests queue behind one computation and reuse it
@@ -63,7 +60,7 @@ def sweep_report(
                 if key in _CACHE:
                     return _CACHE[key]
             try:
-                with _COMPUTING:
+                with GATE.compute():
                     report = _compute(store, sweep_id, bootstrap, reference_arm)
             except BaseException:
                 with _LOCK:  # nothing cached under it: its lock goes too
@@ -75,8 +72,6 @@ def sweep_report(
                     _CACHE.pop(next(iter(_CACHE)))
                 _CACHE[key] = report
             return report
-    finally:
-        _ADMITTED.release()
 
 
 def _compute(store: Store, sweep_id: str, bootstrap: int,

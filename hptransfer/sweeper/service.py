@@ -20,6 +20,7 @@ from .db.changes import CommitCounter
 from .db.store import NotFoundError, Store, SweepRecord
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
+from .gate import Busy, Gate, half_the_cores
 from .mlflow.mirror import Mirror
 from .mlflow.tracking import prepare_sqlite_store
 from .plan import plan_shapes, plan_sweep, spec_hash
@@ -28,6 +29,17 @@ from .spec.cache import SpecCache
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
+
+
+class DataBusy(Busy):
+    """Too many submissions are preparing their data for this one to wait its turn."""
+
+
+# Preparing a submission's data (reading and hashing a corpus, training a BPE tokenizer on
+# a cache miss: seconds of CPU) runs in a request thread; bounded like fit reports, so a
+# flood of submissions with new tokenizer settings takes half the cores, not all of them
+DATA_GATE = Gate(half_the_cores(), 4 * half_the_cores(), DataBusy,
+                 "submissions are preparing their data; retry in a few seconds")
 
 
 class UnknownArm(ValueError):
@@ -101,8 +113,9 @@ class Coordinator:
 
     def _data_hash(self, spec: SweepSpec) -> str:
         try:
-            ds = load_dataset(spec.data, cache_dir=self.settings.cache_dir,
-                              roots=self.settings.data_roots)
+            with DATA_GATE.admit(), DATA_GATE.compute():
+                ds = load_dataset(spec.data, cache_dir=self.settings.cache_dir,
+                                  roots=self.settings.data_roots)
         except DataError as exc:
             field = "data" if spec.data.is_stdlib else "data.source"
             raise SpecError([{"field": field, "message": str(exc)}]) from None
