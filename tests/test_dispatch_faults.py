@@ -17,9 +17,11 @@ import optuna
 import psycopg
 import pytest
 import ray
+from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
 from waiting import run_sweep, wait_for
 
+from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
 from hptransfer.status import ACTIVE
 from hptransfer.sweeper.db.store import Store
@@ -795,3 +797,33 @@ def test_cancelling_an_optuna_sweep_tells_its_asked_trials_fail(hpt_home, ray_cl
     (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
     study = optuna.load_study(study_name=name, storage=settings.optuna_url)
     assert [t.state.name for t in study.get_trials(deepcopy=False)] == ["FAIL"] * asked
+
+
+def test_a_coordinator_starts_while_optunas_database_server_is_down(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """Opening Optuna's storage connects; it was opened when the dispatcher was built, so
+    `hpt serve` with HPT_OPTUNA_URL on a database server that was down failed to start at
+    all. Now it starts, grid sweeps run, and the failure shows in /health, masked."""
+    monkeypatch.setenv("HPT_OPTUNA_URL", "postgresql+psycopg://hpt:opt#S3cret@127.0.0.1:1/o")
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    try:
+        coordinator.start(background=False)
+        sweep_id = coordinator.submit(dict(tiny_spec, name="grid-without-optuna"))["id"]
+        searched = coordinator.submit(dict(tiny_spec, name="optuna-waits", reuse=False, search={
+            "method": "optuna", "sampler": "tpe", "n_trials": 2}))["id"]
+        deadline = time.monotonic() + 120
+        while (coordinator.store.get_sweep(sweep_id).status != "completed"
+               and time.monotonic() < deadline):
+            dispatcher.run_once()
+            time.sleep(0.05)
+        assert coordinator.store.get_sweep(sweep_id).status == "completed"
+        assert "127.0.0.1" in dispatcher.optuna_storage.error  # connection refused
+        assert "Optuna's storage is failing" in dispatcher.waiting[searched]
+    finally:
+        coordinator.stop()
+    with TestClient(create_app(get_settings(), dispatch=False)) as api:
+        health = api.get("/health")
+    optuna = [c for c in health.json()["components"] if c["name"] == "optuna"]
+    assert optuna and not optuna[0]["ok"] and "unreachable" in optuna[0]["detail"]
+    assert "S3cret" not in health.text

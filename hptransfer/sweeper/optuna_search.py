@@ -269,10 +269,8 @@ class _Live:
 
 class OptunaSearch:
     def __init__(self, storage_url: str) -> None:
-        self.storage = optuna.storages.RDBStorage(
-            storage_url, engine_kwargs={"connect_args": {"timeout": 30}}
-            if storage_url.startswith("sqlite") else {},
-        )
+        self._url = storage_url
+        self._storage: optuna.storages.RDBStorage | None = None
         self._studies: dict[str, optuna.Study] = {}
         self._search: dict[str, Search] = {}
         self._live: dict[str, _Live] = {}  # our trial id -> asked Optuna trial
@@ -281,11 +279,24 @@ class OptunaSearch:
         # must not reach the pruner (they would be compared with later-step values)
         self._pruned: set[str] = set()
 
+    @property
+    def storage(self) -> optuna.storages.RDBStorage:
+        """Opened at first use, not at start-up (opening connects, and creates the schema):
+        a coordinator started while Optuna's database is down starts, and its Optuna
+        sweeps wait out the outage (the dispatcher's backoff) like a running one's."""
+        if self._storage is None:
+            self._storage = optuna.storages.RDBStorage(
+                self._url, engine_kwargs={"connect_args": {"timeout": 30}}
+                if self._url.startswith("sqlite") else {},
+            )
+        return self._storage
+
     def reconnect(self) -> None:
         """Drop the storage's pooled connections (after a failure): the next call opens a
         fresh one. SQLite opens a connection read-only for good when its file cannot be
         written at that moment, and a database server's restart leaves dead ones."""
-        self.storage.engine.dispose()
+        if self._storage is not None:
+            self._storage.engine.dispose()
 
     def study(
         self, name: str, search: Search, shape: str, lr_min: float, lr_max: float
