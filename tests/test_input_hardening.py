@@ -273,13 +273,12 @@ def test_case6_sources_outside_the_data_roots_reveal_nothing(client, hpt_home, t
     (root / "link.bin").symlink_to(outside)
     (root / "dirlinks").mkdir()
     (root / "dirlinks" / "x.bin").symlink_to(outside)
+    (root / "dangling.bin").symlink_to(tmp_path / "outside" / "missing.bin")
     refused = [
         str(outside),                                   # exists, outside
         str(tmp_path / "outside" / "missing.bin"),      # missing, outside
         "/etc/passwd",
         str(root / ".." / "data" / ".." / ".." / "outside" / "secret.bin"),  # `..` escape
-        str(root / "link.bin"),                         # symlink out of the root
-        str(root / "dirlinks"),                         # a directory whose shard links out
         "~/secret.bin",                                 # `~` is not the server's home
     ]
     messages = []
@@ -289,6 +288,22 @@ def test_case6_sources_outside_the_data_roots_reveal_nothing(client, hpt_home, t
         messages.append(r.json()["errors"][0]["message"].replace(repr(source), "SOURCE"))
     assert len(set(messages)) == 1, messages  # existing or not: the same words
     assert "not inside the server's data roots" in messages[0]
+    # links under a root that lead out are named (they are under the roots), never where
+    # they lead, and the same words whether their target exists or not
+    links = {str(root / "link.bin"): root / "link.bin",
+             str(root / "dangling.bin"): root / "dangling.bin",
+             str(root / "dirlinks"): root / "dirlinks" / "x.bin",  # a shard in it links out
+             str(root / "*.bin"): root / "dangling.bin"}
+    messages = []
+    for source, named in links.items():
+        r = client.post("/sweeps", json=shard_spec(tiny_spec, source))
+        assert r.status_code == 422 and fields(r) == ["data.source"], (source, r.text)
+        message = r.json()["errors"][0]["message"]
+        assert str(tmp_path / "outside") not in message, message
+        assert message.startswith(f"data source {source!r}: {str(named)!r} is a symbolic")
+        messages.append(message.split(f"{str(named)!r}", 1)[1])
+    assert len(set(messages)) == 1, messages
+    assert "is a symbolic link (or a path through one) that leads outside" in messages[0]
     assert nothing_stored(client)
     r = client.post("/sweeps", json=shard_spec(tiny_spec, str(root / "ok" / "a.bin")))
     assert r.status_code == 201, r.text
@@ -427,6 +442,25 @@ def test_a_body_of_many_unknown_keys_gets_a_bounded_answer(client, tiny_spec):
     assert len(errors) == MAX_SPEC_ERRORS + 1 and len(r.content) < len(body) / 10
     assert errors[0]["field"] == "0" and "unknown field '0'" in errors[0]["message"]
     assert errors[-1] == {"field": "", "message": "... and 59950 more errors: fix these first"}
+    assert nothing_stored(client)
+
+
+def test_one_huge_unknown_key_is_echoed_shortened(client, tiny_spec):
+    """A 700 KB key was echoed in its field, its message and the summary: a 2.2 MB 422."""
+    key = "k" * 700_000
+    r = post_text(client, json.dumps({**tiny_spec, key: 0}))
+    assert r.status_code == 422 and len(r.content) < 2_000, len(r.content)
+    (err,) = r.json()["errors"]
+    assert err["field"] == "k" * 60 + "..." and "unknown field 'kkkk" in err["message"]
+    assert nothing_stored(client)
+
+
+def test_malformed_json_says_where_not_a_field(client):
+    r = post_text(client, '{"name": "x",\n bad}')
+    assert r.status_code == 422
+    (err,) = r.json()["errors"]
+    assert err["field"] == "body"
+    assert err["message"].startswith("invalid JSON at character 15: Expecting property name")
     assert nothing_stored(client)
 
 

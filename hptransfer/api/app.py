@@ -95,9 +95,18 @@ def _freeze_long_lived() -> None:
 
 
 def _detail(err: dict) -> str:
-    # A JSON syntax error carries its reason in ctx; "JSON decode error" alone says little.
+    # A JSON syntax error carries its reason in ctx and its character offset in loc
+    # ("body", 1): "JSON decode error" alone says little, and "body.1" reads as a field
     cause = (err.get("ctx") or {}).get("error")
+    if err.get("type") == "json_invalid" and len(err["loc"]) == 2:
+        return f"invalid JSON at character {err['loc'][1]}: {cause}"
     return f"{err['msg']}: {cause}" if isinstance(cause, str) else err["msg"]
+
+
+def _field(err: dict) -> str:
+    if err.get("type") == "json_invalid":
+        return "body"
+    return ".".join(str(p) for p in err["loc"])
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -133,8 +142,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": ".".join(str(p) for p in e["loc"]), "message": _detail(e)}
-                  for e in exc.errors()]
+        errors = [{"field": _field(e), "message": _detail(e)} for e in exc.errors()]
         return error_response(422, "invalid request: " + "; ".join(
             f"{e['field']}: {e['message']}" for e in errors), errors)
 

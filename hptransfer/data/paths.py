@@ -59,7 +59,18 @@ def inside(path: Path, roots: Sequence[Path]) -> bool:
 
 
 def check_inside(source: str, paths: Sequence[Path], roots: Sequence[Path] | None) -> None:
-    if roots is not None and not all(inside(p, roots) for p in paths):
+    if roots is None:
+        return
+    for path in paths:
+        if inside(path, roots):
+            continue
+        if any(absolute(str(path)).is_relative_to(root) for root in roots):
+            # under a root as written, outside once resolved: a link leading out. Named (it
+            # is under the roots, where the caller's shards are), not where it leads.
+            raise DataError(
+                f"data source {source!r}: {str(path)!r} is a symbolic link (or a path "
+                "through one) that leads outside the server's data roots; replace it with "
+                "the file itself or remove it")
         raise outside_roots_error(source, roots)
 
 
