@@ -126,9 +126,10 @@ def bounded_glob(pattern: str, roots: Sequence[Path] | None) -> list[Path]:
                 matches.append(Path(dirpath) / name)
                 if len(matches) > MAX_GLOB_MATCHES:
                     raise _too_many(f"{what} matches")
+    matches.sort()  # the first link leading out, named, is the same one every time
     check_inside(pattern, matches, roots)
     # os.walk lists every non-directory: keep the files (a FIFO or a dangling link is none)
-    return sorted(p for p in matches if p.is_file())
+    return [p for p in matches if p.is_file()]
 
 
 def bounded_listing(directory: Path, source: str, suffix: str = ".bin") -> list[Path]:
