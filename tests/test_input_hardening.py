@@ -301,7 +301,7 @@ def test_case6_sources_outside_the_data_roots_reveal_nothing(client, hpt_home, t
         message = r.json()["errors"][0]["message"]
         assert str(tmp_path / "outside") not in message, message
         assert message.startswith(f"data source {source!r}: {str(named)!r} is a symbolic"), message
-        messages.append(message.split(f"{str(named)!r}", 1)[1])
+        messages.append(message.rsplit(f"{str(named)!r}", 1)[1])
     assert len(set(messages)) == 1, messages
     assert "is a symbolic link (or a path through one) that leads outside" in messages[0]
     assert nothing_stored(client)
