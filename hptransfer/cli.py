@@ -157,7 +157,10 @@ def cmd_train(a: argparse.Namespace) -> int:
         keep = ("status", "final_val_loss", "steps", "tokens", "flops", "tokens_per_s",
                 "wall_time_s", "params_non_embedding", "error")
         for k in keep:
-            print(f"{k:>22}: {out[k]}")
+            value = out[k]
+            if k == "error" and value and "\n" in value:  # its first line says what failed
+                value = value.split("\n", 1)[0] + "  (--json for the traceback)"
+            print(f"{k:>22}: {value}")
     return 0 if result.status != "failed" else 1
 
 

@@ -49,6 +49,9 @@ class Client:
         if token and not token.isprintable():
             raise ValueError("the API token has a control character in it (a line break?); "
                              "check --token or HPT_API_TOKEN")
+        if token and not token.isascii():  # HTTP headers carry ASCII: httpx would blame the URL
+            raise ValueError("the API token has a non-ASCII character in it; tokens are "
+                             "ASCII: check --token or HPT_API_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -225,6 +228,13 @@ def _parse(text: str, where: str) -> dict[str, Any]:
     return data
 
 
+def _is_directory(text: str) -> bool:
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):  # too long, or a NUL: not a path
+        return False
+
+
 def _as_dict(spec: Any) -> dict[str, Any]:
     if hasattr(spec, "model_dump"):
         data = spec.model_dump(mode="json")
@@ -236,6 +246,8 @@ def _as_dict(spec: Any) -> dict[str, Any]:
         text = str(spec).strip()
         if "\n" not in text and not text.startswith("{") and ":" not in text:
             # one line that is neither a file nor a mapping: a path mistyped, most likely
+            if _is_directory(text):
+                raise ValueError(f"{text[:300]} is a directory; give a spec file (YAML/JSON)")
             raise ValueError(f"no such file: {text[:300]} (nor is it a spec's YAML/JSON text)")
         data = _parse(str(spec), "the spec text")
     # JSON cannot carry them: the request could not be sent to be refused by field

@@ -126,6 +126,23 @@ def test_yaml_only_as_json_carries_it_on_both_sides(tmp_path):
     assert _as_dict(reused)["base"] == {"steps": 2}
 
 
+def test_what_the_cli_says_of_a_directory_a_token_and_a_failed_trial(tmp_path):
+    """A directory was "no such file", a non-ASCII token an "invalid server URL", and
+    `hpt train` printed a failed trial's whole traceback as its error line."""
+    out = run("submit", str(tmp_path), "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2 and f"{tmp_path} is a directory; give a spec file" in out.stderr
+    out = run("cancel", "x", "--url", "http://127.0.0.1:9", "--token", "t\u00e9")
+    assert out.returncode == 2 and "non-ASCII character" in out.stderr, out.stderr
+    assert "invalid server URL" not in out.stderr
+    trial = tmp_path / "trial.yaml"
+    trial.write_text("width: 32\ndepth: 1\nhead_dim: 16\nseq_len: 16\nbatch_size: 1\n"
+                     "budget: {steps: 1}\ndata: {source: /nonexistent/x.bin, vocab_size: 256}\n")
+    out = run("train", str(trial))
+    assert out.returncode == 1, out.stderr
+    assert "error: DataError: data source '/nonexistent/x.bin' does not exist" in out.stdout
+    assert "(--json for the traceback)" in out.stdout and "Traceback" not in out.stdout
+
+
 def test_a_bad_trial_spec_names_its_fields_as_a_sweeps_do(tmp_path):
     """`hpt train` printed pydantic's raw dump (type names, documentation URLs)."""
     path = tmp_path / "trial.yaml"
