@@ -192,6 +192,9 @@ def test_coordcheck_png_is_embedded(tmp_path):
     (folder / "depth.png").write_bytes(PNG_MAGIC + b"fake")
     html = render_sweep_html(summary_of(synthetic_frame()), [], None, coordcheck_dir=folder)
     assert 'alt="depth.png"' in html and "data:image/png;base64," in html
+    (folder / "depth.png").unlink()  # none yet: the page says where, not the server's path
+    html = render_sweep_html(summary_of(synthetic_frame()), [], None, coordcheck_dir=folder)
+    assert "under $HPT_HOME/coordcheck" in html and str(tmp_path) not in html
 
 
 def test_static_pngs_for_mlflow():

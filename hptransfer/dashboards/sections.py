@@ -219,10 +219,10 @@ def coordcheck_section(folder: Path | None, limit: int = 6) -> str:
     images = sorted(folder.glob("*.png"), key=lambda p: p.stat().st_mtime, reverse=True) \
         if folder is not None and folder.is_dir() else []
     if not images:
-        where = str(folder) if folder is not None else "$HPT_HOME/coordcheck"
+        # named as the user knows it: a served page does not show the server's paths
         return section(title, nodata(
-            f"no coord-check plot found under {where}; make one with "
-            f"`hpt coordcheck --axis depth --plot {where}/depth.png` (and --axis width)",
+            "no coord-check plot found under $HPT_HOME/coordcheck; make one with "
+            "`hpt coordcheck --axis depth` (and --axis width), which puts its plot there",
             "No coordinate check yet"), "coordcheck")
     parts = []
     for path in images[:limit]:
