@@ -386,6 +386,13 @@ def test_case13_huge_integer_query_parameters_are_422(client, path, params):
     assert list(params)[0] in r.json()["error"]
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_sigma_query_is_called_that(client, tiny_spec, value):
+    sweep_id = client.post("/sweeps", json=tiny_spec).json()["id"]
+    r = client.get(f"/sweeps/{sweep_id}/trials", params={"sigma_base": value})
+    assert r.status_code == 422 and "sigma_base: Input should be a finite number" in r.text
+
+
 # ---- NUL characters and repeated keys: refused up front, on either database ---------------
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

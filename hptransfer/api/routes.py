@@ -104,7 +104,7 @@ def list_trials(
     arm: str | None = None,
     width: Annotated[int | None, Query(gt=0, le=MAX_WIDTH)] = None,
     depth: Annotated[int | None, Query(gt=0, le=MAX_DEPTH)] = None,
-    sigma_base: Annotated[float | None, Query(gt=0, le=MAX_SIGMA)] = None,
+    sigma_base: Annotated[float | None, Query(gt=0, le=MAX_SIGMA, allow_inf_nan=False)] = None,
     seed: Annotated[int | None, Query(ge=0, le=MAX_SEED)] = None,
     stage: Annotated[str | None, Query(pattern=f"^({STAGES})$",
                                        description="a study's stage: " + STAGES)] = None,
