@@ -386,6 +386,14 @@ def test_case13_huge_integer_query_parameters_are_422(client, path, params):
     assert list(params)[0] in r.json()["error"]
 
 
+@pytest.mark.parametrize("body", ["[" * 100_000 + "]" * 100_000, '{"name": ' + "9" * 5000 + "}"])
+def test_json_too_deep_or_too_long_to_read_says_so(client, body):
+    r = post_text(client, body)
+    assert r.status_code == 400 and "nested too deeply, or an integer of more than 4300" in \
+        r.json()["error"], r.text
+    assert nothing_stored(client)
+
+
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_non_finite_sigma_query_is_called_that(client, tiny_spec, value):
     sweep_id = client.post("/sweeps", json=tiny_spec).json()["id"]

@@ -94,6 +94,13 @@ def _freeze_long_lived() -> None:
     gc.freeze()
 
 
+# FastAPI's words when json.loads fails other than by syntax (JSON's syntax errors come as a
+# RequestValidationError with their position)
+_FASTAPI_UNPARSED_BODY = "There was an error parsing the body"
+_UNPARSED_BODY = ("the body is JSON this server cannot read: nested too deeply, or an integer "
+                  "of more than 4300 digits; a sweep spec needs neither")
+
+
 def _detail(err: dict) -> str:
     # A JSON syntax error carries its reason in ctx and its character offset in loc
     # ("body", 1): "JSON decode error" alone says little, and "body.1" reads as a field
@@ -126,7 +133,10 @@ def _install_error_handlers(app: FastAPI) -> None:
                                            f"{request.url.path}: use {use}")
             response.headers["Allow"] = ", ".join(allowed)
             return response
-        response = error_response(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == _FASTAPI_UNPARSED_BODY:
+            detail = _UNPARSED_BODY  # its cause (exc.__cause__) is not shown: say what it can be
+        response = error_response(exc.status_code, detail)
         response.headers.update(exc.headers or {})
         return response
 
