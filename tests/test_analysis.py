@@ -151,6 +151,26 @@ def test_bootstrap_ci_has_the_delta_method_width_with_few_seeds(seeds: int) -> N
     assert 0.9 < np.median(ratios) < 1.1, ratios
 
 
+def test_curve_spread_is_the_sample_std_and_unequal_seed_counts_bootstrap() -> None:
+    """`std_loss` is each LR's sample standard deviation over its seeds (ddof 1). LRs with
+    different seed counts (two seeds of LR 2^-5 failed) still give a narrow interval that
+    holds η*: each LR resamples its own seeds only (drawing from the empty slots, 2^-5 looked
+    like the best LR in most refits)."""
+    df = lr_sweep({("a", 256, 4): -8.3}, seeds=4, noise=0.01, rng=np.random.default_rng(3))
+    far = np.isclose(np.log2(df["lr"]), -5.0) & (df["seed"] >= 2)
+    df = df[~far].reset_index(drop=True)
+    res = optimal_lr(df, bootstrap=400, seed=0)
+    curves = res.curves.set_index(np.log2(res.curves["lr"]).round(6))
+    for x, cell in df.groupby(np.log2(df["lr"]).round(6)):
+        assert curves.loc[x, "std_loss"] == pytest.approx(
+            np.std(cell["final_val_loss"], ddof=1), rel=1e-9)
+    assert curves.loc[-5.0, "n_completed"] == 2 and curves.loc[-9.0, "n_completed"] == 4
+    row = res.shapes.iloc[0]
+    assert math.isfinite(row["log2_ci_low"]) and math.isfinite(row["log2_ci_high"])
+    assert row["log2_ci_low"] <= row["log2_lr_opt"] <= row["log2_ci_high"]
+    assert row["log2_ci_high"] - row["log2_ci_low"] < 1.0
+
+
 def test_lrs_that_differ_by_a_rounding_when_stored_are_one_grid_point() -> None:
     """Half the seeds' LRs written with 7 significant digits (a CSV from another tool) or
     through float32: each LR is still one cell with all its seeds, and η* is unchanged.
@@ -296,6 +316,7 @@ def test_rival_basins_are_dips_as_deep_as_the_best_behind_a_worse_lr() -> None:
     assert rival_basins(range(4), [3.0, 3.5, 3.015, 3.6]) == [2]
     assert rival_basins(range(4), [3.0, 3.5, 3.045, 3.6]) == []
     assert rival_basins(range(4), [30.0, 35.0, 30.15, 36.0]) == [2]
+    assert rival_basins(range(3), [3.0, 3.5, 3.01]) == [2]  # three LRs are enough for one
     # a diverged LR (NaN) is no bump; fewer than three completed LRs have no basins
     assert rival_basins(range(4), [3.0, math.nan, 3.01, 3.6]) == []
     assert rival_basins(range(3), [3.0, 3.5, math.nan]) == []
@@ -374,6 +395,10 @@ def test_slope_and_ci_match_dummy_variable_regression() -> None:
     assert fit.slope == pytest.approx(coef[0], abs=1e-12)
     assert fit.stderr == pytest.approx(math.sqrt(cov[0, 0]), rel=1e-9)
     assert fit.dof == dof
+    # the 95 % interval: Student's t at 11 degrees of freedom (2.2010, from the tables)
+    t_975_11 = 2.200985160091639
+    assert fit.ci_high - fit.slope == pytest.approx(t_975_11 * fit.stderr, rel=1e-9)
+    assert fit.slope - fit.ci_low == pytest.approx(t_975_11 * fit.stderr, rel=1e-9)
 
 
 def test_single_width_gives_a_reason_for_the_width_axis() -> None:
@@ -575,6 +600,27 @@ def test_cubic_optimum_at_range_edge_is_flagged() -> None:
 def test_size_groups_within_tolerance_of_median() -> None:
     labels = group_by_size(np.array([100, 110, 95, 200, 212, 400, 90]), tolerance=0.15)
     assert labels.tolist() == [0, 0, 0, 1, 1, 2, 0]
+    # the upper bound: 125 is 25 % above the median of 100, 114 is within 15 %
+    assert group_by_size(np.array([100, 100, 100, 125]), tolerance=0.15).tolist() == [0, 0, 0, 1]
+    assert group_by_size(np.array([100, 100, 100, 114]), tolerance=0.15).tolist() == [0, 0, 0, 0]
+
+
+def test_cubic_band_edges_are_the_last_grid_points_within_the_band() -> None:
+    """The band [x_low, x_high] where the cubic is within 1 % of its minimum ends at the
+    last grid point inside it on each side: against the cubic's own roots (brentq)."""
+    x = np.linspace(-3.0, 3.0, 9)
+    loss = 3.0 + 0.2 * x**2 + 0.02 * x**3
+    fit = fit_cubic_optimum(x, loss, within=0.01)
+    assert fit.edge is None and fit.x_opt == pytest.approx(0.0, abs=1e-9)
+    level = fit.loss_opt * 1.01
+
+    def excess(v: float) -> float:
+        return float(np.polyval(fit.coefficients, v - fit.x_center)) - level
+
+    low, high = brentq(excess, -3.0, 0.0), brentq(excess, 0.0, 3.0)
+    step = 6.0 / 4000  # the band's grid
+    assert low <= fit.x_low < low + step
+    assert high - step < fit.x_high <= high
 
 
 # ------------------------------------------------------------------------ chinchilla
@@ -645,6 +691,21 @@ def test_a_frame_with_several_budgets_per_shape_fits_each_budget_as_a_point() ->
         assert fit["beta"] == pytest.approx(p["beta"], abs=1e-3)
         assert fit["E"] == pytest.approx(p["E"], abs=1e-3)
     assert any("several token budgets" in w for w in fit_report(frame, bootstrap=0).warnings)
+
+
+def test_a_tie_between_budgets_keeps_the_smallest_tokens_per_parameter() -> None:
+    """Two shapes at 20 tokens per parameter and two at 80: as many at each, so the group
+    is compared at the smaller budget (the larger one set aside, and said so)."""
+    from hptransfer.analysis.aspect_ratio import _one_budget_per_group
+
+    n = np.array([1e7, 1.02e7, 0.98e7, 1.01e7])
+    points = pd.DataFrame({"arm": "cp", "group": 0, "params": n,
+                           "tokens": n * np.array([80.0, 20.0, 80.0, 20.0])})
+    for order in (slice(None), slice(None, None, -1)):  # whichever comes first
+        kept, notes = _one_budget_per_group(points.iloc[order])
+        assert sorted(kept.index) == [1, 3]
+        assert len(notes) == 1 and "compared at 20 tokens per parameter only (2 set aside)" \
+            in notes[0], notes
 
 
 def test_aspect_ratio_compares_a_size_group_at_one_budget() -> None:

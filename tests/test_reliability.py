@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from hptransfer.analysis import compare_fits, fit_power_law
-from hptransfer.analysis.powerlaw import E_ZERO_FRACTION, PowerLawFit, bound_problems
+from hptransfer.analysis.powerlaw import (
+    E_ZERO_FRACTION,
+    PowerLawFit,
+    bound_problems,
+    fit_problems,
+)
 from hptransfer.analysis.savings import MAX_CI_RATIO_SPAN, row_ci_problem
 
 # ------------------------------------------------------------------ frontier: E at its bound
@@ -96,6 +101,16 @@ def test_row_ci_unbounded_tail_is_hidden() -> None:
     assert hide and "unbounded" in str(why)
 
 
+def test_row_ci_unbounded_once_more_refits_than_one_tail_are_lost() -> None:
+    # 2 of 50 (4 %): more than the 2.5 % one tail of a 95 % interval holds, less than 5 %
+    col = np.r_[np.full(2, np.nan), np.linspace(0.1, 0.3, 48)]
+    why, hide = row_ci_problem(col, 0.2, 0.11, 0.29, 0.95)
+    assert hide and "4% of bootstrap refits" in str(why) and "unbounded" in str(why)
+    # 1 of 50 (2 %) fits inside the tail
+    col = np.r_[np.full(1, np.nan), np.linspace(0.1, 0.3, 49)]
+    assert row_ci_problem(col, 0.2, 0.11, 0.29, 0.95) == (None, False)
+
+
 def test_row_ci_with_few_distinct_refits_is_hidden_never_zero_width() -> None:
     col = np.r_[np.full(30, 0.2), np.full(10, 0.25)]
     why, hide = row_ci_problem(col, 0.2, 0.2, 0.25, 0.95)
@@ -106,6 +121,20 @@ def test_row_ci_not_containing_its_estimate() -> None:
     col = np.linspace(0.3, 0.5, 40)
     why, hide = row_ci_problem(col, 0.1, 0.305, 0.495, 0.95)
     assert "outside its own" in str(why) and not hide
+
+
+def test_fit_rules_at_their_boundaries() -> None:
+    """Fewer than 5 points, or compute spanning less than a decade: not reliable, and the
+    reason given; 5 points over one decade pass both rules."""
+    ci = {"b": (0.28, 0.32)}
+
+    def problems(n: int, decades: float) -> list[str]:
+        c = np.logspace(18, 18 + decades, n)
+        return fit_problems(c, 2.0 + 50 * (c / 1e18) ** -0.3, 2.0, 0.3, ci)
+
+    assert problems(5, 1.0) == []
+    assert problems(4, 2.0) == ["only 4 points for 3 parameters: the fit is barely determined"]
+    assert problems(6, 0.7) == ["compute spans only 0.70 decades; E and b trade off"]
 
 
 # ------------------------------------------------------------------ savings: whole comparison
@@ -166,6 +195,19 @@ def test_savings_rows_follow_the_rules_against_closed_form_percentiles() -> None
     mid = t[t["savings"].notna()].iloc[len(t) // 2]
     assert head["loss"] == pytest.approx(mid["loss"])
     assert comp.reliable == bool(mid["reliable"])
+
+
+def test_savings_start_above_the_higher_asymptote() -> None:
+    """The arm's asymptote (1.5) sits above its own lowest observed loss (1.45, a fit at its
+    bound) and above the reference's (1.0): below 1.5 the arm never gets there at any
+    compute, so the compared range starts above the higher E, and every row has a value."""
+    boot = np.full(41, 1.5)
+    arm = _fit(1.5, 20.0, 0.5, boot, (1.55, 2.4))
+    arm.loss = np.array([2.4, 1.45])  # observed below its fitted E
+    ref = _fit(1.0, 21.0, 0.5, np.full(41, 1.0), (1.2, 2.4))
+    comp = compare_fits(arm, ref, arm="a", reference="r", n_grid=12)
+    assert comp.loss_range[0] > 1.5 and comp.loss_range[1] == pytest.approx(2.4)
+    assert comp.table["savings"].notna().all() and np.isfinite(comp.table["savings"]).all()
 
 
 def test_savings_headline_with_unusable_ci_is_not_reliable() -> None:
