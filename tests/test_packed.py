@@ -233,3 +233,31 @@ def test_cpu_pack_skips_only_passes_that_change_nothing(tmp_path, monkeypatch):
     steps = len(every_pass[0].curve)  # a curve point per step
     assert steps == 60 and calls == {"scale": steps, "mask": steps}
     assert 0 < skipped["scale"] < steps and 0 < skipped["mask"] < steps, skipped
+
+
+@pytest.mark.parametrize("bad_loss", [math.nan, 1e9], ids=["nan", "above-divergence"])
+def test_a_member_whose_loss_diverges_is_not_updated_while_the_others_are(bad_loss, tmp_path):
+    """The device-side mask of one optimizer step: a member whose loss is NaN, or above its
+    divergence factor x its initial loss, keeps its parameters and AdamW moments (weight
+    decay included) while the others step. The host stops it at the next sync step; until
+    then nothing of it may move."""
+    from hptransfer.workers.packed import _Pack
+
+    members = [dict(lr=2**-8, seed=0), dict(lr=2**-7, seed=1), dict(lr=2**-9, seed=2)]
+    specs = specs_for({**CASES["gpt-completep"], "weight_decay": 0.1}, members)
+    pack = _Pack(specs, None, str(tmp_path))
+    pack._row_idx = torch.tensor(pack.rows)
+    xs, ys = zip(*(pack.data.train_batch(0, s.batch_size, s.seq_len, s.seed) for s in specs),
+                 strict=True)
+    losses = pack._gradients(torch.stack(xs), torch.stack(ys)).detach()
+    faked = losses.clone()
+    faked[1] = bad_loss
+    before = [t.clone() for t in (pack.flat, pack.exp_avg, pack.exp_avg_sq)]
+    with torch.no_grad():
+        alive = pack._update(pack.gather_grads(), faked, torch.ones(3, dtype=torch.bool),
+                             losses.double(), pack.factors[0, pack._row_idx], pack.bias1[0],
+                             pack.bias2_sqrt[0])
+    assert alive.tolist() == [True, False, True]
+    for old, new in zip(before, (pack.flat, pack.exp_avg, pack.exp_avg_sq), strict=True):
+        assert torch.equal(new[1], old[1])  # the diverged member: not a bit moved
+        assert not torch.equal(new[0], old[0]) and not torch.equal(new[2], old[2])

@@ -80,6 +80,17 @@ def test_every_parameter_claimed_exactly_once_for_all_options():
     assert {"extra_embedding", "value_embedding", "mixing_scalars"} <= {g.name for g in t.groups}
 
 
+@pytest.mark.parametrize("name", list(WORKED))
+def test_value_embeddings_take_the_bias_lr_and_block_eps_of_the_worked_case(name):
+    """modded-nanogpt's value-embedding tables: embedding init, the hidden-bias LR
+    (eta * m_L^(alpha-1)) and the residual blocks' eps, as the module docstring argues."""
+    _, _, bias_lr, _, block_eps, _, _ = WORKED[name]
+    t = table(name, value_embeddings=1, bias=True)
+    group = t.group("value_embedding")
+    assert group.lr == pytest.approx(bias_lr) and group.eps == pytest.approx(block_eps)
+    assert group.init_std == pytest.approx(SIGMA) and group.weight_decay == pytest.approx(LAM)
+
+
 def test_unclaimed_parameter_raises():
     cfg = ModelConfig(width=256, depth=2)
     with pytest.raises(ParameterizationError, match="unhandled parameter 'blocks.0.gate.weight'"):
