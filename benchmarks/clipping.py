@@ -10,32 +10,31 @@ over ours (> 1: ours is faster), and the share of steps whose norm was over max_
 (those scale in both).
 
 Packed trials (`--pack-widths`): a pack of --k members (an LR grid, 2^-10 to 2^-4, batch 8 x
-seq 64, depth 2) on the CPU skips the same scale by 1.0 and its masking of stopped members when
-none stopped (the numbers equal to the bit: tests/test_packed.py). Timed as whole `run_trials`
-runs, skipping against making every pass as on CUDA, alternating over --rounds rounds: the
-median step time (between consecutive reporter calls, the first third of the steps untimed)
-per side and round, "x" = every pass over skipping per round, median and range.
+seq 64, depth 2) on the CPU scales only the rows of members whose factor is below 1, and masks
+stopped members only once one has stopped (the numbers equal to the bit: tests/test_packed.py).
+In one training run its optimizer steps alternate between that and making every pass as on
+CUDA: ms of the optimizer step and of the whole training step it ends, medians per side.
 
     .venv/bin/python benchmarks/clipping.py [--threads 2] [--steps 64] [--shapes 128x2 256x4 512x4]
-        [--pack-widths 64 128] [--k 8] [--rounds 5]
+        [--pack-widths 64 128] [--k 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
-from _timing import alternating, bench_head_dim, pack_step_stamps
+from _timing import bench_head_dim
 
 from hptransfer.models import optimizer_groups
 from hptransfer.models.build import build_model
 from hptransfer.workers import packed
 from hptransfer.workers.flat_adamw import FlatAdamW
+from hptransfer.workers.packed import _Pack
 from hptransfer.workers.trainer import clip_gradients, load_trial_data
 from hptransfer.workers.trial import TrialSpec
 
@@ -81,30 +80,40 @@ def measure(width: int, depth: int, steps: int, cache: str) -> dict[str, float]:
     return {**med, "over": over / (steps - WARMUP)}
 
 
-def pack_step_ms(specs: list[TrialSpec], cache: str, skip: bool) -> float:
-    """Median ms per step of one `run_trials` of `specs`, skipping the passes that change
-    nothing (the CPU's way) or making every one (CUDA's)."""
-    free = packed.reading_back_is_free
-    packed.reading_back_is_free = free if skip else (lambda device: False)
-    try:
-        stamps, results = pack_step_stamps(specs, cache)
-    finally:
-        packed.reading_back_is_free = free
-    assert all(r.status == "completed" for r in results), [r.error for r in results]
-    steps = sorted(stamps)[len(stamps) // 3:]
-    return statistics.median((stamps[b] - stamps[a]) / (b - a)
-                             for a, b in itertools.pairwise(steps)) * 1e3
-
-
-def measure_pack(width: int, k: int, steps: int, threads: int, rounds: int, cache: str
+def measure_pack(width: int, k: int, steps: int, threads: int, cache: str
                  ) -> dict[str, list[float]]:
+    """One pack of `k` trained to `steps`, its optimizer steps alternating between skipping
+    what changes nothing (the CPU's way) and making every pass (CUDA's): seconds of each
+    side's optimizer steps, and of the whole training steps they ended, after WARMUP."""
     specs = [TrialSpec(width=width, depth=2, head_dim=bench_head_dim(width), base_width=64,
                        base_depth=2, lr=2.0 ** (-10 + i * 6 / max(k - 1, 1)), seed=i,
                        batch_size=8, seq_len=64, budget={"steps": steps}, eval_every=50,
                        data={"val_tokens": 2048}, device="cpu", num_threads=threads)
              for i in range(k)]
-    return alternating({"every": lambda: pack_step_ms(specs, cache, skip=False),
-                        "skip": lambda: pack_step_ms(specs, cache, skip=True)}, rounds)
+    pack = _Pack(specs, None, cache)
+    free, inner = packed.reading_back_is_free, pack.update_fn
+    got: dict[str, list[float]] = {f"{kind}_{side}": [] for kind in ("update", "step")
+                                   for side in ("every", "skip")}
+    last = [time.perf_counter(), 0]
+
+    def alternating_update(*args: object) -> object:
+        side = ("every", "skip")[last[1] % 2]
+        packed.reading_back_is_free = free if side == "skip" else (lambda device: False)
+        start = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            end = time.perf_counter()
+            packed.reading_back_is_free = free
+            if last[1] >= WARMUP:
+                got[f"update_{side}"].append(end - start)
+                got[f"step_{side}"].append(end - last[0])
+            last[:] = [end, last[1] + 1]
+
+    pack.update_fn = alternating_update
+    results = pack.train()
+    assert all(r.status == "completed" for r in results), [r.error for r in results]
+    return got
 
 
 def main() -> None:
@@ -114,7 +123,6 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=["128x2", "256x4", "512x4"])
     parser.add_argument("--pack-widths", type=int, nargs="*", default=[64, 128])
     parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), batch {BATCH} x seq {SEQ}; "
@@ -130,16 +138,17 @@ def main() -> None:
                   f"{m['step_ours']:>8.2f} {m['step_torch'] / m['step_ours']:>6.3f} "
                   f"{m['over']:>8.0%}", flush=True)
         if args.pack_widths:
-            print(f"\npacks of {args.k}, {args.steps} steps, {args.rounds} alternating rounds: "
-                  "ms per step (medians of the rounds)")
-            print(f"{'width':>5} {'every pass ms':>13} {'skipping ms':>11} {'x':>6} "
-                  f"{'x range':>12}")
+            print(f"\npacks of {args.k}, {args.steps} steps, the first {WARMUP} untimed, "
+                  "the optimizer steps alternating (ms, medians)")
+            print(f"{'width':>5} {'every pass':>10} {'skipping':>8} {'x':>6} "
+                  f"{'step, every pass':>16} {'skipping':>8} {'x':>6}")
         for width in args.pack_widths:
-            m = measure_pack(width, args.k, args.steps, args.threads, args.rounds, cache)
-            ratios = [e / s for e, s in zip(m["every"], m["skip"], strict=True)]
-            print(f"{width:>5} {statistics.median(m['every']):>13.2f} "
-                  f"{statistics.median(m['skip']):>11.2f} {statistics.median(ratios):>6.3f} "
-                  f"{min(ratios):>5.3f}-{max(ratios):.3f}", flush=True)
+            m = {key: statistics.median(v) * 1e3 for key, v in
+                 measure_pack(width, args.k, args.steps, args.threads, cache).items()}
+            print(f"{width:>5} {m['update_every']:>10.2f} {m['update_skip']:>8.2f} "
+                  f"{m['update_every'] / m['update_skip']:>6.3f} {m['step_every']:>16.2f} "
+                  f"{m['step_skip']:>8.2f} {m['step_every'] / m['step_skip']:>6.3f}",
+                  flush=True)
     print("\nx = torch's median over ours, or every pass over skipping (> 1: skipping is "
           "faster); clipped = share of timed steps whose gradient norm was over max_norm")
 

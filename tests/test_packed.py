@@ -196,43 +196,51 @@ def test_every_member_diverging_at_one_sync_step_ends_diverged(tmp_path):
 
 
 def test_cpu_pack_skips_only_passes_that_change_nothing(tmp_path, monkeypatch):
-    """On the CPU a pack reads its clipping factors and alive mask back and skips the scale
-    by 1.0 and the masking when no member stopped: the numbers equal, to the bit, a pack
-    that makes every pass, as it must on CUDA. Members at a low and a high LR (clipped at
-    some steps, not at others) and one that diverges (masked until the next sync step)."""
+    """On the CPU a pack reads its clipping factors and alive mask back, scales only the
+    members whose factor is below 1 and masks only once one has stopped: the numbers equal,
+    to the bit, a pack that makes every pass, as it must on CUDA. Members at a low and a high
+    LR (clipped at some steps, not at others) and one that diverges (masked until the next
+    sync step)."""
     from hptransfer.workers import packed as pack_trainer
 
     members = [dict(lr=2**-9, seed=0), dict(lr=2**-6, seed=1), dict(lr=50.0, seed=2)]
     specs = specs_for(CASES["gpt-completep"], members)
-    calls = {"scale": 0, "mask": 0}
+    calls = {"scaled rows": 0, "masks": 0}
     mul_, masked_fill_ = torch.Tensor.mul_, torch.Tensor.masked_fill_
 
     def counting_mul_(self, other, *args, **kwargs):
-        # the clipping's scale: the whole (members, P) buffer times a (members, 1) column
-        # (AdamW's own scales are on column slices, which are not contiguous)
-        if (isinstance(other, torch.Tensor) and self.dim() == 2 and self.is_contiguous()
-                and tuple(other.shape) == (self.shape[0], 1)):
-            calls["scale"] += 1
+        # the clipping's scale: the whole (members, P) buffer times a (members, 1) column,
+        # or one member's row times its factor (AdamW's scales are on column slices, which
+        # are not contiguous)
+        if isinstance(other, torch.Tensor) and self.is_contiguous():
+            if self.dim() == 2 and tuple(other.shape) == (self.shape[0], 1):
+                calls["scaled rows"] += self.shape[0]
+            elif self.dim() == 1 and tuple(other.shape) == (1,):
+                calls["scaled rows"] += 1
         return mul_(self, other, *args, **kwargs)
 
     def counting_masked_fill_(self, *args, **kwargs):
-        calls["mask"] += 1
+        calls["masks"] += 1
         return masked_fill_(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "mul_", counting_mul_)
     monkeypatch.setattr(torch.Tensor, "masked_fill_", counting_masked_fill_)
     skipping = run_trials(specs, cache_dir=str(tmp_path))
     skipped = dict(calls)
-    calls.update(scale=0, mask=0)
+    calls.update({"scaled rows": 0, "masks": 0})
     monkeypatch.setattr(pack_trainer, "reading_back_is_free", lambda device: False)
     every_pass = run_trials(specs, cache_dir=str(tmp_path))
     assert [r.status for r in skipping] == ["completed", "completed", "diverged"]
     for a, b in zip(skipping, every_pass, strict=True):
         assert a.curve == b.curve and a.final_val_loss == b.final_val_loss
-    # every step makes both passes on CUDA; on the CPU some, not all, of each
+    # every step makes both passes on CUDA, over every member still in the stacks
     steps = len(every_pass[0].curve)  # a curve point per step
-    assert steps == 60 and calls == {"scale": steps, "mask": steps}
-    assert 0 < skipped["scale"] < steps and 0 < skipped["mask"] < steps, skipped
+    # (the diverged member stays in the stacks for one step more, until its sync step)
+    member_steps = 2 * steps + every_pass[2].steps + 1
+    assert steps == 60 and calls == {"scaled rows": member_steps, "masks": steps}
+    # on the CPU some rows and some masks, not all
+    assert 0 < skipped["scaled rows"] < calls["scaled rows"], skipped
+    assert 0 < skipped["masks"] < steps, skipped
 
 
 @pytest.mark.parametrize("bad_loss", [math.nan, 1e9], ids=["nan", "above-divergence"])

@@ -374,12 +374,16 @@ class _Pack:
         alive = alive & torch.isfinite(lossd) & ~(lossd > self.div_factor * initial)
         # in place on grad and into the scratch buffer: on the CPU a fresh temporary the size
         # of the model is mostly page faults (large allocations are new mappings every time)
-        # where reading back is free (the CPU, eager), the passes over the whole buffer that
-        # would change nothing are skipped: x * 1.0 is x, and no member may have stopped
+        # where reading back is free (the CPU, eager), what would change nothing is skipped:
+        # the rows of members whose clipping factor is 1.0 (x * 1.0 is x), and the masking
+        # while no member has stopped. Elsewhere each is one pass over the whole buffer.
         skips = reading_back_is_free(grad.device) and not torch.compiler.is_compiling()
         if spec.grad_clip:  # each member's global norm, as clip_grad_norm_ over its params
             factor = (spec.grad_clip / (grad.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
-            if not (skips and bool((factor == 1.0).all())):  # a NaN factor scales
+            if skips:  # a row at a time: the same multiply; a NaN factor scales
+                for row in torch.nonzero(~(factor == 1.0).flatten()).flatten().tolist():
+                    grad[row].mul_(factor[row])
+            else:
                 grad.mul_(factor)
         if not (skips and bool(alive.all())):
             grad.masked_fill_(~alive.unsqueeze(1), 0.0)  # a stopped member: no update
