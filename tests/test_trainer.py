@@ -269,3 +269,24 @@ def test_clip_gradients_gives_clip_grad_norm_s_numbers_and_skips_a_scale_by_one(
     assert all(p.grad.isnan().all() for p in ours)
     for a, b in zip(theirs, ours, strict=True):
         assert torch.equal(a.grad.isnan(), b.grad.isnan())
+
+
+def test_a_failed_trials_traceback_names_files_by_import_path_chained_ones_too():
+    """The traceback a failed trial stores (and the API returns) names each file by its
+    import path, never where the server installed it: the exception's own frames and those
+    of the one it was raised from."""
+    import json
+
+    from hptransfer.workers.plan import shown_traceback
+
+    try:
+        try:
+            json.loads("{")
+        except json.JSONDecodeError as exc:
+            raise ValueError("the spec is not JSON") from exc
+    except ValueError as exc:
+        text = shown_traceback(exc)
+    assert 'File "json/decoder.py"' in text and 'File "tests/test_trainer.py"' not in text
+    assert 'File "test_trainer.py"' in text  # tests/ is no package: its bare name
+    assert 'File "/' not in text and "direct cause" in text
+    assert text.rstrip().endswith("ValueError: the spec is not JSON")

@@ -227,10 +227,17 @@ def shown_traceback(exc: BaseException) -> str:
     """`exc`'s traceback as a failed trial shows it, each file named by its import path
     (hptransfer/workers/trainer.py, torch/nn/modules/module.py) instead of where this
     machine installed it: the server's layout stays out of API responses."""
-    tb = traceback.TracebackException.from_exception(exc)
-    for frame in tb.stack:
-        frame.filename = _import_path(frame.filename)
-    return "".join(tb.format())
+    shown = traceback.TracebackException.from_exception(exc)
+    pending, seen = [shown], set()
+    while pending:  # the exception and every one it was raised from or during
+        tb = pending.pop()
+        if id(tb) in seen:
+            continue
+        seen.add(id(tb))
+        for frame in tb.stack:
+            frame.filename = _import_path(frame.filename)
+        pending += [t for t in (tb.__cause__, tb.__context__) if t is not None]
+    return "".join(shown.format())
 
 
 @functools.lru_cache(maxsize=256)
