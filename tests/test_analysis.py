@@ -317,6 +317,9 @@ def test_rival_basins_are_dips_as_deep_as_the_best_behind_a_worse_lr() -> None:
     assert rival_basins(range(4), [3.0, 3.5, 3.045, 3.6]) == []
     assert rival_basins(range(4), [30.0, 35.0, 30.15, 36.0]) == [2]
     assert rival_basins(range(3), [3.0, 3.5, 3.01]) == [2]  # three LRs are enough for one
+    # each side scanned outward from the best: a rival behind two bumps counts as one
+    # behind the nearer bump does
+    assert rival_basins(range(5), [3.005, 3.6, 3.01, 3.5, 3.0]) == [0, 2]
     # a diverged LR (NaN) is no bump; fewer than three completed LRs have no basins
     assert rival_basins(range(4), [3.0, math.nan, 3.01, 3.6]) == []
     assert rival_basins(range(3), [3.0, 3.5, math.nan]) == []

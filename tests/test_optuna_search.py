@@ -31,6 +31,7 @@ from hptransfer.sweeper.optuna_search import (
     REFINED_ATTR,
     RIVAL_ATTR,
     OptunaSearch,
+    RankPruner,
     Seen,
     bracket,
     decision_step,
@@ -319,8 +320,35 @@ def test_seeds_and_first_batches_are_stable_and_per_shape():
     assert a != b
     for batch in (a, b):
         logs = [math.log2(x) for x in batch]
-        # one LR in each 2-octave slice of [-12, -4], from the middle out
+        # one LR in each 2-octave slice of [-12, -4], from the middle out, each at the same
+        # offset into its slice
         assert [int((v + 12) // 2) for v in logs] == [2, 1, 3, 0], logs
+        offsets = [(v + 12) / 2 - i for v, i in zip(logs, (2, 1, 3, 0), strict=True)]
+        assert 0 <= offsets[0] < 1 and offsets == pytest.approx([offsets[0]] * 4, abs=1e-12)
+    # half a slice: 8 octaves in 4 slices of 2
+    assert half_slice(2.0**-12, 2.0**-4, 4) == pytest.approx(1.0)
+    assert half_slice(1e-4, 1e-1, 3) == pytest.approx(math.log2(1000) / 6)
+
+
+def test_the_rank_pruner_stops_a_trial_once_keep_top_others_were_better_at_its_step():
+    """Counted at the trial's own last step only; equal values are not better; NaN is
+    pruned at once."""
+    study = optuna.create_study()
+    for value in (3.0, 3.1, 3.2):
+        study.add_trial(optuna.trial.create_trial(
+            value=value, intermediate_values={5: value, 9: 0.0},
+            params={}, distributions={}))
+    pruner = RankPruner(keep_top=2)
+
+    def candidate(at_step_5: float) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING,
+                                         intermediate_values={5: at_step_5},
+                                         params={}, distributions={})
+
+    assert pruner.prune(study, candidate(3.15))  # 3.0 and 3.1 better: two, prune
+    assert not pruner.prune(study, candidate(3.05))  # only 3.0 better
+    assert not pruner.prune(study, candidate(3.1))  # 3.0 better, 3.1 equal: one
+    assert pruner.prune(study, candidate(math.nan))
 
 
 def test_pruning_waits_for_the_budget_fraction_and_three_full_runs(tmp_path):
