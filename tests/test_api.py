@@ -176,6 +176,28 @@ def test_two_sweeps_share_the_cluster_without_overcommitting(server, tiny_spec):
     assert 1 <= peak <= 2
 
 
+def test_a_sweep_asking_more_cpus_than_any_node_waits_visibly_and_blocks_no_other(
+        server, tiny_spec):
+    """A task runs on one node: asking 3 CPUs of 2-CPU nodes it could never start. Leased
+    anyway, it sat 'running' in Ray's queue with its 3 CPUs counted as taken, and every
+    other sweep's trials waited behind it with no word why."""
+    url, _ = server  # the test cluster: one node of 2 CPUs
+    with Client(url) as c:
+        big = c.submit({**tiny_spec, "name": "too-big", "reuse": False,
+                        "resources": {"cpus": 3}})
+        deadline = time.time() + 30
+        while not (summary := c.get(big["id"]))["waiting_for"]:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        assert "needs 3 CPUs per task and the largest Ray node has 2" in summary["waiting_for"]
+        assert summary["counts"]["running"] == 0
+        small = c.submit({**tiny_spec, "name": "fits", "reuse": False})
+        assert c.wait(small["id"], poll=0.3, timeout=120, progress=False)["status"] == \
+            "completed"
+        assert c.get(big["id"])["counts"]["running"] == 0
+        c.cancel(big["id"])
+
+
 def test_gpu_sweep_waits_visibly_on_a_cluster_without_gpus(server, tiny_spec):
     url, _ = server  # the test cluster has no GPUs
     tiny_spec["resources"] = {"cpus": 1, "gpus": 0.5}

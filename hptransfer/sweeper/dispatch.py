@@ -570,16 +570,24 @@ class Dispatcher:
             o.tell and o.trial.sweep_id == sweep_id for o in self.owed.values())
 
     # filling slots -------------------------------------------------------------------
-    def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float]) -> int:
+    def _free_slots(self, spec: SweepSpec, sweep_id: str, cluster: dict[str, float],
+                    largest_node_cpus: float) -> int:
         """Tasks (a trial, or a pack of them) of this sweep that can start now: within its
         max_concurrent and within the cluster's CPUs/GPUs not taken by tasks already in
         flight (of any sweep), so a leased trial is really running, not waiting in Ray's
         queue."""
         res = spec.resources
+        # leasing now would leave the trial 'running' in Ray's queue forever, and the CPUs
+        # it asks for counted as taken: every other sweep's trials would wait behind it
         if res.gpus and not cluster.get("GPU"):
-            # leasing now would leave the trial 'running' in Ray's queue forever
             self.waiting[sweep_id] = (f"needs {res.gpus:g} GPU per trial and the Ray cluster "
                                       "has none; trials stay pending until a GPU node joins")
+            return 0
+        if res.cpus > largest_node_cpus + 1e-9:  # a task runs on one node
+            self.waiting[sweep_id] = (
+                f"needs {res.cpus:g} CPUs per task and the largest Ray node has "
+                f"{largest_node_cpus:g}; trials stay pending until a node that large joins "
+                "(or lower resources.cpus)")
             return 0
         self.waiting.pop(sweep_id, None)
         used_cpu = sum(f.cpus for f in self._tasks())
@@ -602,6 +610,8 @@ class Dispatcher:
             if sweep is not None and SweepStatus(sweep.status).is_stopped():
                 self.untold.add(gone)  # told by the next tick's pass
         self._optuna_active = now_optuna
+        largest_node_cpus = max((float(n.get("Resources", {}).get("CPU", 0.0))
+                                 for n in ray.nodes() if n.get("Alive")), default=0.0)
         for sweep in active:
             try:
                 spec = self._spec(sweep)
@@ -609,7 +619,7 @@ class Dispatcher:
                 continue  # marked failed; the other sweeps go on
             if sweep.study and self._advance_study(sweep, spec):
                 continue  # the study stopped or finished
-            free = self._free_slots(spec, sweep.id, cluster)
+            free = self._free_slots(spec, sweep.id, cluster, largest_node_cpus)
             if free <= 0:
                 continue
             if spec.search.method == "optuna":
