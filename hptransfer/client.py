@@ -56,7 +56,10 @@ class Client:
         try:
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         except (httpx.InvalidURL, ValueError) as exc:
-            raise ValueError(f"invalid server URL {mask_url(self.url)!r}: {exc}") from None
+            # httpx quotes the part it failed on, which may be a piece of the password
+            why = (f": {exc}" if "@" not in self.url else ": a password holding '/', '?', "
+                   "'#' or '@' must be percent-encoded (%2F, %3F, %23, %40)")
+            raise ValueError(f"invalid server URL {mask_url(self.url)!r}{why}") from None
 
     def close(self) -> None:
         self._http.close()

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hptransfer.redaction import remember_url_secrets
+
 
 class SettingsError(ValueError):
     """An environment variable holds a value that cannot be used."""
@@ -176,7 +178,7 @@ def get_settings() -> Settings:
     the server, the demo or `hpt doctor` starts, not a failure of some trials later."""
     home = home_dir()
     check_worker_settings()
-    return Settings(
+    settings = Settings(
         home=home,
         database_url=_env_database_url("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
         optuna_url=_env_database_url("HPT_OPTUNA_URL") or f"sqlite:///{home / 'optuna.db'}",
@@ -193,6 +195,10 @@ def get_settings() -> Settings:
         max_trial_flops=_env_float("HPT_MAX_TRIAL_FLOPS", None),
         max_trial_memory_gb=_env_float("HPT_MAX_TRIAL_MEMORY_GB", None),
     )
+    # a driver's error may quote a piece of a password as a host name: masked wherever shown
+    remember_url_secrets(settings.database_url, settings.optuna_url, settings.mlflow_uri,
+                         _env("HPT_URL"))
+    return settings
 
 
 def prepare_ray_environment() -> None:

@@ -6,7 +6,7 @@ here."""
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 SECRET_KEYS = ("password", "passwd", "pwd", "token", "secret", "key", "auth")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
@@ -21,6 +21,27 @@ _USERINFO = re.compile(
 _SECRET_ASSIGNMENT = re.compile(
     r"\b([\w.-]*(?:password|passwd|pwd|token|secret))=(?!\*\*\*)[^\s&'\",;]+",
     re.IGNORECASE)
+
+
+# The passwords of the URLs this process was configured with (`remember_url_secrets`, from
+# config.get_settings): a driver's error can quote a piece of one as something else, e.g. the
+# host 'Secret2@127.0.0.1' when a raw '@' split postgresql://u:pw@Secret2@127.0.0.1/db, or the
+# port 'Secret1' of http://u:Secret1/x@h. Each is masked wherever it appears in text `redact`
+# sees; pieces shorter than this are not (a short piece would mask ordinary words).
+_KNOWN_SECRETS: set[str] = set()
+MIN_SECRET_PIECE = 4
+
+
+def remember_url_secrets(*urls: str | None) -> None:
+    """Mask these URLs' passwords, and each piece of them between '@', '/', '?', '#' or
+    ':', in `redact`."""
+    for url in urls:
+        m = _USERINFO.match(url or "")
+        if m is None or m["password"] is None:
+            continue
+        for password in {m["password"], unquote(m["password"])}:
+            pieces = (password, *re.split(r"[@/?#:]", password))  # where a parser cuts it
+            _KNOWN_SECRETS.update(p for p in pieces if len(p) >= MIN_SECRET_PIECE)
 
 
 def _secret(key: str) -> bool:
@@ -56,4 +77,7 @@ def redact(text: str | None) -> str | None:
     if not text:
         return text
     text = _URL.sub(lambda m: mask_url(m.group(0)) or "", text)
-    return _SECRET_ASSIGNMENT.sub(lambda m: f"{m.group(1)}=***", text)
+    text = _SECRET_ASSIGNMENT.sub(lambda m: f"{m.group(1)}=***", text)
+    for secret in sorted(_KNOWN_SECRETS, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text

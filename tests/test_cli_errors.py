@@ -158,6 +158,10 @@ def test_no_credential_in_what_the_client_says():
     out = run("status", "--url", "http://admin:S3CRETPW@127.0.0.1:9")
     assert out.returncode == 2 and "cannot reach http://admin:***@127.0.0.1:9" in out.stderr
     assert "S3CRETPW" not in out.stderr + out.stdout
+    # a raw '/' in the password: httpx takes its first piece for the port, and says so
+    out = run("status", "--url", "http://hpt:Secret1/xyz@127.0.0.1:9")
+    assert out.returncode == 2 and "must be percent-encoded" in out.stderr, out.stderr
+    assert "Secret1" not in out.stderr + out.stdout
     out = run("status", "--url", "http://127.0.0.1:9", "--token", "TOKENHEAD\nTOKENTAIL")
     assert out.returncode == 2 and "control character" in out.stderr, out.stderr
     assert "TOKENHEAD" not in out.stderr + out.stdout

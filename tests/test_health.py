@@ -55,6 +55,16 @@ def test_mask_url_keeps_urls_without_credentials():
         "postgresql://hpt:***@127.0.0.1:1/mlflow")
 
 
+def test_pieces_of_a_configured_password_are_masked_wherever_an_error_quotes_them(
+        hpt_home, monkeypatch):
+    """A raw '@' in a password: the driver reads what follows it as the host and quotes it
+    in its error ("failed to resolve host 'Secret2@127.0.0.1'"), which no URL mask sees."""
+    monkeypatch.setenv("HPT_OPTUNA_URL", "postgresql://hpt:opt@Secret2x@127.0.0.1:1/o")
+    get_settings()
+    shown = redact("OperationalError: failed to resolve host 'Secret2x@127.0.0.1': unknown")
+    assert "Secret2x" not in shown and "host '***@127.0.0.1'" in shown
+
+
 def test_redact_masks_urls_and_passwords_inside_error_text():
     text = ("HTTPStatusError: Client error '401 Unauthorized' for url "
             "'http://alice:S3CRETPW@mlflow:5000/version?access_token=T0KEN&x=1' "

@@ -19,7 +19,7 @@ from typing import Any
 
 import hptransfer
 from hptransfer.config import RAY_REQUIRE_ENV, Settings, ray_required_resources
-from hptransfer.redaction import mask_url, redact
+from hptransfer.redaction import mask_url, redact, remember_url_secrets
 
 from .db.engine import current_revision, make_engine, packaged_head
 from .mlflow.params import normalize_tracking_uri, sqlite_path
@@ -339,6 +339,7 @@ def check_api(url: str) -> Check:
     import httpx
 
     shown = mask_url(url)
+    remember_url_secrets(url)  # httpx's error may quote a piece of its password
     try:
         r = httpx.get(f"{url.rstrip('/')}/health", timeout=HTTP_TIMEOUT_S)
         status = r.json().get("status")
