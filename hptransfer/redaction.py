@@ -5,6 +5,7 @@ here."""
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -81,3 +82,24 @@ def redact(text: str | None) -> str | None:
     for secret in sorted(_KNOWN_SECRETS, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
+
+
+class RedactingFilter(logging.Filter):
+    """A log handler's filter that passes each record's message and traceback through
+    `redact`: a database error logged at start-up quotes its URL, or a piece of its
+    password as a host name."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        if record.exc_info:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        return True
+
+
+def redact_logs(*logger_names: str) -> None:
+    """Put a RedactingFilter on every handler of these loggers (and the root logger's)."""
+    for name in ("", *logger_names):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                handler.addFilter(RedactingFilter())

@@ -65,6 +65,32 @@ def test_pieces_of_a_configured_password_are_masked_wherever_an_error_quotes_the
     assert "Secret2x" not in shown and "host '***@127.0.0.1'" in shown
 
 
+def test_the_servers_log_handlers_redact_messages_and_tracebacks():
+    """`hpt serve` puts a RedactingFilter on its log handlers: a database that cannot be
+    reached at start-up was logged with a traceback quoting its URL's password."""
+    import io
+    import logging
+
+    from hptransfer.redaction import RedactingFilter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RedactingFilter())
+    log = logging.getLogger("hpt-test-redaction")
+    log.addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("cannot connect to postgresql://hpt:Pw0rdX@db:5432/hpt")
+        except RuntimeError:
+            log.exception("startup failed for %s", "http://u:T0kenY@mlflow:5000")
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    assert "Pw0rdX" not in text and "T0kenY" not in text, text
+    assert "startup failed for http://u:***@mlflow:5000" in text
+    assert "Traceback" in text and "postgresql://hpt:***@db:5432/hpt" in text
+
+
 def test_redact_masks_urls_and_passwords_inside_error_text():
     text = ("HTTPStatusError: Client error '401 Unauthorized' for url "
             "'http://alice:S3CRETPW@mlflow:5000/version?access_token=T0KEN&x=1' "

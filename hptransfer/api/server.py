@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from hptransfer.config import Settings
+from hptransfer.redaction import redact_logs
 
 from .app import create_app
 
@@ -51,6 +52,7 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
     try:
         config = uvicorn.Config(create_app(settings, freeze_gc=True), host=host, port=port,
                                 log_level=log_level, **SERVER_OPTIONS)
+        redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # handlers made by Config
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         if ray.is_initialized():
