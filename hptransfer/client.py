@@ -233,7 +233,7 @@ def _parse(text: str, where: str) -> dict[str, Any]:
 
 def _is_directory(text: str) -> bool:
     try:
-        return Path(text).is_dir()
+        return bool(text) and Path(text).is_dir()  # Path("") is the working directory
     except (OSError, ValueError):  # too long, or a NUL: not a path
         return False
 

@@ -27,6 +27,16 @@ def _env(name: str) -> str | None:
     return value or None
 
 
+def _env_token(name: str) -> str | None:
+    """A bearer token: printable ASCII, as HTTP headers carry it (a server holding another
+    could never be called by `hpt`, which refuses to send one)."""
+    value = _env(name)
+    if value is not None and not (value.isascii() and value.isprintable()):
+        raise SettingsError(f"{name} must be printable ASCII (letters, digits, punctuation); "
+                            "it holds another character")
+    return value
+
+
 def _env_float(name: str, default: float | None) -> float | None:
     raw = _env(name)
     if raw is None:
@@ -185,7 +195,7 @@ def get_settings() -> Settings:
         mlflow_uri=_env("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
         mlflow_artifacts=home / "mlartifacts",
         ray_address=_env("RAY_ADDRESS"),
-        api_token=_env("HPT_API_TOKEN"),
+        api_token=_env_token("HPT_API_TOKEN"),
         host=_env("HPT_HOST") or "127.0.0.1",
         port=_env_int("HPT_PORT", 8600, maximum=65535),
         max_trials=_env_int("HPT_MAX_TRIALS", 5000),

@@ -362,6 +362,17 @@ def test_case12_cross_site_simple_requests_cannot_mutate(client, tiny_spec):
     assert r.status_code == 200 and r.json()["counts"]["cancelled"] == 3
 
 
+def test_a_server_token_no_client_could_send_is_refused_at_start(hpt_home, monkeypatch):
+    """HTTP headers carry ASCII and `hpt` refuses to send anything else: a server holding a
+    token like 'tökén' started, and no `hpt` command could ever reach it."""
+    from hptransfer.config import SettingsError
+
+    for token in ("t\u00f6k\u00e9n", "tab\there"):
+        monkeypatch.setenv("HPT_API_TOKEN", token)
+        with pytest.raises(SettingsError, match="HPT_API_TOKEN must be printable ASCII"):
+            get_settings()
+
+
 def test_case13_non_ascii_token_is_401(hpt_home, monkeypatch, tiny_spec):
     monkeypatch.setenv("HPT_API_TOKEN", "s3cret")
     with TestClient(create_app(get_settings(), dispatch=False),
