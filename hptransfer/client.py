@@ -205,6 +205,9 @@ class Client:
 
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     """A YAML/JSON spec file as a mapping; ValueError naming the file and what is wrong."""
+    kind = _not_a_file(str(path))
+    if kind:  # reading a pipe would wait for a writer forever
+        raise ValueError(f"{path} is {kind}; give a spec file (YAML/JSON)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -231,11 +234,15 @@ def _parse(text: str, where: str) -> dict[str, Any]:
     return data
 
 
-def _is_directory(text: str) -> bool:
+def _not_a_file(text: str) -> str | None:
+    """What `text` names when it is a path to something other than a regular file."""
     try:
-        return bool(text) and Path(text).is_dir()  # Path("") is the working directory
+        path = Path(text)
+        if not text or not path.exists() or path.is_file():  # Path("") is the working dir
+            return None
+        return "a directory" if path.is_dir() else "not a regular file (a device or a pipe)"
     except (OSError, ValueError):  # too long, or a NUL: not a path
-        return False
+        return None
 
 
 def _as_dict(spec: Any) -> dict[str, Any]:
@@ -249,8 +256,8 @@ def _as_dict(spec: Any) -> dict[str, Any]:
         text = str(spec).strip()
         if "\n" not in text and not text.startswith("{") and ":" not in text:
             # one line that is neither a file nor a mapping: a path mistyped, most likely
-            if _is_directory(text):
-                raise ValueError(f"{text[:300]} is a directory; give a spec file (YAML/JSON)")
+            if kind := _not_a_file(text):
+                raise ValueError(f"{text[:300]} is {kind}; give a spec file (YAML/JSON)")
             raise ValueError(f"no such file: {text[:300]} (nor is it a spec's YAML/JSON text)")
         data = _parse(str(spec), "the spec text")
     # JSON cannot carry them: the request could not be sent to be refused by field

@@ -5,6 +5,7 @@ and its fix, the right exit code, no traceback, no credential, against a real AP
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import socket
 import subprocess
@@ -131,6 +132,12 @@ def test_what_the_cli_says_of_a_directory_a_token_and_a_failed_trial(tmp_path):
     `hpt train` printed a failed trial's whole traceback as its error line."""
     out = run("submit", str(tmp_path), "--url", "http://127.0.0.1:9")
     assert out.returncode == 2 and f"{tmp_path} is a directory; give a spec file" in out.stderr
+    fifo = tmp_path / "spec.yaml"  # a pipe: reading it would wait for a writer forever
+    os.mkfifo(fifo)
+    out = run("submit", str(fifo), "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2 and "is not a regular file (a device or a pipe)" in out.stderr
+    out = run("submit", "/dev/null", "--url", "http://127.0.0.1:9")
+    assert out.returncode == 2 and "/dev/null is not a regular file" in out.stderr
     out = run("cancel", "x", "--url", "http://127.0.0.1:9", "--token", "t\u00e9")
     assert out.returncode == 2 and "non-ASCII character" in out.stderr, out.stderr
     assert "invalid server URL" not in out.stderr
