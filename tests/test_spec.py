@@ -258,13 +258,15 @@ def test_name_rules():
     one_error(with_("name", "мир"), "name", "only ASCII letters", "found")
 
 
-@pytest.mark.parametrize("label", ["a\x1b[2Jb\r\n", "\u202eevil", "tab\there", " "])
+@pytest.mark.parametrize("label", ["a\x1b[2Jb\r\n", "\u202eevil", "tab\there", " ", "x "])
 def test_arm_labels_are_printable_and_not_blank(label):
     """Labels reach terminals (`hpt fits`), pages and MLflow: an escape sequence in one
     cleared the screen of whoever listed the fits."""
     arms = [{"label": label, "arch": "gpt", "parameterization": "sp"}]
     err = one_error(with_("arms", arms), "arms[0].label")
-    assert ("blank" if not label.strip() else "only printable ASCII") in err["message"]
+    expected = ("blank" if not label.strip() else "starts or ends with a space"
+                if label.isprintable() else "only printable ASCII")
+    assert expected in err["message"], err
     assert "\x1b" not in err["message"] and "\u202e" not in err["message"]  # echoed escaped
 
 

@@ -289,6 +289,8 @@ class Arm(SpecModel):
         if not value.strip():
             raise ValueError("the label is blank; give it a letter or digit, or leave it out "
                              "for the default (arch/parameterization)")
+        if value != value.strip():  # "x" and "x " would be two arms no one can tell apart
+            raise ValueError(f"{value!r:.120} starts or ends with a space; remove it")
         return value
 
     @model_validator(mode="after")
