@@ -226,6 +226,8 @@ def test_labels_unique_and_arms_distinct():
 def test_log_range_min_above_max():
     d = with_("grid.lrs", {"log2_min": -4, "log2_max": -12, "step": 1})
     one_error(d, "grid.lrs", "log2_min (-4) is greater than log2_max (-12)")
+    d = with_("grid.lrs", {"log2_min": -10, "log2_max": -10.0000001, "step": 1})
+    one_error(d, "grid.lrs", "log2_min (-10) is greater than log2_max (-10.0000001)")
     one_error(with_("grid.lrs", {"log2_min": -4, "log2_max": -2, "step": 0}), "grid.lrs.step")
     # a step too small to count with (it once overflowed into a 500): a bound, named
     err = one_error(with_("grid.lrs", {"log2_min": -10, "log2_max": 10, "step": 5e-324}),

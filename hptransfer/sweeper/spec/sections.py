@@ -94,9 +94,9 @@ class LogRange(SpecModel):
     @model_validator(mode="after")
     def _ordered(self) -> LogRange:
         if self.log2_min > self.log2_max:
-            raise ValueError(
-                f"log2_min ({_fmt(self.log2_min)}) is greater than log2_max "
-                f"({_fmt(self.log2_max)}); swap them"
+            raise ValueError(  # enough digits that the two never print alike
+                f"log2_min ({self.log2_min:.12g}) is greater than log2_max "
+                f"({self.log2_max:.12g}); swap them"
             )
         if self.count() > _LOG_RANGE_MAX_VALUES:
             raise ValueError(
