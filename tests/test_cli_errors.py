@@ -54,7 +54,7 @@ def test_a_bad_spec_file_or_url_is_one_line_naming_it(tmp_path):
         "typo.yaml": "no such file: typo.yaml",
         str(tmp_path / "broken.yaml"): "broken.yaml is not valid YAML/JSON",
         str(tmp_path / "list.yaml"): "list.yaml: a sweep spec must be a mapping",
-        str(tmp_path / "dir.yaml"): "cannot read",
+        str(tmp_path / "dir.yaml"): "dir.yaml is a directory; give a spec file",
     }
     for path, says in cases.items():
         out = run("submit", path, "--url", "http://127.0.0.1:9")
