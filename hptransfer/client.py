@@ -12,7 +12,7 @@ import httpx
 import pandas as pd
 import yaml
 
-from hptransfer.config import client_token, client_url
+from hptransfer.config import client_token, client_url, token_problem
 from hptransfer.redaction import mask_url, redact
 from hptransfer.spec_text import load_yaml, looks_like_path, non_finite_paths
 from hptransfer.status import ACTIVE, SweepStatus
@@ -46,12 +46,9 @@ class Client:
         self.url = (url or client_url(DEFAULT_URL)).rstrip("/")
         self.timeout = timeout
         token = token if token is not None else client_token()
-        if token and not token.isprintable():
-            raise ValueError("the API token has a control character in it (a line break?); "
-                             "check --token or HPT_API_TOKEN")
-        if token and not token.isascii():  # HTTP headers carry ASCII: httpx would blame the URL
-            raise ValueError("the API token has a non-ASCII character in it; tokens are "
-                             "ASCII: check --token or HPT_API_TOKEN")
+        problem = token_problem(token) if token else None
+        if problem:  # refused here: httpx would blame the URL
+            raise ValueError(f"the API token {problem}; check --token or HPT_API_TOKEN")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)

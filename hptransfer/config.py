@@ -27,13 +27,24 @@ def _env(name: str) -> str | None:
     return value or None
 
 
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot travel as a bearer token (HTTP headers carry printable ASCII), or
+    None: one rule for the server that holds it and the client that sends it."""
+    if not token.isprintable():
+        return "has a control character in it (a line break?)"
+    if not token.isascii():
+        return "has a non-ASCII character in it; tokens are ASCII"
+    return None
+
+
 def _env_token(name: str) -> str | None:
-    """A bearer token: printable ASCII, as HTTP headers carry it (a server holding another
-    could never be called by `hpt`, which refuses to send one)."""
+    """A bearer token a client can send (a server holding another could never be called by
+    `hpt`, which refuses to send one)."""
     value = _env(name)
-    if value is not None and not (value.isascii() and value.isprintable()):
-        raise SettingsError(f"{name} must be printable ASCII (letters, digits, punctuation); "
-                            "it holds another character")
+    problem = token_problem(value) if value is not None else None
+    if problem:
+        raise SettingsError(f"{name} must be printable ASCII (letters, digits, punctuation): "
+                            f"it {problem}")
     return value
 
 

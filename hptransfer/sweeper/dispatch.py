@@ -610,8 +610,10 @@ class Dispatcher:
             if sweep is not None and SweepStatus(sweep.status).is_stopped():
                 self.untold.add(gone)  # told by the next tick's pass
         self._optuna_active = now_optuna
+        # one call to Ray's control store per tick with work to place, none while idle
         largest_node_cpus = max((float(n.get("Resources", {}).get("CPU", 0.0))
-                                 for n in ray.nodes() if n.get("Alive")), default=0.0)
+                                 for n in ray.nodes() if n.get("Alive")),
+                                default=0.0) if active else 0.0
         for sweep in active:
             try:
                 spec = self._spec(sweep)
