@@ -90,11 +90,25 @@ class RedactingFilter(logging.Filter):
     password as a host name."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = redact(record.getMessage()), None
+        # msg and args are redacted apart, not joined: a formatter may read the args
+        # (uvicorn's access formatter unpacks them into client, method, path, status)
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redacted_arg(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: _redacted_arg(v) for k, v in record.args.items()}
         if record.exc_info:
             record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
             record.exc_info = None
         return True
+
+
+def _redacted_arg(arg: object) -> object:
+    """The argument itself unless its text holds a secret (an int stays an int for %d)."""
+    text = str(arg)
+    shown = redact(text)
+    return arg if shown == text else shown
 
 
 def redact_logs(*logger_names: str) -> None:

@@ -91,6 +91,31 @@ def test_the_servers_log_handlers_redact_messages_and_tracebacks():
     assert "Traceback" in text and "postgresql://hpt:***@db:5432/hpt" in text
 
 
+def test_serves_access_log_is_one_redacted_line_per_request(hpt_home, tmp_path):
+    """`hpt serve` logs as uvicorn configures it, behind its RedactingFilter: each request is
+    one access line (client, method, path, status) with a secret in its query masked, never
+    a '--- Logging error ---' traceback (the filter once emptied the args that uvicorn's
+    access formatter unpacks, and one GET /health wrote 89 lines of traceback)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HPT_HOME": str(hpt_home), "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([str(HPT), "serve", "--port", str(port)], env=env,
+                            stdout=log.open("a"), stderr=subprocess.STDOUT)
+    try:
+        _wait_health(url, proc, log)
+        assert httpx.get(f"{url}/health?token=Sekr1tQ9", timeout=30).status_code == 200
+        assert httpx.get(f"{url}/sweeps/424242", timeout=30).status_code == 404
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    text = log.read_text()
+    assert "Logging error" not in text and "Traceback" not in text, text[-3000:]
+    assert "Sekr1tQ9" not in text
+    assert re.search(r'127\.0\.0\.1:\d+ - "GET /health\?token=\*\*\* HTTP/1\.1" 200', text), text
+    assert re.search(r'"GET /sweeps/424242 HTTP/1\.1" 404', text), text
+
+
 def test_redact_masks_urls_and_passwords_inside_error_text():
     text = ("HTTPStatusError: Client error '401 Unauthorized' for url "
             "'http://alice:S3CRETPW@mlflow:5000/version?access_token=T0KEN&x=1' "
