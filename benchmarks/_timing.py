@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hptransfer.spec.trial import Budget, TrialResult, TrialSpec
 from hptransfer.workers.trainer import run_trial, run_trials
-from hptransfer.workers.trial import Budget, TrialResult, TrialSpec
 
 T = TypeVar("T")
 

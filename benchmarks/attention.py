@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from _timing import alternating
 
 import hptransfer.models.layers as layers
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers.trainer import run_trial
-from hptransfer.workers.trial import TrialSpec
 
 # (batch, heads, T, head_dim): the demo's heads (width / 8 at batch 16 x 64), then past the rule
 OP_CASES = [(16, 2, 64, 8), (16, 3, 64, 8), (16, 5, 64, 8), (16, 10, 64, 8),

@@ -32,11 +32,11 @@ from _timing import bench_head_dim
 
 from hptransfer.models import optimizer_groups
 from hptransfer.models.build import build_model
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers import packed
 from hptransfer.workers.flat_adamw import FlatAdamW
 from hptransfer.workers.packed import _Pack
 from hptransfer.workers.trainer import clip_gradients, load_trial_data
-from hptransfer.workers.trial import TrialSpec
 
 BATCH, SEQ, LR, MAX_NORM, WARMUP = 8, 128, 2.0**-7, 1.0, 8
 

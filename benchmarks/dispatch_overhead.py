@@ -44,9 +44,9 @@ from mlflow.tracking import MlflowClient
 
 from hptransfer.api.server import free_port
 from hptransfer.client import Client
-from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.plan import plan_sweep
-from hptransfer.sweeper.spec import SweepSpec
+from hptransfer.coordinator.plan import plan_sweep
+from hptransfer.spec import SweepSpec
+from hptransfer.store.store import Store
 from hptransfer.workers.trainer import run_trial
 
 psutil = importlib.import_module("psutil")  # vendored by Ray: importable after `import ray`

@@ -46,12 +46,12 @@ import torch
 from _timing import pack_step_stamps, step_stamps
 
 from hptransfer.models.flops import flops_per_token
+from hptransfer.spec.trial import TrialResult, TrialSpec
 from hptransfer.status import TrialStatus
 from hptransfer.workers.device import autocasts, peak_flops, resolve_device
 from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.plan import load_trial_data
 from hptransfer.workers.trainer import run_trial, run_trials
-from hptransfer.workers.trial import TrialResult, TrialSpec
 
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}
 CUDA_DEFAULTS = {"widths": [256, 1024, 2048], "pack_width": 256, "batch": 32, "seq_len": 512}
@@ -257,7 +257,7 @@ def _device_seconds(events: Any) -> float:
 
 def section_scan(args: argparse.Namespace, cache: str) -> None:
     """Steady tokens/s of a pack of K against one trial alone, per WIDTH:K of `--scan`
-    (compiles excluded): what `pack: auto` on CUDA (sweeper/packing.py) is chosen from."""
+    (compiles excluded): what `pack: auto` on CUDA (coordinator/packing.py) is chosen from."""
     solo: dict[int, float] = {}
     for item in args.scan:
         if time.perf_counter() - args.started > args.deadline:

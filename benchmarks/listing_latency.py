@@ -47,7 +47,7 @@ from lean_http import Connection
 
 from hptransfer.api.server import free_port
 from hptransfer.client import Client
-from hptransfer.sweeper.db.store import Store
+from hptransfer.store.store import Store
 
 
 def tiny_spec(i: int) -> dict:

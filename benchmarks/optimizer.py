@@ -29,8 +29,8 @@ from trainer_throughput import time_training
 import hptransfer.workers.trainer as trainer
 from hptransfer.models import optimizer_groups
 from hptransfer.models.build import build_model
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers.flat_adamw import FlatAdamW
-from hptransfer.workers.trial import TrialSpec
 
 BETAS = (0.9, 0.95)
 WARMUP = 3  # training steps left out of the timing

@@ -25,7 +25,7 @@ import torch
 from hptransfer.data import load_dataset
 from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.trainer import run_trials
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.spec.trial import TrialSpec
 
 width, depth, batch, seq, k, threads, cache = sys.argv[1:8]
 torch.set_num_threads(int(threads))

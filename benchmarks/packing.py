@@ -51,8 +51,8 @@ from _timing import (
     sequential_and_packed_rounds,
 )
 
+from hptransfer.spec.trial import TrialResult, TrialSpec
 from hptransfer.workers.trainer import run_trial
-from hptransfer.workers.trial import TrialResult, TrialSpec
 
 BATCH, SEQ_LEN = 8, 64
 

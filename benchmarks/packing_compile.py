@@ -30,8 +30,8 @@ import torch
 from _timing import alternating
 from packing import grid
 
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers.trainer import run_trial, run_trials
-from hptransfer.workers.trial import TrialSpec
 
 
 def specs_for(width: int, k: int, steps: int, threads: int) -> list[TrialSpec]:

@@ -7,7 +7,7 @@ pack (its tune shape, its check shape, and its ladder's two-layer shapes) as the
 them (`SweepSpec.trial_spec`), for each arm, K LRs one octave apart around the grid's middle, on
 the spec's threads per task. The two sides alternate over --rounds rounds; printed is packed
 over sequential trials/s, its median and range, and beside it the pack size `pack: auto`
-gives the shape on those threads (`sweeper/packing.py`), so a shape packed at a loss (ratio
+gives the shape on those threads (`coordinator/packing.py`), so a shape packed at a loss (ratio
 below 1 where auto > 1) or left alone at a gain shows.
 
 With --busy, a second process runs the same measurement on the other core meanwhile, as the
@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from _timing import sequential_and_packed_rounds
 
+from hptransfer.coordinator.packing import auto_pack, measured_packs
 from hptransfer.demo import DEFAULT_SPEC
-from hptransfer.sweeper.packing import auto_pack, measured_packs
-from hptransfer.sweeper.spec import Arm, SweepSpec, load_spec
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.spec import Arm, SweepSpec, load_spec
+from hptransfer.spec.trial import TrialSpec
 
 # the tune shape, the check shape (the ladder's largest) and the ladder's other 2-layer widths
 DEMO_SHAPES = ["32x2", "40x3", "16x2", "24x2"]

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from hptransfer.demo import DEFAULT_SPEC
-from hptransfer.sweeper.spec import load_spec
+from hptransfer.spec import load_spec
+from hptransfer.spec.trial import TrialResult, TrialSpec
 from hptransfer.workers.trainer import run_trial
-from hptransfer.workers.trial import TrialResult, TrialSpec
 
 # the trainer as it was: the subnormal setting left to the caller (x86's default: kept)
 kept_run_trial = run_trial.__wrapped__

@@ -134,9 +134,9 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     from hptransfer.client import read_spec_file
     from hptransfer.config import check_worker_settings
-    from hptransfer.sweeper.spec.errors import spec_error
+    from hptransfer.spec.errors import spec_error
+    from hptransfer.spec.trial import TrialSpec
     from hptransfer.workers.trainer import run_trial
-    from hptransfer.workers.trial import TrialSpec
 
     check_worker_settings()
     try:
@@ -218,7 +218,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     import ray
 
     from hptransfer.config import client_url, get_settings
-    from hptransfer.sweeper.health import check_api, run_checks
+    from hptransfer.coordinator.health import check_api, run_checks
 
     settings = get_settings()
     ours = not ray.is_initialized()  # a connection doctor opened itself, closed again below
@@ -309,7 +309,7 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     from hptransfer.api.server import listen
     from hptransfer.config import get_settings
     from hptransfer.redaction import mask_url
-    from hptransfer.sweeper.mlflow.tracking import SERVER_ENV, ui_command, ui_url
+    from hptransfer.tracking.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()
     listen(a.host, a.port).close()  # a port in use is one line here; MLflow's exits 0
@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     client_args(p)
 
-    from hptransfer.sweeper.mlflow.tracking import UI_HOST, UI_PORT
+    from hptransfer.tracking.tracking import UI_HOST, UI_PORT
 
     p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
     p.add_argument("--host", default=UI_HOST)

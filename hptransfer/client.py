@@ -14,7 +14,7 @@ import yaml
 
 from hptransfer.config import client_token, client_url, token_problem
 from hptransfer.redaction import mask_url, redact
-from hptransfer.spec_text import load_yaml, looks_like_path, non_finite_paths
+from hptransfer.spec.text import load_yaml, looks_like_path, non_finite_paths
 from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
@@ -29,7 +29,7 @@ class ApiError(RuntimeError):
         self.status, self.message, self.errors = status, message, errors or []
 
 
-# what the server's ids are made of (sweeper/db/rows.new_id: hex); anything else in a URL
+# what the server's ids are made of (store/rows.new_id: hex); anything else in a URL
 # path could name another route ("../health") or carry a query
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -123,8 +123,8 @@ class Client:
         `curves`: each `result` with its loss curve (fetched 100 trials a request)."""
         from dataclasses import fields
 
-        from hptransfer.sweeper.db.query import TrialFilters
-        from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
+        from hptransfer.store.query import TrialFilters
+        from hptransfer.store.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
 
         allowed = [f.name for f in fields(TrialFilters)]
         if unknown := sorted(set(filters) - set(allowed)):  # the API would ignore a typo

@@ -16,7 +16,7 @@ from pathlib import Path
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.mlflow.tracking import UI_HOST, UI_PORT, ui_url
+from hptransfer.tracking.tracking import UI_HOST, UI_PORT, ui_url
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
 
@@ -38,7 +38,7 @@ def best_lr_table(df) -> str:
 
 def search_cost(df, spec_path: str) -> str:
     """What an Optuna sweep trained, against the full grid over the same LR range."""
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
 
     n_lrs = len(load_spec(spec_path).grid.lr_values())
     shape = ["arm", "width", "depth", "sigma_base", "seed"]
@@ -87,7 +87,7 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
 
 def _print_fits(client: Client, sweep_id: str, out: Path) -> None:
     from hptransfer.dashboards import write_sweep_dashboard
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     print("\n" + client.fits_text(sweep_id))
     store = Store(get_settings().database_url)

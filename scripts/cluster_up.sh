@@ -181,7 +181,7 @@ done
 if alive mlflow; then
   say "mlflow already running"
 else
-  # without MLflow's GenAI job runner (SERVER_ENV in hptransfer/sweeper/mlflow/tracking.py)
+  # without MLflow's GenAI job runner (SERVER_ENV in hptransfer/tracking/tracking.py)
   start_bg mlflow env MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$BIN/mlflow" server \
     --backend-store-uri "postgresql+psycopg://hpt:$PG_PASSWORD@127.0.0.1:$PG_PORT/mlflow" \
     --artifacts-destination "$DIR/mlartifacts" --host 127.0.0.1 --port "$MLFLOW_PORT" \

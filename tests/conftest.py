@@ -136,7 +136,7 @@ def postgres_schema_url(postgres_url: str):
 
     from sqlalchemy import create_engine
 
-    from hptransfer.sweeper.db.store import normalize_url
+    from hptransfer.store.store import normalize_url
 
     schema = f"hpt_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(normalize_url(postgres_url))

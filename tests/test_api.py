@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import ApiError, Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.db.store import Store
+from hptransfer.store.store import Store
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Backoff (sweeper/backoff.py): the pause before retrying a failing dependency doubles from
+"""Backoff (backoff.py): the pause before retrying a failing dependency doubles from
 its floor up to its cap, no attempt is due before it has passed, and an outage is logged once
 when it starts and once when it ends."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hptransfer.sweeper.backoff import Backoff
+from hptransfer.backoff import Backoff
 
 
 def test_pauses_double_up_to_the_cap_and_a_success_ends_the_outage(caplog):

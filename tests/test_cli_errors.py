@@ -104,7 +104,7 @@ def test_yaml_only_as_json_carries_it_on_both_sides(tmp_path):
     the client expand 10^8 values (seconds, hundreds of MB) before the server could refuse
     the request's size."""
     from hptransfer.client import _as_dict
-    from hptransfer.sweeper.spec import SpecError, load_spec
+    from hptransfer.spec import SpecError, load_spec
 
     dated = yaml.safe_dump(TINY_SPEC) + "tags: {when: 2024-05-01}\n"
     assert _as_dict(dated)["tags"] == {"when": "2024-05-01"}  # text, as YAML 1.2 reads it
@@ -206,9 +206,9 @@ def test_a_sweep_id_cannot_name_another_route(server, bad_id):
 
 
 def test_status_lists_every_sweep_not_the_first_page(server):
-    from hptransfer.sweeper.db.store import Store
-    from hptransfer.sweeper.plan import plan_sweep
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.coordinator.plan import plan_sweep
+    from hptransfer.spec import load_spec
+    from hptransfer.store.store import Store
 
     url, settings = server
     store = Store(settings.database_url)
@@ -234,7 +234,7 @@ def submit_and_wait(url: str, tmp_path, name: str) -> subprocess.Popen:
 
 
 def test_submit_wait_exits_1_when_the_sweep_fails(server, tmp_path):
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     url, settings = server
     p = submit_and_wait(url, tmp_path, "will-fail")
@@ -268,8 +268,8 @@ def test_ctrl_c_while_waiting_says_the_sweep_goes_on(server, tmp_path):
 
 
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
-    from hptransfer.sweeper.db.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
+    from hptransfer.store.store import Store
 
     url, settings = server
     with Client(url) as c:

@@ -90,7 +90,7 @@ def _wait(client: Client, sweep_id: str, timeout: float = 900) -> dict:
 
 
 def _store(cluster):
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     return Store(cluster["HPT_DATABASE_URL"])
 

@@ -17,10 +17,10 @@ import torch._dynamo.testing
 from test_packed import CASES, specs_for
 
 from hptransfer.models.build import build_from_config
+from hptransfer.spec.trial import Budget, TrialSpec
 from hptransfer.workers.device import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
 from hptransfer.workers.packed import _STACK_SIZE_MAY_CHANGE, _Pack
 from hptransfer.workers.plan import load_trial_data, plan_trial
-from hptransfer.workers.trial import Budget, TrialSpec
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
 # head_dim 8: attention takes the explicit small-head path (a custom autograd function)

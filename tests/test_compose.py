@@ -133,7 +133,7 @@ def test_coordinator_environment_matches_cluster_up(compose):
 def test_every_mlflow_server_runs_with_the_server_environment(compose):
     """cluster_up.sh and compose start `mlflow server` with SERVER_ENV (its job runner off),
     as `hpt mlflow-ui` does (tests/test_mlflow_ui.py checks the processes)."""
-    from hptransfer.sweeper.mlflow.tracking import SERVER_ENV
+    from hptransfer.tracking.tracking import SERVER_ENV
 
     local = _script_command(CLUSTER_UP.read_text(), '"$BIN/mlflow" server')
     prefix = local[:local.index('"$BIN/mlflow" server')]

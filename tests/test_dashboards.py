@@ -23,7 +23,7 @@ from hptransfer.dashboards import (
     write_sweep_dashboard,
 )
 from hptransfer.dashboards.pngs import frontier_png, lr_png
-from hptransfer.sweeper.db.store import RESULT_FRAME_COLUMNS
+from hptransfer.store.store import RESULT_FRAME_COLUMNS
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "benchmarks" / "out" / "screenshots"
@@ -270,7 +270,7 @@ def server(hpt_home, ray_cluster):
 @needs_chromium
 def test_dashboards_in_headless_chromium(server, tiny_spec, tmp_path):
     from hptransfer.client import Client
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     url, settings = server
     # two widths and two depths, so both panels have curves; 2^1 is meant to diverge
@@ -351,7 +351,7 @@ def study_frame() -> pd.DataFrame:
 
 
 def study_page(**kw) -> str:
-    from hptransfer.analysis.staged import study_fit_report
+    from hptransfer.analysis.study_report import study_fit_report
 
     frame = study_frame()
     summary = summary_of(frame)
@@ -387,7 +387,7 @@ def test_study_page_in_headless_chromium(tmp_path):
 def test_a_study_with_a_mup_arm_labels_its_over_mup_band_by_arm() -> None:
     """The study's CompleteP-over-µP comparison is keyed "arm|reference": its legend read
     "gpt-completep|gpt-mup vs gpt-mup" in no arm's colour."""
-    from hptransfer.analysis.staged import study_fit_report
+    from hptransfer.analysis.study_report import study_fit_report
     from hptransfer.dashboards.series import savings_series
 
     frame = study_frame()
@@ -406,11 +406,11 @@ def test_running_trials_show_behind_many_failures_and_every_failure_is_counted(t
                                                                                tiny_spec):
     """A sweep's running and failed trials came in one query of 500 in plan order: 510
     failures planned first hid the 3 trials running after them ("No trial is running")."""
+    from hptransfer.coordinator.plan import plan_sweep
     from hptransfer.dashboards.export import NOTABLE_LIMIT, sweep_data
     from hptransfer.dashboards.progress import FAILED_SHOWN
-    from hptransfer.sweeper.db.store import Store
-    from hptransfer.sweeper.plan import plan_sweep
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
+    from hptransfer.store.store import Store
 
     spec = dict(tiny_spec, grid={**tiny_spec["grid"], "depths": [1, 2, 3],
                                  "seeds": list(range(60))})

@@ -19,7 +19,7 @@ from hptransfer.config import get_settings
 from hptransfer.data import DataError
 from hptransfer.data import paths as data_paths
 from hptransfer.data.shards import resolve_shard_paths
-from hptransfer.data.spec import MAX_SOURCE_CHARS
+from hptransfer.spec.data import MAX_SOURCE_CHARS
 
 
 @pytest.fixture
@@ -199,7 +199,7 @@ def test_directory_source_caps_the_entries_it_looks_at(client, tiny_spec, root, 
 
 def _submitted_trial(client, tiny_spec, source: str):
     """A sweep submitted through the API; its first trial as the dispatcher leases it."""
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     r = post(client, tiny_spec, source)
     assert r.status_code == 201, r.text

@@ -23,12 +23,12 @@ from waiting import run_sweep, wait_for
 
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
+from hptransfer.coordinator.optuna_search import first_batch
+from hptransfer.coordinator.plan import plan_shapes, plan_sweep
+from hptransfer.coordinator.service import Coordinator
+from hptransfer.spec import load_spec
 from hptransfer.status import ACTIVE
-from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.optuna_search import first_batch
-from hptransfer.sweeper.plan import plan_shapes, plan_sweep
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import load_spec
+from hptransfer.store.store import Store
 
 
 def chattr(flag: str, files: list[Path]) -> bool:
@@ -73,7 +73,7 @@ def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
             raise
 
     monkeypatch.setattr(dispatcher, "run_once", counted_tick)
-    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+    caplog.set_level(logging.INFO, logger="hptransfer.coordinator.dispatch")
     # the database and its write-ahead log, where every write lands; not the -shm index, the
     # one file SQLite memory-maps: with it immutable too, a CI run's pytest once died of
     # SIGBUS inside SQLite
@@ -117,7 +117,7 @@ def test_results_survive_an_unwritable_database_and_the_loop_backs_off(
     assert all(r.result and r.final_val_loss is not None and r.attempts == 1
                for r in rows)
     # one log line when the outage starts, one when it ends; not one per tick
-    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.sweeper.dispatch"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.coordinator.dispatch"]
     assert outage_ticks >= 4
     # backed off: the pause doubles with each failed tick, from one poll interval; by the 4th
     # (counted before the loop notes it) the 3 before it have made it 4 poll intervals at least
@@ -307,7 +307,7 @@ def test_optuna_storage_on_postgresql_is_used_again_after_a_read_only_spell(
         monkeypatch.setenv("HPT_OPTUNA_URL", optuna_url)
         coordinator = Coordinator(get_settings())
         store, dispatcher = coordinator.store, coordinator.dispatcher
-        caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+        caplog.set_level(logging.INFO, logger="hptransfer.coordinator.dispatch")
         searched = dict(tiny_spec, name="optuna-read-only", max_concurrent=1, reuse=False,
                         search={"method": "optuna", "sampler": "tpe", "n_trials": 3},
                         resources={"cpus": 1, "pack": 1}, budget={"steps": 300, "batch_size": 4})
@@ -336,7 +336,7 @@ def test_optuna_storage_on_postgresql_is_used_again_after_a_read_only_spell(
             assert told[row.optuna_trial_number].value == pytest.approx(row.final_val_loss,
                                                                         rel=1e-12)
         lines = [r.getMessage() for r in caplog.records
-                 if r.name == "hptransfer.sweeper.dispatch"]
+                 if r.name == "hptransfer.coordinator.dispatch"]
         assert sum("Optuna's storage failing" in m for m in lines) == 1, lines
         assert sum("Optuna's storage recovered" in m for m in lines) == 1, lines
         assert dispatcher.optuna_storage.error is None
@@ -469,7 +469,7 @@ def _submit_and_tick(coordinator: Coordinator, spec: dict,
 
 def _released_then_trained(store: Store, rows: list) -> list[str]:
     """The trials whose first lease was given back unstarted, then trained."""
-    from hptransfer.sweeper.db.store import NOT_STARTED
+    from hptransfer.store.store import NOT_STARTED
 
     released = [r.id for r in rows if [a.status for a in store.attempts(r.id)] == [
         "cancelled", "completed"]]
@@ -613,7 +613,7 @@ def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
                     resources={"cpus": 1, "pack": 1},
                     budget={"steps": 300, "batch_size": 4})  # seconds: outlives the chattr
     gridded = dict(tiny_spec, name="grid-during-outage", reuse=False)
-    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.dispatch")
+    caplog.set_level(logging.INFO, logger="hptransfer.coordinator.dispatch")
     storage = [Path(settings.home) / "optuna.db"]
 
     def dispatcher_check() -> dict:
@@ -664,7 +664,7 @@ def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
         assert told[row.optuna_trial_number].value == pytest.approx(row.final_val_loss,
                                                                     rel=1e-12)
     # one line when Optuna's storage starts failing, one when it answers; the ticks never failed
-    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.sweeper.dispatch"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hptransfer.coordinator.dispatch"]
     assert sum("Optuna's storage failing" in m for m in lines) == 1, lines
     assert sum("Optuna's storage recovered" in m for m in lines) == 1, lines
     assert not any("dispatch failing" in m for m in lines), lines
@@ -694,7 +694,7 @@ def _gated_board() -> type:
     """The real progress board, answering drains only once opened."""
     import threading
 
-    from hptransfer.sweeper.progress import ProgressBoard
+    from hptransfer.coordinator.progress import ProgressBoard
 
     class GatedBoard(ProgressBoard):
         def __init__(self) -> None:
@@ -718,7 +718,7 @@ def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_lat
     block 10 s each, and the late answer was dropped), and its answer is used when it comes."""
     from types import SimpleNamespace
 
-    from hptransfer.sweeper.dispatch import InFlight
+    from hptransfer.coordinator.dispatch import InFlight
 
     dispatcher = Coordinator(get_settings()).dispatcher
     dispatcher.start(background=False)

@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
-from hptransfer.sweeper import fits
-from hptransfer.sweeper.gate import Gate
+from hptransfer.coordinator import fits
+from hptransfer.coordinator.gate import Gate
 
 
 def finished_sweep(store) -> str:
-    from hptransfer.sweeper.plan import plan_sweep
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.coordinator.plan import plan_sweep
+    from hptransfer.spec import load_spec
 
     spec = load_spec(copy.deepcopy(TINY_SPEC))
     sweep_id = store.create_sweep("fits", spec.model_dump(mode="json"), "h", "grid",
@@ -54,7 +54,7 @@ class SlowCompute:
 
 def test_identical_requests_share_one_computation_and_distinct_ones_queue(hpt_home,
                                                                          monkeypatch):
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     store = Store(get_settings().database_url)
     store.migrate()
@@ -107,7 +107,7 @@ def test_past_the_admitted_submissions_preparing_data_a_submit_is_a_503(hpt_home
     """A submission prepares its data in the request thread (a BPE tokenizer trained on a
     cache miss took 5-13 s): bounded as fit reports are, so a flood of submissions with new
     tokenizer settings cannot take every core or every request thread."""
-    from hptransfer.sweeper import service
+    from hptransfer.coordinator import service
 
     real, release, entered = service.load_dataset, threading.Event(), threading.Event()
 

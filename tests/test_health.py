@@ -179,7 +179,7 @@ def test_health_masks_the_mlflow_password(hpt_home, monkeypatch):
 def test_health_masks_a_database_password_given_in_the_query(hpt_home, monkeypatch):
     """libpq also takes the password as ?password=; SQLAlchemy's own masking hides only
     user:pw@, and /health showed the rest."""
-    from hptransfer.sweeper.db.store import Store
+    from hptransfer.store.store import Store
 
     with TestClient(create_app(get_settings(), dispatch=False)) as api:
         # the server's database now one named that way (none answers on port 9)
@@ -224,7 +224,7 @@ def test_health_masks_credentials_an_mlflow_server_error_quotes(hpt_home, monkey
 
 
 def test_health_is_503_naming_the_database_when_it_is_gone(hpt_home, monkeypatch):
-    from hptransfer.sweeper.db.engine import make_engine
+    from hptransfer.store.engine import make_engine
 
     with TestClient(create_app(get_settings(), dispatch=False)) as api:
         # the server's connection now leads to a database that does not answer (port 9)
@@ -354,7 +354,7 @@ def test_serve_holds_its_port_before_ray_starts(hpt_home, monkeypatch):
     they start: a restart on the same port once found Ray's metrics agent answering there."""
     import socket
 
-    import hptransfer.sweeper.dispatch as dispatch
+    import hptransfer.coordinator.dispatch as dispatch
     from hptransfer.api.server import free_port, serve_forever
 
     port = free_port()

@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.data import TokenDataset
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers import packed as pack_trainer
 from hptransfer.workers import trainer
 from hptransfer.workers.plan import plan_trial
 from hptransfer.workers.trainer import load_trial_data, run_trial, run_trials
-from hptransfer.workers.trial import TrialSpec
 
 # 200 steps: a curve point every 4 steps, so most steps are not sync steps
 SPEC = dict(width=32, depth=2, head_dim=16, batch_size=2, seq_len=16, base_width=32,

@@ -127,9 +127,9 @@ def test_admission_refuses_a_study_stage_shape_no_worker_can_hold(client, stage)
 def test_admission_prices_every_shape_a_study_trains_at_its_own_budget():
     from test_study import study_dict
 
+    from hptransfer.coordinator.admission import trial_costs
     from hptransfer.models import build_model
-    from hptransfer.sweeper.admission import trial_costs
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
 
     spec = study_dict()  # budget: 10 steps of 4 x 32 tokens
     spec["stages"]["transfer"]["shapes"].append({"width": 64, "depth": 2,
@@ -162,9 +162,9 @@ def test_admission_prices_the_small_head_paths_saved_softmax(tiny_spec):
     # head_dim 8 at seq 32: attention keeps its (batch x heads, T, T) softmax for backward
     import torch
 
+    from hptransfer.coordinator.admission import trial_costs
     from hptransfer.models.layers import uses_small_head_path
-    from hptransfer.sweeper.admission import trial_costs
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
 
     assert uses_small_head_path(torch.empty(4, 4, 32, 8))
     tiny_spec["fixed"]["head_dim"] = 8
@@ -176,8 +176,8 @@ def test_admission_prices_the_small_head_paths_saved_softmax(tiny_spec):
 
 
 def test_micro_batches_bound_the_admitted_activations(client, tiny_spec):
-    from hptransfer.sweeper.admission import trial_costs
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.coordinator.admission import trial_costs
+    from hptransfer.spec import load_spec
 
     (whole,) = trial_costs(load_spec(tiny_spec))
     tiny_spec["fixed"]["micro_batch_size"] = 1  # of batch 4: a quarter of the activations
@@ -204,9 +204,9 @@ def test_admission_caps_from_the_environment(hpt_home, monkeypatch, tiny_spec):
 
 def test_admission_memory_estimate_against_an_independent_count(tiny_spec):
     # 16 bytes per parameter, the parameters counted on the real model (torch), not flops.py
+    from hptransfer.coordinator.admission import trial_costs
     from hptransfer.models import build_model
-    from hptransfer.sweeper.admission import trial_costs
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
 
     spec = load_spec(tiny_spec)
     (cost,) = trial_costs(spec)
@@ -459,7 +459,7 @@ def test_a_body_of_many_unknown_keys_gets_a_bounded_answer(client, tiny_spec):
     """Each unknown key's error lists the allowed fields: 100,000 of them in 0.9 MB got a
     35 MB 422 (38x the body) after seconds of CPU. The first 50 are listed, the rest
     counted."""
-    from hptransfer.sweeper.spec.errors import MAX_SPEC_ERRORS
+    from hptransfer.spec.errors import MAX_SPEC_ERRORS
 
     body = json.dumps({**tiny_spec, **{str(i): 0 for i in range(60_000)}})
     r = post_text(client, body)
@@ -557,8 +557,8 @@ def test_a_trial_page_leaves_the_curves_in_the_database_unless_asked(any_db_clie
 def test_admission_prices_bf16_as_fp32_unless_the_trial_must_run_on_cuda(tiny_spec):
     """bf16 autocasts on CUDA only: a bf16 trial that may run on a CPU worker trains fp32
     there, and was admitted at its halved activations."""
-    from hptransfer.sweeper.admission import trial_costs
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.coordinator.admission import trial_costs
+    from hptransfer.spec import load_spec
 
     (fp32,) = trial_costs(load_spec(tiny_spec))
     costs = {}
@@ -578,7 +578,7 @@ def test_a_gpu_sweep_is_priced_against_a_gpu_not_the_cpu_nodes(client, tiny_spec
     """A GPU sweep on a coordinator whose Ray nodes are CPU-only so far was refused against
     their RAM ("more memory than the 17.3 GB of the largest Ray worker node"), though the
     README says it waits for a GPU node; past the largest GPU it is still refused."""
-    from hptransfer.sweeper import admission
+    from hptransfer.coordinator import admission
 
     monkeypatch.setattr(admission, "largest_worker_memory",
                         lambda: (17.3e9, "the largest Ray worker node"))

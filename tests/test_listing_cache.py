@@ -10,9 +10,9 @@ import time
 from sqlalchemy import text
 
 from hptransfer.api.listing import ListingCache, etag_of
-from hptransfer.sweeper.db.changes import CommitCounter
-from hptransfer.sweeper.db.engine import for_writing, make_engine
-from hptransfer.sweeper.health import Check, ProbeCache
+from hptransfer.coordinator.health import Check, ProbeCache
+from hptransfer.store.changes import CommitCounter
+from hptransfer.store.engine import for_writing, make_engine
 
 
 def test_commits_move_the_counter_and_reads_do_not(tmp_path):
@@ -136,12 +136,12 @@ def test_relisting_a_page_of_many_studies_does_not_validate_their_specs_again(
     from fastapi.testclient import TestClient
     from test_study import study_dict
 
-    import hptransfer.sweeper.spec.cache as cache_module
+    import hptransfer.spec.cache as cache_module
     from hptransfer.api.app import create_app
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.plan import plan_sweep
-    from hptransfer.sweeper.spec import load_spec
-    from hptransfer.sweeper.study import initial_state
+    from hptransfer.coordinator.plan import plan_sweep
+    from hptransfer.coordinator.study import initial_state
+    from hptransfer.spec import load_spec
 
     with TestClient(create_app(get_settings(), dispatch=False)) as api:
         store = api.app.state.coordinator.store
@@ -175,7 +175,7 @@ def test_a_listing_does_not_read_the_specs_it_drops(hpt_home):
 
     from hptransfer.api.app import create_app
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.spec import load_spec
+    from hptransfer.spec import load_spec
 
     raw = {**copy.deepcopy(TINY_SPEC), "description": "d" * 10_000,
            "tags": {f"k{i:03d}" + "x" * 120: "v" * 1024 for i in range(64)}}

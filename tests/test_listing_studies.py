@@ -8,10 +8,10 @@ from test_listing_queries import statements
 from test_study import study_dict
 
 from hptransfer.config import get_settings
-from hptransfer.sweeper.plan import plan_sweep
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import load_spec
-from hptransfer.sweeper.study import initial_state
+from hptransfer.coordinator.plan import plan_sweep
+from hptransfer.coordinator.service import Coordinator
+from hptransfer.coordinator.study import initial_state
+from hptransfer.spec import load_spec
 
 
 def add_studies(coordinator: Coordinator, n: int) -> list[str]:

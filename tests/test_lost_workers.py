@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import ray
     from ray.cluster_utils import Cluster
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.service import Coordinator
+    from hptransfer.coordinator.service import Coordinator
 
     spec = json.loads(sys.argv[1])
     cluster = Cluster(initialize_head=True,
@@ -100,7 +100,7 @@ OOM_SCRIPT = textwrap.dedent(
     import json, sys, time
     import ray
     from hptransfer.config import get_settings
-    from hptransfer.sweeper.service import Coordinator
+    from hptransfer.coordinator.service import Coordinator
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     coordinator = Coordinator(get_settings())

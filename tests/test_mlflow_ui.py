@@ -17,9 +17,9 @@ from test_health import HPT
 from test_tracking import Planned, curve, result, trial_spec
 
 from hptransfer.api.server import free_port
-from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.mlflow.mirror import Mirror
-from hptransfer.sweeper.mlflow.tracking import ui_url
+from hptransfer.store.store import Store
+from hptransfer.tracking.mirror import Mirror
+from hptransfer.tracking.tracking import ui_url
 
 
 @needs_chromium

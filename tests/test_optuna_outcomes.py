@@ -15,19 +15,19 @@ import pytest
 from conftest import TINY_SPEC
 
 from hptransfer.analysis.optimal_lr import optimal_lr
-from hptransfer.analysis.staged import study_fit_report
+from hptransfer.analysis.study_report import study_fit_report
 from hptransfer.config import get_settings
-from hptransfer.sweeper.optuna_search import (
+from hptransfer.coordinator.optuna_search import (
     DIVERGED_PENALTY,
     PROTECTED_ATTRS,
     OptunaSearch,
     fit_neighbours,
     refinement,
 )
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import Search, load_spec
-from hptransfer.sweeper.study import initial_state, next_step
-from hptransfer.workers.trial import Budget, TrialSpec
+from hptransfer.coordinator.service import Coordinator
+from hptransfer.coordinator.study import initial_state, next_step
+from hptransfer.spec import Search, load_spec
+from hptransfer.spec.trial import Budget, TrialSpec
 
 
 def optuna_spec(name: str, **search) -> dict:
@@ -45,7 +45,7 @@ def states(sweep_id: str) -> dict[int, optuna.trial.TrialState]:
 
 def test_a_cancel_from_an_api_only_server_leaves_no_optuna_trial_running(hpt_home,
                                                                         monkeypatch):
-    from hptransfer.sweeper import dispatch
+    from hptransfer.coordinator import dispatch
 
     settings = get_settings()
     dispatching = Coordinator(settings)

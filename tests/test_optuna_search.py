@@ -25,7 +25,7 @@ from hptransfer.api.app import create_app
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.optuna_search import (
+from hptransfer.coordinator.optuna_search import (
     BRACKET_ATTR,
     PROTECTED_ATTRS,
     REFINED_ATTR,
@@ -41,11 +41,11 @@ from hptransfer.sweeper.optuna_search import (
     rival_refinement,
     stable_seed,
 )
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import Search
-from hptransfer.sweeper.spec.sections import MIN_FULL_BUDGET
+from hptransfer.coordinator.service import Coordinator
+from hptransfer.spec import Search
+from hptransfer.spec.sections import MIN_FULL_BUDGET
+from hptransfer.spec.trial import Budget, TrialSpec
 from hptransfer.workers.trainer import run_trial
-from hptransfer.workers.trial import Budget, TrialSpec
 
 TERMINAL_TRIAL = {"completed", "pruned", "diverged", "failed", "cancelled"}
 FINAL_SWEEP = ("completed", "cancelled", "failed")
@@ -309,7 +309,7 @@ def test_seeds_and_first_batches_are_stable_and_per_shape():
     """Seeds are the same in a fresh interpreter with another hash seed (not hash()), and
     each shape gets its own stratified first batch over the whole range."""
     names = ["hpt-a-gpt/sp-N64-L2-s0.02-seed0", "hpt-a-gpt/sp-N128-L2-s0.02-seed0"]
-    code = ("from hptransfer.sweeper.optuna_search import stable_seed; "
+    code = ("from hptransfer.coordinator.optuna_search import stable_seed; "
             f"print([stable_seed(n) for n in {names!r}])")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -723,7 +723,7 @@ def test_report_and_dashboard_mark_pruned_trials_and_their_step():
     and the dashboard list every pruned trial with the step it stopped at."""
     from hptransfer.analysis import fit_report
     from hptransfer.dashboards import render_sweep_html
-    from hptransfer.sweeper.db.store import RESULT_FRAME_COLUMNS
+    from hptransfer.store.store import RESULT_FRAME_COLUMNS
 
     rows = []
     for width, opt in ((64, -7.0), (128, -8.0), (256, -9.0)):  # SP-like: η* halves per doubling
@@ -775,7 +775,7 @@ def test_search_fields_are_checked_and_named(field, value, message):
 
     import yaml
 
-    from hptransfer.sweeper.spec import SpecError, load_spec
+    from hptransfer.spec import SpecError, load_spec
 
     example = Path(__file__).resolve().parent.parent / "examples" / "optuna_lr.yaml"
     spec = yaml.safe_load(example.read_text())

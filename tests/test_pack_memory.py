@@ -51,7 +51,7 @@ def test_the_activation_estimate_against_what_autograd_saves(width, depth, batch
     import torch.nn.functional as F
 
     from hptransfer.models.build import build_from_config
-    from hptransfer.workers.trial import TrialSpec
+    from hptransfer.spec.trial import TrialSpec
 
     spec = TrialSpec(width=width, depth=depth, head_dim=32, batch_size=batch, seq_len=seq,
                      precision="bf16" if half else "fp32")
@@ -125,7 +125,7 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
 _OUT_OF_MEMORY = textwrap.dedent("""
     import json, resource, sys
     from hptransfer.workers.trainer import run_trial, run_trials
-    from hptransfer.workers.trial import TrialSpec
+    from hptransfer.spec.trial import TrialSpec
 
     def status(key):
         return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
@@ -152,7 +152,7 @@ _OUT_OF_MEMORY = textwrap.dedent("""
 
 
 def test_a_pack_that_runs_out_of_memory_is_halved_and_loses_no_member(tmp_path):
-    from hptransfer.workers.trial import TrialResult
+    from hptransfer.spec.trial import TrialResult
 
     # memory_limit=inf: no split up front, so the pack of 4 really fails to allocate
     done = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY, str(tmp_path)],

@@ -20,7 +20,7 @@ from waiting import run_sweep, wait_for
 
 from hptransfer.api import create_app
 from hptransfer.config import get_settings
-from hptransfer.sweeper.packing import (
+from hptransfer.coordinator.packing import (
     CPU_ONE_THREAD_PACKS,
     CPU_PACKS,
     CUDA_PACKS,
@@ -31,9 +31,9 @@ from hptransfer.sweeper.packing import (
     pack_size,
     plan_packs,
 )
-from hptransfer.sweeper.plan import plan_sweep
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import SpecError, load_spec
+from hptransfer.coordinator.plan import plan_sweep
+from hptransfer.coordinator.service import Coordinator
+from hptransfer.spec import SpecError, load_spec
 
 PACKED = "trained packed: "
 
@@ -314,7 +314,7 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
     reach the coordinator as that group finishes and are stored; only the second group's
     members are retried. Also when the progress board answers slower than a tick (drain_s):
     the dead task's members were recorded lost before the delivered results were read."""
-    from hptransfer.sweeper.progress import ProgressBoard
+    from hptransfer.coordinator.progress import ProgressBoard
     from hptransfer.workers.remote import execute_trials
 
     class SlowBoard(ProgressBoard):

@@ -103,7 +103,7 @@ def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
 THREAD_SCRIPT = """
 import threading, time, ray
 from hptransfer.config import get_settings
-from hptransfer.sweeper.dispatch import init_ray
+from hptransfer.coordinator.dispatch import init_ray
 
 # a short-lived thread starts the cluster (a server thread's start-up, TestClient's portal)
 t = threading.Thread(target=init_ray, args=(get_settings(),))

@@ -30,7 +30,7 @@ from waiting import wait_for
 from hptransfer.api.server import free_port, serve_in_thread
 from hptransfer.client import Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.db.store import Store, TrialRecord
+from hptransfer.store.store import Store, TrialRecord
 
 # Ray vendors psutil (ray/thirdparty_files); importable only once ray is imported.
 psutil = importlib.import_module("psutil")
@@ -248,7 +248,7 @@ def test_restart_reconciles_mlflow_with_what_the_dead_coordinator_half_wrote(
     # coordinator stored A's result, then died before its mirror finished A's MLflow run.
     # Trial B: it leased B and its mirror created B's run, then died before the app DB learnt
     # the run id (the kill is a BaseException at that line: nothing after it runs).
-    from hptransfer.sweeper.service import Coordinator
+    from hptransfer.coordinator.service import Coordinator
     from hptransfer.workers.remote import execute_trial
 
     class Killed(BaseException):
@@ -482,9 +482,9 @@ def test_study_planning_is_all_or_nothing_and_resumes_once(hpt_home, ray_cluster
     # A new coordinator must plan A's next stage exactly once and must not re-plan B's.
     from sqlalchemy import event
 
-    from hptransfer.sweeper.service import Coordinator
-    from hptransfer.sweeper.spec import SweepSpec
-    from hptransfer.sweeper.study import next_step
+    from hptransfer.coordinator.service import Coordinator
+    from hptransfer.coordinator.study import next_step
+    from hptransfer.spec import SweepSpec
     from hptransfer.workers.remote import execute_trial
 
     dead = Coordinator(get_settings(), dispatch=False)

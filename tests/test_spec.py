@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hptransfer.models import ModelConfig
-from hptransfer.models.flops import param_counts
-from hptransfer.sweeper.plan import (
+from hptransfer.coordinator.plan import (
     PlannedTrial,
     ShapeKey,
     plan_shapes,
@@ -21,8 +19,10 @@ from hptransfer.sweeper.plan import (
     spec_hash,
     trial_for,
 )
-from hptransfer.sweeper.spec import Fixed, SpecError, SweepSpec, load_spec
-from hptransfer.workers.trial import TrialSpec
+from hptransfer.models import ModelConfig
+from hptransfer.models.flops import param_counts
+from hptransfer.spec import Fixed, SpecError, SweepSpec, load_spec
+from hptransfer.spec.trial import TrialSpec
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -577,7 +577,7 @@ def test_examples_load_and_plan(path):
         assert len(plan) == spec.trial_count()
         assert len({p.content_hash for p in plan}) == len(plan)
     # every shape it trains (a study's later stages too) fits one 80 GB accelerator or host
-    from hptransfer.sweeper.admission import trial_costs
+    from hptransfer.coordinator.admission import trial_costs
 
     largest = max(trial_costs(spec), key=lambda c: c.memory_bytes)
     assert largest.memory_bytes < 80e9, largest.describe()
@@ -605,7 +605,7 @@ def test_x0_example_arms():
 def test_spec_cache_validates_once_keeps_the_newest_and_caches_no_invalid_spec():
     from pydantic import ValidationError
 
-    from hptransfer.sweeper.spec.cache import SpecCache
+    from hptransfer.spec.cache import SpecCache
 
     cache = SpecCache(size=2)
     first = cache.get("a", base())
@@ -628,7 +628,7 @@ def test_arch_options_are_model_config_fields_with_its_defaults_and_choices():
     import typing
 
     from hptransfer.models.config import ACTIVATIONS, POSITIONS
-    from hptransfer.workers.trial import ArchOptions
+    from hptransfer.spec.trial import ArchOptions
 
     model_fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     for name, field in ArchOptions.model_fields.items():

@@ -20,7 +20,8 @@ from sqlalchemy import func, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 
 from hptransfer.config import SettingsError, get_settings
-from hptransfer.sweeper.db.store import (
+from hptransfer.spec.trial import TrialResult, TrialSpec
+from hptransfer.store.store import (
     NOT_STARTED,
     RESULT_FRAME_COLUMNS,
     Base,
@@ -31,7 +32,6 @@ from hptransfer.sweeper.db.store import (
     Trial,
     normalize_url,
 )
-from hptransfer.workers.trial import TrialResult, TrialSpec
 
 PRESET = {"sp": "sp", "mup": "mup", "completep": "completep"}
 
@@ -531,7 +531,7 @@ def test_no_password_in_a_stored_error(store: Store) -> None:
 def test_a_trial_orphaned_again_and_again_fails_rather_than_loop(store: Store) -> None:
     """A trial that takes its coordinator down (a host out of memory) would otherwise be
     re-queued, and take it down, for good."""
-    from hptransfer.sweeper.db.store import MAX_ORPHANED_ATTEMPTS, ORPHANED
+    from hptransfer.store.store import MAX_ORPHANED_ATTEMPTS, ORPHANED
 
     sid = new_sweep(store, plan()[:2])
     for n in range(1, MAX_ORPHANED_ATTEMPTS + 1):

@@ -1,4 +1,4 @@
-"""Staged studies: the `stages:` spec section, the pure planner (sweeper/study.py), the store's
+"""Staged studies: the `stages:` spec section, the pure planner (coordinator/study.py), the store's
 one-transaction stage planning, and a real study through the API (real Ray, real training)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from conftest import TINY_SPEC
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import ApiError, Client
 from hptransfer.config import get_settings
-from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.plan import plan_sweep
-from hptransfer.sweeper.spec import SpecError, load_spec
-from hptransfer.sweeper.study import initial_state, next_step
-from hptransfer.workers.trial import Budget
+from hptransfer.coordinator.plan import plan_sweep
+from hptransfer.coordinator.study import initial_state, next_step
+from hptransfer.spec import SpecError, load_spec
+from hptransfer.spec.trial import Budget
+from hptransfer.store.store import Store
 
 LRS = [2.0**k for k in range(-10, -5)]  # 2^-10 ... 2^-6
 
@@ -275,7 +275,7 @@ def test_check_at_the_bracket_edge_extends_then_reports_a_bound():
 def test_optuna_tune_at_the_edge_extends_by_one_first_batch_slice():
     # sampled LRs are irregular (the refinement is half a slice): the extension steps by a
     # slice of the first batch, log2(hi/lo)/n_startup, not by the closest pair of samples
-    from hptransfer.sweeper.plan import ShapeKey, plan_shapes, trial_for
+    from hptransfer.coordinator.plan import ShapeKey, plan_shapes, trial_for
 
     d = study_dict()
     d["search"] = {"method": "optuna", "n_trials": 8, "n_startup": 5}
@@ -417,7 +417,7 @@ def test_a_shape_in_the_ladder_and_the_aspect_ratio_stage_trains_once(tmp_path):
 def test_an_extension_or_offset_past_max_lr_is_left_out_not_planned():
     """A grid that validates up to MAX_LR: the tune extension past it, or a check offset
     past it, would be trials that cannot validate (the planner raised)."""
-    from hptransfer.workers.trial import MAX_LR
+    from hptransfer.spec.trial import MAX_LR
 
     top = study_dict()
     top["grid"]["lrs"] = [MAX_LR / 4, MAX_LR / 2, MAX_LR]
@@ -441,8 +441,8 @@ def test_an_extension_or_offset_past_max_lr_is_left_out_not_planned():
 def _dispatcher_without_ray(store: Store, monkeypatch) -> tuple[object, list]:
     """A Dispatcher whose ticks plan and lease but hand nothing to Ray (nothing is in
     flight): what it would start is collected."""
-    from hptransfer.sweeper import dispatch
-    from hptransfer.sweeper.dispatch import Dispatcher
+    from hptransfer.coordinator import dispatch
+    from hptransfer.coordinator.dispatch import Dispatcher
 
     d = Dispatcher(store, get_settings())
     monkeypatch.setattr(dispatch.ray, "cluster_resources", lambda: {"CPU": 2.0})
@@ -461,7 +461,7 @@ def _finish_every_trial(store: Store, sid: str) -> None:
 
 
 def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_home, monkeypatch):
-    from hptransfer.sweeper import dispatch
+    from hptransfer.coordinator import dispatch
 
     store = Store(get_settings().database_url)
     store.migrate()
@@ -519,7 +519,7 @@ def test_a_done_study_whose_refresh_failed_completes_on_a_later_tick(hpt_home, m
 
 
 def test_a_cancelled_study_has_no_stage_waiting_or_done(tmp_path):
-    from hptransfer.sweeper.study import study_progress
+    from hptransfer.coordinator.study import study_progress
 
     spec, store, sid = stored_study(tmp_path)
     leased = store.lease_pending("me", 3, sweep_id=sid)
@@ -612,7 +612,8 @@ def test_api_rejects_a_bad_stage_spec_with_the_field(server):
 
 
 def test_study_report_takes_each_fit_from_its_stage():
-    from hptransfer.analysis.staged import STAGE_SOURCES, study_fit_report, transfer_check
+    from hptransfer.analysis.staged import STAGE_SOURCES, transfer_check
+    from hptransfer.analysis.study_report import study_fit_report
 
     rows = []
     centre = {"gpt/sp": -8.0, "gpt/completep": -7.0}
@@ -685,8 +686,8 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
     (the study used to hang: the dispatcher read the negative "trials left to ask" of a
     study whose later stages outnumber the Optuna budget as "some left")."""
     from hptransfer.analysis import optimal_lr
-    from hptransfer.sweeper.optuna_search import fit_neighbours
-    from hptransfer.sweeper.study import _round_lr
+    from hptransfer.coordinator.optuna_search import fit_neighbours
+    from hptransfer.coordinator.study import _round_lr
 
     url, _ = server
     spec = small_study("study-optuna")
@@ -724,7 +725,7 @@ def test_optuna_drives_the_tune_stage_and_the_transfer_uses_its_eta(server):
 def test_study_frontier_keeps_each_token_budget_of_a_shape_as_its_own_point():
     """Two budgets of one ladder shape are two frontier points (never averaged as repeats):
     the frontier is the lower envelope over budgets, and L(N, D) sees D vary at fixed N."""
-    from hptransfer.analysis.staged import study_fit_report
+    from hptransfer.analysis.study_report import study_fit_report
 
     rows = []
 

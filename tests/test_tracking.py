@@ -21,10 +21,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from sqlalchemy import text
 
-from hptransfer.sweeper.db.store import Store, TrialRecord
-from hptransfer.sweeper.mlflow.mirror import Mirror
-from hptransfer.sweeper.mlflow.params import MAX_KEY, MAX_PARAM_VALUE, flatten, mlflow_key
-from hptransfer.sweeper.mlflow.tracking import ui_command
+from hptransfer.store.store import Store, TrialRecord
+from hptransfer.tracking.mirror import Mirror
+from hptransfer.tracking.params import MAX_KEY, MAX_PARAM_VALUE, flatten, mlflow_key
+from hptransfer.tracking.tracking import ui_command
 
 SWEEP_SPEC: dict[str, Any] = {
     "name": "demo",
@@ -394,7 +394,7 @@ def test_a_run_deleted_in_mlflow_is_not_copied_again_and_its_sweep_run_ends(
     deleted = trial_runs(client, experiment_id)[0]
     client.delete_run(deleted.info.run_id)
     finish_all(store, sid, trials)
-    caplog.set_level(logging.WARNING, logger="hptransfer.sweeper.mlflow.mirror")
+    caplog.set_level(logging.WARNING, logger="hptransfer.tracking.mirror")
     mirror.sync()
     assert store.mirror_backlog() == 0
     assert mirror.sync() == 0  # nothing left to copy, nothing tried again
@@ -423,7 +423,7 @@ def test_mirror_thread_backs_off_and_logs_one_line_per_outage(
     monkeypatch.setattr(MlflowClient, "get_experiment_by_name", flaky)
     new_sweep(store)
     mirror = mirror_of(store, mlflow_uri, tmp_path, interval=0.01, max_backoff=0.08)
-    caplog.set_level(logging.INFO, logger="hptransfer.sweeper.mlflow.mirror")
+    caplog.set_level(logging.INFO, logger="hptransfer.tracking.mirror")
     mirror.start()
     try:
         deadline = time.monotonic() + 60
@@ -515,7 +515,7 @@ def test_reserved_tags_are_refused_at_submit_and_never_steer_a_run(
 
     from conftest import TINY_SPEC
 
-    from hptransfer.sweeper.spec import SpecError, load_spec
+    from hptransfer.spec import SpecError, load_spec
 
     spec = {**copy.deepcopy(TINY_SPEC), "tags": {"mlflow.runName": "mine", "HPT.role": "x",
                                                  "team": "a"}}

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from hptransfer.spec.trial import Schedule, TrialSpec
 from hptransfer.workers.trainer import clip_gradients, run_trial
-from hptransfer.workers.trial import Schedule, TrialSpec
 
 SMALL = dict(width=64, depth=2, head_dim=32, batch_size=8, seq_len=32,
              data={"val_tokens": 2048}, budget={"steps": 30})
@@ -189,8 +189,8 @@ def test_trains_on_modded_nanogpt_shards(tmp_path):
 def test_trial_and_sweep_data_sections_are_the_data_layer_spec():
     # One definition: the sweep's and the trial's data sections are DataSpec itself.
     from hptransfer.data import DataSpec
-    from hptransfer.sweeper.spec import SweepSpec
-    from hptransfer.workers.trial import TrialSpec
+    from hptransfer.spec import SweepSpec
+    from hptransfer.spec.trial import TrialSpec
 
     assert TrialSpec.model_fields["data"].annotation is DataSpec
     assert SweepSpec.model_fields["data"].annotation is DataSpec

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hptransfer.jsonsafe import frame_records
+
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
-from .serialize import analysis_dict, frame_records, with_none
+from .serialize import analysis_dict, with_none
 from .stats import snap_runs
 from .trials import Trials
 

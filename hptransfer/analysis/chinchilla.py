@@ -18,6 +18,8 @@ import pandas as pd
 from scipy.optimize import minimize
 from scipy.special import expit, logit
 
+from hptransfer.jsonsafe import frame_records, json_safe
+
 from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
@@ -31,7 +33,7 @@ from .fit_result import (
 )
 from .optimal_lr import OptimalLRResult, as_optimal
 from .powerlaw import e_at_zero_problem
-from .serialize import analysis_dict, frame_records, json_safe, with_none
+from .serialize import analysis_dict, with_none
 from .stats import single_threaded
 from .trials import Trials
 

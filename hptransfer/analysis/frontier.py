@@ -8,11 +8,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hptransfer.jsonsafe import frame_records
+
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, as_optimal
 from .powerlaw import PARAM_NAMES, PowerLawFit, fit_power_law
 from .powerlaw_shared import fit_power_laws_shared_e
-from .serialize import analysis_dict, frame_records, with_none
+from .serialize import analysis_dict, with_none
 from .trials import Trials
 
 

@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hptransfer.jsonsafe import frame_records
+
 from .basins import RIVAL_TOLERANCE, rival_basins
 from .errors import NotEnoughData
 from .parabola import ParabolaFits, fit_parabolas
-from .serialize import analysis_dict, frame_records
+from .serialize import analysis_dict
 from .stats import percentile_ci, snap_runs
 from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
 

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
+from hptransfer.jsonsafe import json_safe
+
 from .errors import NotEnoughData
 from .fit_result import (
     FitResult,
@@ -19,7 +21,6 @@ from .fit_result import (
     studentized_log_cis,
     usable_points,
 )
-from .serialize import json_safe
 from .stats import single_threaded
 
 # Parameters are p = (log E, log A', log b) with A' = A * C0^(-b): logs keep E, A, b positive

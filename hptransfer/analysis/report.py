@@ -10,13 +10,14 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
+from hptransfer.jsonsafe import json_safe
+
 from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
 from .chinchilla import ChinchillaResult, chinchilla_fit
 from .errors import AnalysisError
 from .frontier import FrontierResult, loss_compute_frontier
 from .optimal_lr import OptimalLRResult, as_optimal, budgets_vary, optimal_lr
 from .savings import SavingsResult, flop_savings
-from .serialize import json_safe
 from .staged import TransferCheckResult
 from .stats import single_threaded_blas
 from .transfer import TransferResult, transfer_drift

@@ -10,11 +10,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hptransfer.jsonsafe import frame_records, json_safe
+
 from .errors import NotEnoughData
 from .frontier import FrontierResult, loss_compute_frontier
 from .optimal_lr import OptimalLRResult
 from .powerlaw import PowerLawFit
-from .serialize import analysis_dict, frame_records, json_safe, with_none
+from .serialize import analysis_dict, with_none
 from .stats import percentile_ci
 from .trials import Trials
 

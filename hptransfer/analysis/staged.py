@@ -22,14 +22,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .aspect_ratio import optimal_aspect_ratio
-from .chinchilla import chinchilla_fit
 from .errors import NotEnoughData
-from .frontier import loss_compute_frontier
 from .optimal_lr import OptimalLRResult, optimal_lr, per_budget
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
-from .stats import single_threaded_blas
 from .trials import CORE_COLUMNS, MUP_LABELS, SP_LABELS, prepare_trials
 
 STAGE_SOURCES: dict[str, str] = {
@@ -166,7 +162,7 @@ def by_budget(frame: pd.DataFrame, *needs: str) -> OptimalLRResult:
     return per_budget(prepare_trials(frame, (*CORE_COLUMNS, *needs, "tokens")))
 
 
-def _param_of(frame: pd.DataFrame) -> dict[str, str]:
+def param_of(frame: pd.DataFrame) -> dict[str, str]:
     if "parameterization" not in frame:
         return {}
     pairs = frame[["arm", "parameterization"]].drop_duplicates()
@@ -190,70 +186,3 @@ def study_savings(frontier: Any, reference_arm: str | None, arms_param: dict[str
             result.comparisons[f"{arm}|{mup[0]}"] = compare_fits(
                 fit, frontier.fits[mup[0]], arm=arm, reference=mup[0], n_grid=n_grid, ci=ci)
     return result
-
-
-def study_fit_report(
-    df: pd.DataFrame,
-    reference_arm: str | None = None,
-    *,
-    bootstrap: int = 200,
-    seed: int | None = 0,
-    ci: float = 0.95,
-    size_tolerance: float = 0.15,
-    within: float = 0.01,
-    n_grid: int = 20,
-    neighbours: int = 2,
-) -> Any:
-    """A `FitReport` whose every analysis comes from its stage (see `STAGE_SOURCES`);
-    `neighbours`: LRs each side of the best that the tune stage's η* is fitted on."""
-    from .report import FitReport  # report imports this module for its table list
-
-    report = FitReport(bootstrap=bootstrap, seed=seed)
-    report.stages = dict(STAGE_SOURCES)
-    try:
-        trials = prepare_trials(df, CORE_COLUMNS)
-    except Exception as exc:
-        report.error = str(exc)
-        report.n_trials = len(df) if isinstance(df, pd.DataFrame) else 0
-        return report
-    report.n_trials = trials.n_input
-    report.status_counts = trials.status_counts
-
-    def part(*stages: str) -> pd.DataFrame:
-        return df[df["stage"].isin(stages)].drop(columns=["stage"])
-
-    def run(name: str, fn: Any) -> Any:
-        try:
-            return fn()
-        except Exception as exc:  # one analysis' bug must not take the report down
-            report.failures[name] = f"{type(exc).__name__}: {exc}"
-            return None
-
-    with single_threaded_blas():
-        tune = part("tune")
-        report.optimal_lr = run("optimal_lr", lambda: optimal_lr(
-            tune, bootstrap=bootstrap, seed=seed, ci=ci, neighbours=neighbours))
-        report.transfer_check = run("transfer_check", lambda: transfer_check(
-            df, bootstrap=bootstrap, seed=seed, ci=ci, base_fit=report.optimal_lr,
-            neighbours=neighbours))
-        # a ladder shape may run at two token budgets: each (shape, tokens) is its own point,
-        # so the frontier takes the lower envelope and L(N, D) sees D vary at fixed N
-        ladder = run("frontier", lambda: by_budget(part("transfer"), "flops"))
-        # one E for all arms: a study's arms share corpus, tokenizer and validation tokens
-        if ladder is not None:
-            report.frontier = run("frontier", lambda: loss_compute_frontier(
-                ladder, bootstrap=bootstrap, seed=seed, ci=ci, shared_asymptote=True))
-        if report.frontier is not None:
-            report.warnings.extend(report.frontier.left_out)
-            report.savings = run("savings", lambda: study_savings(
-                report.frontier, reference_arm, _param_of(df), n_grid, ci))
-            if report.savings is not None:
-                report.reference_arm = report.savings.reference
-        report.aspect_ratio = run("aspect_ratio", lambda: optimal_aspect_ratio(
-            part("aspect_ratio"), tolerance=size_tolerance, within=within))
-        if report.aspect_ratio is not None:  # in the text too, not only the JSON
-            report.warnings.extend(report.aspect_ratio.set_aside)
-        report.chinchilla = run("chinchilla", lambda: chinchilla_fit(
-            by_budget(part("transfer", "aspect_ratio"), "params_non_embedding"),
-            bootstrap=bootstrap, seed=seed, ci=ci))
-    return report

@@ -13,9 +13,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from hptransfer.jsonsafe import frame_records
+
 from .errors import NotEnoughData
 from .optimal_lr import OptimalLRResult, optimal_lr
-from .serialize import analysis_dict, frame_records, with_none
+from .serialize import analysis_dict, with_none
 
 AXES: tuple[str, ...] = ("width", "depth")
 

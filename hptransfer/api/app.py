@@ -13,11 +13,11 @@ from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hptransfer.config import Settings, get_settings
+from hptransfer.coordinator.gate import Busy
+from hptransfer.coordinator.service import Coordinator
 from hptransfer.dashboards import dashboard_artifacts
-from hptransfer.sweeper.db.store import NotFoundError
-from hptransfer.sweeper.gate import Busy
-from hptransfer.sweeper.service import Coordinator
-from hptransfer.sweeper.spec import SpecError
+from hptransfer.spec import SpecError
+from hptransfer.store.store import NotFoundError
 
 from .dashboards import router as dashboards_router
 from .guards import (

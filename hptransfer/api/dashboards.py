@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
+from hptransfer.coordinator.fits import FitsBusy
 from hptransfer.dashboards import (
     plotly_js_path,
     plotly_js_text,
@@ -16,7 +17,6 @@ from hptransfer.dashboards import (
     render_sweep_html,
     sweep_data,
 )
-from hptransfer.sweeper.fits import FitsBusy
 
 from .routes import NOT_MODIFIED, coordinator
 

@@ -14,8 +14,8 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
-from hptransfer.spec_text import DuplicateKey
-from hptransfer.sweeper.spec.loading import strict_json_loads
+from hptransfer.spec.loading import strict_json_loads
+from hptransfer.spec.text import DuplicateKey
 
 
 class StrictJSONRequest(Request):

@@ -1,4 +1,4 @@
-"""GET /health's body: the component checks of `hptransfer.sweeper.health`, run inside the
+"""GET /health's body: the component checks of `hptransfer.coordinator.health`, run inside the
 server against the connections it holds, plus the dispatcher's state."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from hptransfer.redaction import mask_url, redact
-from hptransfer.sweeper.health import (
+from hptransfer.coordinator.health import (
     Check,
     MlflowStoreWatch,
     ProbeCache,
     run_checks,
 )
+from hptransfer.redaction import mask_url, redact
 
 
 def remember_mlflow_store(app: FastAPI) -> None:

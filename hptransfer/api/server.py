@@ -39,7 +39,7 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
     """
     import ray
 
-    from hptransfer.sweeper.dispatch import init_ray
+    from hptransfer.coordinator.dispatch import init_ray
 
     sock = listen(host, port)  # before Ray, whose processes pick free ports as they start
     print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)",

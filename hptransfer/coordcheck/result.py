@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # the package's one NaN->None scrubber (analysis/ may not import upwards, so it lives there)
-from hptransfer.analysis.serialize import json_safe
+from hptransfer.jsonsafe import json_safe
 
 from .training import ordered_modules
 from .verdict import Verdict

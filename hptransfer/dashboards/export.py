@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.analysis import FitReport
+from hptransfer.coordinator.fits import sweep_report
 from hptransfer.status import TrialStatus
-from hptransfer.sweeper.db.store import NotFoundError, Store
-from hptransfer.sweeper.fits import sweep_report
+from hptransfer.store.store import NotFoundError, Store
 
 from .pages import render_sweep_html
 from .pngs import frontier_png, lr_png
@@ -46,8 +46,8 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
     summary.update(counts=counts, total=total, done=done,
                    progress=done / total if total else 0.0, eta_s=None)
     if sweep.study is not None:  # a study: each stage's progress, as the API has it
-        from hptransfer.sweeper.spec import SweepSpec
-        from hptransfer.sweeper.study import study_progress
+        from hptransfer.coordinator.study import study_progress
+        from hptransfer.spec import SweepSpec
 
         summary["stages"] = study_progress(SweepSpec.model_validate(sweep.spec),
                                            sweep.study, store.stage_counts(sweep_id),

@@ -5,9 +5,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from hptransfer.spec.data import val_window_problem
+
 from .checks import first_out_of_range, out_of_range_message
 from .errors import DataError
-from .spec import val_window_problem
 from .stream import TokenStream
 from .tokenizer import Tokenizer
 

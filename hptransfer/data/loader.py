@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hptransfer.spec.data import DataSpec, cache_dir_default
+
 from .bpe import load_or_train_bpe
 from .cache import ensure_dir, evict_least_used, mark_used, publish
 from .checks import first_out_of_range, out_of_range_message
@@ -14,7 +16,6 @@ from .corpus import FILE_SEPARATOR, Corpus, load_stdlib_corpus
 from .dataset import TokenDataset
 from .errors import DataError
 from .shards import open_shards, shards_hash
-from .spec import DataSpec, cache_dir_default
 from .stream import TokenStream
 from .tokenizer import ByteTokenizer, Tokenizer
 

@@ -1,6 +1,6 @@
 """How much memory a trial needs, and how much a device has free.
 
-Admission (sweeper/admission.py) refuses a trial no worker could hold; a worker splits a
+Admission (coordinator/admission.py) refuses a trial no worker could hold; a worker splits a
 pack (workers/packed.py) whose members would not fit on its device together. Both price a
 trial with `trial_memory`:
 
@@ -39,8 +39,7 @@ import torch
 
 from hptransfer.models.flops import param_counts
 from hptransfer.models.layers import small_heads
-
-from .trial import TrialSpec, sequences_per_pass
+from hptransfer.spec.trial import TrialSpec, sequences_per_pass
 
 STATE_BYTES_PER_PARAM = 16
 # a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered

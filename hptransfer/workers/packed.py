@@ -35,6 +35,7 @@ from hptransfer.data import TokenDataset
 from hptransfer.models import ParamTable
 from hptransfer.models.build import build_from_config
 from hptransfer.models.ngpt import NGPT, unit
+from hptransfer.spec.trial import TrialResult, TrialSpec
 
 from .device import (
     Compiled,
@@ -58,7 +59,6 @@ from .plan import (
     validation_batches,
 )
 from .subnormals import subnormals_flushed
-from .trial import TrialResult, TrialSpec
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes `specs`
 PackedReporter = Callable[[int, dict[str, Any]], bool | None]

@@ -24,11 +24,11 @@ import torch
 from hptransfer.data import DataError, TokenDataset, load_dataset
 from hptransfer.models import FlopBreakdown, ModelConfig, ParamCounts, ParamTable
 from hptransfer.models.flops import flops_per_token, param_counts
+from hptransfer.spec.trial import TrialResult, TrialSpec, sequences_per_pass
 
 from .device import autocasts, peak_flops
 from .host_memory import keep_freed_memory
 from .subnormals import flushing_subnormals, set_flush_everywhere
-from .trial import TrialResult, TrialSpec, sequences_per_pass
 
 CURVE_POINTS = 50
 # at most this many evaluations per trial: each is a curve point (stored with the result, sent

@@ -17,8 +17,9 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from hptransfer.spec.trial import TrialResult
+
 from .trainer import run_trial, run_trials
-from .trial import TrialResult
 
 log = logging.getLogger(__name__)
 _REPORT_TIMEOUT_S = 5.0

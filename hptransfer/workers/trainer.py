@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from hptransfer.data import TokenDataset
 from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
+from hptransfer.spec.trial import TrialResult, TrialSpec
 
 from .device import (
     Compiled,
@@ -45,7 +46,6 @@ from .plan import (
     validation_batches,
 )
 from .subnormals import subnormals_flushed
-from .trial import TrialResult, TrialSpec
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
 # train_loss, lr and, at evaluation points, val_loss

@@ -1,7 +1,7 @@
 """The `stages:` section of a SweepSpec: a staged "tune small, train large" study.
 
 A study is one sweep whose stages run in order, each planned from the results of the ones
-before it (see `hptransfer.sweeper.study`):
+before it (see `hptransfer.coordinator.study`):
 
 1. tune          the sweep's own grid (or Optuna search) at the base shape
                  (fixed.base_width x fixed.base_depth): η* and σ* per arm;
@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from hptransfer.workers.trial import MAX_TOKENS_PER_PARAM
+from hptransfer.spec.trial import MAX_TOKENS_PER_PARAM
 
 from .errors import SpecError, error
 from .sections import SpecModel

@@ -1,5 +1,5 @@
 """Reading a sweep spec's text strictly, with no import heavier than PyYAML: shared by the
-server's spec loader (sweeper/spec/loading.py) and the client, so a spec is read the same way
+server's spec loader (spec/loading.py) and the client, so a spec is read the same way
 on both sides (the client's parse is what reaches the server as JSON).
 
 Strict: a key given twice is an error (PyYAML and Python's json keep the last silently),

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from hptransfer.config import Settings
 from hptransfer.models.flops import flops_per_token, param_counts
+from hptransfer.spec import SpecError, SweepSpec
+from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.workers.memory import host_memory, trial_memory
 
 from .packing import on_gpu
-from .spec import SpecError, SweepSpec
-from .spec.stages import STAGE_ORDER
 
 GB = 1e9
 LARGEST_GPU_BYTES = 192 * GB  # B200, MI300X: no single accelerator holds more today

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hptransfer.data.spec import DataSpec, val_window_problem
 from hptransfer.models import ModelConfig, Parameterization
 from hptransfer.models.config import (
     MAX_DEPTH,
@@ -26,6 +25,7 @@ from hptransfer.models.config import (
     Arch,
     Position,
 )
+from hptransfer.spec.data import DataSpec, val_window_problem
 from hptransfer.status import TrialStatus
 
 # Frozen, no unknown keys, no coercion (a bool is not a number, 64.0 is not an int, "1" is

@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.pool import StaticPool
 
-from hptransfer.analysis.serialize import json_safe
+from hptransfer.jsonsafe import json_safe
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _IMMEDIATE = "hpt_sqlite_immediate"  # execution option marking a write transaction

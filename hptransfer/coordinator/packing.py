@@ -14,10 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from hptransfer.spec import SweepSpec
+from hptransfer.spec.trial import sequences_per_pass
 from hptransfer.workers.packed import PACKABLE_FIELDS, split_evenly
-from hptransfer.workers.trial import sequences_per_pass
-
-from .spec import SweepSpec
 
 # `pack: auto` packs a shape whose work per forward pass is small enough for packing to have
 # paid where it was measured. That work is tokens per pass (micro-batch x seq_len) x width^2

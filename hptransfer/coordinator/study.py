@@ -27,13 +27,13 @@ import pandas as pd
 
 from hptransfer.analysis import optimal_lr
 from hptransfer.analysis.staged import transfer_check
+from hptransfer.spec import SweepSpec
+from hptransfer.spec.stages import STAGE_ORDER
+from hptransfer.spec.trial import MAX_LR
 from hptransfer.status import SweepStatus, TrialStatus
-from hptransfer.workers.trial import MAX_LR
 
 from .optuna_search import fit_neighbours
 from .plan import PlannedTrial, ShapeKey, trial_at
-from .spec import SweepSpec
-from .spec.stages import STAGE_ORDER
 
 TUNE = "tune"
 StepKind = Literal["plan", "stop", "done"]

@@ -36,10 +36,9 @@ import optuna
 
 from hptransfer.analysis.basins import rival_basins
 from hptransfer.models import param_counts
-from hptransfer.workers.trial import TrialSpec
-
-from .spec import Search
-from .spec.sections import MIN_FULL_BUDGET
+from hptransfer.spec import Search
+from hptransfer.spec.sections import MIN_FULL_BUDGET
+from hptransfer.spec.trial import TrialSpec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

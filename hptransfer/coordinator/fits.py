@@ -12,10 +12,11 @@ import threading
 from typing import Any
 
 from hptransfer.analysis import FitReport, fit_report
-from hptransfer.analysis.serialize import json_safe
-from hptransfer.analysis.staged import is_study_frame, study_fit_report
+from hptransfer.analysis.staged import is_study_frame
+from hptransfer.analysis.study_report import study_fit_report
+from hptransfer.jsonsafe import json_safe
+from hptransfer.store.store import Store
 
-from .db.store import Store
 from .gate import Busy, Gate, half_the_cores
 from .optuna_search import fit_neighbours
 

@@ -4,7 +4,7 @@ At runtime `Store.migrate()` passes its own connection in `config.attributes["co
 (no alembic.ini). To write a new revision, autogenerate it against a database at head:
 
     from alembic import command
-    from hptransfer.sweeper.db.engine import alembic_config
+    from hptransfer.store.engine import alembic_config
     cfg = alembic_config()
     cfg.set_main_option("sqlalchemy.url", "sqlite:///scratch.db")  # else HPT_DATABASE_URL
     command.upgrade(cfg, "head")
@@ -17,8 +17,8 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 from hptransfer.config import get_settings
-from hptransfer.sweeper.db.engine import make_engine, normalize_url
-from hptransfer.sweeper.db.schema import Base
+from hptransfer.store.engine import make_engine, normalize_url
+from hptransfer.store.schema import Base
 
 config = context.config
 target_metadata = Base.metadata

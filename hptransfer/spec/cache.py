@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from .model import SweepSpec
+from .sweep import SweepSpec
 
 # the most sweeps one listing page shows (GET /sweeps?limit=): a page of studies re-listed
 # after every commit must find all its specs here, or LRU eviction validates them all again

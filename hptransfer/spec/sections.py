@@ -23,7 +23,7 @@ from pydantic import (
 from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
 from hptransfer.models.config import MAX_DEPTH, MAX_HEAD_DIM, MAX_SEQ_LEN, MAX_WIDTH, Arch
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
-from hptransfer.workers.trial import (
+from hptransfer.spec.trial import (
     MAX_BATCH_SIZE,
     MAX_DIVERGENCE_FACTOR,
     MAX_EPS,
@@ -197,7 +197,7 @@ class SweepBudget(Budget):
         return Budget(tokens=self.tokens, steps=self.steps, tokens_per_param=self.tokens_per_param)
 
 
-# Optuna search defaults (see hptransfer/sweeper/optuna_search.py for how each is used).
+# Optuna search defaults (see hptransfer/coordinator/optuna_search.py for how each is used).
 DEFAULT_N_STARTUP = 4  # range-covering LRs asked before the sampler takes over
 MIN_FULL_BUDGET = 3  # trials per study trained to the full budget before any pruning
 
@@ -233,7 +233,7 @@ class Resources(SpecModel):
 
     `pack`: pending trials of one shape (they may differ in LR, sigma, seed and schedule) are
     trained together as one batched model in one task with these resources; `auto` picks
-    the size from the shape and the device (`sweeper/packing.py`), 1 never packs. Each
+    the size from the shape and the device (`coordinator/packing.py`), 1 never packs. Each
     member stays its own trial. `max_concurrent` counts tasks, so a pack is one of them.
     """
 

@@ -286,7 +286,7 @@ class Store:
     ) -> str:
         """Insert a sweep and all its planned trials in one transaction; return the sweep id.
 
-        `study`: the initial state of a staged study (see sweeper/study.py); such a sweep is
+        `study`: the initial state of a staged study (see coordinator/study.py); such a sweep is
         never completed here, since its later stages are still to be planned.
         `max_concurrent` and `planned_total` (the trials the sweep will have; default: the
         planned ones) are kept so summaries never need the spec.

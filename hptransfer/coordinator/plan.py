@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hptransfer.workers.trial import TrialSpec
-
-from .spec import SweepSpec
+from hptransfer.spec import SweepSpec
+from hptransfer.spec.trial import TrialSpec
 
 
 @dataclass(frozen=True)
@@ -126,6 +125,6 @@ def _planned(spec: SweepSpec, shape: ShapeKey, lr: float,
         sigma_base=shape.sigma_base,
         seed=shape.seed,
         content_hash=trial.content_hash(),
-        # a study's grid is its tune stage (later stages are planned by sweeper/study.py)
+        # a study's grid is its tune stage (later stages are planned by coordinator/study.py)
         stage="tune" if spec.stages is not None else None,
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from hptransfer.spec_text import (
+from hptransfer.spec.text import (
     DuplicateKey,
     load_yaml,
     looks_like_path,

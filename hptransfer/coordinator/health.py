@@ -20,9 +20,8 @@ from typing import Any
 import hptransfer
 from hptransfer.config import RAY_REQUIRE_ENV, Settings, ray_required_resources
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
-
-from .db.engine import current_revision, make_engine, packaged_head
-from .mlflow.params import normalize_tracking_uri, sqlite_path
+from hptransfer.store.engine import current_revision, make_engine, packaged_head
+from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
 
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
@@ -361,7 +360,7 @@ def _ray_checks(settings: Settings, deep: bool, connect: bool) -> list[Check]:
         if not settings.ray_address:
             return [Check("ray", True, "no RAY_ADDRESS: `hpt serve` starts an in-process "
                           "cluster on this machine"), *_local_checks(settings)]
-        try:  # (importing hptransfer.sweeper prepared Ray's token auth)
+        try:  # (importing hptransfer.coordinator prepared Ray's token auth)
             ray.init(address=settings.ray_address, log_to_driver=False,
                      configure_logging=False, logging_level="error")
         except Exception as exc:

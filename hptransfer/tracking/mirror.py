@@ -34,11 +34,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hptransfer.backoff import Backoff
+from hptransfer.spec.sweep import RESERVED_TAG_PREFIXES
 from hptransfer.status import ACTIVE
-from hptransfer.sweeper.backoff import Backoff
-from hptransfer.sweeper.db.records import AttemptRecord, SweepRecord
-from hptransfer.sweeper.db.store import Store
-from hptransfer.sweeper.spec.model import RESERVED_TAG_PREFIXES
+from hptransfer.store.records import AttemptRecord, SweepRecord
+from hptransfer.store.store import Store
 
 from .params import (
     MAX_METRICS_PER_BATCH,

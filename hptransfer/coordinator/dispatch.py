@@ -55,21 +55,21 @@ from ray.exceptions import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from hptransfer.backoff import Backoff
 from hptransfer.config import Settings
+from hptransfer.spec import SweepSpec
+from hptransfer.spec.cache import SpecCache
+from hptransfer.spec.sections import MAX_PACK
 from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
+from hptransfer.store.rows import utcnow
+from hptransfer.store.store import Store, SweepRecord, TrialRecord
+from hptransfer.tracking.mirror import Mirror
 from hptransfer.workers.remote import execute_trial, execute_trials
 
-from .backoff import Backoff
-from .db.rows import utcnow
-from .db.store import Store, SweepRecord, TrialRecord
-from .mlflow.mirror import Mirror
 from .optuna_search import OptunaSearch
 from .packing import measured_packs, pack_cost, pack_size, plan_packs
 from .plan import ShapeKey, plan_shapes, trial_for
 from .progress import ProgressBoard
-from .spec import SweepSpec
-from .spec.cache import SpecCache
-from .spec.sections import MAX_PACK
 from .study import next_step
 
 log = logging.getLogger(__name__)
@@ -698,7 +698,7 @@ class Dispatcher:
                                                    member=i if len(trials) > 1 else None,
                                                    drains_before=self._drains_sent)
 
-    # staged studies (sweeper/study.py) -------------------------------------------------
+    # staged studies (coordinator/study.py) -------------------------------------------------
     def _advance_study(self, sweep: SweepRecord, spec: SweepSpec) -> bool:
         """When every trial of a study planned so far has finished, plan its next stage
         (or stop it, or finish it) in one transaction. True if the sweep ended."""

@@ -2,7 +2,7 @@
 
 A sweep is a set of arms (architecture x parameterization) crossed with a grid of widths,
 depths, learning rates, init scales and seeds, trained to one token budget. Everything a
-trial needs is here; `hptransfer.sweeper.plan` expands a spec into `TrialSpec`s.
+trial needs is here; `hptransfer.coordinator.plan` expands a spec into `TrialSpec`s.
 
 Validation happens in two passes. Pydantic checks types and ranges of every field; then
 `SweepSpec`'s own check looks across fields (pairings, divisibility, the trial cap) and builds
@@ -25,10 +25,10 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from hptransfer.data.spec import DataSpec, val_window_problem
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import param_counts
-from hptransfer.workers.trial import Budget, Schedule, TrialSpec
+from hptransfer.spec.data import DataSpec, val_window_problem
+from hptransfer.spec.trial import Budget, Schedule, TrialSpec
 
 from .errors import SpecError, error, plain_message, spec_error
 from .loading import read_spec_data

@@ -13,19 +13,19 @@ from typing import Any
 
 from hptransfer.config import Settings, get_settings
 from hptransfer.data import DataError, load_dataset
+from hptransfer.spec import SpecError, SweepSpec, load_spec, storable
+from hptransfer.spec.cache import SpecCache
 from hptransfer.status import TrialStatus
+from hptransfer.store.changes import CommitCounter
+from hptransfer.store.store import NotFoundError, Store, SweepRecord
+from hptransfer.tracking.mirror import Mirror
+from hptransfer.tracking.tracking import prepare_sqlite_store
 
 from .admission import admit
-from .db.changes import CommitCounter
-from .db.store import NotFoundError, Store, SweepRecord
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .gate import Busy, Gate, half_the_cores
-from .mlflow.mirror import Mirror
-from .mlflow.tracking import prepare_sqlite_store
 from .plan import plan_shapes, plan_sweep, spec_hash
-from .spec import SpecError, SweepSpec, load_spec, storable
-from .spec.cache import SpecCache
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
