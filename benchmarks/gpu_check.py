@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from _timing import pack_step_stamps, step_stamps
 
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.models.flops import flops_per_token
 from hptransfer.spec.trial import TrialResult, TrialSpec
-from hptransfer.status import TrialStatus
 from hptransfer.workers.device import autocasts, peak_flops, resolve_device
 from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.plan import load_trial_data

@@ -13,9 +13,9 @@ import pandas as pd
 import yaml
 
 from hptransfer.config import client_token, client_url, token_problem
+from hptransfer.contracts.status import ACTIVE, SweepStatus
 from hptransfer.redaction import mask_url, redact
 from hptransfer.spec.text import load_yaml, looks_like_path, non_finite_paths
-from hptransfer.status import ACTIVE, SweepStatus
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 TERMINAL_SWEEP: tuple[str, ...] = tuple(s for s in SweepStatus if s not in ACTIVE)
@@ -121,12 +121,10 @@ class Client:
         """All trials of a sweep (paged through) as a DataFrame, one row per trial; the
         same columns and numeric dtypes whether or not any row matched or has results.
         `curves`: each `result` with its loss curve (fetched 100 trials a request)."""
-        from dataclasses import fields
+        from hptransfer.contracts.filters import TRIAL_FILTER_NAMES
+        from hptransfer.contracts.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
 
-        from hptransfer.store.query import TrialFilters
-        from hptransfer.store.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
-
-        allowed = [f.name for f in fields(TrialFilters)]
+        allowed = list(TRIAL_FILTER_NAMES)
         if unknown := sorted(set(filters) - set(allowed)):  # the API would ignore a typo
             raise TypeError(f"unknown trial filter {', '.join(unknown)}; filter by "
                             f"{', '.join(allowed)}")

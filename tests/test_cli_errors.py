@@ -268,7 +268,7 @@ def test_ctrl_c_while_waiting_says_the_sweep_goes_on(server, tmp_path):
 
 
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
-    from hptransfer.store.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
+    from hptransfer.contracts.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
     from hptransfer.store.store import Store
 
     url, settings = server

@@ -441,8 +441,8 @@ def test_a_failed_trial_without_error_text_in_a_frame_renders() -> None:
     assert "could not render" not in html and "Failed trials (2; last error line)" in html
 
 def test_every_trial_status_has_a_colour_chip_and_bar_segment():
+    from hptransfer.contracts.status import TrialStatus
     from hptransfer.dashboards.html import STATUS_COLORS, progress_bar, status_chips
-    from hptransfer.status import TrialStatus
 
     assert set(STATUS_COLORS) == set(TrialStatus)
     counts = {str(s): 1 for s in TrialStatus}  # counts come from the store keyed by string

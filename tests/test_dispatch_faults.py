@@ -23,11 +23,11 @@ from waiting import run_sweep, wait_for
 
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
+from hptransfer.contracts.status import ACTIVE
 from hptransfer.coordinator.optuna_search import first_batch
 from hptransfer.coordinator.plan import plan_shapes, plan_sweep
 from hptransfer.coordinator.service import Coordinator
 from hptransfer.spec import load_spec
-from hptransfer.status import ACTIVE
 from hptransfer.store.store import Store
 
 

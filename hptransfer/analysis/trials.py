@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from hptransfer.status import TrialStatus
+from hptransfer.contracts.status import TrialStatus
 
 from .errors import AnalysisError
 

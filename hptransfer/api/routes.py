@@ -7,12 +7,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
 from pydantic import TypeAdapter
 
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.coordinator.service import UnknownArm
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.spec.cache import MAX_PAGE
 from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.spec.trial import MAX_SEED, MAX_SIGMA
-from hptransfer.status import TrialStatus
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json

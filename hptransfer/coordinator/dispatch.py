@@ -57,10 +57,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.backoff import Backoff
 from hptransfer.config import Settings
+from hptransfer.contracts.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.spec import SweepSpec
 from hptransfer.spec.cache import SpecCache
 from hptransfer.spec.sections import MAX_PACK
-from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.store.rows import utcnow
 from hptransfer.store.store import Store, SweepRecord, TrialRecord
 from hptransfer.tracking.mirror import Mirror

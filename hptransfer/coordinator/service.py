@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hptransfer.config import Settings, get_settings
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.data import DataError, load_dataset
 from hptransfer.spec import SpecError, SweepSpec, load_spec, storable
 from hptransfer.spec.cache import SpecCache
-from hptransfer.status import TrialStatus
 from hptransfer.store.changes import CommitCounter
 from hptransfer.store.store import NotFoundError, Store, SweepRecord
 from hptransfer.tracking.mirror import Mirror

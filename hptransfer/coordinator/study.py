@@ -27,10 +27,10 @@ import pandas as pd
 
 from hptransfer.analysis import optimal_lr
 from hptransfer.analysis.staged import transfer_check
+from hptransfer.contracts.status import SweepStatus, TrialStatus
 from hptransfer.spec import SweepSpec
 from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.spec.trial import MAX_LR
-from hptransfer.status import SweepStatus, TrialStatus
 
 from .optuna_search import fit_neighbours
 from .plan import PlannedTrial, ShapeKey, trial_at

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.analysis import FitReport
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.coordinator.fits import sweep_report
-from hptransfer.status import TrialStatus
 from hptransfer.store.store import NotFoundError, Store
 
 from .pages import render_sweep_html

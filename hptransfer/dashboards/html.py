@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from hptransfer.status import TrialStatus
+from hptransfer.contracts.status import TrialStatus
 
 from .static import plotly_script_tag
 
@@ -61,7 +61,7 @@ window.addEventListener("error", function (e) {
 });
 </script>"""
 
-# display order and colour of every trial status (the statuses themselves: hptransfer.status)
+# display order and colour of every trial status (the statuses: hptransfer.contracts.status)
 STATUS_COLORS: dict[TrialStatus, str] = {
     TrialStatus.COMPLETED: "#2e9d5b", TrialStatus.RUNNING: "#2f6fdb",
     TrialStatus.PENDING: "#c4c9d2", TrialStatus.DIVERGED: "#e08a1e",

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from hptransfer.status import ACTIVE
+from hptransfer.contracts.status import ACTIVE
 
 from .html import (
     esc,

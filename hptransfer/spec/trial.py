@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.models import ModelConfig, Parameterization
 from hptransfer.models.config import (
     MAX_DEPTH,
@@ -26,7 +27,6 @@ from hptransfer.models.config import (
     Position,
 )
 from hptransfer.spec.data import DataSpec, val_window_problem
-from hptransfer.status import TrialStatus
 
 # Frozen, no unknown keys, no coercion (a bool is not a number, 64.0 is not an int, "1" is
 # not 1) and no infinities or NaNs: what every spec model and trial model validates with.

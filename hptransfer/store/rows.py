@@ -11,7 +11,8 @@ from typing import Any, Protocol, cast
 
 from sqlalchemy import inspect
 
-from .records import SweepRecord, TrialRecord
+from hptransfer.contracts.records import SweepRecord, TrialRecord
+
 from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Sweep, Trial
 
 

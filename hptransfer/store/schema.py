@@ -25,9 +25,9 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from hptransfer.status import ACTIVE, SweepStatus, TrialStatus
+from hptransfer.contracts.status import ACTIVE, SweepStatus, TrialStatus
 
-# The vocabulary as SQL values (hptransfer.status defines it).
+# The vocabulary as SQL values (hptransfer.contracts.status defines it).
 SWEEP_STATUSES: tuple[str, ...] = tuple(SweepStatus)
 TRIAL_STATUSES: tuple[str, ...] = tuple(TrialStatus)
 ACTIVE_STATUSES: tuple[str, ...] = tuple(sorted(ACTIVE))  # of a trial or a sweep

@@ -43,8 +43,10 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, aliased, defer, sessionmaker
 
+from hptransfer.contracts.filters import TrialFilters
+from hptransfer.contracts.records import AttemptRecord, SweepRecord, TrialRecord
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.redaction import mask_url, redact
-from hptransfer.status import TrialStatus
 
 from .engine import (
     MIGRATIONS_DIR,
@@ -58,8 +60,7 @@ from .engine import (
     upgrade_to_head,
 )
 from .frame import RESULT_FRAME_COLUMNS, results_query, results_to_frame
-from .query import TrialFilters, bulk_update, chunks
-from .records import AttemptRecord, SweepRecord, TrialRecord
+from .query import bulk_update, chunks, filtered
 from .rows import (
     PlannedRow,
     dump_model,
@@ -538,9 +539,8 @@ class Store:
         """A page of a sweep's trials in plan order (idx), optionally filtered. With
         `curves=False` each result comes without its curve, left in the database (a curve
         has a point per evaluation: a page of them can be hundreds of MB)."""
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
-            select(Trial).where(Trial.sweep_id == sweep_id)
-        )
+        stmt = filtered(select(Trial).where(Trial.sweep_id == sweep_id),
+                        TrialFilters(status, arm, width, depth, sigma_base, seed, stage))
         stmt = stmt.order_by(Trial.idx).offset(offset)
         if limit is not None:
             stmt = stmt.limit(limit)
@@ -577,9 +577,9 @@ class Store:
         seed: int | None = None,
         stage: str | None = None,
     ) -> int:
-        stmt = TrialFilters(status, arm, width, depth, sigma_base, seed, stage).apply(
-            select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id)
-        )
+        stmt = filtered(
+            select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id),
+            TrialFilters(status, arm, width, depth, sigma_base, seed, stage))
         with self._read() as s:
             return int(s.scalar(stmt) or 0)
 

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.backoff import Backoff
+from hptransfer.contracts.records import AttemptRecord, SweepRecord
+from hptransfer.contracts.status import ACTIVE
 from hptransfer.spec.sweep import RESERVED_TAG_PREFIXES
-from hptransfer.status import ACTIVE
-from hptransfer.store.records import AttemptRecord, SweepRecord
 from hptransfer.store.store import Store
 
 from .params import (
