@@ -68,16 +68,35 @@ def plan_sweep(spec: SweepSpec) -> list[PlannedTrial]:
             "so use plan_shapes() and trial_for() with the LRs Optuna suggests"
         )
     lrs = spec.grid.lr_values()
-    planned = []
+    planned: list[PlannedTrial] = []
     for arm in spec.arms:
         for depth in spec.grid.depths:
             for width in spec.grid.widths:
-                for sigma in spec.grid.sigma_bases:
-                    for lr in lrs:
-                        for seed in spec.grid.seeds:
-                            shape = ShapeKey(arm.name, width, depth, sigma, seed)
-                            planned.append(_planned(spec, shape, lr))
+                planned += _shape_trials(spec, arm.name, width, depth, lrs,
+                                         validate_all=not planned)
     return planned
+
+
+def _shape_trials(spec: SweepSpec, arm: str, width: int, depth: int, lrs: list[float],
+                  validate_all: bool) -> list[PlannedTrial]:
+    """The grid's trials of one (arm, width, depth), ordered by sigma, lr, seed.
+
+    Whether a trial builds depends on its arm and shape; its LR, sigma and seed only need to
+    be in bounds. So the first trial of a shape is validated as a TrialSpec and the others
+    copy it with their own LR, sigma and seed, except at the sweep's first shape
+    (`validate_all`), where every trial is validated: each LR, sigma and seed once."""
+    out: list[PlannedTrial] = []
+    for sigma in spec.grid.sigma_bases:
+        for lr in lrs:
+            for seed in spec.grid.seeds:
+                shape = ShapeKey(arm, width, depth, sigma, seed)
+                if validate_all or not out:
+                    out.append(_planned(spec, shape, lr))
+                    continue
+                trial = out[0].trial.model_copy(
+                    update={"lr": lr, "sigma_base": sigma, "seed": seed})
+                out.append(_planned_trial(spec, shape, lr, trial))
+    return out
 
 
 def trial_for(spec: SweepSpec, shape: ShapeKey, lr: float) -> PlannedTrial:
@@ -116,6 +135,11 @@ def _planned(spec: SweepSpec, shape: ShapeKey, lr: float,
         spec.arm(shape.arm), shape.width, shape.depth, lr, shape.sigma_base, shape.seed,
         tokens_per_param,
     )
+    return _planned_trial(spec, shape, lr, trial)
+
+
+def _planned_trial(spec: SweepSpec, shape: ShapeKey, lr: float,
+                   trial: TrialSpec) -> PlannedTrial:
     return PlannedTrial(
         arm=shape.arm,
         trial=trial,

@@ -16,26 +16,27 @@ from pydantic import (
     Field,
     Tag,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
-from hptransfer.models.config import MAX_DEPTH, MAX_HEAD_DIM, MAX_SEQ_LEN, MAX_WIDTH, Arch
+from hptransfer.models.config import Arch
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
 from hptransfer.spec.trial import (
-    MAX_BATCH_SIZE,
-    MAX_DIVERGENCE_FACTOR,
-    MAX_EPS,
-    MAX_GRAD_CLIP,
     MAX_LR,
-    MAX_SEED,
-    MAX_SIGMA,
-    MAX_STEPS,
-    MAX_WEIGHT_DECAY,
+    MAX_PARAMETERIZATION_CHARS,
     STRICT,
     ArchOptions,
     Budget,
+    Depth,
+    Lr,
+    Seed,
+    Sigma,
+    TrialSpec,
+    Width,
+    trial_field,
 )
 
 from .errors import LRS_LIST, LRS_RANGE, SpecError, error
@@ -53,6 +54,7 @@ MIN_LOG2_STEP = 1e-3  # a finer log2 step than any LR grid needs; the count stay
 MAX_PACK = 64  # trials of one shape trained together in one Ray task (workers/packed.py)
 MAX_BATCH_EXPONENT = 4.0
 _FLOAT_TOL = 1e-9
+_TRIAL = TrialSpec()  # a trial's defaults
 
 
 def _unique(values: list[Any], what: str) -> list[Any]:
@@ -70,11 +72,6 @@ def _fmt(x: float) -> str:
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
-Depth = Annotated[int, Field(gt=0, le=MAX_DEPTH)]
-Lr = Annotated[float, Field(gt=0, le=MAX_LR)]
-Sigma = Annotated[float, Field(gt=0, le=MAX_SIGMA)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class SpecModel(BaseModel):
@@ -140,8 +137,9 @@ class Grid(SpecModel):
     widths: list[Width] = Field(min_length=1, max_length=MAX_LIST)
     depths: list[Depth] = Field(min_length=1, max_length=MAX_LIST)
     lrs: LrGrid
-    sigma_bases: list[Sigma] = Field([0.02], min_length=1, max_length=MAX_LIST)
-    seeds: list[Seed] = Field([0], min_length=1, max_length=MAX_LIST)
+    # by default the one value a trial takes when it is not given
+    sigma_bases: list[Sigma] = Field([_TRIAL.sigma_base], min_length=1, max_length=MAX_LIST)
+    seeds: list[Seed] = Field([_TRIAL.seed], min_length=1, max_length=MAX_LIST)
 
     @field_validator("widths", "depths", "sigma_bases", "seeds")
     @classmethod
@@ -165,30 +163,27 @@ class Grid(SpecModel):
         return min(values), max(values)
 
 
-class Fixed(SpecModel):
-    """Trial settings shared by the whole sweep; every name is a `TrialSpec` field."""
-
-    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM)
-    base_width: int = Field(256, gt=0, le=MAX_WIDTH)
-    base_depth: int = Field(2, gt=0, le=MAX_DEPTH)
-    weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)
-    eps: float = Field(1e-12, gt=0, le=MAX_EPS)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float | None = Field(1.0, gt=0, le=MAX_GRAD_CLIP)
-    precision: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    divergence_factor: float = Field(2.0, gt=1, le=MAX_DIVERGENCE_FACTOR)
-    eval_every: int | None = Field(None, gt=0, le=MAX_STEPS)
-    seq_len: int = Field(128, gt=1, le=MAX_SEQ_LEN)
-    # sequences per forward/backward pass; larger batches accumulate gradients (see TrialSpec)
-    micro_batch_size: int | None = Field(None, gt=0, le=MAX_BATCH_SIZE)
+# The trial settings a sweep fixes for all its trials, in the order `fixed:` lists them;
+# each is TrialSpec's field, with its default and bounds.
+FIXED_FIELDS = (
+    "head_dim", "base_width", "base_depth", "weight_decay", "eps", "beta1", "beta2",
+    "grad_clip", "precision", "device", "divergence_factor", "eval_every", "seq_len",
+    "micro_batch_size",  # sequences per forward/backward pass (see TrialSpec)
+)
+Fixed = create_model(
+    "Fixed",
+    __base__=SpecModel,
+    __module__=__name__,
+    __doc__="Trial settings shared by the whole sweep; every name is a `TrialSpec` field.",
+    **{name: (TrialSpec.model_fields[name].annotation, trial_field(name))
+       for name in FIXED_FIELDS},
+)
 
 
 class SweepBudget(Budget):
     """A trial `Budget` (exactly one of tokens, steps, tokens_per_param) plus batch sizing."""
 
-    batch_size: int = Field(16, gt=0, le=MAX_BATCH_SIZE)
+    batch_size: int = trial_field("batch_size")
     batch_rule: Literal["fixed", "scale_with_params"] = "fixed"
     batch_exponent: float = Field(0.5, ge=-MAX_BATCH_EXPONENT, le=MAX_BATCH_EXPONENT)
 
@@ -270,10 +265,10 @@ class Arm(SpecModel):
     """One contender: an architecture with its options, under one parameterization."""
 
     label: str | None = Field(None, min_length=1, max_length=100)
-    arch: Arch = "gpt"
-    arch_options: ArchOptions = ArchOptions()
-    parameterization: str = Field(max_length=100)
-    alpha: float | None = None
+    arch: Arch = trial_field("arch")
+    arch_options: ArchOptions = trial_field("arch_options")
+    parameterization: str = Field(max_length=MAX_PARAMETERIZATION_CHARS)  # no default: required
+    alpha: float | None = trial_field("alpha")
 
     @field_validator("label")
     @classmethod

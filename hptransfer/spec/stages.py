@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from hptransfer.spec.trial import MAX_TOKENS_PER_PARAM
+from hptransfer.spec.trial import Depth, TokensPerParam, Width
 
 from .errors import SpecError, error
 from .sections import SpecModel
@@ -33,8 +33,8 @@ MAX_EXTEND = 4
 
 
 class Shape(SpecModel):
-    width: int = Field(gt=0, le=1 << 16)
-    depth: int = Field(gt=0, le=1024)
+    width: Width
+    depth: Depth
 
     def key(self) -> tuple[int, int]:
         return (self.width, self.depth)
@@ -69,7 +69,7 @@ class LadderShape(Shape):
     sweep's (a second budget of a shape also on the ladder at the sweep's budget), so the
     frontier can take the lower envelope over budgets and L(N, D) sees D vary at fixed N."""
 
-    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
+    tokens_per_param: TokensPerParam | None = None
 
 
 class TransferStage(SpecModel):
@@ -148,7 +148,7 @@ class AspectRatioStage(SpecModel):
     compares its shapes at equal size and equal tokens."""
 
     shapes: Annotated[list[Shape], Field(min_length=4, max_length=MAX_STAGE_SHAPES)]
-    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
+    tokens_per_param: TokensPerParam | None = None
 
     @field_validator("shapes")
     @classmethod

@@ -6,12 +6,14 @@ experiment (same hash + same data hash = same result), so completed trials can b
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from hptransfer.contracts.status import TrialStatus
 from hptransfer.models import ModelConfig, Parameterization
@@ -26,6 +28,7 @@ from hptransfer.models.config import (
     Arch,
     Position,
 )
+from hptransfer.models.parameterization import check_pairing
 from hptransfer.spec.data import DataSpec, val_window_problem
 
 # Frozen, no unknown keys, no coercion (a bool is not a number, 64.0 is not an int, "1" is
@@ -46,12 +49,23 @@ MAX_GRAD_CLIP = 1e6
 MAX_DIVERGENCE_FACTOR = 1e12
 MAX_SEED = 2**32 - 1  # numpy's seed range
 MAX_THREADS = 1024
+MAX_PARAMETERIZATION_CHARS = 100
 
 # Enters every trial's content hash: raised when a change to the code makes the same spec
 # train to a different result, so results trained before it are not reused after it.
 # 2: x0 mixing normalises x00 (models/gpt.py); at most 200 evaluations (workers/plan.py).
 RESULT_REVISION = 2
+# The defaults of the model's fields and of the base hyper-parameters are the model's own.
 _MODEL = ModelConfig()
+_BASE = Parameterization()
+
+# Value types a sweep's grid and stages share with TrialSpec: each bound is written once.
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+Depth = Annotated[int, Field(gt=0, le=MAX_DEPTH)]
+Lr = Annotated[float, Field(gt=0, le=MAX_LR)]
+Sigma = Annotated[float, Field(gt=0, le=MAX_SIGMA)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+TokensPerParam = Annotated[float, Field(gt=0, le=MAX_TOKENS_PER_PARAM)]
 
 
 class ArchOptions(BaseModel):
@@ -108,7 +122,7 @@ class Budget(BaseModel):
 
     tokens: int | None = Field(None, gt=0, le=MAX_TOKENS)
     steps: int | None = Field(None, gt=0, le=MAX_STEPS)
-    tokens_per_param: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_PARAM)
+    tokens_per_param: TokensPerParam | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Budget:
@@ -136,19 +150,19 @@ def sequences_per_pass(batch_size: int, micro_batch_size: int | None) -> int:
 class TrialSpec(BaseModel):
     model_config = STRICT
 
-    arch: Arch = "gpt"
+    arch: Arch = _MODEL.arch
     arch_options: ArchOptions = ArchOptions()
-    parameterization: str = Field("completep", max_length=100)
-    alpha: float | None = None
-    width: int = Field(256, gt=0, le=MAX_WIDTH)
-    depth: int = Field(2, gt=0, le=MAX_DEPTH)
-    head_dim: int = Field(64, gt=0, le=MAX_HEAD_DIM)
-    base_width: int = Field(256, gt=0, le=MAX_WIDTH)
-    base_depth: int = Field(2, gt=0, le=MAX_DEPTH)
-    lr: float = Field(2.0**-8, gt=0, le=MAX_LR)  # eta_base
-    sigma_base: float = Field(0.02, gt=0, le=MAX_SIGMA)
-    weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)  # lambda_base
-    eps: float = Field(1e-12, gt=0, le=MAX_EPS)  # epsilon_base
+    parameterization: str = Field(_BASE.name, max_length=MAX_PARAMETERIZATION_CHARS)
+    alpha: float | None = _BASE.alpha
+    width: Width = _MODEL.width
+    depth: Depth = _MODEL.depth
+    head_dim: int = Field(_MODEL.head_dim, gt=0, le=MAX_HEAD_DIM)
+    base_width: Width = _BASE.base_width
+    base_depth: Depth = _BASE.base_depth
+    lr: Lr = _BASE.lr  # eta_base
+    sigma_base: Sigma = _BASE.sigma
+    weight_decay: float = Field(_BASE.weight_decay, ge=0, le=MAX_WEIGHT_DECAY)  # lambda_base
+    eps: float = Field(_BASE.eps, gt=0, le=MAX_EPS)  # epsilon_base
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     batch_size: int = Field(16, gt=0, le=MAX_BATCH_SIZE)
@@ -159,7 +173,7 @@ class TrialSpec(BaseModel):
     budget: Budget = Budget(steps=100)
     schedule: Schedule = Schedule()
     grad_clip: float | None = Field(1.0, gt=0, le=MAX_GRAD_CLIP)
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: Seed = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = "fp32"
     data: DataSpec = DataSpec()
@@ -171,10 +185,6 @@ class TrialSpec(BaseModel):
     @model_validator(mode="after")
     def _buildable(self) -> TrialSpec:
         # Build the config objects once so every model/parameterization error surfaces here.
-        self.model_config_obj()
-        self.parameterization_obj()
-        from hptransfer.models.parameterization import check_pairing
-
         check_pairing(self.model_config_obj(), self.parameterization_obj())
         problem = val_window_problem(self.data.val_tokens, self.seq_len)
         if problem:  # else the trial would fail at its first evaluation, after training
@@ -201,6 +211,12 @@ class TrialSpec(BaseModel):
         blob = json.dumps({"revision": RESULT_REVISION, "spec": d}, sort_keys=True,
                           separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def trial_field(name: str) -> FieldInfo:
+    """TrialSpec's field `name` (its default and bounds), for a sweep spec section that sets
+    the same trial setting: declared once, here."""
+    return copy.copy(TrialSpec.model_fields[name])
 
 
 class TrialResult(BaseModel):
