@@ -35,12 +35,17 @@ class SpecCache:
                 self._specs.move_to_end(sweep_id)
                 return spec
         spec = SweepSpec.model_validate(raw)  # outside the lock: validation is the slow part
+        self.put(sweep_id, spec)
+        return spec
+
+    def put(self, sweep_id: str, spec: SweepSpec) -> None:
+        """Keep `spec` as the validated spec of `sweep_id`: one validated at submit, whose
+        stored JSON `storable` checked to read back as this spec, need not be read again."""
         with self._lock:
             self._specs[sweep_id] = spec
             self._specs.move_to_end(sweep_id)
             while len(self._specs) > self.size:
                 self._specs.popitem(last=False)
-        return spec
 
     def __len__(self) -> int:
         return len(self._specs)

@@ -11,9 +11,9 @@ one `TrialSpec` per (arm, width, depth), so that expanding a spec that passed ca
 such as ``grid.widths[2]``, and also applies the trial cap (a submission policy, so
 re-reading a stored spec with `SweepSpec.model_validate` does not re-apply it).
 
-The sections (grid, fixed, budget, search, resources, arms) are in `spec_sections`, reading
-files and YAML/JSON text in `spec_loading`, and SpecError with the conversion of pydantic's
-errors in `spec_errors`; every public name is importable from here.
+The sections (grid, fixed, budget, search, resources, arms) are in `sections`, the stages of
+a study in `stages`, reading files and YAML/JSON text in `loading`, and SpecError with the
+conversion of pydantic's errors in `errors`; every public name is importable from here.
 """
 
 from __future__ import annotations
