@@ -17,6 +17,60 @@ from typing import Any
 from hptransfer.redaction import remember_url_secrets
 
 
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable this package reads: its name, its default in words and what it
+    sets. Documentation only (the docs' reference page is generated from `ENVIRONMENT`); the
+    functions below read the variables."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+# Every variable the package reads, in one place; tests/test_docs.py checks that each HPT_*
+# name in the code is listed here.
+ENVIRONMENT: tuple[EnvVar, ...] = (
+    EnvVar("HPT_HOME", "`./.hpt`",
+           "data directory: `hpt.db`, `optuna.db`, `mlflow.db`, `mlartifacts/`, `cache/`, `data/`"),
+    EnvVar("HPT_DATABASE_URL", "SQLite in `HPT_HOME`",
+           "the app database, e.g. `postgresql://user:pw@host/hpt`"),
+    EnvVar("HPT_OPTUNA_URL", "SQLite in `HPT_HOME`", "Optuna's storage (a database of its own)"),
+    EnvVar("MLFLOW_TRACKING_URI", "SQLite in `HPT_HOME`",
+           "MLflow tracking: a database of its own or an `mlflow server` URL"),
+    EnvVar("RAY_ADDRESS", "an in-process local cluster", "join an existing Ray cluster"),
+    EnvVar("RAY_AUTH_TOKEN", "none",
+           "the Ray cluster's token; with `RAY_ADDRESS` set, token auth is turned on"),
+    EnvVar("RAY_AUTH_TOKEN_PATH", "`~/.ray/auth_token`", "a file holding the Ray cluster's token"),
+    EnvVar("HPT_API_TOKEN", "none",
+           "bearer token the server requires on every mutating call, and the client sends"),
+    EnvVar("HPT_HOST", "`127.0.0.1`", "where `hpt serve` listens"),
+    EnvVar("HPT_PORT", "`8600`", "the port `hpt serve` listens on"),
+    EnvVar("HPT_URL", "`http://127.0.0.1:8600`",
+           "the server the Python client, the `hpt` commands and `hpt doctor` talk to"),
+    EnvVar("HPT_MAX_TRIALS", "`5000`", "cap on the trials one sweep may expand to"),
+    EnvVar("HPT_DATA_ROOTS", "none",
+           "more directories (`:`-separated, absolute) that `data.source` may point into, "
+           "besides `$HPT_HOME/data` and the embedded corpus (`stdlib`)"),
+    EnvVar("HPT_MAX_REQUEST_BYTES", "`1048576`", "largest request body (413 past it)"),
+    EnvVar("HPT_CACHE_MAX_GB", "`4`",
+           "what the data cache (`$HPT_HOME/cache`: tokenized corpora, BPE tokenizers) may "
+           "hold; past it the least recently used entries go (rebuilt the same if asked for "
+           "again; none used in the last 10 minutes)"),
+    EnvVar("HPT_MAX_TRIAL_MEMORY_GB", "none",
+           "refuse a sweep whose estimated per-trial memory exceeds this (the largest Ray "
+           "node's memory, or this host's, always applies; on GPUs the largest GPU's)"),
+    EnvVar("HPT_MAX_TRIAL_FLOPS", "none",
+           "refuse a sweep whose per-trial training FLOPs exceed this"),
+    EnvVar("HPT_RAY_REQUIRE", "none",
+           "resource labels (comma or space separated) some alive Ray node must carry; "
+           "`/health` fails while none does (`scripts/cluster_up.sh` sets `hpt_worker`)"),
+    EnvVar("HPT_COMPILE", "`1`",
+           "`torch.compile`: `1` on CUDA and for CPU runs long enough to repay it, `all` "
+           "always, `0` never (read on the worker)"),
+)
+
+
 class SettingsError(ValueError):
     """An environment variable holds a value that cannot be used."""
 

@@ -1,0 +1,1 @@
+"""Reference-page generators for docs/hooks/reference.py, one module per page."""
