@@ -30,7 +30,7 @@ def models_in_order(schema: dict[str, Any]) -> list[str]:
     return order + sorted(set(defs) - set(order))
 
 
-def used_at(schema: dict[str, Any], root: str) -> dict[str, list[str]]:
+def used_at(schema: dict[str, Any]) -> dict[str, list[str]]:
     """For each $def, the field paths that hold it, e.g. Fixed -> ['fixed']."""
     defs = schema.get("$defs", {})
     paths: dict[str, list[str]] = {}
@@ -50,7 +50,7 @@ def used_at(schema: dict[str, Any], root: str) -> dict[str, list[str]]:
 def section(title: str, model_cls: Any, level: str = "##") -> str:
     schema = model_cls.model_json_schema()
     defs = schema.get("$defs", {})
-    where = used_at(schema, title)
+    where = used_at(schema)
     parts = [f"{level} {title}", "", schema.get("description", "").strip(), "",
              properties_table(schema), ""]
     for name in models_in_order(schema):
