@@ -12,6 +12,7 @@ from typing import Any, Protocol, cast
 from sqlalchemy import inspect
 
 from hptransfer.contracts.records import SweepRecord, TrialRecord
+from hptransfer.contracts.status import TrialStatus
 
 from .schema import RESULT_COLUMNS, RESULT_FLOATS, RESULT_INTS, Base, Sweep, Trial
 
@@ -112,7 +113,7 @@ def trial_row(
         "spec": dump_model(p.trial),
         "content_hash": p.content_hash,
         "data_hash": data_hash,
-        "status": "pending",
+        "status": TrialStatus.PENDING,
         "attempts": 0,
         "max_attempts": max_attempts,
         "optuna_trial_number": optuna_trial_number,
@@ -133,7 +134,7 @@ def reused_values(donor: TrialRecord, now: datetime) -> dict[str, Any]:
     completed the same content hash on the same data)."""
     return {
         **{k: getattr(donor, k) for k in RESULT_COLUMNS},
-        "status": "completed",
+        "status": TrialStatus.COMPLETED,
         "result": donor.result,
         "worker_node": donor.worker_node,
         # point at the trial that actually ran, not at another copy of it
