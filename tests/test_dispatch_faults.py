@@ -184,7 +184,7 @@ def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
     store, dispatcher = coordinator.store, coordinator.dispatcher
     outage = _outage("UPDATE sweeps")
     failures = {"tell": 0, "refresh": 0}
-    real_tell, real_refresh = dispatcher.optuna.tell, store.refresh_sweep_status
+    real_tell, real_refresh = dispatcher.optuna_bridge.search.tell, store.refresh_sweep_status
 
     def flaky_tell(*args, **kwargs):  # the first tell of each trial fails
         failures["tell"] += 1
@@ -198,10 +198,10 @@ def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
             raise outage
         return real_refresh(sweep_id)
 
-    monkeypatch.setattr(dispatcher.optuna, "tell", flaky_tell)
+    monkeypatch.setattr(dispatcher.optuna_bridge.search, "tell", flaky_tell)
     monkeypatch.setattr(store, "refresh_sweep_status", flaky_refresh)
     sweep_id = run_sweep(coordinator, tiny_spec, 180)
-    assert failures == {"tell": 6, "refresh": 2} and not dispatcher.owed
+    assert failures == {"tell": 6, "refresh": 2} and not dispatcher.recovery.pending_follow_ups
     rows = store.trials(sweep_id, limit=None)
     assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
     # every result reached its study, once
@@ -251,13 +251,13 @@ def test_a_restart_tells_optuna_what_its_dead_coordinator_stored_but_did_not_tel
         "method": "optuna", "sampler": "tpe", "n_trials": 6}))["id"]
     sweep = dead.store.get_sweep(sweep_id)
     spec = load_spec(sweep.spec)
-    dead.dispatcher._ask_optuna(sweep, spec, free=1)  # the first batch: rows + RUNNING trials
+    dead.dispatcher.optuna_asker.ask(sweep, spec, free=1)  # the first batch: rows + RUNNING trials
     asked = dead.store.trials(sweep_id, limit=None)
     assert len(asked) >= 3
     (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
     # asked, then killed before its row was added
-    phantom, phantom_lr = dead.dispatcher.optuna.ask(
-        dead.dispatcher.optuna._studies[name], *spec.grid.lr_bounds())
+    search = dead.dispatcher.optuna_bridge.search
+    phantom, phantom_lr = search.ask(search._studies[name], *spec.grid.lr_bounds())
     leased = {t.id: t for t in dead.store.lease_pending("dead", 2, sweep_id=sweep_id)}
     done, diverged = list(leased)
     assert dead.store.finish_trial(done, "completed", {"status": "completed",
@@ -360,7 +360,7 @@ def test_a_restart_while_optunas_storage_fails_tells_the_study_once_it_answers(
     sweep_id = dead.submit(dict(tiny_spec, name="untold-outage", search={
         "method": "optuna", "sampler": "tpe", "n_trials": 3}))["id"]
     sweep = dead.store.get_sweep(sweep_id)
-    dead.dispatcher._ask_optuna(sweep, load_spec(sweep.spec), free=1)  # the first batch
+    dead.dispatcher.optuna_asker.ask(sweep, load_spec(sweep.spec), free=1)  # the first batch
     leased = dead.store.lease_pending("dead", 3, sweep_id=sweep_id)
     assert len(leased) == 3
     for i, trial in enumerate(leased):  # stored, then the coordinator died before telling
@@ -372,17 +372,20 @@ def test_a_restart_while_optunas_storage_fails_tells_the_study_once_it_answers(
     assert chattr("+i", storage)
     try:
         coordinator.start(background=False)
-        assert dispatcher.untold == {sweep_id} and dispatcher.optuna_storage.error
+        assert dispatcher.recovery.optuna_sweeps_to_resync == {sweep_id}
+        assert dispatcher.optuna_storage.error
         dispatcher.run_once()
         assert coordinator.store.get_sweep(sweep_id).status == "running"  # untold: not done
     finally:
         assert chattr("-i", storage)
     try:
         deadline = time.monotonic() + 60
-        while dispatcher.untold and time.monotonic() < deadline:  # ticks, by hand
+        resync = dispatcher.recovery.optuna_sweeps_to_resync
+        while resync and time.monotonic() < deadline:  # ticks, by hand
             dispatcher.run_once()
             time.sleep(0.05)
-        assert not dispatcher.untold and dispatcher.optuna_storage.error is None
+        assert not dispatcher.recovery.optuna_sweeps_to_resync
+        assert dispatcher.optuna_storage.error is None
         assert coordinator.store.get_sweep(sweep_id).status == "completed"
     finally:
         coordinator.stop()
@@ -404,7 +407,7 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
     store, dispatcher = coordinator.store, coordinator.dispatcher
     outage = _outage("INSERT INTO trials")
     failed = {"add": 0, "retract": 0}
-    real_add, real_retract = store.add_trial, dispatcher.optuna.retract
+    real_add, real_retract = store.add_trial, dispatcher.optuna_bridge.search.retract
 
     def flaky_add(*args, **kwargs):  # the second trial's row fails once
         if store.count_trials(args[0]) == 1 and not failed["add"]:
@@ -419,9 +422,9 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
         return real_retract(*args, **kwargs)
 
     monkeypatch.setattr(store, "add_trial", flaky_add)
-    monkeypatch.setattr(dispatcher.optuna, "retract", flaky_retract)
+    monkeypatch.setattr(dispatcher.optuna_bridge.search, "retract", flaky_retract)
     sweep_id = run_sweep(coordinator, tiny_spec, 180)
-    assert failed == {"add": 1, "retract": 1} and not dispatcher.unadded
+    assert failed == {"add": 1, "retract": 1} and not dispatcher.recovery.asks_to_retract
     rows = store.trials(sweep_id, limit=None)
     assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
     (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if sweep_id in n]
@@ -434,7 +437,7 @@ def test_an_asked_trial_whose_row_cannot_be_added_is_retracted_and_asked_again(
     # the three LRs trained are the first batch's three, the retracted one among them
     spec = load_spec(store.get_sweep(sweep_id).spec)
     (shape,) = plan_shapes(spec)
-    planned = first_batch(dispatcher._study_name("", shape), *spec.grid.lr_bounds(), 3)
+    planned = first_batch(dispatcher.optuna_bridge.study_name("", shape), *spec.grid.lr_bounds(), 3)
     assert sorted(r.lr for r in rows) == pytest.approx(sorted(planned), rel=1e-12)
     assert retracted.params["lr"] in planned
 
@@ -446,8 +449,8 @@ def _tick_until_completed(coordinator: Coordinator, sweep_id: str,
     store, dispatcher = coordinator.store, coordinator.dispatcher
     raised, deadline = [], time.monotonic() + timeout
     while store.get_sweep(sweep_id).status != "completed":
-        assert time.monotonic() < deadline, (dispatcher.unsubmitted, store.status_counts(
-            sweep_id))
+        assert time.monotonic() < deadline, (dispatcher.recovery.leases_to_release,
+                                             store.status_counts(sweep_id))
         try:
             dispatcher.run_once()
         except tolerated as exc:
@@ -490,7 +493,7 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
     coordinator.start(background=False)
     refused = ConnectionError("Ray cluster unreachable")
     failed = {"submit": 0, "release": 0}
-    real_remote, real_release = dispatcher._remote, store.release
+    real_remote, real_release = dispatcher.ray_runner.run_trial, store.release
 
     class FlakyRemote:  # the first submission is refused
         def options(self, **options):
@@ -510,11 +513,11 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
             raise _outage("UPDATE trials")
         return real_release(*args, **kwargs)
 
-    monkeypatch.setattr(dispatcher, "_remote", FlakyRemote())
+    monkeypatch.setattr(dispatcher.ray_runner, "run_trial", FlakyRemote())
     monkeypatch.setattr(store, "release", flaky_release)
     sweep_id, raised = _submit_and_tick(coordinator, tiny_spec, ConnectionError)
     assert raised == [refused] and failed == {"submit": 1, "release": 1}
-    assert not dispatcher.unsubmitted
+    assert not dispatcher.recovery.leases_to_release
     rows = store.trials(sweep_id, limit=None)
     assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
     # both trials leased in the refused tick were released, the second never submitted
@@ -532,7 +535,10 @@ def test_packs_leased_before_a_failed_lease_go_back_to_pending(
     coordinator = Coordinator(get_settings())
     store, dispatcher = coordinator.store, coordinator.dispatcher
     coordinator.start(background=False)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # two packs a tick
+    from hptransfer.coordinator.ray_runner import ClusterCapacity
+
+    monkeypatch.setattr(dispatcher.ray_runner, "capacity",  # two packs a tick
+                        lambda: ClusterCapacity({"CPU": 2.0}, ray.nodes))
     real_lease, leases = store.lease_pending, []
 
     def flaky_lease(*args, **kwargs):  # the second lease of the first tick fails
@@ -543,7 +549,8 @@ def test_packs_leased_before_a_failed_lease_go_back_to_pending(
 
     monkeypatch.setattr(store, "lease_pending", flaky_lease)
     sweep_id, raised = _submit_and_tick(coordinator, tiny_spec, OperationalError)
-    assert len(raised) == 1 and len(leases[0]) == 2 and not dispatcher.unsubmitted
+    assert len(raised) == 1 and len(leases[0]) == 2
+    assert not dispatcher.recovery.leases_to_release
     rows = store.trials(sweep_id, limit=None)
     assert {r.status for r in rows} == {"completed"} and {r.attempts for r in rows} == {1}
     # the pack leased before the failure was released, then leased and trained again
@@ -639,7 +646,8 @@ def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
                                60, "the Optuna sweep to say why it waits")
             assert "Optuna's storage is failing" in waiting
             (first,) = store.trials(optuna_id, limit=None)
-            assert first.id in dispatcher.owed and dispatcher.owed[first.id].tell  # untold
+            follow_ups = dispatcher.recovery.pending_follow_ups
+            assert first.id in follow_ups and follow_ups[first.id].tell  # not yet told
             check = dispatcher_check()
             assert not check["ok"] and "Optuna's storage failing" in check["detail"], check
             assert not dispatcher.last_error  # the ticks themselves go on
@@ -654,7 +662,7 @@ def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
     assert {r.status for r in store.trials(grid_id, limit=None)} == {"completed"}
     rows = store.trials(optuna_id, limit=None)
     assert len(rows) == 3 and {r.status for r in rows} == {"completed"}
-    assert not dispatcher.owed
+    assert not dispatcher.recovery.pending_follow_ups
     (name,) = [n for n in optuna.get_all_study_names(settings.optuna_url) if optuna_id in n]
     told = {t.number: t for t in optuna.load_study(
         study_name=name, storage=settings.optuna_url).get_trials(deepcopy=False)}
@@ -718,22 +726,22 @@ def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_lat
     block 10 s each, and the late answer was dropped), and its answer is used when it comes."""
     from types import SimpleNamespace
 
-    from hptransfer.coordinator.dispatch import InFlight
+    from hptransfer.coordinator.ray_runner import InFlight
 
     dispatcher = Coordinator(get_settings()).dispatcher
     dispatcher.start(background=False)
     dispatcher.mirror = None
     board = ray.remote(num_cpus=0, max_concurrency=4)(_gated_board()).remote()
-    dispatcher._board = board
+    dispatcher.ray_runner.progress_board = board
     try:
         ray.get(board.report.remote("t1", {"step": 7}))  # a worker's report
         dispatcher.in_flight["t1"] = InFlight(
             trial=SimpleNamespace(optuna_trial_number=None), ref=None, cpus=1, gpus=0)
         for _ in range(3):  # unanswered: each tick goes on
-            dispatcher._relay_progress()
+            dispatcher.ray_runner.relay_progress()
         assert dispatcher.in_flight["t1"].last_step == 0
         ray.get(board.open.remote())
-        wait_for(lambda: dispatcher._relay_progress() or
+        wait_for(lambda: dispatcher.ray_runner.relay_progress() or
                  dispatcher.in_flight["t1"].last_step == 7, 30, "the late answer to be used")
     finally:
         ray.kill(board)
@@ -750,7 +758,7 @@ def test_live_points_of_a_lost_attempt_never_reach_its_retry(hpt_home, ray_clust
     dispatcher.start(background=False)
     dispatcher.mirror = None
     board = ray.remote(num_cpus=0, max_concurrency=4)(_gated_board()).remote()
-    dispatcher._board = board
+    dispatcher.ray_runner.progress_board = board
     tiny_spec.update(name="late-points", reuse=False)
     sweep_id = coordinator.submit(tiny_spec)["id"]
     (trial,) = coordinator.store.lease_pending(dispatcher.owner, 1, sweep_id=sweep_id)
@@ -759,17 +767,17 @@ def test_live_points_of_a_lost_attempt_never_reach_its_retry(hpt_home, ray_clust
         def options(self, **_options):
             return SimpleNamespace(remote=lambda *args: "task-ref")
 
-    dispatcher._remote = Started()
+    dispatcher.ray_runner.run_trial = Started()
     try:
         ray.get(board.report.remote(trial.id, {"step": 7}))  # the lost attempt's last point
-        dispatcher._relay_progress()  # a drain sent, unanswered
-        dispatcher._submit(load_spec(tiny_spec), [trial])  # the retry starts
+        dispatcher.ray_runner.relay_progress()  # a drain sent, unanswered
+        dispatcher.ray_runner.submit(load_spec(tiny_spec), [trial])  # the retry starts
         ray.get(board.open.remote())
-        while dispatcher._drain is not None:  # the late answer comes and is handled
-            dispatcher._relay_progress()
+        while dispatcher.ray_runner.drain_pending():  # the late answer comes and is handled
+            dispatcher.ray_runner.relay_progress()
         assert dispatcher.in_flight[trial.id].last_step == 0
         ray.get(board.report.remote(trial.id, {"step": 3}))  # the retry's own point
-        dispatcher._relay_progress()
+        dispatcher.ray_runner.relay_progress()
         assert dispatcher.in_flight[trial.id].last_step == 3
     finally:
         ray.kill(board)
@@ -786,7 +794,7 @@ def test_cancelling_an_optuna_sweep_tells_its_asked_trials_fail(hpt_home, ray_cl
     try:
         sweep_id = coordinator.submit(tiny_spec)["id"]
         sweep = store.get_sweep(sweep_id)
-        dispatcher._ask_optuna(sweep, load_spec(sweep.spec), 1)  # asked; the lease comes next
+        dispatcher.optuna_asker.ask(sweep, load_spec(sweep.spec), 1)  # asked; the lease comes next
         asked = store.count_trials(sweep_id, status="pending")
         assert asked >= 1
         coordinator.cancel(sweep_id)

@@ -45,19 +45,20 @@ def states(sweep_id: str) -> dict[int, optuna.trial.TrialState]:
 
 def test_a_cancel_from_an_api_only_server_leaves_no_optuna_trial_running(hpt_home,
                                                                         monkeypatch):
-    from hptransfer.coordinator import dispatch
+    from hptransfer.coordinator.ray_runner import ClusterCapacity
 
     settings = get_settings()
     dispatching = Coordinator(settings)
     d = dispatching.dispatcher
-    monkeypatch.setattr(dispatch.ray, "cluster_resources", lambda: {"CPU": 0.0})
-    monkeypatch.setattr(d, "_relay_progress", lambda: None)  # no Ray: nothing is in flight
+    monkeypatch.setattr(d.ray_runner, "capacity", lambda: ClusterCapacity.one_node(cpus=1.0))
+    # no Ray: nothing is in flight
+    monkeypatch.setattr(d.ray_runner, "relay_progress", lambda: None)
     monkeypatch.setattr(d, "_lease", lambda *args: [])  # asked, left pending
     ids = []
     for name in ("seen-active", "cancelled-while-down"):
         ids.append(dispatching.submit(optuna_spec(name, n_trials=6))["id"])
         sweep = dispatching.store.get_sweep(ids[-1])
-        d._ask_optuna(sweep, load_spec(sweep.spec), free=1)  # its first batch, pending
+        d.optuna_asker.ask(sweep, load_spec(sweep.spec), free=1)  # its first batch, pending
         assert optuna.trial.TrialState.RUNNING in states(ids[-1]).values()
     d.run_once()  # a tick sees both active
     api_only = Coordinator(settings, dispatch=False)
@@ -67,7 +68,7 @@ def test_a_cancel_from_an_api_only_server_leaves_no_optuna_trial_running(hpt_hom
     assert optuna.trial.TrialState.RUNNING not in states(ids[0]).values()
     # cancelled while no dispatcher ran: the next start's pass tells them
     api_only.cancel(ids[1])
-    Coordinator(settings).dispatcher._settle_what_the_dead_owed()
+    Coordinator(settings).dispatcher.recovery.recover_after_restart()
     assert optuna.trial.TrialState.RUNNING not in states(ids[1]).values()
 
 
@@ -77,15 +78,15 @@ def _drive(coordinator: Coordinator, sweep_id: str, loss) -> list:
     while True:
         sweep = store.get_sweep(sweep_id)
         spec = load_spec(sweep.spec)
-        if not d._optuna_left(sweep_id, spec) and not store.count_trials(sweep_id,
-                                                                         status="pending"):
+        if not d.optuna_bridge.trials_left_to_ask(sweep_id, spec) and not store.count_trials(
+                sweep_id, status="pending"):
             return sorted(store.trials(sweep_id, limit=None),
                           key=lambda r: r.optuna_trial_number)
-        d._ask_optuna(sweep, spec, free=1)
+        d.optuna_asker.ask(sweep, spec, free=1)
         for trial in store.lease_pending(d.owner, 10, sweep_id=sweep_id):
             result = {"status": "completed", "final_val_loss": loss(trial.lr)}
             assert store.finish_trial(trial.id, "completed", result, owner=d.owner)
-            d._owe(store.get_trial(trial.id), "completed", result, True)
+            d.recovery.follow_up(store.get_trial(trial.id), "completed", result, True)
 
 
 def test_the_same_spec_and_results_ask_the_same_lrs_so_a_resubmission_trains_nothing(
@@ -110,11 +111,11 @@ def test_a_diverged_bpe_trial_is_told_the_penalty_of_its_own_vocabulary(hpt_home
     store, d = coordinator.store, coordinator.dispatcher
     sweep_id = coordinator.submit(spec)["id"]
     sweep = store.get_sweep(sweep_id)
-    d._ask_optuna(sweep, load_spec(sweep.spec), free=1)
+    d.optuna_asker.ask(sweep, load_spec(sweep.spec), free=1)
     trial = store.lease_pending(d.owner, 1, sweep_id=sweep_id)[0]
     result = {"status": "diverged", "final_val_loss": None, "param_table": {"wte": {}}}
     assert store.finish_trial(trial.id, "diverged", result, owner=d.owner)
-    d._owe(store.get_trial(trial.id), "diverged", result, True)
+    d.recovery.follow_up(store.get_trial(trial.id), "diverged", result, True)
     url = get_settings().optuna_url
     (name,) = [n for n in optuna.get_all_study_names(url) if sweep_id in n]
     told = optuna.load_study(study_name=name, storage=url).get_trials(

@@ -648,7 +648,7 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
     # (sweep, status, trials asked, trials pending or running) right after every refresh:
     # when a trial has just finished, before the next is asked, no trial is active
     refreshed: list[tuple[str, str, int, int]] = []
-    real_refresh = dispatcher._refresh
+    real_refresh = dispatcher.recovery.refresh_sweep
 
     def refresh(sweep_id: str) -> None:
         real_refresh(sweep_id)
@@ -656,7 +656,7 @@ def test_optuna_sweep_runs_until_every_study_is_done(hpt_home, ray_cluster, monk
                           store.count_trials(sweep_id),
                           store.count_trials(sweep_id, status=("pending", "running"))))
 
-    monkeypatch.setattr(dispatcher, "_refresh", refresh)
+    monkeypatch.setattr(dispatcher.recovery, "refresh_sweep", refresh)
     try:
         with TestClient(create_app(settings, dispatch=False)) as api:
             sweep_ids, ticks, trials = [], [], []

@@ -360,9 +360,10 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
     coordinator = Coordinator(get_settings())
     coordinator.start()
     try:
-        coordinator.dispatcher._remote_pack = ray.remote(split_then_die)
+        coordinator.dispatcher.ray_runner.run_pack = ray.remote(split_then_die)
         if drain_s:
-            coordinator.dispatcher._board = ray.remote(num_cpus=0)(SlowBoard).remote()
+            coordinator.dispatcher.ray_runner.progress_board = ray.remote(num_cpus=0)(
+                SlowBoard).remote()
         sweep_id = coordinator.submit(spec)["id"]
         wait_for(lambda: coordinator.store.get_sweep(sweep_id).status == "completed", 240,
                  "the sweep to complete after the retry")

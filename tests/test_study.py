@@ -441,14 +441,14 @@ def test_an_extension_or_offset_past_max_lr_is_left_out_not_planned():
 def _dispatcher_without_ray(store: Store, monkeypatch) -> tuple[object, list]:
     """A Dispatcher whose ticks plan and lease but hand nothing to Ray (nothing is in
     flight): what it would start is collected."""
-    from hptransfer.coordinator import dispatch
     from hptransfer.coordinator.dispatch import Dispatcher
+    from hptransfer.coordinator.ray_runner import ClusterCapacity
 
     d = Dispatcher(store, get_settings())
-    monkeypatch.setattr(dispatch.ray, "cluster_resources", lambda: {"CPU": 2.0})
-    monkeypatch.setattr(d, "_relay_progress", lambda: None)
+    monkeypatch.setattr(d.ray_runner, "capacity", lambda: ClusterCapacity.one_node(cpus=2.0))
+    monkeypatch.setattr(d.ray_runner, "relay_progress", lambda: None)
     started: list = []
-    monkeypatch.setattr(d, "_submit", lambda spec, trials: started.extend(trials))
+    monkeypatch.setattr(d.ray_runner, "submit", lambda spec, trials: started.extend(trials))
     return d, started
 
 
@@ -461,7 +461,7 @@ def _finish_every_trial(store: Store, sid: str) -> None:
 
 
 def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_home, monkeypatch):
-    from hptransfer.coordinator import dispatch
+    from hptransfer.coordinator import study_advancer
 
     store = Store(get_settings().database_url)
     store.migrate()
@@ -477,7 +477,7 @@ def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_hom
     def planner_bug(*args):
         raise KeyError("hps")
 
-    monkeypatch.setattr(dispatch, "next_step", planner_bug)
+    monkeypatch.setattr(study_advancer, "next_step", planner_bug)
     d, started = _dispatcher_without_ray(store, monkeypatch)
     for _ in range(2):
         d.run_once()  # raised out of every tick, for every sweep, before
