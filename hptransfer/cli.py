@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 # torch-free: the client commands (submit, status, fits, ...) start without importing torch
+from hptransfer.contracts.status import SweepStatus, TrialStatus
 from hptransfer.models.config import ACTIVATIONS, ARCHES, POSITIONS, PRESETS, ModelConfig
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def cmd_train(a: argparse.Namespace) -> int:
             if k == "error" and value and "\n" in value:  # its first line says what failed
                 value = value.split("\n", 1)[0] + "  (--json for the traceback)"
             print(f"{k:>22}: {value}")
-    return 0 if result.status != "failed" else 1
+    return 0 if result.status != TrialStatus.FAILED else 1
 
 
 def _client(a: argparse.Namespace):
@@ -246,7 +247,8 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def cmd_submit(a: argparse.Namespace) -> int:
     with _client(a) as c:
         s = c.submit(a.spec)
-        print(f"submitted sweep {s['id']} ({s['total']} trials)")
+        # flushed: a script reading the output through a pipe learns the id before the wait
+        print(f"submitted sweep {s['id']} ({s['total']} trials)", flush=True)
         if not a.wait:
             _print_summary(s)
             return 0
@@ -257,7 +259,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
                   f"`hpt cancel {s['id']}`)", file=sys.stderr)
             return 130
         _print_summary(s)
-    return 0 if s["status"] == "completed" else 1  # a script can tell a sweep that failed
+    return 0 if s["status"] == SweepStatus.COMPLETED else 1  # a script can tell a sweep that failed
 
 
 @command("status")

@@ -267,6 +267,36 @@ def test_ctrl_c_while_waiting_says_the_sweep_goes_on(server, tmp_path):
     assert f"stopped waiting; sweep {sweep_id} goes on" in err
 
 
+def test_ctrl_c_ends_a_wait_mid_request():
+    """A poll the server never answers (a listener that accepts and stays silent): Ctrl-C
+    ends the wait at once, not after the client's 60 s read timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    accepted, held = threading.Event(), []
+
+    def accept() -> None:
+        conn, _ = listener.accept()
+        held.append(conn)  # open, silent: the client's read waits on it
+        accepted.set()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def interrupt() -> None:
+        if accepted.wait(60):
+            time.sleep(0.3)  # the client is in its read now
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with Client(url, timeout=60) as c, pytest.raises(KeyboardInterrupt):
+            c.wait("abc123", progress=False)
+    finally:
+        for conn in [*held, listener]:
+            conn.close()
+    assert accepted.is_set() and time.monotonic() - start < 30
+
+
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
     from hptransfer.contracts.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
     from hptransfer.store.store import Store

@@ -31,6 +31,7 @@ from .guards import (
 from .health import remember_mlflow_store
 from .listing import ListingCache
 from .routes import router
+from .schemas import sweep_spec_components
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,25 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
     app.add_middleware(TrailingSlashServed)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)  # outermost
     _install_error_handlers(app)
+    _publish_sweep_spec(app)
     return app
+
+
+def _publish_sweep_spec(app: FastAPI) -> None:
+    """/openapi.json with the sweep spec's schema among its components (POST /sweeps' body)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            spec = sweep_spec_components()
+            if clash := sorted(set(spec) & set(components)):  # one name, two schemas
+                raise RuntimeError(f"sweep spec schema names taken in the API's: {clash}")
+            components.update(spec)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _import_what_threads_import_later() -> None:

@@ -19,14 +19,27 @@ from hptransfer.dashboards import (
 )
 
 from .routes import NOT_MODIFIED, coordinator
+from .schemas import json_errors
 
 router = APIRouter(prefix="/dashboards", tags=["dashboards"])
 INDEX_LIMIT = 200
 # plotly.js only changes with the installed package: let browsers keep it for a day.
 _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
+# a page's own errors are pages; the URL's (a bad query, the database down) are JSON
+_HTML_ERRORS: dict[int | str, dict] = {
+    **json_errors(422),
+    404: {"description": "No sweep with this id (a page saying so)",
+          "content": {"text/html": {"schema": {"type": "string"}}}},
+    503: {"description": "Too many fit reports are being computed (a page saying so; "
+                         "Retry-After), or the app database is unavailable (JSON)",
+          "headers": {"Retry-After": {"schema": {"type": "integer"}}},
+          "content": {"text/html": {"schema": {"type": "string"}},
+                      "application/json": {"schema": {
+                          "$ref": "#/components/schemas/ErrorResponse"}}}},
+}
 
 
-@router.get("", response_class=HTMLResponse, responses=NOT_MODIFIED)
+@router.get("", response_class=HTMLResponse, responses={**NOT_MODIFIED, **json_errors()})
 async def dashboards_index(request: Request) -> Response:
     """Every sweep with its status, progress and a link to its dashboard (rendered once per
     change, with an ETag: see `hptransfer.api.listing`)."""
@@ -39,7 +52,7 @@ async def dashboards_index(request: Request) -> Response:
                                                     "text/html")
 
 
-@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse)
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse, responses=_HTML_ERRORS)
 def sweep_dashboard(
     request: Request,
     sweep_id: str,

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from hptransfer.contracts.status import HealthState
 from hptransfer.coordinator.health import (
     Check,
     MlflowStoreWatch,
@@ -53,7 +54,8 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
     db_ok = checks[0].ok
     ray_on = ray.is_initialized()
     body: dict[str, Any] = {
-        "status": "ok" if all(ch.ok for ch in checks) else ("degraded" if db_ok else "down"),
+        "status": (HealthState.OK if all(ch.ok for ch in checks) else
+                   HealthState.DEGRADED if db_ok else HealthState.DOWN),
         "database": c.store.url_safe,
         "ray": ray_on,
         "ray_address": ray.get_runtime_context().gcs_address if ray_on else None,

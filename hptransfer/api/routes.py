@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, WithJsonSchema
 
+from hptransfer.contracts.filters import TrialFilters
 from hptransfer.contracts.status import TrialStatus
 from hptransfer.coordinator.service import UnknownArm
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
@@ -16,15 +17,14 @@ from hptransfer.spec.trial import MAX_SEED, MAX_SIGMA
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
-from .schemas import EXAMPLE_SPEC, ErrorResponse, Health, SweepSummary, TrialPage
+from .schemas import EXAMPLE_SPEC, FitReport, Health, SweepSummary, TrialPage, errors
 
 # trials a page holds with their curves (a point per evaluation each)
 MAX_CURVE_PAGE = 100
 
 router = APIRouter(route_class=StrictJSONRoute)
-ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-          404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-          415: {"model": ErrorResponse}, 422: {"model": ErrorResponse}}
+# the errors a mutation can meet before its handler runs: token, content type, body size
+MUTATION_ERRORS = (401, 413, 415)
 # the cached listings (hptransfer.api.listing) answer a matching If-None-Match with a 304
 NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
     304: {"description": "Not modified: If-None-Match names the listing's current ETag"}}
@@ -40,8 +40,9 @@ def coordinator(request: Request):
     return request.app.state.coordinator
 
 
-@router.get("/health", response_model=Health, responses={503: {"model": Health}},
-            tags=["service"])
+@router.get("/health", response_model=Health,
+            responses={**errors(401, 422), 503: {"model": Health, "description":
+                       "The app database is down (`status` down)"}}, tags=["service"])
 def health(request: Request, deep: bool = False) -> Any:
     """Each component: app database (migrations at head), Optuna storage, MLflow (version,
     artifacts, still the store it started with), Ray nodes and their resources, dispatcher;
@@ -55,12 +56,17 @@ def health(request: Request, deep: bool = False) -> Any:
     return health_report(request.app, deep)
 
 
-@router.post("/sweeps", status_code=201, response_model=SweepSummary, responses=ERRORS,
-             dependencies=MUTATION, tags=["sweeps"])
+@router.post("/sweeps", status_code=201, response_model=SweepSummary,
+             responses=errors(*MUTATION_ERRORS, 422, busy=True), dependencies=MUTATION,
+             tags=["sweeps"])
 def submit_sweep(
     request: Request,
-    spec: Annotated[dict[str, Any], Body(openapi_examples={"cpu-small": {
-        "summary": "A small CPU sweep: SP vs CompleteP", "value": EXAMPLE_SPEC}})],
+    # read as any JSON object and validated by the coordinator (field-named errors,
+    # "did you mean"); published as the spec's own schema (components: SweepSpec)
+    spec: Annotated[dict[str, Any],
+                    WithJsonSchema({"$ref": "#/components/schemas/SweepSpec"}),
+                    Body(openapi_examples={"cpu-small": {
+                        "summary": "A small CPU sweep: SP vs CompleteP", "value": EXAMPLE_SPEC}})],
 ) -> dict[str, Any]:
     """Validate a sweep spec (JSON body), expand it and store every trial in one transaction.
 
@@ -69,8 +75,8 @@ def submit_sweep(
     return coordinator(request).submit(spec)
 
 
-@router.get("/sweeps", response_model=list[SweepSummary], responses=NOT_MODIFIED,
-            tags=["sweeps"])
+@router.get("/sweeps", response_model=list[SweepSummary],
+            responses={**NOT_MODIFIED, **errors(422)}, tags=["sweeps"])
 async def list_sweeps(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
@@ -89,17 +95,14 @@ async def list_sweeps(
                                                     "application/json")
 
 
-@router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=ERRORS, tags=["sweeps"])
+@router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=errors(404, 422),
+            tags=["sweeps"])
 def get_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
     """Status counts, progress and ETA of one sweep."""
     return coordinator(request).summary(sweep_id)
 
 
-@router.get("/sweeps/{sweep_id}/trials", response_model=TrialPage, responses=ERRORS,
-            tags=["sweeps"])
-def list_trials(
-    request: Request,
-    sweep_id: str,
+def trial_filters(
     status: Annotated[str | None, Query(pattern=f"^({TRIAL_STATUSES})$")] = None,
     arm: str | None = None,
     width: Annotated[int | None, Query(gt=0, le=MAX_WIDTH)] = None,
@@ -108,6 +111,19 @@ def list_trials(
     seed: Annotated[int | None, Query(ge=0, le=MAX_SEED)] = None,
     stage: Annotated[str | None, Query(pattern=f"^({STAGES})$",
                                        description="a study's stage: " + STAGES)] = None,
+) -> TrialFilters:
+    """The trial filters of a listing's query, with the bounds the URL checks refuse past
+    (one query parameter per TrialFilters field: a test compares them)."""
+    return TrialFilters(status=status, arm=arm, width=width, depth=depth,
+                        sigma_base=sigma_base, seed=seed, stage=stage)
+
+
+@router.get("/sweeps/{sweep_id}/trials", response_model=TrialPage, responses=errors(404, 422),
+            tags=["sweeps"])
+def list_trials(
+    request: Request,
+    sweep_id: str,
+    filters: Annotated[TrialFilters, Depends(trial_filters)],
     limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     curves: Annotated[bool, Query(description="each result with its loss curve (at most "
@@ -120,25 +136,26 @@ def list_trials(
         raise HTTPException(status_code=422, detail=(
             f"with curves=true a page holds at most {MAX_CURVE_PAGE} trials (limit={limit}): "
             "page through them, or leave the curves out"))
-    filters = dict(status=status, arm=arm, width=width, depth=depth, sigma_base=sigma_base,
-                   seed=seed, stage=stage)
     return {
-        "total": c.store.count_trials(sweep_id, **filters),
+        "total": c.store.count_trials(sweep_id, **filters.as_dict()),
         "limit": limit,
         "offset": offset,
         "items": [t.to_dict() for t in c.store.trials(sweep_id, limit=limit, offset=offset,
-                                                      curves=curves, **filters)],
+                                                      curves=curves, **filters.as_dict())],
     }
 
 
-@router.post("/sweeps/{sweep_id}/cancel", response_model=SweepSummary, responses=ERRORS,
-             dependencies=MUTATION, tags=["sweeps"])
+@router.post("/sweeps/{sweep_id}/cancel", response_model=SweepSummary,
+             responses=errors(*MUTATION_ERRORS, 404, 422), dependencies=MUTATION, tags=["sweeps"])
 def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
     """Pending trials never start; running ones are cancelled."""
     return coordinator(request).cancel(sweep_id)
 
 
-@router.get("/sweeps/{sweep_id}/fits", responses=ERRORS, tags=["fits"])
+# documented, not serialised through FitReport: the report's analyses are free-form records
+@router.get("/sweeps/{sweep_id}/fits", responses={
+    200: {"model": FitReport, "description": "The fit report"}, **errors(404, 422, busy=True)},
+    tags=["fits"])
 def get_fits(
     request: Request,
     sweep_id: str,

@@ -1,10 +1,18 @@
-"""Response models and OpenAPI examples."""
+"""Response models and OpenAPI examples: what /openapi.json promises each answer holds.
+
+The models describe the bodies the routes build; where a route returns its own response
+(health, the cached listings, fits) they document it without re-serialising it. Fields are
+declared in the order the bodies carry them: a model that serialises a body (the sweep
+summaries, the trial pages) then gives back the same bytes."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
+
+from hptransfer.contracts.status import HealthState, StageState, SweepStatus, TrialStatus
 
 EXAMPLE_SPEC: dict[str, Any] = {
     "name": "cpu-small",
@@ -26,44 +34,143 @@ EXAMPLE_SPEC: dict[str, Any] = {
 
 
 class ErrorItem(BaseModel):
-    field: str
+    model_config = ConfigDict(extra="allow")
+
+    field: str = Field(description="the field at fault, dotted ('grid.widths.0'); '' for "
+                                   "the whole request")
     message: str
 
 
 class ErrorResponse(BaseModel):
-    error: str
-    errors: list[ErrorItem] = []
+    """Every error's body (guards.error_response)."""
+
+    error: str = Field(description="what is wrong and how to fix it, in one line")
+    errors: list[ErrorItem] = Field(default=[], description="per field, where fields are named")
+
+
+class StageProgress(BaseModel):
+    """One stage of a staged study (coordinator.study.study_progress)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    stage: str
+    planned: bool
+    counts: dict[str, int]
+    done: int
+    total: int
+    progress: float
+    state: StageState
 
 
 class SweepSummary(BaseModel):
+    """A sweep's row (without its spec) with its progress."""
+
+    model_config = ConfigDict(extra="allow")
+
     id: str
     name: str
-    status: str
+    status: SweepStatus
     search: str | None = None
     created_at: Any = None
     started_at: Any = None
     finished_at: Any = None
-    counts: dict[str, int]
+    counts: dict[str, int] = Field(description="trials per status")
     total: int
     done: int
     progress: float
     eta_s: float | None = None
-    waiting_for: str | None = None  # why pending trials cannot start now, if they cannot
-    # a staged study: each stage in order with its state, done/total and counts
-    stages: list[dict[str, Any]] | None = None
-    study: dict[str, Any] | None = None  # its planner state (transferred HPs, stop reason)
-    error: str | None = None  # e.g. why a study stopped
+    waiting_for: str | None = Field(default=None, description="why pending trials cannot "
+                                                              "start now, if they cannot")
+    stages: list[StageProgress] | None = Field(default=None, description="a staged study: "
+                                               "each stage in order with its state")
+    study: dict[str, Any] | None = Field(default=None, description="a study's planner state "
+                                         "(transferred HPs, stop reason)")
+    error: str | None = Field(default=None, description="e.g. why a study stopped")
     mlflow_experiment_id: str | None = None
     mlflow_run_id: str | None = None
+    # the rest of the sweep's row, in the order the body has carried them
+    spec_hash: str | None = None
+    data_hash: str | None = None
+    reuse: bool | None = None
+    max_attempts: int | None = None
+    n_trials: int | None = None
+    max_concurrent: int | None = None
+    planned_total: int | None = None
+    mlflow_synced_status: str | None = None
 
-    model_config = {"extra": "allow"}
+
+class Trial(BaseModel):
+    """One trial (contracts.records.TrialRecord.to_dict)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    sweep_id: str
+    idx: int
+    arm: str
+    width: int
+    depth: int
+    lr: float
+    sigma_base: float
+    seed: int
+    spec: dict[str, Any]
+    content_hash: str
+    data_hash: str | None = None
+    status: TrialStatus
+    attempts: int
+    max_attempts: int
+    error: str | None = None
+    result: dict[str, Any] | None = Field(default=None, description="the worker's result; "
+                                          "its loss curve only with curves=true")
+    final_val_loss: float | None = None
+    flops: float | None = None
+    tokens: int | None = None
+    params_non_embedding: int | None = None
+    params_embedding: int | None = None
+    wall_time_s: float | None = None
+    worker_node: str | None = None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    mlflow_run_id: str | None = None
+    reused_from: str | None = None
+    optuna_trial_number: int | None = None
+    stage: str | None = None
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    reused: bool = Field(description="copied from an identical earlier trial, not trained")
 
 
 class TrialPage(BaseModel):
     total: int
     limit: int
     offset: int
-    items: list[dict[str, Any]]
+    items: list[Trial]
+
+
+class FitReport(BaseModel):
+    """GET /sweeps/{id}/fits (coordinator.fits.fits_payload). The analyses are nested records
+    whose fields depend on the analysis; `tables` holds them as rows, `text` as a report."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n_trials: int
+    status_counts: dict[str, int]
+    reference_arm: str | None = None
+    bootstrap: int
+    seed: int
+    error: str | None = None
+    warnings: list[str]
+    failures: dict[str, str] | list[str]
+    stages: dict[str, Any] | None = Field(default=None, description="a study: the stage "
+                                          "each analysis came from")
+    headline: dict[str, Any] | None = None
+    analyses: dict[str, dict[str, Any] | None]
+    tables: dict[str, list[dict[str, Any]]] = Field(description="each analysis as rows: "
+                                                    "optimal_lr, transfer, frontier, ...")
+    table_columns: dict[str, list[str]] | None = Field(default=None, description="each "
+                                                       "table's columns (an empty table too)")
+    text: str
 
 
 class ComponentHealth(BaseModel):
@@ -74,10 +181,60 @@ class ComponentHealth(BaseModel):
 
 
 class Health(BaseModel):
-    status: str  # ok | degraded (a component failed) | down (the app database)
+    status: HealthState
     database: str
     ray: bool
     ray_address: str | None = None
     dispatcher_error: str | None = None
     mlflow_uri: str | None = None
     components: list[ComponentHealth] = []
+
+
+# What each error status means; its body is always an ErrorResponse (guards.error_response)
+ERROR_MEANINGS: dict[int, str] = {
+    400: "The URL holds a NUL character, the JSON body cannot be read (nested too deeply, "
+         "an integer of over 4300 digits), or the database cannot store a value",
+    401: "Missing or wrong bearer token (HPT_API_TOKEN is set on the server)",
+    404: "No sweep with this id",
+    413: "The request body is over the server's limit (HPT_MAX_REQUEST_BYTES)",
+    415: "A mutation sent without 'Content-Type: application/json'",
+    422: "A field, query parameter or the JSON body is invalid: `errors` names each",
+    500: "An unexpected error (the server log has its traceback)",
+    503: "The app database is unavailable; retry shortly",
+}
+_BUSY = ("; or too many fit reports are being computed: retry after the Retry-After "
+         "header's seconds")
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying",
+                                "schema": {"type": "integer"}}}
+
+
+def errors(*statuses: int, busy: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for a route's error answers: `statuses` plus those any route can
+    give (400, 500, 503). `busy`: its 503 may also be a full computation gate."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in sorted({400, *statuses, 500, 503}):
+        out[status] = {"model": ErrorResponse, "description": ERROR_MEANINGS[status]}
+    if busy:
+        out[503] = {**out[503], "description": ERROR_MEANINGS[503] + _BUSY,
+                    "headers": _RETRY_AFTER}
+    if 401 in out:
+        out[401]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    return out
+
+
+def json_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`errors` for a route whose own answers are not JSON (the HTML pages): the error
+    bodies named as JSON explicitly (a `model` would take the route's media type)."""
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {status: {"description": r["description"], "content": {"application/json": {
+        "schema": ref}}} for status, r in errors(*statuses).items()}
+
+
+def sweep_spec_components() -> dict[str, Any]:
+    """The sweep spec's JSON schema and its parts, as OpenAPI components: POST /sweeps'
+    body refers to `SweepSpec` (the route reads the body itself: see routes.submit_sweep)."""
+    from hptransfer.spec import SweepSpec
+
+    schema = SweepSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    parts = schema.pop("$defs", {})
+    return {**parts, "SweepSpec": schema}

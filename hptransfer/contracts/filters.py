@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,10 @@ class TrialFilters:
     sigma_base: float | None = None
     seed: int | None = None
     stage: str | None = None  # a study's stage (tune, transfer, check, aspect_ratio)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The filters as keyword arguments (the store's `trials` and `count_trials`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 TRIAL_FILTER_NAMES: tuple[str, ...] = tuple(f.name for f in fields(TrialFilters))

@@ -44,3 +44,26 @@ class SweepStatus(StrEnum):
 ACTIVE: frozenset[str] = frozenset({"pending", "running"})
 RESULT_STATUSES: frozenset[TrialStatus] = frozenset(
     {TrialStatus.COMPLETED, TrialStatus.DIVERGED, TrialStatus.FAILED, TrialStatus.PRUNED})
+
+# An attempt whose worker died (its Ray task or node lost): the dispatcher retries the trial
+# or fails it. A dispatcher outcome, never a trial's stored status.
+LOST = "lost"
+
+
+class StageState(StrEnum):
+    """A staged study's stage as a sweep summary shows it (`stages[].state`)."""
+
+    WAITING = "waiting"  # not planned yet: an earlier stage is still running
+    RUNNING = "running"
+    DONE = "done"
+    STOPPED = "stopped"  # the study stopped in this stage (no η* to transfer)
+    SKIPPED = "skipped"  # the study ended before planning it
+    CANCELLED = "cancelled"
+
+
+class HealthState(StrEnum):
+    """GET /health's overall `status`."""
+
+    OK = "ok"
+    DEGRADED = "degraded"  # a component failed; the API still works
+    DOWN = "down"  # the app database is unreachable (a 503)

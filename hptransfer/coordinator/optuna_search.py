@@ -35,6 +35,7 @@ from typing import Any
 import optuna
 
 from hptransfer.analysis.basins import rival_basins
+from hptransfer.contracts.status import TrialStatus
 from hptransfer.models import param_counts
 from hptransfer.spec import Search
 from hptransfer.spec.sections import MIN_FULL_BUDGET
@@ -432,16 +433,16 @@ class OptunaSearch:
         or retracted) is left as it is, so a repeated tell cannot stall the caller."""
         if self._state(study, number) != optuna.trial.TrialState.RUNNING:
             return
-        if status == "completed" and value is not None and math.isfinite(value):
+        if status == TrialStatus.COMPLETED and value is not None and math.isfinite(value):
             study.tell(number, value)
-        elif status == "diverged":
+        elif status == TrialStatus.DIVERGED:
             # marked first, so neither the gate nor the rank pruner counts it as a yardstick;
             # the storage API because after a restart no Trial object is at hand
             storage = study._storage
             storage.set_trial_user_attr(self._trial_id(study, number), DIVERGED_ATTR, True)
             study.tell(number, DIVERGED_PENALTY * math.log(vocab))
         else:
-            study.tell(number, state=optuna.trial.TrialState.PRUNED if status == "pruned"
+            study.tell(number, state=optuna.trial.TrialState.PRUNED if status == TrialStatus.PRUNED
                        else optuna.trial.TrialState.FAIL)
 
     def retract(self, study: optuna.Study, number: int) -> None:

@@ -27,7 +27,7 @@ import pandas as pd
 
 from hptransfer.analysis import optimal_lr
 from hptransfer.analysis.staged import transfer_check
-from hptransfer.contracts.status import SweepStatus, TrialStatus
+from hptransfer.contracts.status import StageState, SweepStatus, TrialStatus
 from hptransfer.spec import SweepSpec
 from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.spec.trial import MAX_LR
@@ -137,12 +137,13 @@ def study_progress(
             "done": done,
             "total": total,
             "progress": done / total if total else 0.0,
-            "state": ("stopped" if state.get("stop_reason") and name == TUNE else
-                      "cancelled" if ended and is_planned and c.get("cancelled") else
-                      "done" if is_planned and total and done >= total else
-                      "skipped" if ended and not is_planned else
-                      "cancelled" if ended else
-                      "running" if is_planned else "waiting"),
+            "state": (StageState.STOPPED if state.get("stop_reason") and name == TUNE else
+                      StageState.CANCELLED if ended and is_planned
+                      and c.get(TrialStatus.CANCELLED) else
+                      StageState.DONE if is_planned and total and done >= total else
+                      StageState.SKIPPED if ended and not is_planned else
+                      StageState.CANCELLED if ended else
+                      StageState.RUNNING if is_planned else StageState.WAITING),
         })
     return out
 
@@ -168,7 +169,7 @@ def _tune_decisions(
     stops: list[str] = []
     for arm in (a.name for a in spec.arms):
         rows = tune[tune["arm"] == arm]
-        if not (rows["status"] == "completed").any():
+        if not (rows["status"] == TrialStatus.COMPLETED).any():
             stops.append(f"arm {arm}: no tune trial completed; " + _why_none(rows))
             continue
         assert opt is not None
@@ -212,7 +213,7 @@ def _why_none(rows: pd.DataFrame) -> str:
     """Why an arm's tune trials gave nothing to fit, and the fix that follows from it."""
     counts = rows["status"].value_counts()
     said = ", ".join(f"{n} {status}" for status, n in counts.items())
-    if counts.get("diverged", 0) >= len(rows) / 2:
+    if counts.get(TrialStatus.DIVERGED, 0) >= len(rows) / 2:
         return f"{said}; lower the LR range (grid.lrs)"
     return (f"{said}; see the trials' errors (hpt trials SWEEP_ID --status failed): the LR "
             "range is not the cause")

@@ -75,9 +75,9 @@ def sweep_data(source: Any, sweep_id: str, bootstrap: int = 100,
     # the pages render plain mappings: the records are serialised here, at the boundary
     # every running trial (up to NOTABLE_LIMIT), then the last failures in plan order: one
     # query for both let a sweep's first 500 failures hide whatever was running after them
-    failed = int((summary.get("counts") or {}).get("failed", 0))
-    rows = (store.trials(sweep_id, status="running", limit=NOTABLE_LIMIT, curves=False)
-            + store.trials(sweep_id, status="failed", limit=FAILED_SHOWN,
+    failed = int((summary.get("counts") or {}).get(TrialStatus.FAILED, 0))
+    rows = (store.trials(sweep_id, status=TrialStatus.RUNNING, limit=NOTABLE_LIMIT, curves=False)
+            + store.trials(sweep_id, status=TrialStatus.FAILED, limit=FAILED_SHOWN,
                            offset=max(0, failed - FAILED_SHOWN), curves=False))
     trials = [t.to_dict() for t in rows]
     report = sweep_report(store, sweep_id, bootstrap, wait=wait)  # cached per trial counts

@@ -164,7 +164,7 @@ def progress_bar(counts: dict[str, int], total: int) -> str:
     parts = []
     for s in STATUS_ORDER:
         n = int(counts.get(s, 0))
-        if n and s != "pending":
+        if n and s != TrialStatus.PENDING:
             parts.append(
                 f'<span style="width:{100.0 * n / total:.2f}%;background:{STATUS_COLORS[s]}" '
                 f'title="{esc(s)}: {n}"></span>'

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from hptransfer.contracts.status import ACTIVE
+from hptransfer.contracts.status import ACTIVE, TrialStatus
 
 from .html import (
     esc,
@@ -115,7 +115,7 @@ def progress_section(summary: Mapping[str, Any], trials: TrialRows | None) -> st
         parts.append('<h3>Stages</h3><div class="stages">'
                      + table(["stage", "state", "done", "trials"], rows, raw=True) + "</div>")
     records = as_records(trials)
-    running = [t for t in records if t.get("status") == "running"]
+    running = [t for t in records if t.get("status") == TrialStatus.RUNNING]
     if running:
         rows = [[_trial_id(t), t.get("arm"), t.get("width"), t.get("depth"), _lr(t.get("lr")),
                  t.get("seed"), t.get("attempts"), fmt_time(t.get("started_at")),
@@ -124,11 +124,12 @@ def progress_section(summary: Mapping[str, Any], trials: TrialRows | None) -> st
         parts.append(f"<h3>Running now ({len(running)})</h3>" + table(head, rows))
     elif is_active(summary):
         parts.append('<p class="muted">No trial is running at this moment.</p>')
-    failed = [t for t in records if t.get("status") == "failed"]
+    failed = [t for t in records if t.get("status") == TrialStatus.FAILED]
     if failed:
         rows = [[_trial_id(t), t.get("arm"), t.get("width"), t.get("depth"), _lr(t.get("lr")),
                  t.get("seed"), _last_error_line(t)] for t in failed[-FAILED_SHOWN:]]
-        n_failed = max(int(counts.get("failed", 0)), len(failed))  # the page holds the last
+        # the page holds the last
+        n_failed = max(int(counts.get(TrialStatus.FAILED, 0)), len(failed))
         shown = f"the last {len(rows)}, " if n_failed > len(rows) else ""
         parts.append(f"<h3>Failed trials ({n_failed}; {shown}last error line)</h3>"
                      + table(["trial", "arm", "width", "depth", "lr", "seed", "error"], rows))

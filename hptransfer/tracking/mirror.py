@@ -36,7 +36,7 @@ from typing import Any
 
 from hptransfer.backoff import Backoff
 from hptransfer.contracts.records import AttemptRecord, SweepRecord
-from hptransfer.contracts.status import ACTIVE
+from hptransfer.contracts.status import ACTIVE, SweepStatus, TrialStatus
 from hptransfer.spec.sweep import RESERVED_TAG_PREFIXES
 from hptransfer.store.store import Store
 
@@ -60,9 +60,10 @@ FINAL_METRICS = (
     "final_val_loss", "final_train_loss", "flops", "flops_per_token", "tokens", "tokens_per_s",
     "wall_time_s", "mfu", "params_non_embedding", "params_embedding",
 )
-RUN_STATUS = {"completed": "FINISHED", "pruned": "FINISHED", "diverged": "FINISHED",
-              "failed": "FAILED", "cancelled": "KILLED",
-              "stopped": "FINISHED"}  # a study stopped on purpose
+RUN_STATUS = {TrialStatus.COMPLETED: "FINISHED", TrialStatus.PRUNED: "FINISHED",
+              TrialStatus.DIVERGED: "FINISHED", TrialStatus.FAILED: "FAILED",
+              TrialStatus.CANCELLED: "KILLED",
+              SweepStatus.STOPPED: "FINISHED"}  # a study stopped on purpose
 # The experiment's kind as MLflow names it (its API and kind selector read it). MLflow 3.17's
 # UI picks its view from the workflow switch instead: links carry it (tracking.ui_url).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
@@ -317,7 +318,7 @@ class Mirror:
     # attempts -------------------------------------------------------------------------
     def _sync_attempt(self, a: AttemptRecord) -> None:
         run_id = a.mlflow_run_id or self._attempt_run(a)
-        if a.status == "running":
+        if a.status == TrialStatus.RUNNING:
             self._runs[a.trial_id] = (run_id, _ms(a.started_at) or 0)
         else:
             if self._runs.get(a.trial_id, ("", None))[1] == _ms(a.started_at):
@@ -337,7 +338,7 @@ class Mirror:
         else:
             tags = {"mlflow.parentRunId": a.parent_run_id, "hpt.trial_id": a.trial_id,
                     "hpt.attempt": str(a.seq), "hpt.sweep_id": a.sweep_id, "hpt.arm": a.arm,
-                    "hpt.role": "trial", "hpt.status": "running"}
+                    "hpt.role": "trial", "hpt.status": TrialStatus.RUNNING.value}
             if a.reused_from:  # not trained here: the result of an identical earlier trial
                 tags["hpt.reused_from"] = a.reused_from
             run_id = c.create_run(a.experiment_id, start_time=_ms(a.started_at), tags=tags,
