@@ -133,3 +133,20 @@ def test_past_the_admitted_submissions_preparing_data_a_submit_is_a_503(hpt_home
         assert first[0].status_code == 201, first[0].text
         names = [s["name"] for s in api.get("/sweeps").json()]
         assert names == ["first"]  # the refused one left nothing behind
+
+
+def test_a_report_whose_tables_fail_is_still_answered_with_the_failure_named():
+    """A rendering bug must not hide the report: the tables' failure joins the analyses'
+    failures (a dict, name -> why), and the rest of the report is served."""
+    from hptransfer.analysis.report import FitReport
+
+    class Broken(FitReport):
+        def tables(self):
+            raise RuntimeError("a table cannot render")
+
+    report = Broken(bootstrap=10, seed=0)
+    report.failures["frontier"] = "ValueError: not enough shapes"
+    out = fits.fits_payload(report)
+    assert out["failures"] == {"frontier": "ValueError: not enough shapes",
+                               "tables": "RuntimeError: a table cannot render"}
+    assert out["tables"] == {} and "a table cannot render" in out["text"]

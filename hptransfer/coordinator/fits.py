@@ -100,7 +100,7 @@ def fits_payload(report: FitReport) -> dict[str, Any]:
         out["text"] = report.format_text()
     except Exception as exc:  # a rendering bug must not hide the report itself
         log.exception("fit tables failed")
-        out.setdefault("failures", []).append(f"tables: {type(exc).__name__}: {exc}")
+        out["failures"] = {**out.get("failures", {}), "tables": f"{type(exc).__name__}: {exc}"}
         out.setdefault("tables", {})
         out.setdefault("text", f"fit tables unavailable ({type(exc).__name__}: {exc})")
     return out

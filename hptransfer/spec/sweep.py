@@ -37,34 +37,12 @@ from .sections import (
     Arm,
     Fixed,
     Grid,
-    LogRange,
-    LrGrid,
-    PositiveFloat,
-    PositiveInt,
     Resources,
     Search,
     SpecModel,
     SweepBudget,
 )
 from .stages import Stages
-
-__all__ = [
-    "Arm",
-    "Fixed",
-    "Grid",
-    "LogRange",
-    "LrGrid",
-    "PositiveFloat",
-    "PositiveInt",
-    "Resources",
-    "Search",
-    "SpecError",
-    "SweepBudget",
-    "Stages",
-    "SweepSpec",
-    "load_spec",
-    "storable",
-]
 
 MAX_NAME_CHARS = 100
 MAX_DESCRIPTION_CHARS = 10_000
