@@ -217,9 +217,9 @@ def test_follow_ups_of_a_stored_result_that_fail_to_write_are_retried(
 
 def test_a_restart_completes_a_sweep_whose_last_refresh_died_with_its_coordinator(
         hpt_home, ray_cluster, tiny_spec):
-    """Every trial stored, the sweep not yet refreshed, the coordinator gone (`owed` lives in
-    its memory): the next coordinator's start completes the sweep. An Optuna sweep with
-    trials still to ask stays active."""
+    """Every trial stored, the sweep not yet refreshed, the coordinator gone (its pending
+    follow-ups lived in its memory): the next coordinator's start completes the sweep. An
+    Optuna sweep with trials still to ask stays active."""
     settings = get_settings()
     dead = Coordinator(settings)
     grid_id = dead.submit(dict(tiny_spec, name="settled"))["id"]
@@ -375,7 +375,7 @@ def test_a_restart_while_optunas_storage_fails_tells_the_study_once_it_answers(
         assert dispatcher.recovery.optuna_sweeps_to_resync == {sweep_id}
         assert dispatcher.optuna_storage.error
         dispatcher.run_once()
-        assert coordinator.store.get_sweep(sweep_id).status == "running"  # untold: not done
+        assert coordinator.store.get_sweep(sweep_id).status == "running"  # not yet told: not done
     finally:
         assert chattr("-i", storage)
     try:

@@ -8,7 +8,7 @@ The work is split into pieces, each with one job; the Dispatcher runs them in or
 - study_advancer.StudyAdvancer: a staged study's next stage;
 - recovery.RecoveryLedger: what a failed write left half done, and a restart's recovery.
 
-Trial state is written only to the app database (MLflow mirrors it: `mlflow/mirror.py`).
+Trial state is written only to the app database (MLflow mirrors it: `tracking/mirror.py`).
 While the database is unreachable the loop backs off exponentially (capped) and logs one
 line when the outage starts and one when it ends. When Optuna's storage (a database of its
 own) fails, only the Optuna sweeps' asks, tells and pruning wait, backing off the same way:

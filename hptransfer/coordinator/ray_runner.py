@@ -164,7 +164,7 @@ def tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:
 # should_prune(trial_id, new points) -> whether Optuna's pruner stops the trial
 ShouldPrune = Callable[[str, list[dict[str, Any]]], bool]
 # after_stored(trial, stored status, result): the follow-ups of a durably stored outcome
-AfterStored = Callable[[TrialRecord, str, "dict | None"], None]
+AfterStored = Callable[[TrialRecord, str, dict | None], None]
 
 
 class RayRunner:
