@@ -866,6 +866,19 @@ def test_empty_frame() -> None:
     report.format_text()
 
 
+def test_a_study_with_nothing_trained_yet_reports_not_enough_data_not_a_failure() -> None:
+    """The frontier and L(N, D) key shapes by the tokens trained, a point column too: with no
+    completed trial their empty table once held `tokens` twice, and both fits failed."""
+    from hptransfer.analysis.study_report import study_fit_report
+
+    df = lr_sweep({("a", 64, 2): -8.0, ("a", 128, 2): -8.0}).assign(status="pending")
+    df["stage"] = ["tune", "transfer"] * (len(df) // 2) + ["tune"] * (len(df) % 2)
+    report = study_fit_report(df, bootstrap=0)
+    assert report.failures == {}
+    assert "not enough data" in str(report.frontier.reason)
+    assert "not enough data" in str(report.chinchilla.reason)
+
+
 def test_all_diverged() -> None:
     df = lr_sweep({("a", 256, 4): -8.0})
     df["status"] = "diverged"

@@ -285,8 +285,9 @@ def _shape_notes(
 def _empty_result(
     keys: tuple[str, ...], reason: NotEnoughData, warnings: list[str], bootstrap: int, ci: float
 ) -> OptimalLRResult:
-    shapes = pd.DataFrame(columns=[*keys, *_SHAPE_COLUMNS])
-    curves = pd.DataFrame(columns=[*keys, *_CURVE_COLUMNS])
+    # a key may also be a point column (per_budget keys on tokens): one column each
+    shapes = pd.DataFrame(columns=[*keys, *(c for c in _SHAPE_COLUMNS if c not in keys)])
+    curves = pd.DataFrame(columns=[*keys, *(c for c in _CURVE_COLUMNS if c not in keys)])
     shapes["reliable"] = shapes["reliable"].astype(bool)
     shapes["best_loss"] = shapes["best_loss"].astype(float)
     return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
