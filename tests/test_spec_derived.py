@@ -134,13 +134,22 @@ def test_planned_trials_equal_fully_validated_ones(path: Path):
         assert (p.trial.lr, p.trial.sigma_base, p.trial.seed) == (p.lr, p.sigma_base, p.seed)
 
 
-def test_planning_validates_every_lr_of_the_grid():
-    # a log range's tolerance keeps an LR just past log2_max = log2(MAX_LR); the sweep's own
-    # check builds only its first LR, so planning is where the trial's bound refuses it
+def test_a_log_range_ends_at_log2_max_not_past_it():
+    """count()'s tolerance keeps log2_max when the steps land just short of it; the value is
+    log2_max itself, not a hair past it: 2**(10 + 5e-10) once passed the sweep's check and
+    failed planning against the trial's bound (LR <= 1024), a 500 at submit."""
     raw = yaml.safe_load((ROOT / "examples" / "cpu_small.yaml").read_text())
     raw["grid"]["lrs"] = {"log2_min": 7 + 5e-10, "log2_max": 10, "step": 1}
     spec = load_spec(raw)
-    assert spec.grid.lr_values()[-1] > 1024
+    assert spec.grid.lr_values()[-1] == 1024.0
+    assert max(p.lr for p in plan_sweep(spec)) == 1024.0
+
+
+def test_planning_validates_every_lr_of_the_grid(monkeypatch):
+    # the sweep's own check builds only each shape's first trial; an LR past the trial's bound
+    # later in the grid is refused by planning, not stored
+    spec = load_spec(yaml.safe_load((ROOT / "examples" / "cpu_small.yaml").read_text()))
+    monkeypatch.setattr(type(spec.grid), "lr_values", lambda self: [2.0**-8, 2048.0])
     with pytest.raises(ValidationError, match="less than or equal to 1024"):
         plan_sweep(spec)
 

@@ -109,7 +109,9 @@ class LogRange(SpecModel):
     def values(self) -> list[float]:
         # Rounding the exponent makes 0.1-style steps give the same floats on every machine,
         # and integer exponents give exact powers of two.
-        return [2.0 ** round(self.log2_min + i * self.step, 12) for i in range(self.count())]
+        # The last may pass log2_max by count()'s tolerance: capped, it is log2_max itself.
+        return [2.0 ** min(round(self.log2_min + i * self.step, 12), self.log2_max)
+                for i in range(self.count())]
 
 
 def _lrs_kind(value: Any) -> str | None:
