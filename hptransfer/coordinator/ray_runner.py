@@ -37,7 +37,7 @@ from ray.exceptions import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hptransfer.config import Settings
-from hptransfer.contracts.status import SweepStatus, TrialStatus
+from hptransfer.contracts.status import LOST, SweepStatus, TrialStatus
 from hptransfer.spec import SweepSpec
 from hptransfer.store.store import TrialRecord
 from hptransfer.workers.remote import execute_trial, execute_trials
@@ -105,7 +105,7 @@ def _init_ray(settings: Settings) -> None:
 class Outcome:
     """What came back from Ray for one attempt, kept until the app DB has it."""
 
-    status: str  # a finished TrialStatus, or "lost" (worker died: retried or failed)
+    status: str  # a finished TrialStatus, or LOST (worker died: retried or failed)
     result: dict[str, Any] | None = None
     error: str | None = None
 
@@ -318,7 +318,7 @@ class RayRunner:
         for f in self.in_flight.values():
             if f.outcome is None and f.ref in ready_set:
                 outcome = outcome_of(f.ref, f.member)
-                if outcome.status in ("lost", TrialStatus.CANCELLED) and f.member is not None \
+                if outcome.status in (LOST, TrialStatus.CANCELLED) and f.member is not None \
                         and not self._board_heard_since(f):
                     continue  # its final result may wait in the board: taken next tick
                 f.outcome = outcome
@@ -343,7 +343,7 @@ class RayRunner:
         out = f.outcome
         assert out is not None
         status = out.status
-        if status == "lost":
+        if status == LOST:
             status = store.requeue(trial_id, out.error, owner)  # pending or failed
             log.warning("trial %s lost its worker (%s); now %s", trial_id,
                         (out.error or "")[:200], status)
@@ -371,6 +371,6 @@ def outcome_of(ref: ray.ObjectRef, member: int | None = None) -> Outcome:
     except TaskCancelledError:
         return Outcome(TrialStatus.CANCELLED)
     except RETRYABLE as exc:
-        return Outcome("lost", error=f"{type(exc).__name__}: {exc}")
+        return Outcome(LOST, error=f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # anything else escaping the task is final
         return Outcome(TrialStatus.FAILED, error=f"{type(exc).__name__}: {exc}")
