@@ -33,10 +33,11 @@ from _timing import bench_head_dim
 from hptransfer.models import optimizer_groups
 from hptransfer.models.build import build_model
 from hptransfer.spec.trial import TrialSpec
-from hptransfer.workers import packed
+from hptransfer.workers import pack as pack_module
 from hptransfer.workers.flat_adamw import FlatAdamW
-from hptransfer.workers.packed import _Pack
-from hptransfer.workers.trainer import clip_gradients, load_trial_data
+from hptransfer.workers.pack import Pack
+from hptransfer.workers.plan import load_trial_data
+from hptransfer.workers.trainer import clip_gradients
 
 BATCH, SEQ, LR, MAX_NORM, WARMUP = 8, 128, 2.0**-7, 1.0, 8
 
@@ -90,21 +91,21 @@ def measure_pack(width: int, k: int, steps: int, threads: int, cache: str
                        batch_size=8, seq_len=64, budget={"steps": steps}, eval_every=50,
                        data={"val_tokens": 2048}, device="cpu", num_threads=threads)
              for i in range(k)]
-    pack = _Pack(specs, None, cache)
-    free, inner = packed.reading_back_is_free, pack.update_fn
+    pack = Pack(specs, None, cache)
+    free, inner = pack_module.reading_back_is_free, pack.update_fn
     got: dict[str, list[float]] = {f"{kind}_{side}": [] for kind in ("update", "step")
                                    for side in ("every", "skip")}
     last = [time.perf_counter(), 0]
 
     def alternating_update(*args: object) -> object:
         side = ("every", "skip")[last[1] % 2]
-        packed.reading_back_is_free = free if side == "skip" else (lambda device: False)
+        pack_module.reading_back_is_free = free if side == "skip" else (lambda device: False)
         start = time.perf_counter()
         try:
             return inner(*args)
         finally:
             end = time.perf_counter()
-            packed.reading_back_is_free = free
+            pack_module.reading_back_is_free = free
             if last[1] >= WARMUP:
                 got[f"update_{side}"].append(end - start)
                 got[f"step_{side}"].append(end - last[0])

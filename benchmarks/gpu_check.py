@@ -48,9 +48,9 @@ from _timing import pack_step_stamps, step_stamps
 from hptransfer.contracts.status import TrialStatus
 from hptransfer.models.flops import flops_per_token
 from hptransfer.spec.trial import TrialResult, TrialSpec
-from hptransfer.workers.device import autocasts, peak_flops, resolve_device
 from hptransfer.workers.memory import trial_memory
-from hptransfer.workers.plan import load_trial_data
+from hptransfer.workers.outcome import peak_flops
+from hptransfer.workers.plan import autocasts, load_trial_data, resolve_device
 from hptransfer.workers.trainer import run_trial, run_trials
 
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}

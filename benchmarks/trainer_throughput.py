@@ -64,7 +64,7 @@ from nanogpt_peer import HOW_TO_GET, load_peer, peer_dir, peer_trainer, time_pee
 from hptransfer.data import DataSpec
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec.trial import ArchOptions, Budget, TrialSpec
-from hptransfer.workers.trainer import load_trial_data
+from hptransfer.workers.plan import load_trial_data
 
 SEQ_LEN, BATCH, HEAD_DIM, BASE_WIDTH, BASE_DEPTH, LR = 128, 8, 64, 128, 2, 2.0**-7
 NOISY = 1.25  # median step over best step: flagged as disturbed

@@ -1,15 +1,14 @@
 """The bf16 path (`precision: bf16`), run on the CPU.
 
-The trainer autocasts to bf16 on CUDA only (`workers/device.autocast`; on the CPU fp32 is
-faster and the reference). With no GPU in the suite, these tests swap in torch's CPU bf16
-autocast for CUDA's, so the same model code, solo and packed, runs with bf16 matmuls and
-attention: every arch and variant trains, lands near its fp32 result, and a pack's members
-still give run_trial's result for their spec alone.
+The trainer autocasts to bf16 on CUDA only (`workers/plan.autocasts`; on the CPU fp32 is
+faster and the reference). With no GPU in the suite, these tests let the plan autocast on
+the CPU too (torch's CPU bf16 autocast), so the same model code, solo and packed, runs with
+bf16 matmuls and attention: every arch and variant trains, lands near its fp32 result, and
+a pack's members still give run_trial's result for their spec alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -17,8 +16,7 @@ import torch
 from test_packed import CASES, specs_for
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import hptransfer.workers.packed as packed_module
-import hptransfer.workers.trainer as trainer_module
+import hptransfer.workers.plan as plan_module
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers.trainer import run_trial, run_trials
 
@@ -28,16 +26,9 @@ BF16_CASES = ["gpt-completep", "gpt-x0-ve", "gpt-alibi-bias", "ngpt"]
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
-def _cpu_bf16_autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @pytest.fixture
 def cpu_bf16(monkeypatch):
-    for module in (trainer_module, packed_module):
-        monkeypatch.setattr(module, "autocast", _cpu_bf16_autocast)
+    monkeypatch.setattr(plan_module, "autocasts", lambda device, precision: precision == "bf16")
 
 
 class _MatmulDtypes(TorchDispatchMode):

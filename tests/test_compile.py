@@ -1,4 +1,4 @@
-"""The CUDA path compiles the model (`workers/device.Compiled`): checked here on the CPU, where
+"""The CUDA path compiles the model (`workers/compiling.Compiled`): checked here on the CPU, where
 short runs stay eager, so that a graph break or a compile failure shows up without a GPU.
 
 - dynamo traces every arch variant's forward, and the packed trainer's batched loss and
@@ -18,8 +18,8 @@ from test_packed import CASES, specs_for
 
 from hptransfer.models.build import build_from_config
 from hptransfer.spec.trial import Budget, TrialSpec
-from hptransfer.workers.device import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
-from hptransfer.workers.packed import _STACK_SIZE_MAY_CHANGE, _Pack
+from hptransfer.workers.compiling import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
+from hptransfer.workers.pack import STACK_SIZE_MAY_CHANGE, Pack
 from hptransfer.workers.plan import load_trial_data, plan_trial
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
@@ -58,15 +58,15 @@ def test_every_model_traces_as_one_graph(name):
     assert explained.graph_count == 1
 
 
-def _pack_and_batch(name: str) -> tuple[_Pack, torch.Tensor, torch.Tensor]:
-    pack = _Pack(specs_for(CASES[name])[:2], None, None)
+def _pack_and_batch(name: str) -> tuple[Pack, torch.Tensor, torch.Tensor]:
+    pack = Pack(specs_for(CASES[name])[:2], None, None)
     pack._row_idx = torch.tensor(pack.rows)
     batches = [pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, seed)
                for seed in (0, 1)]
     return pack, torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])
 
 
-def _update_args(pack: _Pack, losses: torch.Tensor) -> tuple:
+def _update_args(pack: Pack, losses: torch.Tensor) -> tuple:
     return (pack.gather_grads(), losses.detach(), torch.ones(2, dtype=torch.bool),
             losses.detach().double(), pack.factors[0, pack._row_idx], pack.bias1[0],
             pack.bias2_sqrt[0])
@@ -110,7 +110,7 @@ def test_a_shrinking_pack_compiles_its_model_once_more_not_once_per_size():
     The first smaller K compiles the model again with K dynamic; later sizes reuse that graph
     (parameters traced as static shapes compiled it anew for every K), and it stays right."""
     specs = specs_for(CASES["gpt-completep"], [dict(lr=2**-8, seed=s) for s in range(4)])
-    pack = _Pack(specs, None, None)
+    pack = Pack(specs, None, None)
     batches = [pack.data.train_batch(0, pack.spec.batch_size, pack.spec.seq_len, s.seed)
                for s in specs]
     xs, ys = torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])
@@ -121,7 +121,7 @@ def test_a_shrinking_pack_compiles_its_model_once_more_not_once_per_size():
             pack.members[stopped].progress.status = "pruned"
             pack._compact()
         rows = pack.rows
-        with _STACK_SIZE_MAY_CHANGE:
+        with STACK_SIZE_MAY_CHANGE:
             got = losses(xs[rows], ys[rows])
         torch.testing.assert_close(got, pack._losses(xs[rows], ys[rows]), rtol=1e-6, atol=0)
     assert pack.rows == [1, 3]
@@ -135,7 +135,7 @@ def test_traced_adamw_step_equals_the_eager_one(name):
     decay, eps and schedule, groups with their own LR and eps, gradients from 1e-12 to 1 (the
     small ones make eps decide the step, so a column given another group's eps shows)."""
     def run(traced: bool) -> list[torch.Tensor]:
-        pack = _Pack(specs_for(CASES[name]), None, None)
+        pack = Pack(specs_for(CASES[name]), None, None)
         k = len(pack.rows)
         update = (torch.compile(pack._update, backend="aot_eager", fullgraph=True) if traced
                   else pack._update)
@@ -149,7 +149,7 @@ def test_traced_adamw_step_equals_the_eager_one(name):
                        pack.bias1[step], pack.bias2_sqrt[step])
         return [pack.flat, pack.exp_avg, pack.exp_avg_sq]
 
-    eps = _Pack(specs_for(CASES[name]), None, None).hp["eps"]  # (members, groups)
+    eps = Pack(specs_for(CASES[name]), None, None).hp["eps"]  # (members, groups)
     assert eps[:, 0].unique().numel() > 1  # members' eps differ (and, in GPT, groups' too)
     eager, traced = run(False), run(True)
     # parameters to rounding of their ~1e-3 steps (a few land near 0, where relative error
@@ -230,13 +230,13 @@ def test_a_trials_training_flops_decide_its_cpu_compile():
     threshold, a 3M-parameter model at 20 tokens per parameter is over it."""
     small = specs_for(CASES["gpt-completep"])[0]
     data = load_trial_data(small)
-    plan = plan_trial(small, data, torch.device("cpu"))
+    plan = plan_trial(small, data)
     expected = plan.flops.training * small.batch_size * small.seq_len * plan.total_steps
     assert plan.training_flops == pytest.approx(expected)
     assert 0 < plan.training_flops < CPU_COMPILE_MIN_FLOPS / 1000
     large = small.model_copy(update={"width": 256, "depth": 4, "head_dim": 64,
                                      "budget": Budget(tokens_per_param=20)})
-    assert plan_trial(large, data, torch.device("cpu")).training_flops > CPU_COMPILE_MIN_FLOPS
+    assert plan_trial(large, data).training_flops > CPU_COMPILE_MIN_FLOPS
 
 
 @pytest.mark.parametrize("mode", [None, "all"])
@@ -252,12 +252,12 @@ def test_a_packs_members_flops_decide_its_cpu_compile(monkeypatch, mode):
     large = [s.model_copy(update={"width": 256, "depth": 4, "head_dim": 64,
                                   "budget": Budget(tokens_per_param=20)}) for s in small]
     # members that alone stay under the threshold (0.6 of it), together over it
-    plan = _Pack(large, None, None).plan
+    plan = Pack(large, None, None).plan
     per_step = plan.training_flops / plan.total_steps
     steps = int(0.6 * CPU_COMPILE_MIN_FLOPS / per_step)
     halves = [s.model_copy(update={"budget": Budget(steps=steps)}) for s in large]
     for specs, compiled in ((small, mode == "all"), (large, True), (halves, True)):
-        pack = _Pack(specs, None, None)
+        pack = Pack(specs, None, None)
         assert (pack.loss_fn.fn is not pack.loss_fn.eager) is compiled
         assert (pack.update_fn.fn is not pack.update_fn.eager) is compiled
         assert any("packed model runs under torch.compile" in n for n in pack.notes) is compiled
@@ -331,7 +331,7 @@ def test_a_later_graph_that_fails_to_compile_runs_eager(monkeypatch, tmp_path):
     """The training graph compiles, the evaluation's (no_grad, eval mode: a new graph) does
     not; and a pack's smaller graph after it drops a pruned member does not: eager, not
     failed."""
-    from hptransfer.workers import packed
+    from hptransfer.workers import pack
     from hptransfer.workers.trainer import run_trial, run_trials
 
     graphs = []
@@ -348,7 +348,7 @@ def test_a_later_graph_that_fails_to_compile_runs_eager(monkeypatch, tmp_path):
     assert sum(n.startswith("torch.compile failed for the model") for n in r.notes) == 1
 
     compacted = {"yes": False}
-    real_compact = packed._Pack._compact
+    real_compact = pack.Pack._compact
 
     def compact(self):  # noqa: ANN001, ANN202
         before = len(self.rows)
@@ -361,7 +361,7 @@ def test_a_later_graph_that_fails_to_compile_runs_eager(monkeypatch, tmp_path):
         return gm.forward
 
     dynamo.reset()
-    monkeypatch.setattr(packed._Pack, "_compact", compact)
+    monkeypatch.setattr(pack.Pack, "_compact", compact)
     _compile_with(monkeypatch, until_compacted)
     specs = [TrialSpec(**{**TINY_RUN, "seed": i, "eval_every": 4}) for i in range(3)]
     rs = run_trials(specs, reporter=lambda i, m: i == 1 and m["step"] == 2,
@@ -393,7 +393,7 @@ def test_running_out_of_memory_is_not_taken_for_a_compile_failure():
 def test_mfu_peak_by_device_name_the_longest_name_first(monkeypatch, name, peak):
     """Names matched as substrings in table order gave an L40 the L4's peak (its MFU 1.5x
     too high) and an H100 PCIe the SXM part's (24 % too low). Dense bf16, datasheets."""
-    from hptransfer.workers.device import peak_flops
+    from hptransfer.workers.outcome import peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(CUDA) == peak

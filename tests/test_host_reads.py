@@ -17,10 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialSpec
-from hptransfer.workers import packed as pack_trainer
+from hptransfer.workers import pack as pack_trainer
 from hptransfer.workers import trainer
-from hptransfer.workers.plan import plan_trial
-from hptransfer.workers.trainer import load_trial_data, run_trial, run_trials
+from hptransfer.workers.plan import load_trial_data, plan_trial
+from hptransfer.workers.trainer import run_trial, run_trials
 
 # 200 steps: a curve point every 4 steps, so most steps are not sync steps
 SPEC = dict(width=32, depth=2, head_dim=16, batch_size=2, seq_len=16, base_width=32,
@@ -60,7 +60,7 @@ class HostReads(TorchDispatchMode):
 
 
 def sync_steps(spec: TrialSpec, tmp_path) -> set[int]:  # noqa: ANN001
-    plan = plan_trial(spec, load_trial_data(spec, str(tmp_path)), torch.device("cpu"))
+    plan = plan_trial(spec, load_trial_data(spec, str(tmp_path)))
     return {s for s in range(plan.total_steps) if plan.is_sync_step(s + 1)}
 
 

@@ -19,13 +19,14 @@ from hptransfer.workers.memory import (
     PEAK_OVER_SAVED,
     trial_memory,
 )
-from hptransfer.workers.packed import _Pack, split_evenly
+from hptransfer.workers.pack import Pack
+from hptransfer.workers.packed import split_evenly
 from hptransfer.workers.trainer import run_trial, run_trials
 
 
 def test_the_packed_state_estimate_counts_the_packs_own_buffers():
     specs = specs_for(CASES["gpt-x0-ve"])
-    pack = _Pack(specs, None, None)
+    pack = Pack(specs, None, None)
     need = trial_memory(specs[0], pack.data.vocab_size)
     # parameters counted on the model torch built, not by flops.py
     assert need.params == sum(p.numel() for p in pack.template.parameters()) // len(specs)

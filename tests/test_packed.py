@@ -147,7 +147,7 @@ def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeyp
     the same run as the whole batch at once, solo and packed, while the model never sees
     more than 3 sequences per pass, evaluations included (they ran the whole batch per pass,
     and a pack K batches: past what the memory split planned for)."""
-    import hptransfer.workers.packed as packed_module
+    import hptransfer.workers.pack as pack_module
     import hptransfer.workers.trainer as trainer_module
 
     seen: list[int] = []  # sequences per training forward pass
@@ -165,7 +165,7 @@ def test_micro_batches_give_the_same_run_solo_and_packed(name, tmp_path, monkeyp
     assert [s.content_hash() for s in micro] == [s.content_hash() for s in whole]
     ref_solo = run_trial(whole[0], cache_dir=str(tmp_path))
     ref_packed = run_trials(whole, cache_dir=str(tmp_path))
-    for module in (trainer_module, packed_module):
+    for module in (trainer_module, pack_module):
         monkeypatch.setattr(module, "build_from_config", build_and_watch)
     solo = run_trial(micro[0], cache_dir=str(tmp_path))
     assert seen[:4] == [3, 1, 3, 1] and max(seen) == 3  # two passes per step
@@ -201,7 +201,7 @@ def test_cpu_pack_skips_only_passes_that_change_nothing(tmp_path, monkeypatch):
     to the bit, a pack that makes every pass, as it must on CUDA. Members at a low and a high
     LR (clipped at some steps, not at others) and one that diverges (masked until the next
     sync step)."""
-    from hptransfer.workers import packed as pack_trainer
+    from hptransfer.workers import pack as pack_trainer
 
     members = [dict(lr=2**-9, seed=0), dict(lr=2**-6, seed=1), dict(lr=50.0, seed=2)]
     specs = specs_for(CASES["gpt-completep"], members)
@@ -249,11 +249,11 @@ def test_a_member_whose_loss_diverges_is_not_updated_while_the_others_are(bad_lo
     divergence factor x its initial loss, keeps its parameters and AdamW moments (weight
     decay included) while the others step. The host stops it at the next sync step; until
     then nothing of it may move."""
-    from hptransfer.workers.packed import _Pack
+    from hptransfer.workers.pack import Pack
 
     members = [dict(lr=2**-8, seed=0), dict(lr=2**-7, seed=1), dict(lr=2**-9, seed=2)]
     specs = specs_for({**CASES["gpt-completep"], "weight_decay": 0.1}, members)
-    pack = _Pack(specs, None, str(tmp_path))
+    pack = Pack(specs, None, str(tmp_path))
     pack._row_idx = torch.tensor(pack.rows)
     xs, ys = zip(*(pack.data.train_batch(0, s.batch_size, s.seq_len, s.seed) for s in specs),
                  strict=True)

@@ -67,20 +67,18 @@ def test_reporter_sees_val_loss_and_can_prune(tmp_path):
 
 
 def test_evaluations_are_capped_so_a_curve_stays_bounded(tmp_path, monkeypatch):
-    import torch
-
     from hptransfer.workers import plan as plan_module
 
     # eval_every=1 on a 100k-step trial: at most MAX_EVALUATIONS evaluations (curve points)
     long = spec(eval_every=1, budget={"steps": 100_000})
     data = plan_module.load_trial_data(long, str(tmp_path))
-    planned = plan_module.plan_trial(long, data, torch.device("cpu"))
+    planned = plan_module.plan_trial(long, data)
     steps = range(1, planned.total_steps + 1)
     assert sum(map(planned.is_eval_step, steps)) == plan_module.MAX_EVALUATIONS == 200
     assert sum(planned.is_curve_step(d) or planned.is_eval_step(d) for d in steps) <= 250
     assert "eval_every raised from 1 to 500" in " ".join(planned.notes)
     # a short trial keeps the eval_every it asked for, without a note
-    short = plan_module.plan_trial(spec(eval_every=1), data, torch.device("cpu"))
+    short = plan_module.plan_trial(spec(eval_every=1), data)
     assert short.eval_every == 1 and not any("eval_every" in n for n in short.notes)
     # and a trained trial evaluates where its plan says, saying why in its notes
     monkeypatch.setattr(plan_module, "MAX_EVALUATIONS", 4)
@@ -198,7 +196,7 @@ def test_trial_and_sweep_data_sections_are_the_data_layer_spec():
 
 def test_the_content_hash_changes_with_the_result_revision(monkeypatch):
     """Results trained before a change that alters them are not reused after it."""
-    from hptransfer.workers import trial
+    from hptransfer.spec import trial
 
     before = spec().content_hash()
     monkeypatch.setattr(trial, "RESULT_REVISION", trial.RESULT_REVISION + 1)
@@ -277,7 +275,7 @@ def test_a_failed_trials_traceback_names_files_by_import_path_chained_ones_too()
     of the one it was raised from."""
     import json
 
-    from hptransfer.workers.plan import shown_traceback
+    from hptransfer.workers.outcome import shown_traceback
 
     try:
         try:

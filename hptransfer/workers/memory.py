@@ -43,7 +43,7 @@ from hptransfer.spec.trial import TrialSpec, sequences_per_pass
 
 STATE_BYTES_PER_PARAM = 16
 # a pack keeps, per member and parameter, the weights, the parameters' .grad, the gathered
-# gradient, a scratch buffer and AdamW's two moments, all fp32 (packed._Pack)
+# gradient, a scratch buffer and AdamW's two moments, all fp32 (pack.Pack)
 PACKED_STATE_BYTES_PER_PARAM = 24
 # A step's peak holds more than the activations saved for backward (which the estimate
 # below matches to 0.91-0.96, tests/test_pack_memory.py): the backward's own gradients and

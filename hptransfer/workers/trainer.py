@@ -1,5 +1,8 @@
-"""run_trial: train one model for one TrialSpec and return a TrialResult (run_trials, the
-packed variant for K specs of one shape, lives in packed.py and is re-exported here).
+"""run_trial: train one model for one TrialSpec and return a TrialResult, read top to bottom:
+the run plan (process settings, data, plan.py), the model and optimizer, the training loop
+(step, clipping, schedule, progress and pruning, evaluations), the final evaluation and the
+result. run_trials, the packed variant for K specs of one shape, lives in packed.py and is
+re-exported here.
 
 Pure torch + the data layer: no database, no HTTP, no MLflow. The coordinator observes
 progress through the `reporter` callback (MLflow logging, Optuna pruning).
@@ -21,48 +24,141 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hptransfer.data import TokenDataset
 from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
-from .device import (
-    Compiled,
-    autocast,
-    eager_if_backward_fails,
-    reading_back_is_free,
-    resolve_device,
-    to_device,
-)
+from .compiling import Compiled, eager_if_backward_fails
+from .device import autocast, reading_back_is_free, to_device
 from .flat_adamw import FlatAdamW
-from .plan import (
-    Progress,
-    failed_result,
-    load_trial_data,
-    micro_batches,
-    plan_trial,
-    prepare_process,
-    trial_result,
-    validation_batches,
-)
+from .outcome import Progress, failed_result, trial_result
+from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
 from .subnormals import subnormals_flushed
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
 # train_loss, lr and, at evaluation points, val_loss
 Reporter = Callable[[dict[str, Any]], bool | None]
 
-__all__ = ["Reporter", "evaluate", "load_trial_data", "run_trial", "run_trials"]
+__all__ = ["Reporter", "evaluate", "run_trial", "run_trials"]
+
+
+@subnormals_flushed()
+def run_trial(
+    spec: TrialSpec | dict,
+    reporter: Reporter | None = None,
+    cache_dir: str | None = None,
+    roots: Sequence[str] | None = None,
+    data_hash: str | None = None,
+) -> TrialResult:
+    """Train `spec` to its budget. Never raises for training problems: the status says.
+    `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data)."""
+    started = time.perf_counter()
+    progress = Progress()
+    try:
+        spec = spec if isinstance(spec, TrialSpec) else TrialSpec.model_validate(spec)
+        prepare_process(spec)  # threads, subnormals, malloc: before anything is allocated
+        data = load_trial_data(spec, cache_dir, roots, data_hash)
+        plan = plan_trial(spec, data)  # device, precision, batches, steps, eval points
+        return _train(plan, reporter, progress, started)
+    except Exception as exc:
+        return failed_result(spec, exc, started, progress.curve)
+
+
+def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress,
+           started: float) -> TrialResult:
+    """Build the model and its optimizer, train them to the plan's end (or a stop), and
+    return the result."""
+    spec, data, device = plan.spec, plan.data, plan.device
+    # ---- model and optimizer
+    built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
+                              device=device)
+    groups = optimizer_groups(built.model, built.table)
+    betas = (spec.beta1, spec.beta2)
+    # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group (flat_adamw.py)
+    opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
+           else FlatAdamW(groups, betas=betas))
+    notes: list[str] = []
+    model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
+    params = list(built.model.parameters())
+
+    def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A step's loss, its gradient accumulated over micro-batches in .grad."""
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for xs, ys, weight in plan.micro_batches(x, y):
+            with autocast(device, plan.bf16):
+                logits = model(xs)
+            part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
+            if weight != 1.0:
+                part = part * weight
+            part.backward()
+            loss += part.detach()
+        return loss
+
+    def record(step: int, evaluating: bool) -> None:
+        """The curve point after `step`, with the validation loss where `evaluating`; the
+        reporter hears it and may stop the trial (pruned) before its last step."""
+        point = plan.point(step, progress.train_loss)
+        if evaluating:
+            built.model.eval()
+            progress.val_loss = evaluate(model, plan)
+            built.model.train()
+            point["val_loss"] = progress.val_loss
+            if not math.isfinite(progress.val_loss):
+                progress.status = "diverged"
+        progress.curve.append(point)
+        stop = reporter is not None and reporter(dict(point))
+        if stop and progress.running and step + 1 < plan.total_steps:
+            progress.status = "pruned"
+
+    # ---- the loop: losses stay on the device until a sync step reads them back at once
+    pending_steps: list[int] = []
+    pending_losses: list[torch.Tensor] = []
+    t_train = time.perf_counter()
+    for step in range(plan.total_steps):
+        factor = plan.factor(step)
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"] * factor
+        x, y = data.train_batch(step, plan.batch_size, spec.seq_len, spec.seed)
+        x, y = to_device(x, device), to_device(y, device)
+        loss = eager_if_backward_fails(model, gradients, x, y)
+        if spec.grad_clip:
+            clip_gradients(params, spec.grad_clip)
+        opt.step()
+        built.after_step()
+        pending_steps.append(step)
+        pending_losses.append(loss)
+
+        done = step + 1
+        if not plan.is_sync_step(done):
+            continue
+        # one device->host transfer for every step since the last sync; a diverged step
+        # ends the trial there (later steps' updates are discarded with the model)
+        progress.absorb(plan, pending_steps, torch.stack(pending_losses).tolist())
+        pending_steps, pending_losses = [], []
+        if not progress.running or done == plan.total_steps:
+            break  # the last step's point comes with the final evaluation, below
+        if plan.is_curve_step(done) or plan.is_eval_step(done):
+            record(step, evaluating=plan.is_eval_step(done))
+            if not progress.running:
+                break
+
+    # ---- the final evaluation, unless the trial stopped early
+    if progress.running:
+        record(plan.total_steps - 1, evaluating=True)
+    return trial_result(plan, progress, table=built.table,
+                        train_time=time.perf_counter() - t_train, started=started, notes=notes)
 
 
 @torch.no_grad()
-def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], data: TokenDataset,
-             spec: TrialSpec, device: torch.device) -> float:
+def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], plan: TrialPlan) -> float:
     """Mean loss over the fixed validation set (identical for every trial of a sweep)."""
+    device = plan.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for x, y in validation_batches(data, spec):
+    for x, y in plan.validation_batches():
         x, y = to_device(x, device), to_device(y, device)
-        with autocast(device, spec.precision):
+        with autocast(device, plan.bf16):
             logits = forward(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         total += loss.double()  # the sum in float64, as when it was added up on the host
@@ -86,105 +182,6 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
     if factor.item() >= 1.0:
         return  # torch's clamp(factor, max=1.0) is 1.0; a NaN factor scales, as in torch
     torch._foreach_mul_(grads, factor)
-
-
-@subnormals_flushed()
-def run_trial(
-    spec: TrialSpec | dict,
-    reporter: Reporter | None = None,
-    cache_dir: str | None = None,
-    roots: Sequence[str] | None = None,
-    data_hash: str | None = None,
-) -> TrialResult:
-    """Train `spec` to its budget. Never raises for training problems: the status says.
-    `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data)."""
-    started = time.perf_counter()
-    progress = Progress()
-    try:
-        spec = spec if isinstance(spec, TrialSpec) else TrialSpec.model_validate(spec)
-        prepare_process(spec)
-        data = load_trial_data(spec, cache_dir, roots, data_hash)
-        return _train(spec, reporter, data, started, progress)
-    except Exception as exc:
-        return failed_result(spec, exc, started, progress.curve)
-
-
-def _train(
-    spec: TrialSpec, reporter: Reporter | None, data: TokenDataset, started: float,
-    progress: Progress,
-) -> TrialResult:
-    device = resolve_device(spec.device)
-    plan = plan_trial(spec, data, device)
-    built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
-                              device=device)
-    notes: list[str] = []
-    model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
-    groups = optimizer_groups(built.model, built.table)
-    # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group (flat_adamw.py)
-    betas = (spec.beta1, spec.beta2)
-    opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
-           else FlatAdamW(groups, betas=betas))
-
-    def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A step's loss, its gradient accumulated over micro-batches in .grad."""
-        opt.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=device)
-        for xs, ys, weight in micro_batches(x, y, spec):
-            with autocast(device, spec.precision):
-                logits = model(xs)
-            part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
-            if weight != 1.0:
-                part = part * weight
-            part.backward()
-            loss += part.detach()
-        return loss
-
-    params = list(built.model.parameters())
-    pending_steps: list[int] = []
-    pending_losses: list[torch.Tensor] = []
-    t_train = time.perf_counter()
-    for step in range(plan.total_steps):
-        factor = plan.factor(step)
-        for g in opt.param_groups:
-            g["lr"] = g["initial_lr"] * factor
-        x, y = data.train_batch(step, spec.batch_size, spec.seq_len, spec.seed)
-        x, y = to_device(x, device), to_device(y, device)
-        loss = eager_if_backward_fails(model, gradients, x, y)
-        if spec.grad_clip:
-            clip_gradients(params, spec.grad_clip)
-        opt.step()
-        built.after_step()
-        pending_steps.append(step)
-        pending_losses.append(loss)
-
-        done = step + 1
-        if not plan.is_sync_step(done):
-            continue
-        # one device->host transfer for every step since the last sync; a diverged step
-        # ends the trial there (later steps' updates are discarded with the model)
-        progress.absorb(plan, pending_steps, torch.stack(pending_losses).tolist())
-        pending_steps, pending_losses = [], []
-        if not progress.running:
-            break
-        point = plan.point(step, progress.train_loss) if plan.is_curve_step(done) else None
-        if plan.is_eval_step(done):
-            built.model.eval()
-            progress.val_loss = evaluate(model, data, spec, device)
-            built.model.train()
-            point = point or plan.point(step, progress.train_loss)
-            point["val_loss"] = progress.val_loss
-            if not math.isfinite(progress.val_loss):
-                progress.status = "diverged"
-        if point is not None:
-            progress.curve.append(point)
-            stop = reporter is not None and reporter(dict(point))
-            if stop and progress.running and done < plan.total_steps:
-                progress.status = "pruned"
-        if not progress.running:
-            break
-
-    return trial_result(plan, progress, table=built.table, device=device,
-                        train_time=time.perf_counter() - t_train, started=started, notes=notes)
 
 
 from .packed import run_trials  # noqa: E402  (packed.py builds on this module's pieces)
