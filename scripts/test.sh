@@ -31,7 +31,9 @@ fi
 .venv/bin/ruff check .
 # --durations: the slowest tests in every log (the suite must stay under 15 minutes on 2 cores).
 # Two workers (HPT_TEST_WORKERS; 0: one process, which keeps 2 cores only ~40 % busy), a whole
-# file to each at a time, in collection order (tests/conftest.py puts the slow files first).
+# file to each at a time. pytest-randomly shuffles the files and the tests in each on every run,
+# so an order dependence shows (the seed is in the header: rerun an order with
+# -p randomly --randomly-seed=N); tests/conftest.py then puts the slow files first.
 workers=${HPT_TEST_WORKERS:-2}
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=25 \
   -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
