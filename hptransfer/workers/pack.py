@@ -64,7 +64,6 @@ class _Member:
 STACK_SIZE_MAY_CHANGE = torch._dynamo.config.patch(force_parameter_static_shapes=False)
 
 
-
 class Pack:
     """One pack's batched model, its AdamW state and its training loop (module docstring)."""
 
@@ -98,6 +97,93 @@ class Pack:
         self.loss_fn = Compiled(self._losses, self.device, self.notes, "packed model", work)
         self.update_fn = Compiled(self._update, self.device, self.notes, "packed AdamW step",
                                   work)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def train(self) -> list[TrialResult]:
+        spec, plan, device = self.spec, self.plan, self.device
+        self._row_idx = torch.tensor(self.rows, device=device)
+        alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
+        pending_steps: list[int] = []
+        pending_losses: list[torch.Tensor] = []
+        t_train = time.perf_counter()
+        for step in range(plan.total_steps):
+            xs, ys = zip(*(self.data.train_batch(step, plan.batch_size, spec.seq_len,
+                                                 self.members[i].spec.seed)
+                           for i in self.rows), strict=True)
+            x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
+            losses = eager_if_backward_fails(self.loss_fn, self._gradients, x, y)
+            if self.initial is None:
+                self.initial = losses.detach().double().clone()
+            t = step + 1
+            with torch.no_grad():
+                alive = self.update_fn(
+                    self.gather_grads(), losses, alive, self.initial,
+                    self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
+                )
+            pending_steps.append(step)
+            pending_losses.append(losses.detach())
+            if plan.is_sync_step(t):
+                self._sync(step, pending_steps, torch.stack(pending_losses).tolist(),
+                           time.perf_counter() - t_train)
+                pending_steps, pending_losses = [], []
+                self._compact()
+                if not self.rows:
+                    break
+                alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
+        end = time.perf_counter() - t_train
+        return [m.result or self._result(m, m.train_time or end) for m in self.members]
+
+    def _result(self, m: _Member, train_time: float) -> TrialResult:
+        return trial_result(m.plan, m.progress, table=m.table, train_time=train_time,
+                            started=self.started, notes=list(self.notes))
+
+    def _sync(self, step: int, steps: list[int], losses: list[list[float]],
+              elapsed: float) -> None:
+        """Host side of a sync step: divergence, curve points, evaluation, the reporter."""
+        done = step + 1
+        for r, i in enumerate(self.rows):
+            self.members[i].progress.absorb(self.members[i].plan, steps, [row[r] for row in losses])
+        self._compact()  # diverged members are not evaluated
+        running = list(self.rows)
+        points = {i: self.members[i].plan.point(step, self.members[i].progress.train_loss)
+                  for i in running if self.plan.is_curve_step(done)}
+        if running and self.plan.is_eval_step(done):
+            for i, val in zip(self.rows, self.evaluate(), strict=True):
+                progress = self.members[i].progress
+                progress.val_loss = val
+                point = points.setdefault(i, self.members[i].plan.point(step, progress.train_loss))
+                point["val_loss"] = val
+                if not math.isfinite(val):
+                    progress.status = "diverged"
+        for i, point in points.items():
+            progress = self.members[i].progress
+            progress.curve.append(point)
+            stop = self.reporter is not None and self.reporter(i, dict(point))
+            if stop and progress.running and done < self.plan.total_steps:
+                progress.status = "pruned"
+        for r, m in enumerate(self.members):
+            if not m.progress.running and not m.train_time:
+                m.train_time = elapsed
+                if self.on_stop is not None and done < self.plan.total_steps:
+                    # stopped early (diverged, pruned): final now, handed over while the
+                    # others train on, so a pack that dies later does not take it along
+                    m.result = self._result(m, elapsed)
+                    self.on_stop(r, m.result)
+
+    def _gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each member's loss on its batch, (members,); its gradient in .grad, accumulated
+        over micro-batches along the batch axis (1)."""
+        for p in self.params.values():
+            p.grad = None
+        losses = torch.zeros(len(self.rows), device=self.device)
+        for xc, yc, weight in self.plan.micro_batches(x, y, dim=1):
+            with STACK_SIZE_MAY_CHANGE:
+                part = self.loss_fn(xc, yc)
+            if weight != 1.0:
+                part = part * weight
+            part.sum().backward()  # members are independent: each gets its own gradient
+            losses += part.detach()
+        return losses
 
     # ---- set-up ----------------------------------------------------------------------
     def _stack(self, built: list[BuiltModel]) -> None:
@@ -308,91 +394,3 @@ class Pack:
         if self.initial is not None:
             self.initial = self.initial[idx]
         self._row_idx = torch.tensor(self.rows, device=self.device)
-
-    # ---- the loop ----------------------------------------------------------------------
-    def _gradients(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Each member's loss on its batch, (members,); its gradient in .grad, accumulated
-        over micro-batches along the batch axis (1)."""
-        for p in self.params.values():
-            p.grad = None
-        losses = torch.zeros(len(self.rows), device=self.device)
-        for xc, yc, weight in self.plan.micro_batches(x, y, dim=1):
-            with STACK_SIZE_MAY_CHANGE:
-                part = self.loss_fn(xc, yc)
-            if weight != 1.0:
-                part = part * weight
-            part.sum().backward()  # members are independent: each gets its own gradient
-            losses += part.detach()
-        return losses
-
-    def train(self) -> list[TrialResult]:
-        spec, plan, device = self.spec, self.plan, self.device
-        self._row_idx = torch.tensor(self.rows, device=device)
-        alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
-        pending_steps: list[int] = []
-        pending_losses: list[torch.Tensor] = []
-        t_train = time.perf_counter()
-        for step in range(plan.total_steps):
-            xs, ys = zip(*(self.data.train_batch(step, plan.batch_size, spec.seq_len,
-                                                 self.members[i].spec.seed)
-                           for i in self.rows), strict=True)
-            x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
-            losses = eager_if_backward_fails(self.loss_fn, self._gradients, x, y)
-            if self.initial is None:
-                self.initial = losses.detach().double().clone()
-            t = step + 1
-            with torch.no_grad():
-                alive = self.update_fn(
-                    self.gather_grads(), losses, alive, self.initial,
-                    self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
-                )
-            pending_steps.append(step)
-            pending_losses.append(losses.detach())
-            if plan.is_sync_step(t):
-                self._sync(step, pending_steps, torch.stack(pending_losses).tolist(),
-                           time.perf_counter() - t_train)
-                pending_steps, pending_losses = [], []
-                self._compact()
-                if not self.rows:
-                    break
-                alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
-        end = time.perf_counter() - t_train
-        return [m.result or self._result(m, m.train_time or end) for m in self.members]
-
-    def _result(self, m: _Member, train_time: float) -> TrialResult:
-        return trial_result(m.plan, m.progress, table=m.table, train_time=train_time,
-                            started=self.started, notes=list(self.notes))
-
-    def _sync(self, step: int, steps: list[int], losses: list[list[float]],
-              elapsed: float) -> None:
-        """Host side of a sync step: divergence, curve points, evaluation, the reporter."""
-        done = step + 1
-        for r, i in enumerate(self.rows):
-            self.members[i].progress.absorb(self.members[i].plan, steps, [row[r] for row in losses])
-        self._compact()  # diverged members are not evaluated
-        running = list(self.rows)
-        points = {i: self.members[i].plan.point(step, self.members[i].progress.train_loss)
-                  for i in running if self.plan.is_curve_step(done)}
-        if running and self.plan.is_eval_step(done):
-            for i, val in zip(self.rows, self.evaluate(), strict=True):
-                progress = self.members[i].progress
-                progress.val_loss = val
-                point = points.setdefault(i, self.members[i].plan.point(step, progress.train_loss))
-                point["val_loss"] = val
-                if not math.isfinite(val):
-                    progress.status = "diverged"
-        for i, point in points.items():
-            progress = self.members[i].progress
-            progress.curve.append(point)
-            stop = self.reporter is not None and self.reporter(i, dict(point))
-            if stop and progress.running and done < self.plan.total_steps:
-                progress.status = "pruned"
-        for r, m in enumerate(self.members):
-            if not m.progress.running and not m.train_time:
-                m.train_time = elapsed
-                if self.on_stop is not None and done < self.plan.total_steps:
-                    # stopped early (diverged, pruned): final now, handed over while the
-                    # others train on, so a pack that dies later does not take it along
-                    m.result = self._result(m, elapsed)
-                    self.on_stop(r, m.result)
-
