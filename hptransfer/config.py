@@ -217,7 +217,7 @@ COMPILE_MODES = ("0", "1", "all")  # never; CUDA and long CPU runs (the default)
 def compile_mode() -> str:
     """$HPT_COMPILE (read on the worker): 0 = never torch.compile; 1 (the default) = on CUDA,
     and on the CPU for trials and packs long enough to repay it
-    (`workers/device.compile_wanted`); all = always, short CPU runs included."""
+    (`workers/compiling.compile_wanted`); all = always, short CPU runs included."""
     mode = _env("HPT_COMPILE") or "1"
     if mode not in COMPILE_MODES:
         raise SettingsError(f"HPT_COMPILE={mode!r}: use one of {', '.join(COMPILE_MODES)}")

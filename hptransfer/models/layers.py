@@ -1,6 +1,6 @@
 """Layers shared by the architectures (pure torch), written once for one trial and for packs.
 
-Packed trials (workers/packed.py) stack K members' parameters on a new leading axis and run
+Packed trials (workers/pack.py) stack K members' parameters on a new leading axis and run
 the same model code once, on inputs with that member axis in front: (K, batch, T, ...). Every
 parameter is used through the helpers below, which take a plain parameter or a stacked one
 (one more dimension than its natural rank); with plain parameters they are the ordinary
