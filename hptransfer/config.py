@@ -43,7 +43,8 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "the Ray cluster's token; with `RAY_ADDRESS` set, token auth is turned on"),
     EnvVar("RAY_AUTH_TOKEN_PATH", "`~/.ray/auth_token`", "a file holding the Ray cluster's token"),
     EnvVar("HPT_API_TOKEN", "none",
-           "bearer token the server requires on every mutating call, and the client sends"),
+           "bearer token the server requires on every mutating call and every read (unless "
+           "`HPT_PUBLIC_READS`), and the client sends"),
     EnvVar("HPT_HOST", "`127.0.0.1`", "where `hpt serve` listens"),
     EnvVar("HPT_PORT", "`8600`", "the port `hpt serve` listens on"),
     EnvVar("HPT_URL", "`http://127.0.0.1:8600`",
@@ -60,8 +61,17 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("HPT_MAX_TRIAL_MEMORY_GB", "none",
            "refuse a sweep whose estimated per-trial memory exceeds this (the largest Ray "
            "node's memory, or this host's, always applies; on GPUs the largest GPU's)"),
-    EnvVar("HPT_MAX_TRIAL_FLOPS", "none",
-           "refuse a sweep whose per-trial training FLOPs exceed this"),
+    EnvVar("HPT_MAX_TRIAL_FLOPS", "`1e16` on CPUs, `1e21` on GPUs",
+           "refuse a sweep whose per-trial training FLOPs exceed this (a trial has no time "
+           "limit: this and `HPT_MAX_TRIAL_STEPS` are what end it)"),
+    EnvVar("HPT_MAX_TRIAL_STEPS", "`1000000`",
+           "refuse a sweep whose trials would train more optimizer steps than this"),
+    EnvVar("HPT_MAX_SWEEP_FLOPS", "`1e18` on CPUs, `1e22` on GPUs",
+           "refuse a sweep whose trials together (every trial it can plan) would train more "
+           "FLOPs than this"),
+    EnvVar("HPT_PUBLIC_READS", "`0`",
+           "`1`: with `HPT_API_TOKEN` set, reads (GETs: listings, trials, fits at the "
+           "default bootstrap, dashboards) stay open to clients without the token"),
     EnvVar("HPT_RAY_REQUIRE", "none",
            "resource labels (comma or space separated) some alive Ray node must carry; "
            "`/health` fails while none does (`scripts/cluster_up.sh` sets `hpt_worker`)"),
@@ -130,6 +140,21 @@ def _env_int(name: str, default: int, minimum: int = 1, maximum: int | None = No
     return value
 
 
+def _env_flag(name: str) -> bool:
+    """A yes/no variable: 1/true/yes or 0/false/no (unset: no)."""
+    raw = (_env(name) or "0").lower()
+    if raw not in ("0", "1", "true", "false", "yes", "no"):
+        raise SettingsError(f"{name} must be 1 or 0, got {raw!r}")
+    return raw in ("1", "true", "yes")
+
+
+# Admission's ceilings when HPT_MAX_TRIAL_FLOPS / HPT_MAX_SWEEP_FLOPS are unset, by the device
+# a sweep trains on: a CPU does ~1e11 FLOP/s on these models (1e16: about a day), a GPU
+# ~1e14-1e15 (examples/gpu_study.yaml, the paper's scale, needs 3.3e20 a trial, 2.6e21 in all).
+DEFAULT_MAX_TRIAL_FLOPS = {"cpu": 1e16, "gpu": 1e21}
+DEFAULT_MAX_SWEEP_FLOPS = {"cpu": 1e18, "gpu": 1e22}
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -147,8 +172,12 @@ class Settings:
     data_roots: tuple[Path, ...] = ()
     max_request_bytes: int = 1 << 20
     # Admission caps per trial; None leaves only the memory of the largest worker.
-    max_trial_flops: float | None = None
+    max_trial_flops: float | None = None  # None: DEFAULT_MAX_TRIAL_FLOPS for the device
     max_trial_memory_gb: float | None = None
+    max_sweep_flops: float | None = None  # None: DEFAULT_MAX_SWEEP_FLOPS for the device
+    max_trial_steps: int = 1_000_000
+    # with api_token set: GETs served without it too (a public dashboard)
+    public_reads: bool = False
 
     def ensure_dirs(self) -> Settings:
         """Create the data directory and its sub-folders (call before using the defaults)."""
@@ -269,6 +298,9 @@ def get_settings() -> Settings:
         max_request_bytes=_env_int("HPT_MAX_REQUEST_BYTES", 1 << 20, minimum=1024),
         max_trial_flops=_env_float("HPT_MAX_TRIAL_FLOPS", None),
         max_trial_memory_gb=_env_float("HPT_MAX_TRIAL_MEMORY_GB", None),
+        max_sweep_flops=_env_float("HPT_MAX_SWEEP_FLOPS", None),
+        max_trial_steps=_env_int("HPT_MAX_TRIAL_STEPS", 1_000_000),
+        public_reads=_env_flag("HPT_PUBLIC_READS"),
     )
     # a driver's error may quote a piece of a password as a host name: masked wherever shown
     remember_url_secrets(settings.database_url, settings.optuna_url, settings.mlflow_uri,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from hptransfer.coordinator.fits import FitsBusy
@@ -18,16 +18,20 @@ from hptransfer.dashboards import (
     sweep_data,
 )
 
+from .reads import check_bootstrap, require_reader
 from .routes import NOT_MODIFIED, coordinator
 from .schemas import json_errors
 
 router = APIRouter(prefix="/dashboards", tags=["dashboards"])
+# with HPT_API_TOKEN set, a page needs the token like every read, unless HPT_PUBLIC_READS=1
+# (a browser sends no bearer token: see docs/how-to/deploy.md for viewing them otherwise)
+_READ = [Depends(require_reader)]
 INDEX_LIMIT = 200
 # plotly.js only changes with the installed package: let browsers keep it for a day.
 _JS_HEADERS = {"Cache-Control": "public, max-age=86400"}
 # a page's own errors are pages; the URL's (a bad query, the database down) are JSON
 _HTML_ERRORS: dict[int | str, dict] = {
-    **json_errors(422),
+    **json_errors(401, 422),
     404: {"description": "No sweep with this id (a page saying so)",
           "content": {"text/html": {"schema": {"type": "string"}}}},
     503: {"description": "Too many fit reports are being computed (a page saying so; "
@@ -39,7 +43,8 @@ _HTML_ERRORS: dict[int | str, dict] = {
 }
 
 
-@router.get("", response_class=HTMLResponse, responses={**NOT_MODIFIED, **json_errors()})
+@router.get("", response_class=HTMLResponse, responses={**NOT_MODIFIED, **json_errors(401)},
+            dependencies=_READ)
 async def dashboards_index(request: Request) -> Response:
     """Every sweep with its status, progress and a link to its dashboard (rendered once per
     change, with an ETag: see `hptransfer.api.listing`)."""
@@ -52,13 +57,16 @@ async def dashboards_index(request: Request) -> Response:
                                                     "text/html")
 
 
-@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse, responses=_HTML_ERRORS)
+@router.get("/sweeps/{sweep_id}", response_class=HTMLResponse, responses=_HTML_ERRORS,
+            dependencies=_READ)
 def sweep_dashboard(
     request: Request,
     sweep_id: str,
     bootstrap: Annotated[int, Query(ge=0, le=2000)] = 100,
 ) -> HTMLResponse:
-    """Live progress, loss-vs-LR curves, transfer drift, frontier, savings, N:L."""
+    """Live progress, loss-vs-LR curves, transfer drift, frontier, savings, N:L (a visitor
+    without the token, on a server with public reads: at the default bootstrap only)."""
+    check_bootstrap(request, bootstrap)
     c = coordinator(request)
     try:
         data = sweep_data(c, sweep_id, bootstrap)

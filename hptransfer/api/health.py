@@ -24,9 +24,11 @@ def remember_mlflow_store(app: FastAPI) -> None:
     app.state.health_probes = ProbeCache()
 
 
-def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
+def health_report(app: FastAPI, deep: bool = False, details: bool = True) -> JSONResponse:
     """200 with status ok or degraded (a component failed, the API still works); 503 when the
-    app database is down."""
+    app database is down. Without `details` (a client without the token), each component's
+    name and state only: no database path, Ray address or URLs for anyone who can reach
+    the port."""
     import ray
 
     c = app.state.coordinator
@@ -53,9 +55,13 @@ def health_report(app: FastAPI, deep: bool = False) -> JSONResponse:
                         probes=app.state.health_probes)
     db_ok = checks[0].ok
     ray_on = ray.is_initialized()
+    status = (HealthState.OK if all(ch.ok for ch in checks) else
+              HealthState.DEGRADED if db_ok else HealthState.DOWN)
+    if not details:
+        return JSONResponse(status_code=200 if db_ok else 503, content={
+            "status": status, "components": [{"name": ch.name, "ok": ch.ok} for ch in checks]})
     body: dict[str, Any] = {
-        "status": (HealthState.OK if all(ch.ok for ch in checks) else
-                   HealthState.DEGRADED if db_ok else HealthState.DOWN),
+        "status": status,
         "database": c.store.url_safe,
         "ray": ray_on,
         "ray_address": ray.get_runtime_context().gcs_address if ray_on else None,

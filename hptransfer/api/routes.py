@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
-from pydantic import TypeAdapter, WithJsonSchema
+from pydantic import BaseModel, TypeAdapter, WithJsonSchema
 
 from hptransfer.contracts.filters import TrialFilters
-from hptransfer.contracts.status import TrialStatus
+from hptransfer.contracts.status import HealthState, TrialStatus
 from hptransfer.coordinator.service import UnknownArm
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.spec.cache import MAX_PAGE
@@ -17,6 +17,7 @@ from hptransfer.spec.trial import MAX_SEED, MAX_SIGMA
 
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
+from .reads import check_bootstrap, require_reader, trusted
 from .schemas import EXAMPLE_SPEC, FitReport, Health, SweepSummary, TrialPage, errors
 
 # trials a page holds with their curves (a point per evaluation each)
@@ -31,6 +32,8 @@ NOT_MODIFIED: dict[int | str, dict[str, Any]] = {
 # Paging past this is never meaningful, and SQLite overflows past 2**63 (a 500 before).
 MAX_OFFSET = 10**9
 MUTATION = [Depends(require_token), Depends(require_json)]
+# reads need the token too when one is set, unless HPT_PUBLIC_READS (see reads.py)
+READ = [Depends(require_reader)]
 TRIAL_STATUSES = "|".join(TrialStatus)
 STAGES = "|".join(STAGE_ORDER)
 _SUMMARIES = TypeAdapter(list[SweepSummary])
@@ -40,20 +43,32 @@ def coordinator(request: Request):
     return request.app.state.coordinator
 
 
-@router.get("/health", response_model=Health,
-            responses={**errors(401, 422), 503: {"model": Health, "description":
+class PublicComponent(BaseModel):
+    name: str
+    ok: bool
+
+
+class PublicHealth(BaseModel):
+    """/health without the token (when one is set): each component's state, no details."""
+    status: HealthState
+    components: list[PublicComponent] = []
+
+
+@router.get("/health", response_model=Health | PublicHealth,
+            responses={**errors(401, 422), 503: {"model": Health | PublicHealth, "description":
                        "The app database is down (`status` down)"}}, tags=["service"])
 def health(request: Request, deep: bool = False) -> Any:
     """Each component: app database (migrations at head), Optuna storage, MLflow (version,
     artifacts, still the store it started with), Ray nodes and their resources, dispatcher;
     `deep=true` adds the package version and data roots seen on every Ray node (slower; a
     task on every node, so it needs the bearer token when one is set). 503 when the app
-    database is down; `degraded` when another component fails."""
+    database is down; `degraded` when another component fails. With a token set, a client
+    without it sees each component's name and state only (no URLs, paths or addresses)."""
     from .health import health_report
 
     if deep:  # uncached, up to a minute per node: not for anyone who can reach the port
         require_token(request)
-    return health_report(request.app, deep)
+    return health_report(request.app, deep, details=trusted(request))
 
 
 @router.post("/sweeps", status_code=201, response_model=SweepSummary,
@@ -76,7 +91,8 @@ def submit_sweep(
 
 
 @router.get("/sweeps", response_model=list[SweepSummary],
-            responses={**NOT_MODIFIED, **errors(422)}, tags=["sweeps"])
+            responses={**NOT_MODIFIED, **errors(401, 422)}, dependencies=READ,
+            tags=["sweeps"])
 async def list_sweeps(
     request: Request,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
@@ -95,8 +111,8 @@ async def list_sweeps(
                                                     "application/json")
 
 
-@router.get("/sweeps/{sweep_id}", response_model=SweepSummary, responses=errors(404, 422),
-            tags=["sweeps"])
+@router.get("/sweeps/{sweep_id}", response_model=SweepSummary,
+            responses=errors(401, 404, 422), dependencies=READ, tags=["sweeps"])
 def get_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
     """Status counts, progress and ETA of one sweep."""
     return coordinator(request).summary(sweep_id)
@@ -118,8 +134,8 @@ def trial_filters(
                         sigma_base=sigma_base, seed=seed, stage=stage)
 
 
-@router.get("/sweeps/{sweep_id}/trials", response_model=TrialPage, responses=errors(404, 422),
-            tags=["sweeps"])
+@router.get("/sweeps/{sweep_id}/trials", response_model=TrialPage,
+            responses=errors(401, 404, 422), dependencies=READ, tags=["sweeps"])
 def list_trials(
     request: Request,
     sweep_id: str,
@@ -154,8 +170,8 @@ def cancel_sweep(request: Request, sweep_id: str) -> dict[str, Any]:
 
 # documented, not serialised through FitReport: the report's analyses are free-form records
 @router.get("/sweeps/{sweep_id}/fits", responses={
-    200: {"model": FitReport, "description": "The fit report"}, **errors(404, 422, busy=True)},
-    tags=["fits"])
+    200: {"model": FitReport, "description": "The fit report"},
+    **errors(401, 404, 422, busy=True)}, dependencies=READ, tags=["fits"])
 def get_fits(
     request: Request,
     sweep_id: str,
@@ -163,7 +179,9 @@ def get_fits(
     reference_arm: Annotated[str | None, Query(max_length=200)] = None,
 ) -> dict[str, Any]:
     """The fit report: optimal LR per shape, transfer drift, frontier, FLOP savings, N:L,
-    Chinchilla; each with its inputs, residuals and a reason when there is not enough data."""
+    Chinchilla; each with its inputs, residuals and a reason when there is not enough data.
+    A client without the token (public reads) gets the default bootstrap only."""
+    check_bootstrap(request, bootstrap)
     try:
         return coordinator(request).fits(sweep_id, bootstrap=bootstrap,
                                          reference_arm=reference_arm)

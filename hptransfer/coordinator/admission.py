@@ -8,14 +8,19 @@ state and the activations kept for backward), compute as analytic training FLOPs
 
 A trial is refused when its memory exceeds the memory of the largest alive Ray node (when
 Ray is initialised; else this host's; not for a sweep on GPUs, whose memory Ray does not
-report), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB, HPT_MAX_TRIAL_FLOPS).
+report), or a configured cap (HPT_MAX_TRIAL_MEMORY_GB).
+
+Nothing stops a trial once it runs (the trainer has no time limit), so the compute it asks
+for is bounded here: its steps (HPT_MAX_TRIAL_STEPS), its FLOPs (HPT_MAX_TRIAL_FLOPS) and the
+FLOPs of every trial the sweep can plan (HPT_MAX_SWEEP_FLOPS); the FLOP ceilings default by
+device (`config.DEFAULT_MAX_TRIAL_FLOPS`, `DEFAULT_MAX_SWEEP_FLOPS`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hptransfer.config import Settings
+from hptransfer.config import DEFAULT_MAX_SWEEP_FLOPS, DEFAULT_MAX_TRIAL_FLOPS, Settings
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec import SpecError, SweepSpec
 from hptransfer.spec.stages import STAGE_ORDER
@@ -40,6 +45,8 @@ class TrialCost:
     tokens: float
     flops: float
     field: str = "grid"  # the spec field that asks for this shape (where an error points)
+    steps: int = 0
+    trials: int = 1  # how many of the sweep's trials train this arm at this shape, at most
 
     @property
     def memory_bytes(self) -> float:
@@ -69,14 +76,38 @@ def trained_shapes(spec: SweepSpec) -> dict[tuple[int, int, float | None], str]:
     return shapes
 
 
+def trials_per_shape(spec: SweepSpec) -> dict[tuple[int, int, float | None], int]:
+    """The most trials one arm can train at each key of `trained_shapes`: SweepSpec's
+    trial_count, shape by shape (LRs, or Optuna's trials, x sigmas x seeds on the grid, with
+    the tune stage's extensions; a later stage's trials per seed)."""
+    g = spec.grid
+    per_lr = ((spec.search.n_trials or 0) if spec.search.method == "optuna"
+              else len(g.lr_values()))
+    if spec.stages is not None:
+        per_lr += spec.stages.tune.extend * spec.stages.tune.extend_lrs
+    counts = {(w, d, None): per_lr * len(g.sigma_bases) * len(g.seeds)
+              for d in g.depths for w in g.widths}
+    if spec.stages is not None:
+        st = spec.stages
+        for stage in st.enabled()[1:]:
+            per_shape = (len(st.check.log2_offsets) + st.check.extend * st.check.extend_lrs
+                         if stage == "check" and st.check else 1)
+            for s in st.shapes_of(stage):
+                key = (s.width, s.depth, st.tokens_per_param(stage, s))
+                counts[key] = counts.get(key, 0) + per_shape * len(g.seeds)
+    return counts
+
+
 def trial_costs(spec: SweepSpec) -> list[TrialCost]:
     """The cost of every trained shape of every arm of `spec` (LR, sigma and seed change
     nothing)."""
     lr, sigma, seed = spec.grid.lr_values()[0], spec.grid.sigma_bases[0], spec.grid.seeds[0]
     vocab = spec.model_vocab_size()
     costs = []
+    trials = trials_per_shape(spec)
     for arm in spec.arms:
-        for (width, depth, tokens_per_param), field in trained_shapes(spec).items():
+        for key, field in trained_shapes(spec).items():
+            width, depth, tokens_per_param = key
             trial = spec.trial_spec(arm, width, depth, lr, sigma, seed, tokens_per_param)
             cfg = trial.model_config_obj(vocab_size=vocab)
             # bf16 autocasts on CUDA only: a trial that may run on a CPU trains fp32 there
@@ -93,6 +124,8 @@ def trial_costs(spec: SweepSpec) -> list[TrialCost]:
                 tokens=tokens,
                 flops=tokens * flops_per_token(cfg, t).training,
                 field=field,
+                steps=steps,
+                trials=trials[key],
             ))
     return costs
 
@@ -115,7 +148,8 @@ def largest_worker_memory() -> tuple[float, str]:
 
 def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
     """Raise SpecError with the figures for every shape that cannot run, each under the
-    field that asks for it (``grid`` or ``stages.<stage>.shapes``)."""
+    field that asks for it (``grid`` or ``stages.<stage>.shapes``), and for a sweep past its
+    compute ceilings (see the module's docstring)."""
     if on_gpu(spec):
         # a GPU trial lives in its GPU's memory, which Ray does not report (and no GPU node
         # may have joined yet: the sweep waits for one); its worker splits or halves a pack
@@ -133,12 +167,49 @@ def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
     for cost in costs:
         for limit, name in limits:
             if cost.memory_bytes > limit:
-                problems.append((cost.field, f"{cost.describe()}; needs more memory than {name}"))
+                problems.append((cost.field, f"trial too large: {cost.describe()}; needs more "
+                                             f"memory than {name}"))
                 break
-        if settings.max_trial_flops is not None and cost.flops > settings.max_trial_flops:
-            problems.append((cost.field, f"{cost.describe()}; exceeds "
-                                         f"HPT_MAX_TRIAL_FLOPS={settings.max_trial_flops:.3g}"))
+    problems += compute_problems(spec, settings, costs)
     if problems:
-        raise SpecError([{"field": field, "message": "trial too large: " + p}
-                         for field, p in problems[:10]])
+        raise SpecError([{"field": field, "message": message}
+                         for field, message in problems[:10]])
     return costs
+
+
+def _ceiling(configured: float | None, defaults: dict[str, float], device: str,
+             env: str, what: str) -> tuple[float, str]:
+    """(limit, how an error names it): the configured value, else the device's default."""
+    if configured is not None:
+        return configured, f"{env}={configured:.3g}"
+    limit = defaults[device]
+    return limit, (f"the server's ceiling of {limit:.3g} FLOPs {what} on a {device.upper()} "
+                   f"(raise it with {env} on the server)")
+
+
+def compute_problems(spec: SweepSpec, settings: Settings,
+                     costs: list[TrialCost]) -> list[tuple[str, str]]:
+    """(field, message) for each shape past the steps or FLOPs ceiling per trial, and for a
+    sweep whose trials together pass the FLOPs ceiling per sweep."""
+    device = "gpu" if on_gpu(spec) else "cpu"
+    trial_limit, trial_name = _ceiling(settings.max_trial_flops, DEFAULT_MAX_TRIAL_FLOPS,
+                                       device, "HPT_MAX_TRIAL_FLOPS", "per trial")
+    sweep_limit, sweep_name = _ceiling(settings.max_sweep_flops, DEFAULT_MAX_SWEEP_FLOPS,
+                                       device, "HPT_MAX_SWEEP_FLOPS", "per sweep")
+    budget = next(k for k in ("steps", "tokens", "tokens_per_param") if getattr(spec.budget, k))
+    problems = []
+    for cost in costs:
+        if cost.steps > settings.max_trial_steps:
+            field = f"budget.{budget}" if cost.field == "grid" else cost.field
+            problems.append((field, f"trial too large: {cost.describe()} in {cost.steps:.3g} "
+                                    f"steps; more than HPT_MAX_TRIAL_STEPS="
+                                    f"{settings.max_trial_steps} (shrink the budget, or raise "
+                                    "it on the server)"))
+        if cost.flops > trial_limit:
+            problems.append((cost.field, f"trial too large: {cost.describe()}; exceeds "
+                                         f"{trial_name}"))
+    total = sum(c.flops * c.trials for c in costs)
+    if total > sweep_limit:
+        problems.append(("grid", f"sweep too large: its {spec.trial_count()} trials (at "
+                                 f"most) train {total:.3g} FLOPs in all; exceeds {sweep_name}"))
+    return problems

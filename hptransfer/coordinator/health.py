@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import hptransfer
-from hptransfer.config import RAY_REQUIRE_ENV, Settings, ray_required_resources
+from hptransfer.config import RAY_REQUIRE_ENV, Settings, client_token, ray_required_resources
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head
 from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
@@ -334,17 +334,23 @@ def probe_nodes(settings: Settings, nodes: list[dict[str, Any]],
 
 
 def check_api(url: str) -> Check:
-    """The coordinator's API answers /health (its own report is in `components` there)."""
+    """The coordinator's API answers /health (its own report is in `components` there),
+    asked with $HPT_API_TOKEN when set: a wrong token shows up here as a 401."""
     import httpx
 
     shown = mask_url(url)
     remember_url_secrets(url)  # httpx's error may quote a piece of its password
+    token = client_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}/health", timeout=HTTP_TIMEOUT_S)
+        r = httpx.get(f"{url.rstrip('/')}/health", headers=headers, timeout=HTTP_TIMEOUT_S)
         status = r.json().get("status")
     except Exception as exc:
         return Check("api", False, f"{shown} unreachable ({_short(exc)})",
                      "start `hpt serve` (see its log) or fix HPT_URL")
+    if r.status_code == 401:
+        return Check("api", False, f"{shown} refuses this HPT_API_TOKEN (401)",
+                     "set HPT_API_TOKEN to the server's token")
     if r.status_code != 200:
         return Check("api", False, f"{shown} answers {r.status_code} ({status})",
                      "see GET /health and the server log")

@@ -139,8 +139,12 @@ def run_name(arm: str, spec: Mapping[str, Any]) -> str:
 
 
 def safe_name(text: str) -> str:
-    """File-name-safe and injective: a short hash is added whenever characters were replaced."""
-    safe = _FILE_BAD_CHARS.sub("_", text)[:80] or "_"
+    """File-name-safe and injective: a short hash is added whenever characters were replaced.
+    Never empty, never `.` or `..` (a sweep named `..` wrote its artifacts beside, not under,
+    the artifact root) and never a path (`/` is replaced)."""
+    safe = _FILE_BAD_CHARS.sub("_", text)[:80]
+    if not safe.strip("."):  # empty or dots only: the current or parent folder
+        safe = "_" * max(1, len(safe))
     if safe != text:
         safe += "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
     return safe
