@@ -18,16 +18,14 @@ from hptransfer.jsonsafe import frame_records
 
 from .basins import RIVAL_TOLERANCE, rival_basins
 from .errors import NotEnoughData
+from .lr_cells import POINT_COLUMNS, Cells, bootstrap_log2_opt, build_cells, matrix
 from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict
-from .stats import percentile_ci, snap_runs
-from .trials import CORE_COLUMNS, DIVERGED, IGNORED, OK, Trials, prepare_trials
+from .stats import percentile_ci
+from .trials import CORE_COLUMNS, IGNORED, OK, Trials, prepare_trials
 
 SHAPE_KEYS: tuple[str, ...] = ("arm", "width", "depth", "sigma_base")
-POINT_COLUMNS: tuple[str, ...] = ("flops", "tokens", "params_non_embedding", "params_embedding")
 _WHAT = "the optimal LR"
-# Resampled loss values held in memory at once during the bootstrap (bounds peak memory).
-_BOOT_CHUNK_VALUES = 4_000_000
 # Below this many seeds per LR the seed bootstrap's η* interval covers less than its level
 # (simulated, 95 %: about 0.8 with 2 seeds, 0.85 with 3, 0.9 with 4): said in the warnings
 FEW_SEEDS = 4
@@ -73,145 +71,6 @@ class OptimalLRResult:
         return (
             rows.drop_duplicates(subset=point_keys).sort_values(point_keys).reset_index(drop=True)
         )
-
-
-@dataclass
-class _Cells:
-    """Trials collapsed to (shape, LR) cells, sorted by shape then LR."""
-
-    key_frame: pd.DataFrame
-    cell_sid: np.ndarray
-    cell_col: np.ndarray
-    lr: np.ndarray
-    log2_lr: np.ndarray
-    n_ok: np.ndarray
-    n_div: np.ndarray
-    mean: np.ndarray
-    std: np.ndarray
-    point_means: dict[str, np.ndarray]
-    seed_losses: np.ndarray
-    ok_ids_by_cell: tuple[np.ndarray, np.ndarray, np.ndarray]
-    ok_ids_by_shape: list[np.ndarray]
-    n_shapes: int
-    n_cols: int
-
-
-# LRs of one shape this close (in octaves) are one grid point: a float32 round trip moves an
-# LR by up to 6e-8 relative, and rounding log2(lr) to 6 decimals split such a pair into two
-# cells whenever a rounding boundary fell between them (about 15 % of LRs)
-LR_TOLERANCE_OCTAVES = 1e-4
-
-
-def _snapped_log2(lr: np.ndarray, sid: np.ndarray) -> np.ndarray:
-    """log2(lr), each run of a shape's values less than LR_TOLERANCE_OCTAVES apart set to
-    the run's first value."""
-    return snap_runs(np.log2(lr), sid, LR_TOLERANCE_OCTAVES)
-
-
-def _build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> _Cells:
-    grouped = frame.groupby(list(keys), sort=True, dropna=False)
-    sid = grouped.ngroup().to_numpy()
-    key_frame = grouped.size().index.to_frame(index=False)
-    for k in ("width", "depth"):
-        if np.all(np.mod(key_frame[k].to_numpy(dtype=float), 1) == 0):
-            key_frame[k] = key_frame[k].astype(np.int64)
-    n_shapes = len(key_frame)
-
-    log2_lr = _snapped_log2(frame["lr"].to_numpy(dtype=float), sid)
-    outcome = frame["outcome"].to_numpy()
-    order = np.lexsort((outcome, log2_lr, sid))  # OK rows first inside each cell
-    sid_s, x_s, out_s = sid[order], log2_lr[order], outcome[order]
-    new = np.ones(len(order), dtype=bool)
-    new[1:] = (sid_s[1:] != sid_s[:-1]) | (x_s[1:] != x_s[:-1])
-    start = np.flatnonzero(new)
-    cell = np.cumsum(new) - 1
-    n_cells = len(start)
-
-    ok = out_s == OK
-    loss = np.where(ok, frame["final_val_loss"].to_numpy(dtype=float)[order], 0.0)
-    n_ok = np.bincount(cell, weights=ok, minlength=n_cells).astype(int)
-    n_div = np.bincount(cell, weights=out_s == DIVERGED, minlength=n_cells).astype(int)
-    sums = np.bincount(cell, weights=loss, minlength=n_cells)
-    sq = np.bincount(cell, weights=loss**2, minlength=n_cells)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        mean = np.where(n_ok > 0, sums / n_ok, np.nan)
-        var = np.where(n_ok > 1, (sq - n_ok * mean**2) / (n_ok - 1), np.nan)
-    std = np.sqrt(np.clip(var, 0.0, None))
-
-    point_means: dict[str, np.ndarray] = {}
-    for col in POINT_COLUMNS:
-        v = frame[col].to_numpy(dtype=float)[order]
-        good = ok & np.isfinite(v)
-        cnt = np.bincount(cell, weights=good, minlength=n_cells)
-        tot = np.bincount(cell, weights=np.where(good, v, 0.0), minlength=n_cells)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            point_means[col] = np.where(cnt > 0, tot / cnt, np.nan)
-
-    # Per-cell seed losses, padded, for resampling seeds in the bootstrap.
-    pos = np.arange(len(order)) - start[cell]
-    width = max(int(n_ok.max()), 1)
-    seed_losses = np.zeros((n_cells, width))
-    seed_losses[cell[ok], pos[ok]] = loss[ok]
-
-    cell_sid = sid_s[start]
-    first = np.flatnonzero(np.r_[True, cell_sid[1:] != cell_sid[:-1]])
-    cell_col = np.arange(n_cells) - first[cell_sid]
-    ids = frame["trial_id"].to_numpy(dtype=object)[order]
-    # OK rows of one shape are contiguous after the sort: split them into per-shape id lists.
-    ok_ids = np.split(ids[ok], np.cumsum(np.bincount(sid_s[ok], minlength=n_shapes))[:-1])
-    return _Cells(
-        key_frame=key_frame,
-        cell_sid=cell_sid,
-        cell_col=cell_col,
-        lr=frame["lr"].to_numpy(dtype=float)[order][start],
-        log2_lr=x_s[start],
-        n_ok=n_ok,
-        n_div=n_div,
-        mean=mean,
-        std=std,
-        point_means=point_means,
-        seed_losses=seed_losses,
-        ok_ids_by_cell=(ids, start, n_ok),
-        ok_ids_by_shape=ok_ids,
-        n_shapes=n_shapes,
-        n_cols=int(cell_col.max()) + 1,
-    )
-
-
-def _matrix(cells: _Cells, values: np.ndarray, fill: float = np.nan) -> np.ndarray:
-    out = np.full((cells.n_shapes, cells.n_cols), fill, dtype=float)
-    out[cells.cell_sid, cells.cell_col] = values
-    return out
-
-
-def _bootstrap_log2_opt(
-    cells: _Cells, x: np.ndarray, n_resamples: int, rng: np.random.Generator, neighbours: int
-) -> np.ndarray:
-    """η* (log2) refitted on seed-resampled mean losses; shape (n_resamples, n_shapes)."""
-    n_cells, width = cells.seed_losses.shape
-    n_ok = cells.n_ok
-    chunk = max(1, _BOOT_CHUNK_VALUES // max(1, n_cells * width))
-    cell_idx = np.arange(n_cells)[None, :, None]
-    in_cell = np.arange(width)[None, :] < n_ok[:, None]
-    inflation = np.sqrt(n_ok / np.maximum(n_ok - 1, 1))
-    out = np.empty((n_resamples, cells.n_shapes))
-    for begin in range(0, n_resamples, chunk):
-        b = min(chunk, n_resamples - begin)
-        # Resample the seeds of each LR independently (same count, with replacement).
-        picks = (rng.random((b, n_cells, width)) * n_ok[None, :, None]).astype(np.intp)
-        draws = np.where(in_cell[None], cells.seed_losses[cell_idx, picks], 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            means = np.where(n_ok > 0, draws.sum(axis=2) / n_ok, np.nan)
-        # A resampled mean varies by s²(n-1)/n², not s²/n: widened by sqrt(n/(n-1)) about
-        # the cell's mean, as the power-law bootstrap widens its residuals
-        means = cells.mean + inflation * (means - cells.mean)
-        y = np.full((b, cells.n_shapes, cells.n_cols), np.nan)
-        y[:, cells.cell_sid, cells.cell_col] = means
-        fits = fit_parabolas(
-            np.tile(x, (b, 1)), y.reshape(b * cells.n_shapes, cells.n_cols), neighbours
-        )
-        out[begin : begin + b] = fits.log2_opt.reshape(b, cells.n_shapes)
-    return out
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -384,12 +243,12 @@ def optimal_lr(
     if because is not None:
         return _empty_result(keys, NotEnoughData(_WHAT, because), warnings, bootstrap, ci)
 
-    cells = _build_cells(frame, keys)
-    x = _matrix(cells, cells.log2_lr)
-    means = _matrix(cells, cells.mean)
+    cells = build_cells(frame, keys)
+    x = matrix(cells, cells.log2_lr)
+    means = matrix(cells, cells.mean)
     fits = fit_parabolas(x, means, neighbours)
-    n_ok_m = _matrix(cells, cells.n_ok, 0.0)
-    n_div_m = _matrix(cells, cells.n_div, 0.0)
+    n_ok_m = matrix(cells, cells.n_ok, 0.0)
+    n_div_m = matrix(cells, cells.n_div, 0.0)
     rows = np.arange(cells.n_shapes)
     n_lrs = np.isfinite(x).sum(axis=1)
     n_seeds = n_ok_m.max(axis=1).astype(int)
@@ -401,7 +260,7 @@ def optimal_lr(
     boot_failed = np.zeros(cells.n_shapes)
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
-        samples = _bootstrap_log2_opt(cells, x, bootstrap, rng, neighbours)
+        samples = bootstrap_log2_opt(cells, x, bootstrap, rng, neighbours)
         log2_ci = percentile_ci(samples, ci, axis=0)
         boot_failed = np.mean(~np.isfinite(samples), axis=0)
         no_ci = ~fits.fit_ok | (fit_seeds < 2)
@@ -418,7 +277,7 @@ def optimal_lr(
     rival_col = _rival_columns(x, means)
     has_rival = rival_col >= 0
     reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
-    best_lr = _matrix(cells, cells.lr)[rows, fits.best]
+    best_lr = matrix(cells, cells.lr)[rows, fits.best]
     best_cell = np.flatnonzero(cells.cell_col == 0)[rows] + fits.best
     # Divergence right above the best LR means η* sits near the stability limit.
     next_col = np.minimum(fits.best + 1, cells.n_cols - 1)
@@ -433,7 +292,7 @@ def optimal_lr(
     fit_lrs: list[list[float]] = []
     residuals: list[list[float]] = []
     best_ids: list[list[str]] = []
-    lr_m = _matrix(cells, cells.lr)
+    lr_m = matrix(cells, cells.lr)
     for s in range(cells.n_shapes):
         reason = _shape_reason(_label(key_records[s]), bool(fits.has_data[s]),
                                bool(fits.fit_ok[s]), int(n_div_m[s].sum()), int(n_with_loss[s]))
@@ -552,7 +411,7 @@ def _shape_reason(label: str, has_data: bool, fit_ok: bool, n_diverged: int,
     return None
 
 
-def _curves(cells: _Cells, fits: ParabolaFits) -> pd.DataFrame:
+def _curves(cells: Cells, fits: ParabolaFits) -> pd.DataFrame:
     """One row per shape x LR: the mean loss curve and which points the fit used."""
     curves = cells.key_frame.iloc[cells.cell_sid].reset_index(drop=True)
     curves["lr"] = cells.lr
