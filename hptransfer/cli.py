@@ -199,10 +199,14 @@ def is_loopback(host: str) -> bool:
 @command("serve")
 def cmd_serve(a: argparse.Namespace) -> int:
     from hptransfer.api.server import serve_forever
-    from hptransfer.config import get_settings
+    from hptransfer.config import get_settings, token_strength_problem
 
     settings = get_settings()
     host, port = a.host or settings.host, a.port or settings.port
+    weak = settings.api_token and token_strength_problem(settings.api_token)
+    if not is_loopback(host) and weak:
+        print(f"hpt serve: refusing to serve on {host}: {weak}", file=sys.stderr)
+        return 2
     if not is_loopback(host) and not settings.api_token:
         if not a.insecure:
             print(f"hpt serve: refusing to serve on {host} without HPT_API_TOKEN: anyone who "

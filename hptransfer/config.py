@@ -8,6 +8,7 @@ Any URL can point at a server (PostgreSQL, an `mlflow server`) instead.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -54,6 +55,16 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "more directories (`:`-separated, absolute) that `data.source` may point into, "
            "besides `$HPT_HOME/data` and the embedded corpus (`stdlib`)"),
     EnvVar("HPT_MAX_REQUEST_BYTES", "`1048576`", "largest request body (413 past it)"),
+    EnvVar("HPT_MAX_HEADER_BYTES", "`65536`",
+           "largest request line plus headers (431 past it, the rest unread)"),
+    EnvVar("HPT_MAX_HEADERS", "`100`", "most header lines a request may carry (431 past it)"),
+    EnvVar("HPT_HEADER_TIMEOUT_S", "`10`",
+           "seconds a client has to send a request's headers (408, connection closed)"),
+    EnvVar("HPT_BODY_TIMEOUT_S", "`30`",
+           "seconds a client has to send a request's body once its headers arrived"),
+    EnvVar("HPT_AUTH_FAILURES", "`10`",
+           "wrong or missing tokens one client address may send in a minute before it is "
+           "answered 429 (Retry-After) for the rest of that minute"),
     EnvVar("HPT_CACHE_MAX_GB", "`4`",
            "what the data cache (`$HPT_HOME/cache`: tokenized corpora, BPE tokenizers) may "
            "hold; past it the least recently used entries go (rebuilt the same if asked for "
@@ -99,6 +110,41 @@ def token_problem(token: str) -> str | None:
     if not token.isascii():
         return "has a non-ASCII character in it; tokens are ASCII"
     return None
+
+
+# What a token served beyond loopback must hold: 128 bits, as 22 base64url characters or
+# 32 hex digits do (secrets.token_urlsafe(16), secrets.token_hex(16)).
+MIN_TOKEN_BITS = 128
+MAKE_TOKEN = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
+_HEX = frozenset("0123456789abcdef")
+
+
+def token_bits(token: str) -> float:
+    """A generous estimate of a token's entropy: its length times log2 of the alphabet its
+    character classes span (hex digits 16; digits 10, lower 26, upper 26, punctuation 32
+    added up), and no more than 8 bits for a token of under 8 distinct characters (aaaa...,
+    abab...)."""
+    if len(set(token)) < 8:
+        return min(8.0, float(len(token)))
+    if token.isdigit():
+        alphabet = 10
+    elif set(token.lower()) <= _HEX and (token.islower() or token.isupper()):
+        alphabet = 16
+    else:
+        alphabet = sum(size for test, size in ((str.isdigit, 10), (str.islower, 26),
+                                               (str.isupper, 26)) if any(map(test, token)))
+        alphabet += 32 if any(not c.isalnum() for c in token) else 0
+    return len(token) * math.log2(alphabet)
+
+
+def token_strength_problem(token: str) -> str | None:
+    """Why `token` is too weak to guard a server others can reach, or None."""
+    bits = token_bits(token)
+    if bits >= MIN_TOKEN_BITS:
+        return None
+    return (f"HPT_API_TOKEN is too weak to serve beyond this machine: about {bits:.0f} bits, "
+            f"{MIN_TOKEN_BITS} needed (e.g. 22 random base64url characters or 32 random hex "
+            f"digits). Make one with: {MAKE_TOKEN}")
 
 
 def _env_token(name: str) -> str | None:
@@ -171,6 +217,13 @@ class Settings:
     # Where `data.source` paths may point (resolved); see `data_roots_from`.
     data_roots: tuple[Path, ...] = ()
     max_request_bytes: int = 1 << 20
+    # The HTTP edge (api/edge.py): a request's head, and the time to send head and body.
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # 401s one client address may earn a minute before its calls are answered 429
+    auth_failures: int = 10
     # Admission caps per trial; None leaves only the memory of the largest worker.
     max_trial_flops: float | None = None  # None: DEFAULT_MAX_TRIAL_FLOPS for the device
     max_trial_memory_gb: float | None = None
@@ -296,6 +349,11 @@ def get_settings() -> Settings:
         cache_dir=home / "cache",
         data_roots=data_roots_from(home),
         max_request_bytes=_env_int("HPT_MAX_REQUEST_BYTES", 1 << 20, minimum=1024),
+        max_header_bytes=_env_int("HPT_MAX_HEADER_BYTES", 64 * 1024, minimum=1024),
+        max_headers=_env_int("HPT_MAX_HEADERS", 100, minimum=10),
+        header_timeout_s=_env_float("HPT_HEADER_TIMEOUT_S", 10.0) or 10.0,
+        body_timeout_s=_env_float("HPT_BODY_TIMEOUT_S", 30.0) or 30.0,
+        auth_failures=_env_int("HPT_AUTH_FAILURES", 10),
         max_trial_flops=_env_float("HPT_MAX_TRIAL_FLOPS", None),
         max_trial_memory_gb=_env_float("HPT_MAX_TRIAL_MEMORY_GB", None),
         max_sweep_flops=_env_float("HPT_MAX_SWEEP_FLOPS", None),

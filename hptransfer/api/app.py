@@ -19,6 +19,7 @@ from hptransfer.dashboards import dashboard_artifacts
 from hptransfer.spec import SpecError
 from hptransfer.store.store import NotFoundError
 
+from .auth import AuthThrottle
 from .dashboards import router as dashboards_router
 from .guards import (
     BodyLimit,
@@ -30,6 +31,7 @@ from .guards import (
 )
 from .health import remember_mlflow_store
 from .listing import ListingCache
+from .pages import SecurityHeaders, install_docs
 from .routes import router
 from .schemas import sweep_spec_components
 
@@ -65,13 +67,17 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
         description="Hyper-parameter transfer sweeps: submit, watch, cancel; fits and dashboards.",
         lifespan=lifespan,
         redirect_slashes=False,  # a trailing slash is served, not redirected (guards.py)
+        docs_url=None, redoc_url=None,  # served from the package instead (pages.py)
     )
+    app.state.auth_throttle = AuthThrottle(settings.auth_failures)
     app.include_router(router)
     app.include_router(dashboards_router)
+    install_docs(app)
     app.add_middleware(RefuseNulInURL)
     app.add_middleware(HeadAsGet)
     app.add_middleware(TrailingSlashServed)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)  # outermost
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(SecurityHeaders)  # outermost: every answer carries its headers
     _install_error_handlers(app)
     _publish_sweep_spec(app)
     return app

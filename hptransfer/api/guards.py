@@ -17,6 +17,8 @@ from fastapi.routing import APIRoute
 from hptransfer.spec.loading import strict_json_loads
 from hptransfer.spec.text import DuplicateKey
 
+from .auth import require_token
+
 
 class StrictJSONRequest(Request):
     """A request whose JSON body may not hold Infinity/NaN (Python's json accepts them) nor
@@ -32,10 +34,19 @@ class StrictJSONRequest(Request):
 
 
 class StrictJSONRoute(APIRoute):
+    """A route whose token and content-type checks (when it has them as dependencies) run
+    before its body is read: FastAPI reads and parses a body before any dependency, so an
+    unauthenticated 1 MB spec was parsed (83 ms) only to be answered 401. They still run
+    again as dependencies, where the OpenAPI document sees them."""
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        early = [d.dependency for d in self.dependencies
+                 if d.dependency in (require_token, require_json)]
 
         async def strict_handler(request: Request) -> Response:
+            for check in early:
+                check(request)
             return await handler(StrictJSONRequest(request.scope, request.receive))
 
         return strict_handler
@@ -49,6 +60,13 @@ def require_json(request: Request) -> None:
             status_code=415,
             detail="send mutations with 'Content-Type: application/json' (an empty JSON "
                    "object {} for calls without a body)",
+        )
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise HTTPException(
+            status_code=415,
+            detail=f"Content-Encoding {encoding!r} is not supported: send the body "
+                   "uncompressed (no Content-Encoding header)",
         )
 
 

@@ -16,12 +16,23 @@ from hptransfer.config import Settings
 from hptransfer.redaction import redact_logs
 
 from .app import create_app
+from .edge import EdgeLimits, edge_protocol
 
 # uvicorn's C-backed HTTP parser and event loop (declared in pyproject.toml): with h11 and
 # the stock asyncio loop the HTTP stack, not the routes, set the latency under concurrent
 # clients (benchmarks/listing_latency.py: /docs p50 11.7 -> 4.9 ms at 50 clients). Named
 # rather than left to uvicorn's "auto", so a missing package fails loudly, not slowly.
-SERVER_OPTIONS = {"http": "httptools", "loop": "uvloop"}
+# The httptools protocol comes with the head's size, count and time limits (edge.py).
+SERVER_OPTIONS = {"loop": "uvloop"}
+
+
+def server_options(settings: Settings) -> dict:
+    """uvicorn.Config's keywords for the HTTP stack: uvloop, and httptools with limits."""
+    limits = EdgeLimits(max_header_bytes=settings.max_header_bytes,
+                        max_headers=settings.max_headers,
+                        header_timeout_s=settings.header_timeout_s,
+                        body_timeout_s=settings.body_timeout_s)
+    return {**SERVER_OPTIONS, "http": edge_protocol(limits)}
 
 
 class CannotListen(ValueError):
@@ -51,7 +62,7 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
         signal.signal(sig, lambda *_: None)
     try:
         config = uvicorn.Config(create_app(settings, freeze_gc=True), host=host, port=port,
-                                log_level=log_level, **SERVER_OPTIONS)
+                                log_level=log_level, **server_options(settings))
         redact_logs("uvicorn", "uvicorn.error", "uvicorn.access")  # handlers made by Config
         uvicorn.Server(config).run(sockets=[sock])
     finally:
@@ -86,7 +97,8 @@ def serve_in_thread(settings: Settings, port: int | None = None,
     port = port or free_port()
     sock = listen("127.0.0.1", port)  # before the app's start-up starts Ray (see listen)
     config = uvicorn.Config(create_app(settings, dispatch=dispatch), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="on", **SERVER_OPTIONS)
+                            log_level="warning", lifespan="on",
+                            **server_options(settings))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="hpt-api",
                               daemon=True)
