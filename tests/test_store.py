@@ -474,7 +474,8 @@ def test_requeue_orphans(store: Store) -> None:
     assert store.requeue_orphans("live") == 2
     for tid in dead:
         row = store.get_trial(tid)
-        assert row is not None and row.status == "pending" and row.attempts == 0
+        # the interrupted attempt is one of its attempts (not charged to its retries)
+        assert row is not None and row.status == "pending" and row.attempts == 1
         assert row.lease_owner is None and row.lease_expires_at is None
     assert store.get_trial(mine).status == "running"
     assert store.requeue_orphans("live") == 0
@@ -536,11 +537,11 @@ def test_a_trial_orphaned_again_and_again_fails_rather_than_loop(store: Store) -
     sid = new_sweep(store, plan()[:2])
     for n in range(1, MAX_ORPHANED_ATTEMPTS + 1):
         (trial,) = store.lease_pending(f"dead-{n}", 1)
-        assert trial.attempts == 1  # the interruptions before were not charged
+        assert trial.attempts == n  # every attempt counts (the interrupted ones uncharged)
         requeued = store.requeue_orphans("live")
         row = store.get_trial(trial.id)
         if n < MAX_ORPHANED_ATTEMPTS:
-            assert requeued == 1 and row.status == "pending" and row.attempts == 0
+            assert requeued == 1 and row.status == "pending" and row.attempts == n
     assert requeued == 0 and row.status == "failed" and row.finished_at is not None
     assert f"died during {MAX_ORPHANED_ATTEMPTS} of its attempts" in row.error
     assert row.lease_owner is None
@@ -560,14 +561,14 @@ def test_release_returns_only_its_owners_named_leases_uncounted(store: Store) ->
     assert store.release([*mine, theirs], "me") == 2
     for tid in mine:
         row = store.get_trial(tid)
-        assert row.status == "pending" and row.attempts == 0 and row.lease_owner is None
+        assert row.status == "pending" and row.attempts == 1 and row.lease_owner is None
         (attempt,) = store.attempts(tid)
         assert attempt.status == "cancelled" and attempt.error == NOT_STARTED
     assert store.get_trial(theirs).status == "running"
     assert store.release(mine, "me") == 0  # not running any more
-    # leased again: the next attempt is the trial's first counted one
+    # leased again: its second attempt (the first was not charged to its retries)
     again = store.lease_pending("me", 1, ids=[mine[0]])
-    assert [t.attempts for t in again] == [1]
+    assert [t.attempts for t in again] == [2]
     assert [a.seq for a in store.attempts(mine[0])] == [1, 2]
     # a stopped sweep's released lease ends cancelled, not pending
     store.cancel_sweep(sid)
@@ -601,7 +602,7 @@ def test_cancel_sweep(store: Store) -> None:
 def test_active_sweeps_oldest_first(store: Store) -> None:
     first = new_sweep(store, plan()[:2])
     second = new_sweep(store, plan()[:2])
-    third = new_sweep(store, plan()[:2])
+    third = new_sweep(store, plan()[2:4])  # other trials: not completed by first's results
     store.cancel_sweep(second)
     assert [s.id for s in store.active_sweeps()] == [first, third]
     for t in store.lease_pending("c", 10, sweep_id=first):

@@ -566,7 +566,7 @@ def test_a_reused_trial_has_its_run_in_its_sweeps_experiment(
     store.refresh_sweep_status(first)
     second = sweep("second")
     (reused,) = store.trials(second)
-    assert reused.reused and reused.attempts == 0  # not trained again, no attempt charged
+    assert reused.reused and reused.attempts == 1  # not trained again: its one attempt is reused
     (attempt,) = store.attempts(reused.id)
     assert (attempt.status, attempt.error, attempt.result) == ("completed", None,
                                                                reused.result)

@@ -20,7 +20,7 @@ from typing import Any
 import hptransfer
 from hptransfer.config import RAY_REQUIRE_ENV, Settings, client_token, ray_required_resources
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
-from hptransfer.store.engine import current_revision, make_engine, packaged_head
+from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
 from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
 
 HTTP_TIMEOUT_S = 5.0
@@ -53,25 +53,34 @@ def _short(exc: BaseException) -> str:
 
 
 def check_database(url: str, engine: Any | None = None) -> Check:
-    """The app database answers and its schema is at the packaged Alembic head."""
+    """The app database answers, its schema is at the packaged Alembic head, and it takes a
+    write (rolled back): a read-only one reads fine but can store no sweep or result."""
     shown = mask_url(url)
-    try:
-        own = engine is None
-        engine = engine or make_engine(url)
-        try:
-            rev = current_revision(engine)
-        finally:
-            if own:
-                engine.dispose()
-    except Exception as exc:
-        return Check("database", False, f"{shown} unreachable ({_short(exc)})",
-                     "start the database server or fix HPT_DATABASE_URL")
     head = packaged_head()
-    if rev != head:
-        return Check("database", False, f"{shown} at revision {rev}, this package needs {head}",
-                     "start `hpt serve` once with this package version (it migrates on start) "
-                     "or install the version that wrote the database")
-    return Check("database", True, f"{shown} (migrations at head {head})")
+    own = engine is None
+    try:
+        try:
+            engine = engine or make_engine(url)
+            rev = current_revision(engine)
+        except Exception as exc:
+            return Check("database", False, f"{shown} unreachable ({_short(exc)})",
+                         "start the database server or fix HPT_DATABASE_URL")
+        if rev != head:
+            return Check("database", False,
+                         f"{shown} at revision {rev}, this package needs {head}",
+                         "start `hpt serve` once with this package version (it migrates on "
+                         "start) or install the version that wrote the database")
+        try:
+            probe_write(engine)
+        except Exception as exc:
+            return Check("database", False, f"{shown} cannot be written ({_short(exc)})",
+                         "make the database writable (file and directory permissions, a "
+                         "read-only mount or a full disk; PostgreSQL: a primary, not a "
+                         "read-only standby or default_transaction_read_only)")
+    finally:
+        if own and engine is not None:
+            engine.dispose()
+    return Check("database", True, f"{shown} (migrations at head {head}, writable)")
 
 
 def _ping(url: str) -> None:

@@ -6,6 +6,8 @@ to `finished_hooks`; the coordinator itself knows only the fits."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +19,7 @@ from hptransfer.data import DataError, load_dataset
 from hptransfer.spec import SpecError, SweepSpec, load_spec, storable
 from hptransfer.spec.cache import SpecCache
 from hptransfer.store.changes import CommitCounter
-from hptransfer.store.store import NotFoundError, Store, SweepRecord
+from hptransfer.store.store import IdempotencyConflict, NotFoundError, Store, SweepRecord
 from hptransfer.tracking.mirror import Mirror
 from hptransfer.tracking.tracking import prepare_sqlite_store
 
@@ -40,6 +42,27 @@ class DataBusy(Busy):
 # flood of submissions with new tokenizer settings takes half the cores, not all of them
 DATA_GATE = Gate(half_the_cores(), 4 * half_the_cores(), DataBusy,
                  "submissions are preparing their data; retry in a few seconds")
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_IDEMPOTENCY_KEY = 255  # characters (the column's width)
+
+
+def idempotency(key: str, source: SweepSpec | dict | str) -> tuple[str, str]:
+    """(key, sha256 of the body) for an Idempotency-Key; SpecError naming the header when
+    the key is empty, too long or not printable ASCII. The body is hashed as canonical
+    JSON, so the same spec sent with its keys in another order is the same body."""
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY or not all(" " < c <= "~" for c in key):
+        raise SpecError([{"field": IDEMPOTENCY_HEADER, "message": (
+            f"must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters without spaces "
+            "(e.g. a UUID)")}])
+    if isinstance(source, SweepSpec):
+        body = source.model_dump_json()
+    elif isinstance(source, str):
+        body = source
+    else:
+        body = json.dumps(source, sort_keys=True, separators=(",", ":"), default=str)
+    return key, hashlib.sha256(body.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class UnknownArm(ValueError):
@@ -87,29 +110,49 @@ class Coordinator:
             self.mirror.stop()  # one last pass, so MLflow shows the final state
 
     # operations ----------------------------------------------------------------------
-    def submit(self, source: SweepSpec | dict | str) -> dict[str, Any]:
+    def submit(self, source: SweepSpec | dict | str,
+               idempotency_key: str | None = None) -> dict[str, Any]:
         """Validate, admit, plan and store a sweep. Everything that can refuse it runs before
         the one transaction that stores the sweep with all its trials, so a refused (or
-        failing) submission leaves nothing behind."""
+        failing) submission leaves nothing behind.
+
+        With an `idempotency_key` (the Idempotency-Key header), a submit the key already
+        made with the same body (within IDEMPOTENCY_WINDOW_S, across restarts and servers)
+        answers that sweep's summary instead of storing another; the key used with another
+        body is a SpecError naming the header."""
+        claim = idempotency(idempotency_key, source) if idempotency_key is not None else None
+        try:
+            earlier = self.store.submitted_sweep(*claim) if claim is not None else None
+            if earlier is not None:
+                return self.summary(earlier)  # a retry: nothing to validate or plan again
+            sweep_id = self._store_sweep(source, claim)
+        except IdempotencyConflict as exc:
+            raise SpecError([{"field": IDEMPOTENCY_HEADER, "message": str(exc)}]) from None
+        if self.dispatcher:
+            self.dispatcher.wake()
+        if self.mirror:
+            self.mirror.wake()
+        return self.summary(sweep_id)
+
+    def _store_sweep(self, source: SweepSpec | dict | str,
+                     claim: tuple[str, str] | None) -> str:
+        """Validate, admit and plan the spec, then store it: the new sweep's id (or, with
+        `claim`, the id of the sweep an identical submit racing this one stored)."""
         spec = load_spec(source, max_trials=self.settings.max_trials)
         admit(spec, self.settings)
         stored_spec = storable(spec)
         data_hash = self._data_hash(spec)
         optuna = spec.search.method == "optuna"
         planned = [] if optuna else plan_sweep(spec)
-        sweep_id = self.store.create_sweep(
+        return self.store.create_sweep(
             name=spec.name, spec=stored_spec, spec_hash=spec_hash(spec),
             search=spec.search.method, planned=planned, data_hash=data_hash,
             reuse=spec.reuse, max_attempts=spec.retries + 1,
             study=initial_state(spec, len(planned)) if spec.stages else None,
             max_concurrent=spec.max_concurrent,
             planned_total=len(plan_shapes(spec)) * spec.search.n_trials if optuna else None,
+            idempotency=claim,
         )
-        if self.dispatcher:
-            self.dispatcher.wake()
-        if self.mirror:
-            self.mirror.wake()
-        return self.summary(sweep_id)
 
     def _data_hash(self, spec: SweepSpec) -> str:
         try:

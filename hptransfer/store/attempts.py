@@ -36,12 +36,22 @@ def attempt_row(trial_id: str, seq: int, status: str, now: datetime) -> dict[str
 
 
 def add_attempts(s: Session, trial_ids: list[str], status: str, now: datetime) -> None:
-    """One new attempt per trial, its seq after the trial's earlier ones (see attempt_row)."""
+    """One new attempt per trial, its seq after the trial's earlier ones (see attempt_row).
+    The trial's `attempts` counts its attempt rows: raised here, in the same transaction."""
     last_seq = dict(s.execute(
         select(Attempt.trial_id, func.max(Attempt.seq))
         .where(Attempt.trial_id.in_(trial_ids)).group_by(Attempt.trial_id)).all())
     s.execute(insert(Attempt), [attempt_row(tid, (last_seq.get(tid) or 0) + 1, status, now)
                                 for tid in trial_ids])
+    bulk_update(s, update(Trial).where(Trial.id.in_(trial_ids))
+                .values(attempts=Trial.attempts + 1))
+
+
+def charged_attempts(s: Session, trial_id: str) -> int:
+    """The trial's attempts its retry budget (`max_attempts`) counts: every one but those
+    cancelled unfinished (its coordinator died, or its task was never submitted)."""
+    return int(s.scalar(select(func.count()).select_from(Attempt).where(
+        Attempt.trial_id == trial_id, Attempt.status != TrialStatus.CANCELLED)) or 0)
 
 
 def end_attempt(s: Session, trial_id: str, status: str, error: str | None,

@@ -142,6 +142,15 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+def probe_write(engine: Engine) -> None:
+    """Write in a transaction that is rolled back: raises when the database answers but
+    cannot be written (a read-only SQLite file or mount, a PostgreSQL standby or
+    default_transaction_read_only). Touches the one row of Alembic's version table."""
+    with for_writing(engine).connect() as conn, conn.begin() as tx:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = version_num")
+        tx.rollback()
+
+
 @functools.cache  # the packaged scripts do not change while the process runs (1-2 ms a parse)
 def packaged_head() -> str | None:
     """The newest revision among the packaged migrations."""

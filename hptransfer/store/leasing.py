@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from hptransfer.contracts.records import TrialRecord
@@ -16,7 +16,7 @@ from hptransfer.contracts.status import SweepStatus, TrialStatus
 from .attempts import add_attempts
 from .base import StoreBase
 from .query import bulk_update
-from .reuse import waits_for_twin
+from .reuse import first_of_twins, may_wait_for_twin, waits_for_twin
 from .rows import trial_record, utcnow
 from .schema import ACTIVE_STATUSES, STOPPED_SWEEP_STATUSES, Attempt, Sweep, Trial
 
@@ -44,14 +44,15 @@ class Leasing(StoreBase):
         Oldest sweep first, then plan order; with `ids`, only those trials (the dispatcher
         leases a pack's members together). Safe with several coordinators: a trial is
         never leased twice. The leased trials' sweeps become running. A trial waiting for an
-        identical one planned before it is not leased (see `reuse.waits_for_twin`).
+        identical one is not leased (see `reuse.waits_for_twin`), nor one identical to a
+        trial of another sweep leased in the same call (`reuse.first_of_twins`).
         """
         if limit <= 0:
             return []
         now = utcnow()
         with self._write() as s:
             stmt = (
-                select(Trial.id)
+                select(Trial.id, Trial.content_hash, Trial.data_hash, may_wait_for_twin())
                 .join(Sweep, Sweep.id == Trial.sweep_id)
                 .where(Trial.status == TrialStatus.PENDING, Sweep.status.in_(ACTIVE_STATUSES),
                        ~waits_for_twin())
@@ -65,7 +66,7 @@ class Leasing(StoreBase):
             if self.dialect == "postgresql":
                 # Rows another coordinator is leasing right now are skipped, not waited on.
                 stmt = stmt.with_for_update(skip_locked=True, of=Trial)
-            ids = list(s.scalars(stmt))
+            ids = first_of_twins(s.execute(stmt).all())
             if not ids:
                 return []
             bulk_update(
@@ -74,7 +75,6 @@ class Leasing(StoreBase):
                 .where(Trial.id.in_(ids), Trial.status == TrialStatus.PENDING)  # belt and braces
                 .values(
                     status=TrialStatus.RUNNING,
-                    attempts=Trial.attempts + 1,
                     lease_owner=owner,
                     lease_expires_at=now + timedelta(seconds=lease_seconds),
                     started_at=now,
@@ -82,7 +82,7 @@ class Leasing(StoreBase):
                 ),
             )
             self._start_sweeps(s, ids, now)
-            add_attempts(s, ids, TrialStatus.RUNNING, now)  # every lease is an attempt
+            add_attempts(s, ids, TrialStatus.RUNNING, now)  # every lease is an attempt, counted
             leased = s.scalars(
                 select(Trial)
                 .join(Sweep, Sweep.id == Trial.sweep_id)
@@ -113,11 +113,12 @@ class Leasing(StoreBase):
     def requeue_orphans(self, live_owner: str, expired_only: bool = False) -> int:
         """Running trials leased by another (dead) coordinator go back to pending.
 
-        Called at coordinator start-up. The interrupted attempt is not counted (the trial did
-        not fail), unless it is the trial's MAX_ORPHANED_ATTEMPTS-th so interrupted: then the
-        trial fails, saying so. Orphans of a cancelled/failed sweep become cancelled. With
-        `expired_only`, only leases past their expiry are taken: use that when several
-        coordinators share the database and renew their leases. Returns the number requeued.
+        Called at coordinator start-up. The interrupted attempt stays in `attempts` (it was
+        one) but is not charged to the retry budget (the trial did not fail), unless it is
+        the trial's MAX_ORPHANED_ATTEMPTS-th so interrupted: then the trial fails, saying so.
+        Orphans of a cancelled/failed sweep become cancelled. With `expired_only`, only leases
+        past their expiry are taken: use that when several coordinators share the database
+        and renew their leases. Returns the number requeued.
         """
         orphan = [
             Trial.status == TrialStatus.RUNNING,
@@ -131,13 +132,14 @@ class Leasing(StoreBase):
 
     def release(self, trial_ids: Sequence[str], owner: str) -> int:
         """Trials `owner` leased whose task could not be submitted go back to pending, the
-        attempt not counted (it never started); returns how many."""
+        attempt not charged (it never started); returns how many."""
         return self._release([Trial.status == TrialStatus.RUNNING, Trial.lease_owner == owner,
                               Trial.id.in_(list(trial_ids))], NOT_STARTED)
 
     def _release(self, where: list[ColumnElement[bool]], why: str) -> int:
         """Running trials matching `where` back to pending (cancelled if their sweep has
-        stopped), their running attempt cancelled with `why` and not counted."""
+        stopped), their running attempt cancelled with `why`: counted in `attempts`, not
+        charged to the retry budget (`attempts.charged_attempts`)."""
         now = utcnow()
         stopped = select(Sweep.id).where(Sweep.status.in_(STOPPED_SWEEP_STATUSES))
         with self._write() as s:
@@ -167,7 +169,6 @@ class Leasing(StoreBase):
                 .where(*where)
                 .values(
                     status=TrialStatus.PENDING,
-                    attempts=case((Trial.attempts > 0, Trial.attempts - 1), else_=0),
                     started_at=None,
                     worker_node=None,
                     **_RELEASED,

@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from hptransfer.contracts.status import TrialStatus
 from hptransfer.redaction import redact
 
-from .attempts import end_attempt
+from .attempts import charged_attempts, end_attempt
 from .base import NotFoundError, StoreBase, locked_sweep
 from .query import bulk_update
 from .reuse import settle_twins
@@ -50,7 +50,8 @@ class Outcomes(StoreBase):
             return True
 
     def requeue(self, trial_id: str, error: str | None, owner: str | None = None) -> str:
-        """After a retryable failure: back to pending while attempts < max_attempts, else
+        """After a retryable failure: back to pending while its charged attempts (this one
+        included; see `attempts.charged_attempts`) are fewer than max_attempts, else
         failed; cancelled instead if its sweep has stopped (cancelled or failed meanwhile),
         which leases nothing again. Returns the trial's status afterwards (unchanged unless
         it was running, and with `owner`, leased by that coordinator)."""
@@ -70,7 +71,7 @@ class Outcomes(StoreBase):
             trial.lease_owner = trial.lease_expires_at = None
             if sweep.status in STOPPED_SWEEP_STATUSES:
                 trial.status, trial.finished_at = TrialStatus.CANCELLED, utcnow()
-            elif trial.attempts < trial.max_attempts:
+            elif charged_attempts(s, trial_id) < trial.max_attempts:
                 trial.status, trial.started_at, trial.worker_node = TrialStatus.PENDING, None, None
             else:
                 trial.status, trial.finished_at = TrialStatus.FAILED, utcnow()

@@ -170,3 +170,16 @@ class Attempt(Base):
     mlflow_run_id: Mapped[str | None] = mapped_column(String(64))
     # the attempt status last copied to MLflow (the mirror's marker; NULL: never)
     mlflow_synced_status: Mapped[str | None] = mapped_column(String(16))
+
+
+class Submission(Base):
+    """A submit's `Idempotency-Key` and the sweep it created: a retry of the same request
+    (same key, same body) gets that sweep back instead of a second one, across restarts and
+    servers sharing the database."""
+
+    __tablename__ = "submissions"
+
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    body_hash: Mapped[str] = mapped_column(String(64))  # sha256 of the request body
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)

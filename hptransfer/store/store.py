@@ -12,7 +12,8 @@ read-then-write transactions can never interleave (and never fail half-way with 
 locked": the busy timeout makes the second one wait instead). Writers that touch a sweep and
 its trials lock the sweep row first (`base.locked_sweep`), so they cannot deadlock.
 
-The operations: sweeps (create, append, status), sweep_reads (get, list, counts), studies
+The operations: sweeps (create, append, status; with submissions, idempotency keys, and
+sweep_status, a sweep's status from its trials), sweep_reads (get, list, counts), studies
 (plan a stage, counts per stage), trials (read trials and attempts), leasing (lease,
 release, orphans), outcomes (finish, requeue, cancel a trial), mirror_queue (what MLflow
 mirrors), with reuse (donors and twins) and attempts (attempt rows) beneath them. Beside them:
@@ -61,6 +62,7 @@ from .schema import (
     UTCDateTime,
 )
 from .studies import Studies
+from .submissions import IDEMPOTENCY_WINDOW_S, IdempotencyConflict
 from .sweep_reads import SweepReads
 from .sweeps import SweepLifecycle
 from .trials import TrialReads
@@ -68,6 +70,7 @@ from .trials import TrialReads
 __all__ = [
     "ACTIVE_STATUSES",
     "DEFAULT_LEASE_SECONDS",
+    "IDEMPOTENCY_WINDOW_S",
     "MAX_ORPHANED_ATTEMPTS",
     "MIGRATIONS_DIR",
     "NAMING_CONVENTION",
@@ -79,6 +82,7 @@ __all__ = [
     "SWEEP_STATUSES",
     "TRIAL_STATUSES",
     "Base",
+    "IdempotencyConflict",
     "NotFoundError",
     "PlannedRow",
     "Store",

@@ -8,19 +8,22 @@ from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hptransfer.contracts.status import SweepStatus, TrialStatus
 from hptransfer.redaction import redact
 
-from .base import NotFoundError, StoreBase, StoreError, locked_sweep
+from .base import NotFoundError, StoreError, locked_sweep
 from .query import bulk_update
 from .reuse import insert_trials, sweep_donors
 from .rows import PlannedRow, new_id, trial_row, utcnow
 from .schema import ACTIVE_STATUSES, STOPPED_SWEEP_STATUSES, SWEEP_STATUSES, Sweep, Trial
+from .submissions import Submissions, claim, earlier_sweep
+from .sweep_status import settle_status
 
 
-class SweepLifecycle(StoreBase):
+class SweepLifecycle(Submissions):
     def create_sweep(
         self,
         name: str,
@@ -34,8 +37,13 @@ class SweepLifecycle(StoreBase):
         study: Mapping[str, Any] | None = None,
         max_concurrent: int | None = None,
         planned_total: int | None = None,
+        idempotency: tuple[str, str] | None = None,
     ) -> str:
         """Insert a sweep and all its planned trials in one transaction; return the sweep id.
+
+        `idempotency`: (key, body hash) of the request: if that key already created a sweep
+        for that body within the window, nothing is inserted and that sweep's id returned
+        (IdempotencyConflict for another body); else the key is recorded for this sweep.
 
         `study`: the initial state of a staged study (see coordinator/study.py); such a sweep is
         never completed here, since its later stages are still to be planned.
@@ -58,21 +66,37 @@ class SweepLifecycle(StoreBase):
             planned_total=len(items) if planned_total is None else planned_total,
             study=dict(study) if study is not None else None,
         )
-        with self._write() as s:
-            donors = sweep_donors(s, sweep, [p.content_hash for p in items])
-            s.add(sweep)
-            s.flush()  # the sweep row first: every trial references it
-            rows = [
-                trial_row(sweep_id, idx, p, data_hash, max_attempts, now, donors)
-                for idx, p in enumerate(items)
-            ]
-            insert_trials(s, rows, now)
-            if study is None and rows and all(r["status"] == TrialStatus.COMPLETED
-                                              for r in rows):
-                # Everything was reused: nothing will ever be dispatched to finish it.
-                sweep.status, sweep.started_at, sweep.finished_at = (
-                    SweepStatus.COMPLETED, now, now)
+        try:
+            with self._write() as s:
+                if idempotency is not None:
+                    earlier = earlier_sweep(s, *idempotency, now)
+                    if earlier is not None:
+                        return earlier
+                self._insert_sweep(s, sweep, items, study is None, now)
+                if idempotency is not None:
+                    claim(s, *idempotency, sweep_id, now)
+        except IntegrityError:
+            # PostgreSQL: an identical submit claimed the key first; its sweep is the answer
+            earlier = self.submitted_sweep(*idempotency) if idempotency is not None else None
+            if earlier is None:
+                raise
+            return earlier
         return sweep_id
+
+    def _insert_sweep(self, s: Session, sweep: Sweep, items: list[Any], plain: bool,
+                      now: datetime) -> None:
+        """The sweep row, then its trials (reused ones completed); a plain sweep (no study)
+        whose every trial was reused is completed at once."""
+        sweep_id = sweep.id
+        donors = sweep_donors(s, sweep, [p.content_hash for p in items])
+        s.add(sweep)
+        s.flush()  # the sweep row first: every trial references it
+        rows = [trial_row(sweep_id, idx, p, sweep.data_hash, sweep.max_attempts, now, donors)
+                for idx, p in enumerate(items)]
+        insert_trials(s, rows, now)
+        if plain and rows and all(r["status"] == TrialStatus.COMPLETED for r in rows):
+            # Everything was reused: nothing will ever be dispatched to finish it.
+            sweep.status, sweep.started_at, sweep.finished_at = SweepStatus.COMPLETED, now, now
 
     def add_trial(
         self, sweep_id: str, planned: PlannedRow, optuna_trial_number: int | None = None
@@ -135,26 +159,12 @@ class SweepLifecycle(StoreBase):
                 raise NotFoundError(f"no sweep {sweep_id!r}")
 
     def refresh_sweep_status(self, sweep_id: str) -> str:
-        """Running while any trial is pending or running, else completed (a cancelled or
-        failed sweep keeps its status). Returns the status."""
-        now = utcnow()
+        """Running while any trial is pending or running, else completed, or failed when
+        every trial failed (see sweep_status.py; a cancelled, failed or stopped sweep keeps
+        its status). Returns the status."""
         with self._write() as s:
             # Locked before counting, so a trial added concurrently is counted.
-            sweep = locked_sweep(s, sweep_id)
-            if sweep.status in STOPPED_SWEEP_STATUSES:
-                return sweep.status
-            active = s.scalar(
-                select(func.count())
-                .select_from(Trial)
-                .where(Trial.sweep_id == sweep_id, Trial.status.in_(ACTIVE_STATUSES))
-            )
-            if active:
-                sweep.status, sweep.finished_at = SweepStatus.RUNNING, None
-                sweep.started_at = sweep.started_at or now
-            elif sweep.status != SweepStatus.COMPLETED:
-                sweep.status, sweep.finished_at = SweepStatus.COMPLETED, now
-                sweep.started_at = sweep.started_at or now
-            return str(sweep.status)  # the plain string, as read from the database
+            return settle_status(s, locked_sweep(s, sweep_id), utcnow())
 
 
 def next_idx(s: Session, sweep_id: str) -> int:
