@@ -18,12 +18,18 @@ concurrent clients then issue `--requests` requests each against:
 It prints p50/p99 per route and the ratio of each route's p50/p99 to the baseline's, so the
 figures survive a noisy, shared machine.
 
+`--attack` measures instead GET /sweeps quiet, then beside `--slow-attackers` connections
+sending their headers a byte every half second and one client sending 8 MB headers as fast
+as the server takes them (both reconnecting when cut off), and prints the p99 under attack
+over the quiet p99 (the HTTP edge's limits, hptransfer/api/edge.py, should keep it near 1).
+
 The load comes from a lean keep-alive client on raw asyncio streams (`lean_http`), so on a
 small machine the figures are the server's rather than the load generator's; `--client
 httpx` uses httpx.AsyncClient instead (about 1 ms of client CPU per request). The last
 column is the load generator's CPU time per request.
 
     .venv/bin/python benchmarks/listing_latency.py [--sweeps 200] [--clients 50] [--requests 10]
+    .venv/bin/python benchmarks/listing_latency.py --attack [--slow-attackers 50]
 """
 
 from __future__ import annotations
@@ -117,6 +123,68 @@ async def hammer(url: str, path: str, clients: int, requests: int,
     return np.array(times) * 1000.0
 
 
+async def slow_headers(host: str, port: int) -> None:
+    """One connection sending a request's headers a byte every half second, again when cut."""
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /sweeps HTTP/1.1\r\nHost: x\r\n")
+            while not reader.at_eof():
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+        except OSError:
+            await asyncio.sleep(0.05)
+
+
+async def big_headers(host: str, port: int, megabytes: int = 8) -> None:
+    """Requests with a `megabytes` MB header, sent as fast as the server reads them."""
+    chunk = b"a" * (1 << 16)
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /sweeps HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for _ in range(megabytes * 16):
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
+        except OSError:  # cut off by the server
+            await asyncio.sleep(0.01)
+
+
+async def attacked(url: str, path: str, clients: int, requests: int, slow: int,
+                   client: str) -> np.ndarray:
+    """hammer() while `slow` slow-header connections and one big-header client run."""
+    parsed = urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    attackers = [asyncio.create_task(slow_headers(host, port)) for _ in range(slow)]
+    attackers.append(asyncio.create_task(big_headers(host, port)))
+    await asyncio.sleep(2.0)  # the attack under way first
+    try:
+        return await hammer(url, path, clients, requests, client=client)
+    finally:
+        for task in attackers:
+            task.cancel()
+        await asyncio.gather(*attackers, return_exceptions=True)
+
+
+def attack_report(url: str, a: argparse.Namespace) -> None:
+    """GET /sweeps p50/p99 quiet and under attack, in the same run, and their ratio."""
+    path = "/sweeps?limit=100"
+    asyncio.run(hammer(url, path, 4, 2, client=a.client))  # warm up
+    quiet = asyncio.run(hammer(url, path, a.clients, a.requests, client=a.client))
+    under = asyncio.run(attacked(url, path, a.clients, a.requests, a.slow_attackers, a.client))
+    print(f"{a.sweeps} sweeps stored, {a.clients} clients x {a.requests} requests of GET {path}"
+          f"; attack: {a.slow_attackers} slow-header connections + one 8 MB-header client; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    q50, q99 = np.percentile(quiet, 50), np.percentile(quiet, 99)
+    u50, u99 = np.percentile(under, 50), np.percentile(under, 99)
+    print(f"{'':<14} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'quiet':<14} {q50:8.1f} {q99:8.1f}")
+    print(f"{'under attack':<14} {u50:8.1f} {u99:8.1f}")
+    print(f"p99 under attack / quiet: {u99 / q99:.2f} (p50: {u50 / q50:.2f})")
+
+
 def wait_for_mirror(home: Path, timeout: float) -> str:
     """Wait until the server's MLflow mirror has nothing left to copy; say how long it took."""
     t0 = time.time()
@@ -139,6 +207,10 @@ def main() -> None:
                     help="seconds to wait at most for the MLflow mirror to catch up")
     ap.add_argument("--client", choices=("lean", "httpx"), default="lean",
                     help="load generator: raw asyncio streams (default) or httpx.AsyncClient")
+    ap.add_argument("--attack", action="store_true",
+                    help="GET /sweeps quiet vs beside slow- and big-header attackers")
+    ap.add_argument("--slow-attackers", type=int, default=50,
+                    help="slow-header connections in --attack")
     a = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="hpt-listing-"))
@@ -166,6 +238,9 @@ def main() -> None:
                 c.cancel(sid)  # stored, listed, never trained
         churn = (f"/sweeps/{sid}/cancel", a.churn)
         settled = wait_for_mirror(home, a.settle)
+        if a.attack:
+            attack_report(url, a)
+            return
         rows, cpu = {}, {}
         writes = f"{a.churn:g} commits/s"
         for name, path, writing in (
