@@ -163,17 +163,23 @@ def admit(spec: SweepSpec, settings: Settings) -> list[TrialCost]:
         limits.append((settings.max_trial_memory_gb * GB,
                        f"HPT_MAX_TRIAL_MEMORY_GB={settings.max_trial_memory_gb:g}"))
     costs = trial_costs(spec)
-    problems = []
-    for cost in costs:
+    problems: list[tuple[int, str, str]] = []  # (index in costs, field, message)
+    for i, cost in enumerate(costs):
         for limit, name in limits:
             if cost.memory_bytes > limit:
-                problems.append((cost.field, f"trial too large: {cost.describe()}; needs more "
-                                             f"memory than {name}"))
+                problems.append((i, cost.field, f"trial too large: {cost.describe()}; needs "
+                                                f"more memory than {name}"))
                 break
-    problems += compute_problems(spec, settings, costs)
+    held = {i for i, _, _ in problems}
+    for i, field, message in compute_problems(spec, settings, costs):
+        # a shape no worker can hold is not also refused by a default ceiling (noise); a
+        # FLOPs cap the operator set is always named
+        if i not in held or settings.max_trial_flops is not None:
+            problems.append((i, field, message))
+    problems.sort(key=lambda p: p[0])  # stable: each shape's problems together
     if problems:
         raise SpecError([{"field": field, "message": message}
-                         for field, message in problems[:10]])
+                         for _, field, message in problems[:10]])
     return costs
 
 
@@ -188,9 +194,10 @@ def _ceiling(configured: float | None, defaults: dict[str, float], device: str,
 
 
 def compute_problems(spec: SweepSpec, settings: Settings,
-                     costs: list[TrialCost]) -> list[tuple[str, str]]:
-    """(field, message) for each shape past the steps or FLOPs ceiling per trial, and for a
-    sweep whose trials together pass the FLOPs ceiling per sweep."""
+                     costs: list[TrialCost]) -> list[tuple[int, str, str]]:
+    """(index in `costs`, field, message) for each shape past the steps ceiling, else the
+    FLOPs ceiling, per trial; when every shape is within them, (len(costs), ...) for a sweep
+    whose trials together pass the FLOPs ceiling per sweep."""
     device = "gpu" if on_gpu(spec) else "cpu"
     trial_limit, trial_name = _ceiling(settings.max_trial_flops, DEFAULT_MAX_TRIAL_FLOPS,
                                        device, "HPT_MAX_TRIAL_FLOPS", "per trial")
@@ -198,18 +205,19 @@ def compute_problems(spec: SweepSpec, settings: Settings,
                                        device, "HPT_MAX_SWEEP_FLOPS", "per sweep")
     budget = next(k for k in ("steps", "tokens", "tokens_per_param") if getattr(spec.budget, k))
     problems = []
-    for cost in costs:
+    for i, cost in enumerate(costs):
         if cost.steps > settings.max_trial_steps:
             field = f"budget.{budget}" if cost.field == "grid" else cost.field
-            problems.append((field, f"trial too large: {cost.describe()} in {cost.steps:.3g} "
-                                    f"steps; more than HPT_MAX_TRIAL_STEPS="
-                                    f"{settings.max_trial_steps} (shrink the budget, or raise "
-                                    "it on the server)"))
-        if cost.flops > trial_limit:
-            problems.append((cost.field, f"trial too large: {cost.describe()}; exceeds "
-                                         f"{trial_name}"))
+            problems.append((i, field, f"trial too large: {cost.describe()} in "
+                                       f"{cost.steps:.3g} steps; more than HPT_MAX_TRIAL_STEPS="
+                                       f"{settings.max_trial_steps} (shrink the budget, or "
+                                       "raise it on the server)"))
+        elif cost.flops > trial_limit:
+            problems.append((i, cost.field, f"trial too large: {cost.describe()}; exceeds "
+                                            f"{trial_name}"))
     total = sum(c.flops * c.trials for c in costs)
-    if total > sweep_limit:
-        problems.append(("grid", f"sweep too large: its {spec.trial_count()} trials (at "
-                                 f"most) train {total:.3g} FLOPs in all; exceeds {sweep_name}"))
+    if not problems and total > sweep_limit:
+        problems.append((len(costs), "grid", f"sweep too large: its {spec.trial_count()} "
+                                             f"trials (at most) train {total:.3g} FLOPs in "
+                                             f"all; exceeds {sweep_name}"))
     return problems
