@@ -84,7 +84,9 @@ def page() -> str:
            "[openapi.json](openapi.json).", "",
            cell(info.get("description", "")), "",
            "Mutating calls (every POST) need `Authorization: Bearer $HPT_API_TOKEN` when the "
-           "server has a token, and `Content-Type: application/json` (415 otherwise). "
+           "server has a token, and `Content-Type: application/json` (415 otherwise); "
+           "so do reads, unless the server sets `HPT_PUBLIC_READS=1` (`/health` answers "
+           "everyone, its details only with the token). "
            "`POST /sweeps` takes a sweep spec as JSON: its fields are in the "
            "[spec reference](spec.md).", ""]
     for path, methods in spec.get("paths", {}).items():
