@@ -230,7 +230,13 @@ def submit_and_wait(url: str, tmp_path, name: str) -> subprocess.Popen:
     """`hpt submit SPEC --wait` running; its first line says the sweep id."""
     return subprocess.Popen([*HPT, "submit", str(spec_file(tmp_path, name)), "--wait",
                              "--url", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT at its default, as a shell leaves it: an ignored SIGINT is inherited through
+    exec, and Python then installs no KeyboardInterrupt (a CI run once saw Ctrl-C ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_submit_wait_exits_1_when_the_sweep_fails(server, tmp_path):
@@ -286,12 +292,16 @@ def test_ctrl_c_ends_a_wait_mid_request():
             time.sleep(0.3)  # the client is in its read now
             os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C as Python's default handler raises it, whatever an earlier test in this process
+    # left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt, daemon=True).start()
     start = time.monotonic()
     try:
         with Client(url, timeout=60) as c, pytest.raises(KeyboardInterrupt):
             c.wait("abc123", progress=False)
     finally:
+        signal.signal(signal.SIGINT, previous)
         for conn in [*held, listener]:
             conn.close()
     assert accepted.is_set() and time.monotonic() - start < 30
