@@ -120,7 +120,9 @@ def test_auth_token(hpt_home, ray_cluster, monkeypatch, tiny_spec):
         assert r.status_code == 401 and "Bearer" in r.json()["error"]
         r = httpx.post(f"{url}/sweeps", json=tiny_spec, headers={"Authorization": "Bearer no"})
         assert r.status_code == 401
-        assert httpx.get(f"{url}/sweeps").status_code == 200  # reads stay open
+        assert httpx.get(f"{url}/sweeps").status_code == 401  # reads need the token too
+        assert httpx.get(f"{url}/sweeps",
+                         headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200
         # ... but not the deep health check, which starts a task on every Ray node
         r = httpx.get(f"{url}/health", params={"deep": "true"})
