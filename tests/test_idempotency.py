@@ -217,3 +217,28 @@ def test_a_malformed_key_is_refused(coordinator: Any, tiny_spec: dict, key: str)
         coordinator.submit(tiny_spec, idempotency_key=key)
     assert exc.value.errors[0]["field"] == "Idempotency-Key"
     assert coordinator.summaries() == []
+
+
+# ------------------------------------------------------------------- over HTTP
+
+
+def test_the_header_over_http(hpt_home: Path, tiny_spec: dict) -> None:
+    from fastapi.testclient import TestClient
+
+    from hptransfer.api.app import create_app
+    from hptransfer.config import get_settings
+
+    with TestClient(create_app(get_settings(), dispatch=False),
+                    raise_server_exceptions=False) as c:
+        first = c.post("/sweeps", json=tiny_spec, headers={"Idempotency-Key": "abc-123"})
+        assert first.status_code == 201, first.text
+        again = c.post("/sweeps", json=tiny_spec, headers={"idempotency-key": "abc-123"})
+        assert again.status_code == 201 and again.json()["id"] == first.json()["id"]
+        other = c.post("/sweeps", json={**tiny_spec, "name": "x"},
+                       headers={"Idempotency-Key": "abc-123"})
+        assert other.status_code == 422
+        assert other.json()["errors"][0]["field"] == "Idempotency-Key"
+        assert first.json()["id"] in other.json()["error"]
+        bad = c.post("/sweeps", json=tiny_spec, headers={"Idempotency-Key": ""})
+        assert bad.status_code == 422 and "Idempotency-Key" in bad.json()["error"]
+        assert [s["id"] for s in c.get("/sweeps").json()] == [first.json()["id"]]

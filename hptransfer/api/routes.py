@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request, Response
 from pydantic import BaseModel, TypeAdapter, WithJsonSchema
 
 from hptransfer.contracts.filters import TrialFilters
@@ -82,12 +82,16 @@ def submit_sweep(
                     WithJsonSchema({"$ref": "#/components/schemas/SweepSpec"}),
                     Body(openapi_examples={"cpu-small": {
                         "summary": "A small CPU sweep: SP vs CompleteP", "value": EXAMPLE_SPEC}})],
+    idempotency_key: Annotated[str | None, Header(
+        alias="Idempotency-Key", description="Retry-safe submit: the same key and body within "
+        "24 h answer the sweep the first request made; the key with another body is a 422")
+    ] = None,
 ) -> dict[str, Any]:
     """Validate a sweep spec (JSON body), expand it and store every trial in one transaction.
 
     A sync route, so FastAPI runs it in its threadpool: loading the data (hashing shards,
     tokenizing the corpus) never blocks the event loop."""
-    return coordinator(request).submit(spec)
+    return coordinator(request).submit(spec, idempotency_key=idempotency_key)
 
 
 @router.get("/sweeps", response_model=list[SweepSummary],
