@@ -7,11 +7,12 @@ summaries, the trial pages) then gives back the same bytes."""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any
+import dataclasses
+from typing import Any, get_args, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from hptransfer.contracts.records import TrialRecord
 from hptransfer.contracts.status import HealthState, StageState, SweepStatus, TrialStatus
 
 EXAMPLE_SPEC: dict[str, Any] = {
@@ -99,46 +100,29 @@ class SweepSummary(BaseModel):
     mlflow_synced_status: str | None = None
 
 
-class Trial(BaseModel):
-    """One trial (contracts.records.TrialRecord.to_dict)."""
+def _trial_model() -> type[BaseModel]:
+    """`Trial`, the body of one trial: TrialRecord's fields (their one definition) with the
+    status as its enum, then `reused`; a field that may be None may also be left out."""
+    hints = get_type_hints(TrialRecord)
+    described = {
+        "status": (TrialStatus, ...),
+        "result": (dict[str, Any] | None, Field(default=None, description=(
+            "the worker's result; its loss curve only with curves=true"))),
+    }
+    fields: dict[str, Any] = {
+        f.name: described.get(f.name) or (hints[f.name], None if _optional(hints[f.name]) else ...)
+        for f in dataclasses.fields(TrialRecord)}
+    fields["reused"] = (bool, Field(description="copied from an identical earlier trial, "
+                                                "not trained"))
+    return create_model("Trial", __config__=ConfigDict(extra="allow"),
+                        __doc__="One trial (contracts.records.TrialRecord.to_dict).", **fields)
 
-    model_config = ConfigDict(extra="allow")
 
-    id: str
-    sweep_id: str
-    idx: int
-    arm: str
-    width: int
-    depth: int
-    lr: float
-    sigma_base: float
-    seed: int
-    spec: dict[str, Any]
-    content_hash: str
-    data_hash: str | None = None
-    status: TrialStatus
-    attempts: int
-    max_attempts: int
-    error: str | None = None
-    result: dict[str, Any] | None = Field(default=None, description="the worker's result; "
-                                          "its loss curve only with curves=true")
-    final_val_loss: float | None = None
-    flops: float | None = None
-    tokens: int | None = None
-    params_non_embedding: int | None = None
-    params_embedding: int | None = None
-    wall_time_s: float | None = None
-    worker_node: str | None = None
-    lease_owner: str | None = None
-    lease_expires_at: datetime | None = None
-    mlflow_run_id: str | None = None
-    reused_from: str | None = None
-    optuna_trial_number: int | None = None
-    stage: str | None = None
-    created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    reused: bool = Field(description="copied from an identical earlier trial, not trained")
+def _optional(hint: Any) -> bool:
+    return type(None) in get_args(hint)
+
+
+Trial = _trial_model()
 
 
 class TrialPage(BaseModel):
