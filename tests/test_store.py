@@ -700,6 +700,15 @@ def test_add_trial_for_optuna(store: Store) -> None:
 # --------------------------------------------------------------------------- reading
 
 
+def test_a_filter_that_is_not_a_trial_filter_is_refused_not_ignored(store: Store) -> None:
+    """The store takes TrialFilters' fields and nothing else: a misspelt filter that was
+    dropped would list every trial."""
+    sid = new_sweep(store, plan())
+    for read in (store.trials, store.count_trials):
+        with pytest.raises(TypeError, match="widht"):
+            read(sid, widht=64)
+
+
 def test_filters_and_pagination(store: Store) -> None:
     items = plan(lrs=(0.01, 0.02, 0.04))  # 2 arms x 2 widths x 2 depths x 3 lrs = 24
     sid = new_sweep(store, items)

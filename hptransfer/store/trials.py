@@ -3,7 +3,6 @@ the dispatcher may lease, and a trial's attempts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import JSON, func, select
@@ -24,25 +23,13 @@ from .schema import Attempt, Sweep, Trial
 
 
 class TrialReads(StoreBase):
-    def trials(
-        self,
-        sweep_id: str,
-        status: str | Sequence[str] | None = None,
-        arm: str | None = None,
-        width: int | None = None,
-        depth: int | None = None,
-        limit: int | None = 100,
-        offset: int = 0,
-        sigma_base: float | None = None,
-        seed: int | None = None,
-        stage: str | None = None,
-        curves: bool = True,
-    ) -> list[TrialRecord]:
-        """A page of a sweep's trials in plan order (idx), optionally filtered. With
-        `curves=False` each result comes without its curve, left in the database (a curve
-        has a point per evaluation: a page of them can be hundreds of MB)."""
-        stmt = filtered(select(Trial).where(Trial.sweep_id == sweep_id),
-                        TrialFilters(status, arm, width, depth, sigma_base, seed, stage))
+    def trials(self, sweep_id: str, *, limit: int | None = 100, offset: int = 0,
+               curves: bool = True, **filters: Any) -> list[TrialRecord]:
+        """A page of a sweep's trials in plan order (idx), narrowed by `filters` (the fields
+        of TrialFilters: status, arm, width, ...). With `curves=False` each result comes
+        without its curve, left in the database (a curve has a point per evaluation: a page
+        of them can be hundreds of MB)."""
+        stmt = filtered(select(Trial).where(Trial.sweep_id == sweep_id), TrialFilters(**filters))
         stmt = stmt.order_by(Trial.idx).offset(offset)
         if limit is not None:
             stmt = stmt.limit(limit)
@@ -58,20 +45,11 @@ class TrialReads(StoreBase):
             return sql_cast(sql_cast(Trial.result, JSONB).op("-")("curve"), JSON)
         return func.json_remove(Trial.result, "$.curve", type_=JSON)
 
-    def count_trials(
-        self,
-        sweep_id: str,
-        status: str | Sequence[str] | None = None,
-        arm: str | None = None,
-        width: int | None = None,
-        depth: int | None = None,
-        sigma_base: float | None = None,
-        seed: int | None = None,
-        stage: str | None = None,
-    ) -> int:
+    def count_trials(self, sweep_id: str, **filters: Any) -> int:
+        """How many of a sweep's trials match `filters` (the fields of TrialFilters)."""
         stmt = filtered(
             select(func.count()).select_from(Trial).where(Trial.sweep_id == sweep_id),
-            TrialFilters(status, arm, width, depth, sigma_base, seed, stage))
+            TrialFilters(**filters))
         with self._read() as s:
             return int(s.scalar(stmt) or 0)
 
