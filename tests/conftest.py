@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -150,3 +152,23 @@ def postgres_schema_url(postgres_url: str):
         with admin.begin() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
         admin.dispose()
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    """Stand-in for the planner's output: the attributes Store.create_sweep reads."""
+
+    arm: str
+    trial: Any
+    width: int
+    depth: int
+    lr: float
+    sigma_base: float
+    seed: int
+    content_hash: Any
+
+
+def planned_trials(n: int, prefix: str = "hash") -> list[PlannedTrial]:
+    """n distinct trials of one shape, told apart by seed and content hash."""
+    return [PlannedTrial("sp", {"seed": i}, 64, 1, 0.01, 1.0, i, f"{prefix}-{i}")
+            for i in range(n)]

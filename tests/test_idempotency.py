@@ -7,31 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import planned_trials as planned
 
 from hptransfer.spec import SpecError
 from hptransfer.store.store import IdempotencyConflict, Store
-
-
-@dataclass(frozen=True)
-class Planned:
-    arm: str
-    trial: Any
-    width: int
-    depth: int
-    lr: float
-    sigma_base: float
-    seed: int
-    content_hash: Any
-
-
-def planned(n: int) -> list[Planned]:
-    return [Planned("sp", {"seed": i}, 64, 1, 0.01, 1.0, i, f"hash-{i}") for i in range(n)]
-
 
 RESULT = {"status": "completed", "final_val_loss": 3.0, "curve": []}
 

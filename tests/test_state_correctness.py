@@ -5,29 +5,13 @@ after a coordinator restart. On SQLite, and on PostgreSQL when HPT_TEST_POSTGRES
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import planned_trials as planned
 
 from hptransfer.store.store import Store
-
-
-@dataclass(frozen=True)
-class Planned:
-    arm: str
-    trial: Any
-    width: int
-    depth: int
-    lr: float
-    sigma_base: float
-    seed: int
-    content_hash: Any
-
-
-def planned(n: int, prefix: str = "hash") -> list[Planned]:
-    return [Planned("sp", {"seed": i}, 64, 1, 0.01, 1.0, i, f"{prefix}-{i}") for i in range(n)]
 
 
 def result(status: str = "completed") -> dict[str, Any]:

@@ -5,30 +5,14 @@ types and the raw column values (a psycopg Enum dumper would write a member's NA
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import planned_trials as planned
 from sqlalchemy import text
 
 from hptransfer.store.store import Store
-
-
-@dataclass(frozen=True)
-class Planned:
-    arm: str
-    trial: Any
-    width: int
-    depth: int
-    lr: float
-    sigma_base: float
-    seed: int
-    content_hash: Any
-
-
-def planned(n: int) -> list[Planned]:
-    return [Planned("sp", {"seed": i}, 64, 1, 0.01, 1.0, i, f"hash-{i}") for i in range(n)]
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
