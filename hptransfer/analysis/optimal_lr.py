@@ -153,45 +153,14 @@ def _empty_result(
 
 
 _SHAPE_COLUMNS = (
-    "n_lrs",
-    "n_completed",
-    "n_diverged",
-    "n_seeds",
-    "best_lr",
-    "best_loss",
-    "lr_opt",
-    "log2_lr_opt",
-    "lr_ci_low",
-    "lr_ci_high",
-    "log2_ci_low",
-    "log2_ci_high",
-    "loss_at_opt",
-    "curvature",
-    "n_fit_points",
-    "edge",
-    "clamped",
-    "concave",
-    "rival_lr",
-    "reliable",
-    "reason",
-    "warnings",
-    "fit_lrs",
-    "residuals",
-    *POINT_COLUMNS,
-    "best_trial_ids",
-    "trial_ids",
-    "n_pruned",
-    "pruned",
+    "n_lrs", "n_completed", "n_diverged", "n_seeds", "best_lr", "best_loss", "lr_opt",
+    "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "loss_at_opt",
+    "curvature", "n_fit_points", "edge", "clamped", "concave", "rival_lr", "reliable", "reason",
+    "warnings", "fit_lrs", "residuals", *POINT_COLUMNS, "best_trial_ids", "trial_ids",
+    "n_pruned", "pruned",
 )
 _CURVE_COLUMNS = (
-    "lr",
-    "log2_lr",
-    "mean_loss",
-    "std_loss",
-    "n_completed",
-    "n_diverged",
-    "in_fit",
-    "residual",
+    "lr", "log2_lr", "mean_loss", "std_loss", "n_completed", "n_diverged", "in_fit", "residual",
 )
 
 
@@ -243,90 +212,121 @@ def optimal_lr(
     if because is not None:
         return _empty_result(keys, NotEnoughData(_WHAT, because), warnings, bootstrap, ci)
 
-    cells = build_cells(frame, keys)
+    sweep = _fit_sweep(build_cells(frame, keys), neighbours)
+    log2_ci, boot_failed = _bootstrap_ci(sweep, bootstrap, seed, ci, neighbours)
+    flags = _shape_flags(sweep)
+    shapes = _shape_table(sweep, flags, log2_ci)
+    _add_shape_lists(shapes, sweep, flags, boot_failed if bootstrap > 0 else None)
+    pruned = _pruned_by_shape(trials.frame, sweep.cells.key_frame, keys)
+    shapes["n_pruned"] = np.array([len(p) for p in pruned], dtype=np.int64)
+    shapes["pruned"] = pd.Series(pruned, dtype=object)
+    warnings += _summary_warnings(sweep, flags)
+    return OptimalLRResult(shapes, _curves(sweep.cells, sweep.fits), keys,
+                           _no_fit_reason(sweep), warnings, bootstrap, ci)
+
+
+@dataclass
+class _Sweep:
+    """Every shape's LR sweep as padded (shape x LR) matrices, and its parabola fit."""
+
+    cells: Cells
+    x: np.ndarray  # log2(lr)
+    means: np.ndarray
+    lr: np.ndarray
+    n_ok: np.ndarray
+    n_div: np.ndarray
+    fits: ParabolaFits
+    rows: np.ndarray
+    n_lrs: np.ndarray
+    n_seeds: np.ndarray
+    fit_seeds: np.ndarray  # most seeds at one LR of the fit window
+    n_with_loss: np.ndarray  # LRs with a completed run
+
+
+def _fit_sweep(cells: Cells, neighbours: int) -> _Sweep:
     x = matrix(cells, cells.log2_lr)
     means = matrix(cells, cells.mean)
     fits = fit_parabolas(x, means, neighbours)
-    n_ok_m = matrix(cells, cells.n_ok, 0.0)
-    n_div_m = matrix(cells, cells.n_div, 0.0)
-    rows = np.arange(cells.n_shapes)
-    n_lrs = np.isfinite(x).sum(axis=1)
-    n_seeds = n_ok_m.max(axis=1).astype(int)
-    # the CI's spread comes from the seeds of the LRs the parabola is fitted on
-    fit_seeds = np.where(fits.window, n_ok_m, 0).max(axis=1).astype(int)
-    n_with_loss = (n_ok_m > 0).sum(axis=1)
+    n_ok = matrix(cells, cells.n_ok, 0.0)
+    return _Sweep(
+        cells, x, means, matrix(cells, cells.lr), n_ok, matrix(cells, cells.n_div, 0.0), fits,
+        rows=np.arange(cells.n_shapes),
+        n_lrs=np.isfinite(x).sum(axis=1),
+        n_seeds=n_ok.max(axis=1).astype(int),
+        # the CI's spread comes from the seeds of the LRs the parabola is fitted on
+        fit_seeds=np.where(fits.window, n_ok, 0).max(axis=1).astype(int),
+        n_with_loss=(n_ok > 0).sum(axis=1),
+    )
 
-    log2_ci = np.full((2, cells.n_shapes), np.nan)
-    boot_failed = np.zeros(cells.n_shapes)
+
+def _bootstrap_ci(
+    sweep: _Sweep, bootstrap: int, seed: int | None, ci: float, neighbours: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """log2 η*'s CI per shape (rows low, high; NaN without one) and each shape's share of
+    failed refits."""
+    n_shapes = sweep.cells.n_shapes
+    log2_ci = np.full((2, n_shapes), np.nan)
+    boot_failed = np.zeros(n_shapes)
     if bootstrap > 0:
         rng = np.random.default_rng(seed)
-        samples = bootstrap_log2_opt(cells, x, bootstrap, rng, neighbours)
+        samples = bootstrap_log2_opt(sweep.cells, sweep.x, bootstrap, rng, neighbours)
         log2_ci = percentile_ci(samples, ci, axis=0)
         boot_failed = np.mean(~np.isfinite(samples), axis=0)
-        no_ci = ~fits.fit_ok | (fit_seeds < 2)
+        no_ci = ~sweep.fits.fit_ok | (sweep.fit_seeds < 2)
         log2_ci[:, no_ci] = np.nan
+    return log2_ci, boot_failed
 
+
+@dataclass
+class _Flags:
+    """Per shape: what makes its η* doubtful, and where its best LR is."""
+
+    edge: np.ndarray  # "low", "high" or None
+    on_edge: np.ndarray
+    rival_col: np.ndarray
+    has_rival: np.ndarray
+    reliable: np.ndarray
+    best_cell: np.ndarray
+    best_lr: np.ndarray
+    div_next: np.ndarray
+    runs_next: np.ndarray
+
+
+def _shape_flags(sweep: _Sweep) -> _Flags:
+    fits, x, rows, cells = sweep.fits, sweep.x, sweep.rows, sweep.cells
     x_min = np.nanmin(x, axis=1)
     x_max = np.nanmax(x, axis=1)
     edge = np.where(
-        ~fits.has_data | (n_lrs < 2),
+        ~fits.has_data | (sweep.n_lrs < 2),
         None,
         np.where(fits.x_best <= x_min, "low", np.where(fits.x_best >= x_max, "high", None)),
     )
     on_edge = np.array([e is not None for e in edge], dtype=bool)
-    rival_col = _rival_columns(x, means)
+    rival_col = _rival_columns(x, sweep.means)
     has_rival = rival_col >= 0
     reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
-    best_lr = matrix(cells, cells.lr)[rows, fits.best]
-    best_cell = np.flatnonzero(cells.cell_col == 0)[rows] + fits.best
     # Divergence right above the best LR means η* sits near the stability limit.
     next_col = np.minimum(fits.best + 1, cells.n_cols - 1)
     has_next = (fits.best + 1 < cells.n_cols) & np.isfinite(x[rows, next_col])
-    div_next = np.where(has_next, n_div_m[rows, next_col], 0)
-    tot_next = np.where(has_next, n_div_m[rows, next_col] + n_ok_m[rows, next_col], 0)
+    n_div, n_ok = sweep.n_div, sweep.n_ok
+    return _Flags(
+        edge, on_edge, rival_col, has_rival, reliable,
+        best_cell=np.flatnonzero(cells.cell_col == 0)[rows] + fits.best,
+        best_lr=sweep.lr[rows, fits.best],
+        div_next=np.where(has_next, n_div[rows, next_col], 0),
+        runs_next=np.where(has_next, n_div[rows, next_col] + n_ok[rows, next_col], 0),
+    )
 
-    ids, start, n_ok = cells.ok_ids_by_cell
-    key_records = cells.key_frame.to_dict("records")
-    reasons: list[str | None] = []
-    shape_warnings: list[list[str]] = []
-    fit_lrs: list[list[float]] = []
-    residuals: list[list[float]] = []
-    best_ids: list[list[str]] = []
-    lr_m = matrix(cells, cells.lr)
-    for s in range(cells.n_shapes):
-        reason = _shape_reason(_label(key_records[s]), bool(fits.has_data[s]),
-                               bool(fits.fit_ok[s]), int(n_div_m[s].sum()), int(n_with_loss[s]))
-        notes = _shape_notes(
-            edge=edge[s],
-            best_lr=float(best_lr[s]),
-            concave=bool(fits.concave[s]),
-            clamped=bool(fits.clamped[s]),
-            lr_opt=float(2.0 ** fits.log2_opt[s]),
-            div_best=int(n_div_m[s, fits.best[s]]),
-            runs_best=int(n_div_m[s, fits.best[s]] + n_ok_m[s, fits.best[s]]),
-            div_next=int(div_next[s]) if fits.has_data[s] else 0,
-            runs_next=int(tot_next[s]),
-            fit_seeds=int(fit_seeds[s]) if bootstrap > 0 and fits.fit_ok[s] else None,
-            boot_failed=float(boot_failed[s]) if bootstrap > 0 else 0.0,
-            rival=((float(lr_m[s, rival_col[s]]), float(means[s, rival_col[s]]))
-                   if has_rival[s] else None),
-            best_loss=float(fits.y_best[s]),
-        )
-        reasons.append(reason)
-        shape_warnings.append(notes)
-        win = fits.window[s] & fits.fit_ok[s]
-        fit_lrs.append(lr_m[s, win].tolist())
-        residuals.append(fits.residuals[s, win].tolist())
-        c = best_cell[s]
-        best_ids.append(ids[start[c] : start[c] + n_ok[c]].tolist() if fits.has_data[s] else [])
 
-    shapes = cells.key_frame.copy()
-    has = fits.has_data
-    shapes["n_lrs"] = n_lrs
-    shapes["n_completed"] = n_ok_m.sum(axis=1).astype(int)
-    shapes["n_diverged"] = n_div_m.sum(axis=1).astype(int)
-    shapes["n_seeds"] = n_seeds
-    shapes["best_lr"] = np.where(has, best_lr, np.nan)
+def _shape_table(sweep: _Sweep, flags: _Flags, log2_ci: np.ndarray) -> pd.DataFrame:
+    """The per-shape columns computed for all shapes at once (the lists come after)."""
+    fits, has = sweep.fits, sweep.fits.has_data
+    shapes = sweep.cells.key_frame.copy()
+    shapes["n_lrs"] = sweep.n_lrs
+    shapes["n_completed"] = sweep.n_ok.sum(axis=1).astype(int)
+    shapes["n_diverged"] = sweep.n_div.sum(axis=1).astype(int)
+    shapes["n_seeds"] = sweep.n_seeds
+    shapes["best_lr"] = np.where(has, flags.best_lr, np.nan)
     shapes["best_loss"] = np.where(has, fits.y_best, np.nan)
     shapes["lr_opt"] = 2.0**fits.log2_opt
     shapes["log2_lr_opt"] = fits.log2_opt
@@ -337,40 +337,88 @@ def optimal_lr(
     shapes["loss_at_opt"] = fits.loss_opt
     shapes["curvature"] = np.where(fits.fit_ok, fits.coef[:, 2], np.nan)
     shapes["n_fit_points"] = np.where(fits.fit_ok, fits.n_fit, 0)
-    shapes["edge"] = pd.Series(edge, dtype=object)
+    shapes["edge"] = pd.Series(flags.edge, dtype=object)
     shapes["clamped"] = fits.clamped
     shapes["concave"] = fits.concave
-    shapes["rival_lr"] = np.where(has_rival, lr_m[rows, np.maximum(rival_col, 0)], np.nan)
-    shapes["reliable"] = reliable
-    shapes["reason"] = pd.Series(reasons, dtype=object)
-    shapes["warnings"] = pd.Series(shape_warnings, dtype=object)
-    shapes["fit_lrs"] = pd.Series(fit_lrs, dtype=object)
-    shapes["residuals"] = pd.Series(residuals, dtype=object)
-    for col in POINT_COLUMNS:
-        shapes[col] = np.where(has, cells.point_means[col][best_cell], np.nan)
-    shapes["best_trial_ids"] = pd.Series(best_ids, dtype=object)
-    shapes["trial_ids"] = pd.Series([a.tolist() for a in cells.ok_ids_by_shape], dtype=object)
-    pruned = _pruned_by_shape(trials.frame, cells.key_frame, keys)
-    shapes["n_pruned"] = np.array([len(p) for p in pruned], dtype=np.int64)
-    shapes["pruned"] = pd.Series(pruned, dtype=object)
+    shapes["rival_lr"] = np.where(
+        flags.has_rival, sweep.lr[sweep.rows, np.maximum(flags.rival_col, 0)], np.nan)
+    shapes["reliable"] = flags.reliable
+    return shapes
 
-    reason = None
-    if not fits.fit_ok.any():
-        reason = NotEnoughData(
-            _WHAT,
-            "no shape has at least 3 LRs with a completed run "
-            f"(most LRs with a completed run in one shape: {int(n_with_loss.max())})",
-        )
-    n_edge = int(on_edge.sum())
+
+def _add_shape_lists(
+    shapes: pd.DataFrame, sweep: _Sweep, flags: _Flags, boot_failed: np.ndarray | None
+) -> None:
+    """Add the columns that hold a text or a list per shape (`boot_failed`: None without a
+    bootstrap), and the best point's own columns after them."""
+    fits, n_ok_m, n_div_m, lr_m = sweep.fits, sweep.n_ok, sweep.n_div, sweep.lr
+    ids, start, n_ok = sweep.cells.ok_ids_by_cell
+    key_records = sweep.cells.key_frame.to_dict("records")
+    lists: dict[str, list[Any]] = {
+        "reason": [], "warnings": [], "fit_lrs": [], "residuals": [], "best_trial_ids": []}
+    for s in range(sweep.cells.n_shapes):
+        best = fits.best[s]
+        lists["reason"].append(_shape_reason(
+            _label(key_records[s]), bool(fits.has_data[s]), bool(fits.fit_ok[s]),
+            int(n_div_m[s].sum()), int(sweep.n_with_loss[s])))
+        lists["warnings"].append(_shape_notes(
+            edge=flags.edge[s],
+            best_lr=float(flags.best_lr[s]),
+            concave=bool(fits.concave[s]),
+            clamped=bool(fits.clamped[s]),
+            lr_opt=float(2.0 ** fits.log2_opt[s]),
+            div_best=int(n_div_m[s, best]),
+            runs_best=int(n_div_m[s, best] + n_ok_m[s, best]),
+            div_next=int(flags.div_next[s]) if fits.has_data[s] else 0,
+            runs_next=int(flags.runs_next[s]),
+            fit_seeds=(int(sweep.fit_seeds[s])
+                       if boot_failed is not None and fits.fit_ok[s] else None),
+            boot_failed=float(boot_failed[s]) if boot_failed is not None else 0.0,
+            rival=((float(lr_m[s, flags.rival_col[s]]), float(sweep.means[s, flags.rival_col[s]]))
+                   if flags.has_rival[s] else None),
+            best_loss=float(fits.y_best[s]),
+        ))
+        win = fits.window[s] & fits.fit_ok[s]
+        lists["fit_lrs"].append(lr_m[s, win].tolist())
+        lists["residuals"].append(fits.residuals[s, win].tolist())
+        c = flags.best_cell[s]
+        lists["best_trial_ids"].append(
+            ids[start[c] : start[c] + n_ok[c]].tolist() if fits.has_data[s] else [])
+    for col in ("reason", "warnings", "fit_lrs", "residuals"):
+        shapes[col] = pd.Series(lists[col], dtype=object)
+    for col in POINT_COLUMNS:
+        shapes[col] = np.where(fits.has_data, sweep.cells.point_means[col][flags.best_cell],
+                               np.nan)
+    shapes["best_trial_ids"] = pd.Series(lists["best_trial_ids"], dtype=object)
+    shapes["trial_ids"] = pd.Series(
+        [a.tolist() for a in sweep.cells.ok_ids_by_shape], dtype=object)
+
+
+def _no_fit_reason(sweep: _Sweep) -> NotEnoughData | None:
+    """Why no shape has an η* at all (None when one has)."""
+    if sweep.fits.fit_ok.any():
+        return None
+    return NotEnoughData(
+        _WHAT,
+        "no shape has at least 3 LRs with a completed run "
+        f"(most LRs with a completed run in one shape: {int(sweep.n_with_loss.max())})",
+    )
+
+
+def _summary_warnings(sweep: _Sweep, flags: _Flags) -> list[str]:
+    """The result's warnings on how many shapes are at the grid's edge or unreliable."""
+    out: list[str] = []
+    n_edge = int(flags.on_edge.sum())
     if n_edge:
-        warnings.append(
-            f"{n_edge} of {cells.n_shapes} shapes have their best LR at the edge of the LR grid"
+        out.append(
+            f"{n_edge} of {sweep.cells.n_shapes} shapes have their best LR at the edge of the "
+            "LR grid"
         )
-    n_bad = int((fits.fit_ok & ~reliable).sum())
+    n_bad = int((sweep.fits.fit_ok & ~flags.reliable).sum())
     if n_bad:
-        warnings.append(f"{n_bad} fitted shapes are unreliable (edge, clamped, concave or "
-                        "two basins)")
-    return OptimalLRResult(shapes, _curves(cells, fits), keys, reason, warnings, bootstrap, ci)
+        out.append(f"{n_bad} fitted shapes are unreliable (edge, clamped, concave or "
+                   "two basins)")
+    return out
 
 
 def _rival_columns(x: np.ndarray, means: np.ndarray) -> np.ndarray:
