@@ -114,13 +114,18 @@ def test_weak_token_refused_when_serving_beyond_loopback(hpt_home, monkeypatch, 
 
 
 @pytest.mark.parametrize("token", ["a", "s3cret", "a" * 64, "ab" * 40, "hunter2hunter2",
-                                   secrets.token_hex(15), "0123456789" * 3])
+                                   "a8546f86dd581d71b606400b91f2cf",  # token_hex(15): 120 bits
+                                   "0123456789" * 3])
 def test_weak_tokens(token):
     assert token_strength_problem(token) is not None
 
 
-@pytest.mark.parametrize("token", [secrets.token_urlsafe(16), secrets.token_urlsafe(32),
-                                   secrets.token_hex(16), secrets.token_hex(16).upper()])
+# fixed draws of secrets.token_urlsafe(16), token_urlsafe(32), token_hex(16) and its upper case:
+# the same test ids in every process (pytest-xdist's workers must collect alike)
+@pytest.mark.parametrize("token", ["UthzJq2_Fj9XqMWSnIuCnA",
+                                   "CGYJ5BFypYbMm1aBoOcXj9ju5tvUtKi8PY-wfCf-Ig4",
+                                   "f9c1eb07b3eb54721b4fd8c03ac499ed",
+                                   "049C860DB52AA465304E24CFCBB13FB0"])
 def test_strong_tokens(token):
     assert token_strength_problem(token) is None
 
