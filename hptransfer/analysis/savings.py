@@ -107,18 +107,8 @@ def compare_fits(
             return SavingsComparison(
                 arm, reference, empty, nan_range, reason=NotEnoughData(what, because)
             )
-    a_lo, a_hi = arm_fit.loss_range
-    r_lo, r_hi = ref_fit.loss_range
-    floor = max(arm_fit.E, ref_fit.E)
-    lo, hi = max(a_lo, r_lo), min(a_hi, r_hi)
-    if lo <= floor:
-        lo = float(np.nextafter(floor, np.inf))
-    if not lo < hi:
-        because = (
-            f"the observed loss ranges do not overlap above both asymptotes ({arm}: "
-            f"[{a_lo:.4g}, {a_hi:.4g}], {reference}: [{r_lo:.4g}, {r_hi:.4g}], "
-            f"E = {arm_fit.E:.4g} / {ref_fit.E:.4g}); refusing to extrapolate"
-        )
+    lo, hi, because = _common_loss_range(arm_fit, ref_fit, arm, reference)
+    if because is not None:
         return SavingsComparison(
             arm, reference, empty, (lo, hi), reason=NotEnoughData(what, because)
         )
@@ -133,34 +123,10 @@ def compare_fits(
     c_arm = np.where(inside, arm_fit.compute_for_loss(grid), np.nan)
     c_ref = np.where(inside, ref_fit.compute_for_loss(grid), np.nan)
     savings = 1.0 - c_arm / c_ref
+    ci_lo, ci_hi, row_problem, no_ci = _savings_ci(arm_fit, ref_fit, grid, inside, savings, ci)
 
     warnings: list[str] = []
-    boot_arm = arm_fit.boot_compute_for_loss(grid)
-    boot_ref = ref_fit.boot_compute_for_loss(grid)
-    m = min(len(boot_arm), len(boot_ref))
-    ci_lo = ci_hi = np.full(grid.shape, np.nan)
-    row_problem: list[str | None] = [None] * len(grid)
-    no_ci = None
-    if m > 0:
-        # Pairing the i-th refits is a valid draw: arms fitted alone were resampled
-        # independently; arms of a shared-E fit have their i-th refits from one joint resample.
-        with np.errstate(all="ignore"):
-            samples = 1.0 - boot_arm[:m] / boot_ref[:m]
-        ci_lo, ci_hi = percentile_ci(samples, ci)
-        no_ci = _no_ci_reason(samples[:, inside], ci_lo[inside], ci_hi[inside])
-        if no_ci is None:
-            for i in np.flatnonzero(inside):
-                why, hide = row_ci_problem(samples[:, i], savings[i], ci_lo[i], ci_hi[i], ci)
-                row_problem[i] = why
-                if hide:  # no interval rather than a meaningless or unbounded one
-                    ci_lo[i] = ci_hi[i] = np.nan
-        ci_lo = np.where(inside, ci_lo, np.nan)
-        ci_hi = np.where(inside, ci_hi, np.nan)
-    else:
-        no_ci = "no bootstrap refits (bootstrap is off)"
     if no_ci is not None:
-        # an interval of zero width would read as certainty: show none, say why
-        ci_lo = ci_hi = np.full(grid.shape, np.nan)
         warnings.append(f"savings have no confidence interval: {no_ci}")
     fits_reliable = bool(arm_fit.reliable and ref_fit.reliable)
     for i in np.flatnonzero(inside):
@@ -197,6 +163,57 @@ def compare_fits(
         warnings.append(f"the headline savings' CI is not usable: {row_problem[h]}")
     reliable = reason is None and h >= 0 and bool(row_ok[h])
     return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason, no_ci)
+
+
+def _common_loss_range(
+    arm_fit: PowerLawFit, ref_fit: PowerLawFit, arm: str, reference: str
+) -> tuple[float, float, str | None]:
+    """The losses both fits observed, above both asymptotes, and why there are none (None
+    when there are)."""
+    a_lo, a_hi = arm_fit.loss_range
+    r_lo, r_hi = ref_fit.loss_range
+    floor = max(arm_fit.E, ref_fit.E)
+    lo, hi = max(a_lo, r_lo), min(a_hi, r_hi)
+    if lo <= floor:
+        lo = float(np.nextafter(floor, np.inf))
+    if lo < hi:
+        return lo, hi, None
+    return lo, hi, (
+        f"the observed loss ranges do not overlap above both asymptotes ({arm}: "
+        f"[{a_lo:.4g}, {a_hi:.4g}], {reference}: [{r_lo:.4g}, {r_hi:.4g}], "
+        f"E = {arm_fit.E:.4g} / {ref_fit.E:.4g}); refusing to extrapolate"
+    )
+
+
+def _savings_ci(
+    arm_fit: PowerLawFit, ref_fit: PowerLawFit, grid: np.ndarray, inside: np.ndarray,
+    savings: np.ndarray, ci: float,
+) -> tuple[np.ndarray, np.ndarray, list[str | None], str | None]:
+    """The savings' bootstrap CI per loss (NaN where none), why each row's CI is not usable
+    (None when it is), and why there is no CI at all (None when there is one)."""
+    boot_arm = arm_fit.boot_compute_for_loss(grid)
+    boot_ref = ref_fit.boot_compute_for_loss(grid)
+    m = min(len(boot_arm), len(boot_ref))
+    row_problem: list[str | None] = [None] * len(grid)
+    if m == 0:
+        nan = np.full(grid.shape, np.nan)
+        return nan, nan, row_problem, "no bootstrap refits (bootstrap is off)"
+    # Pairing the i-th refits is a valid draw: arms fitted alone were resampled
+    # independently; arms of a shared-E fit have their i-th refits from one joint resample.
+    with np.errstate(all="ignore"):
+        samples = 1.0 - boot_arm[:m] / boot_ref[:m]
+    ci_lo, ci_hi = percentile_ci(samples, ci)
+    no_ci = _no_ci_reason(samples[:, inside], ci_lo[inside], ci_hi[inside])
+    if no_ci is not None:
+        # an interval of zero width would read as certainty: show none, say why
+        nan = np.full(grid.shape, np.nan)
+        return nan, nan, row_problem, no_ci
+    for i in np.flatnonzero(inside):
+        why, hide = row_ci_problem(samples[:, i], savings[i], ci_lo[i], ci_hi[i], ci)
+        row_problem[i] = why
+        if hide:  # no interval rather than a meaningless or unbounded one
+            ci_lo[i] = ci_hi[i] = np.nan
+    return np.where(inside, ci_lo, np.nan), np.where(inside, ci_hi, np.nan), row_problem, None
 
 
 def _headline_index(inside: np.ndarray) -> int:
