@@ -188,6 +188,7 @@ class _Objective:
     """
 
     def __init__(self, n: np.ndarray, d: np.ndarray, loss: np.ndarray, delta: float) -> None:
+        self.n, self.d = n, d
         self.log_n, self.log_d = np.log(n), np.log(d)
         self.mean_n, self.mean_d = float(self.log_n.mean()), float(self.log_d.mean())
         self.u, self.v = self.log_n - self.mean_n, self.log_d - self.mean_d
@@ -293,29 +294,11 @@ def _refine(obj: _Objective, theta0: np.ndarray) -> Any:
     )
 
 
-def _nan_fit(
-    n: np.ndarray,
-    d: np.ndarray,
-    loss: np.ndarray,
-    ids: list[list[str]],
-    reason: NotEnoughData,
-    warnings: list[str],
-) -> ChinchillaFit:
+def _nan_fit(n: np.ndarray, d: np.ndarray, loss: np.ndarray, ids: list[list[str]],
+             reason: NotEnoughData, warnings: list[str]) -> ChinchillaFit:
     nan = float("nan")
-    return ChinchillaFit(
-        nan,
-        nan,
-        nan,
-        nan,
-        nan,
-        n,
-        d,
-        loss,
-        np.full(loss.shape, np.nan),
-        trial_ids=ids,
-        warnings=warnings,
-        reason=reason,
-    )
+    return ChinchillaFit(nan, nan, nan, nan, nan, n, d, loss, np.full(loss.shape, np.nan),
+                         trial_ids=ids, warnings=warnings, reason=reason)
 
 
 @single_threaded
@@ -342,32 +325,62 @@ def fit_chinchilla(
     as the power-law fits' are.
     """
     (n_arr, d_arr, y), ids, warnings = usable_points((n, d, loss), trial_ids)
-    if len(y) < 6:
-        because = f"it has {len(y)} points and needs at least 6 for 5 parameters"
-        return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
-    if np.unique(n_arr).size < 2 or np.unique(d_arr).size < 2:
-        because = "it needs at least two model sizes and two token counts"
-        return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
-    if np.std(np.log(d_arr / n_arr)) < 0.05:
-        because = (
-            "tokens per parameter is the same for every run (D ∝ N), so A/N^α and "
-            "B/D^β cannot be told apart; run some sizes at other token budgets"
-        )
+    because = _cannot_fit(n_arr, d_arr, y)
+    if because is not None:
         return _nan_fit(n_arr, d_arr, y, ids, NotEnoughData(what, because), warnings)
 
     obj = _Objective(n_arr, d_arr, y, delta)
+    runs = _refined_starts(obj, top_k)
+    best = min(runs, key=lambda r: r.fun)
+    E, A, B, alpha, beta = (float(v) for v in obj.from_centred(best.x))
+    fitted = np.log(E + A / n_arr**alpha + B / d_arr**beta)
+    residuals = np.log(y) - fitted
+    boot, ratios, ci_map = _bootstrap_cis(obj, best, (E, A, B, alpha, beta), fitted, residuals,
+                                          bootstrap, seed, ci)
+    problems = _fit_problems(n_arr, d_arr, y, E, alpha, beta, ci_map)
+    agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
+    if agree < 2 and len(runs) > 1:
+        warnings.append("only one start reached the best objective; the optimum may be local")
+    return ChinchillaFit(
+        E, A, B, alpha, beta, n_arr, d_arr, y, residuals, float(best.fun), trial_ids=ids,
+        ci=ci_map, ci_level=ci, reliable=not problems, warnings=warnings + problems,
+        boot_params=boot, boot_ratio=ratios,
+    )
+
+
+def _cannot_fit(n: np.ndarray, d: np.ndarray, y: np.ndarray) -> str | None:
+    """Why these points cannot fix the 5 parameters (None when they can)."""
+    if len(y) < 6:
+        return f"it has {len(y)} points and needs at least 6 for 5 parameters"
+    if np.unique(n).size < 2 or np.unique(d).size < 2:
+        return "it needs at least two model sizes and two token counts"
+    if np.std(np.log(d / n)) < 0.05:
+        return (
+            "tokens per parameter is the same for every run (D ∝ N), so A/N^α and "
+            "B/D^β cannot be told apart; run some sizes at other token budgets"
+        )
+    return None
+
+
+def _refined_starts(obj: _Objective, top_k: int) -> list[Any]:
+    """Score the whole start grid in one pass, then refine the `top_k` best starts."""
     grid = np.array(list(itertools.product(_GRID_A, _GRID_A, _GRID_E, _GRID_EXP, _GRID_EXP)))
     starts = obj.to_centred(grid[:, 0], grid[:, 1], grid[:, 2], grid[:, 3], grid[:, 4])
     scores = np.concatenate([obj.value(chunk) for chunk in np.array_split(starts, 10)])
-    runs = [_refine(obj, starts[i]) for i in np.argsort(scores)[:top_k]]
-    best = min(runs, key=lambda r: r.fun)
+    return [_refine(obj, starts[i]) for i in np.argsort(scores)[:top_k]]
+
+
+def _bootstrap_cis(
+    obj: _Objective, best: Any, params: tuple[float, ...], fitted: np.ndarray,
+    residuals: np.ndarray, bootstrap: int, seed: int | None, ci: float,
+) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[float, float]]]:
+    """The refits' parameters, their noise-scale ratios, and the CIs of the parameters and
+    of DERIVED_NAMES (those only with refits). `params`: the fit's (E, A, B, alpha, beta)."""
     theta = best.x
-    E, A, B, alpha, beta = (float(v) for v in obj.from_centred(theta))
-    fitted = np.log(E + A / n_arr**alpha + B / d_arr**beta)
-    residuals = np.log(y) - fitted
+    _, A, B, alpha, beta = params
 
     def solve(log_y_star: np.ndarray) -> _LeastSquaresView:
-        sub = _Objective(n_arr, d_arr, np.exp(log_y_star), delta)
+        sub = _Objective(obj.n, obj.d, np.exp(log_y_star), obj.delta)
         # same design, so the same centring: start at the full fit
         return _least_squares_view(sub, _refine(sub, theta))
 
@@ -375,19 +388,26 @@ def fit_chinchilla(
     # ~0 residuals are not drawn (fit_result.drawn_residuals)
     boot, ratios = studentized_bootstrap(
         fitted, residuals, 5, bootstrap, seed, solve, lambda r: r.x,
-        fit_leverage(_least_squares_view(obj, best)), pool=np.abs(residuals) > delta)
+        fit_leverage(_least_squares_view(obj, best)), pool=np.abs(residuals) > obj.delta)
     ci_map = studentized_log_cis(
-        dict(zip(PARAM_NAMES, (E, A, B, alpha, beta), strict=True)),
+        dict(zip(PARAM_NAMES, params, strict=True)),
         {name: boot[:, k] for k, name in enumerate(PARAM_NAMES)}, ratios, ci)
     if len(boot):
-        c_max = compute_max(n_arr, d_arr)
+        c_max = compute_max(obj.n, obj.d)
         ci_map |= derived_cis(derived_quantities(A, B, alpha, beta, c_max),
                               derived_quantities(*boot[:, 1:].T, c_max), ratios, ci, c_max)
+    return boot, ratios, ci_map
 
+
+def _fit_problems(
+    n: np.ndarray, d: np.ndarray, y: np.ndarray, E: float, alpha: float, beta: float,
+    ci_map: dict[str, tuple[float, float]],
+) -> list[str]:
+    """Why the fit is not reliable (empty when it is)."""
     problems: list[str] = []
     if len(y) < 10:
         problems.append(f"only {len(y)} points for 5 parameters")
-    for name, arr in (("params", n_arr), ("tokens", d_arr)):
+    for name, arr in (("params", n), ("tokens", d)):
         span = np.log10(arr.max() / arr.min())
         if span < 1.0:
             problems.append(f"{name} span only {span:.2f} decades; exponents are poorly fixed")
@@ -401,28 +421,7 @@ def fit_chinchilla(
     at_zero = e_at_zero_problem(E, float(y.min()))
     if at_zero:
         problems.append(at_zero)
-    agree = sum(r.fun <= best.fun * (1 + 1e-6) + 1e-12 for r in runs)
-    if agree < 2 and len(runs) > 1:
-        warnings.append("only one start reached the best objective; the optimum may be local")
-    return ChinchillaFit(
-        E,
-        A,
-        B,
-        alpha,
-        beta,
-        n_arr,
-        d_arr,
-        y,
-        residuals,
-        float(best.fun),
-        trial_ids=ids,
-        ci=ci_map,
-        ci_level=ci,
-        reliable=not problems,
-        warnings=warnings + problems,
-        boot_params=boot,
-        boot_ratio=ratios,
-    )
+    return problems
 
 
 @dataclass
@@ -450,16 +449,10 @@ class ChinchillaResult:
             row.update(fit.status_row())
             rows.append(row)
         columns = [
-            "arm",
-            "n_points",
-            *PARAM_NAMES,
-            *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")),
-            "G",
-            "compute_max",
+            "arm", "n_points", *PARAM_NAMES,
+            *(f"{k}_ci_{s}" for k in PARAM_NAMES for s in ("low", "high")), "G", "compute_max",
             *(c for k in DERIVED_NAMES for c in (k, f"{k}_ci_low", f"{k}_ci_high")),
-            "reliable",
-            "reason",
-            "warnings",
+            "reliable", "reason", "warnings",
         ]
         return with_none(pd.DataFrame(rows, columns=columns), ["reason"])
 
