@@ -346,10 +346,22 @@ def port_number(text: str) -> int:
     return port
 
 
+_Commands = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    # in this order in `hpt --help`
+    _add_model_commands(sub)
+    _add_server_commands(sub)
+    _add_sweep_commands(sub)
+    _add_local_tools(sub)
+    return parser
 
+
+def _add_model_commands(sub: _Commands) -> None:
+    """Commands on one model or trial, on this machine: params, flops, coordcheck, train."""
     p = sub.add_parser("params", help="print the parameterization group table")
     _add_model_args(p)
     _add_param_args(p)
@@ -385,11 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec")
     p.add_argument("--json", action="store_true")
 
-    def client_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", default=None, help="API URL (default $HPT_URL or "
-                       "http://127.0.0.1:8600)")
-        p.add_argument("--token", default=None, help="bearer token (default $HPT_API_TOKEN)")
 
+def _add_server_commands(sub: _Commands) -> None:
+    """The coordinator: serve it, check it (doctor)."""
     p = sub.add_parser("serve", help="API + dispatcher + Ray + MLflow tracking")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=port_number, default=None)
@@ -404,35 +414,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="also check the API (default $HPT_URL)")
     p.add_argument("--json", action="store_true")
 
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="API URL (default $HPT_URL or "
+                   "http://127.0.0.1:8600)")
+    p.add_argument("--token", default=None, help="bearer token (default $HPT_API_TOKEN)")
+
+
+def _add_sweep_commands(sub: _Commands) -> None:
+    """The API client's commands on sweeps: submit, status, trials, fits, cancel."""
     p = sub.add_parser("submit", help="submit a sweep spec (YAML or JSON file)")
     p.add_argument("spec")
     p.add_argument("--wait", action="store_true",
                    help="wait with a progress bar; exit 1 unless the sweep completes")
-    client_args(p)
+    _add_client_args(p)
 
     p = sub.add_parser("status", help="one sweep, or all")
     p.add_argument("id", nargs="?")
     p.add_argument("--json", action="store_true")
-    client_args(p)
+    _add_client_args(p)
 
     p = sub.add_parser("trials", help="the trials of a sweep")
     p.add_argument("id")
     p.add_argument("--status", default=None)
     p.add_argument("--stage", default=None, help="a study's stage (tune, transfer, ...)")
     p.add_argument("--csv", action="store_true")
-    client_args(p)
+    _add_client_args(p)
 
     p = sub.add_parser("fits", help="the fit report of a sweep")
     p.add_argument("id")
     p.add_argument("--bootstrap", type=int, default=100, help="bootstrap resamples for CIs")
     p.add_argument("--reference-arm", default=None, help="arm the FLOP savings compare to")
     p.add_argument("--json", action="store_true")
-    client_args(p)
+    _add_client_args(p)
 
     p = sub.add_parser("cancel", help="cancel a sweep")
     p.add_argument("id")
-    client_args(p)
+    _add_client_args(p)
 
+
+def _add_local_tools(sub: _Commands) -> None:
+    """The MLflow UI and the CPU demo."""
     from hptransfer.tracking.tracking import UI_HOST, UI_PORT
 
     p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
@@ -442,7 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a small real study on the CPU, end to end")
     p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_study.yaml)")
     p.add_argument("--out", default=None, help="where dashboards go (default $HPT_HOME/demo)")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
