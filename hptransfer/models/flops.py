@@ -1,6 +1,6 @@
 """Analytic parameter counts and training FLOPs per token for the GPT and nGPT models.
 
-Everything here is computed from a `ModelConfig` alone (no model is built), so the sweeper can
+Everything here is computed from a `ModelConfig` alone (no model is built), so the coordinator can
 price a trial and the CLI (`hpt flops`) can print a report before anything is allocated.
 
 Parameters
