@@ -32,8 +32,10 @@ fi
 # --durations: the slowest tests in every log (the suite must stay under 15 minutes on 2 cores).
 # Two workers (HPT_TEST_WORKERS; 0: one process, which keeps 2 cores only ~40 % busy), a whole
 # file to each at a time. pytest-randomly shuffles the files and the tests in each on every run,
-# so an order dependence shows (the seed is in the header: rerun an order with
-# -p randomly --randomly-seed=N); tests/conftest.py then puts the slow files first.
+# so an order dependence shows; tests/conftest.py then puts the slow files first. The seed is
+# printed first: HPT_TEST_SEED=N replays that order.
 workers=${HPT_TEST_WORKERS:-2}
+seed=${HPT_TEST_SEED:-$((RANDOM * 32768 + RANDOM))}
+echo "test order: --randomly-seed=$seed (HPT_TEST_SEED=$seed replays it)"
 exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=25 \
-  -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+  -n "$workers" --dist loadfile --no-loadscope-reorder --randomly-seed="$seed" "$@"
