@@ -172,3 +172,15 @@ def planned_trials(n: int, prefix: str = "hash") -> list[PlannedTrial]:
     """n distinct trials of one shape, told apart by seed and content hash."""
     return [PlannedTrial("sp", {"seed": i}, 64, 1, 0.01, 1.0, i, f"{prefix}-{i}")
             for i in range(n)]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def migrated_store(request: pytest.FixtureRequest, tmp_path):
+    """A migrated app database on SQLite and on the test PostgreSQL server."""
+    from hptransfer.store.store import Store
+
+    url = (f"sqlite:///{tmp_path / 'hpt.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("postgres_schema_url"))
+    with Store(url) as st:
+        st.migrate()
+        yield st

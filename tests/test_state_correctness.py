@@ -4,7 +4,6 @@ after a coordinator restart. On SQLite, and on PostgreSQL when HPT_TEST_POSTGRES
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,9 @@ def result(status: str = "completed") -> dict[str, Any]:
     return {"status": status, "final_val_loss": 3.0, "curve": []}
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = (f"sqlite:///{tmp_path / 'hpt.db'}" if request.param == "sqlite"
-           else request.getfixturevalue("postgres_schema_url"))
-    with Store(url) as st:
-        st.migrate()
-        yield st
+@pytest.fixture
+def store(migrated_store):
+    return migrated_store
 
 
 def new_sweep(store: Store, n: int, max_attempts: int = 1, prefix: str = "hash") -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import FrozenInstanceError, dataclass, fields, replace
+from dataclasses import FrozenInstanceError, fields, replace
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from conftest import PlannedTrial as Planned
 from sqlalchemy import func, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 
@@ -34,20 +35,6 @@ from hptransfer.store.store import (
 )
 
 PRESET = {"sp": "sp", "mup": "mup", "completep": "completep"}
-
-
-@dataclass(frozen=True)
-class Planned:
-    """Stand-in for the planner's output: the attributes create_sweep reads."""
-
-    arm: str
-    trial: Any
-    width: int
-    depth: int
-    lr: float
-    sigma_base: float
-    seed: int
-    content_hash: Any
 
 
 def plan(

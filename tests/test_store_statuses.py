@@ -4,8 +4,6 @@ types and the raw column values (a psycopg Enum dumper would write a member's NA
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,13 +13,9 @@ from sqlalchemy import text
 from hptransfer.store.store import Store
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = (f"sqlite:///{tmp_path / 'hpt.db'}" if request.param == "sqlite"
-           else request.getfixturevalue("postgres_schema_url"))
-    with Store(url) as st:
-        st.migrate()
-        yield st
+@pytest.fixture
+def store(migrated_store):
+    return migrated_store
 
 
 def raw(store: Store, sql: str) -> list[tuple[Any, ...]]:
