@@ -175,12 +175,33 @@ def planned_trials(n: int, prefix: str = "hash") -> list[PlannedTrial]:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def migrated_store(request: pytest.FixtureRequest, tmp_path):
-    """A migrated app database on SQLite and on the test PostgreSQL server."""
+def db_url(request: pytest.FixtureRequest, tmp_path):
+    """A URL to an empty database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'nested' / 'hpt.db'}"  # parent missing: Store makes it
+        return
+    yield request.getfixturevalue("postgres_schema_url")
+
+
+@pytest.fixture
+def open_store(db_url: str):
+    """Open Store instances on the same database (closed before it is dropped)."""
     from hptransfer.store.store import Store
 
-    url = (f"sqlite:///{tmp_path / 'hpt.db'}" if request.param == "sqlite"
-           else request.getfixturevalue("postgres_schema_url"))
-    with Store(url) as st:
-        st.migrate()
-        yield st
+    stores: list[Store] = []
+
+    def _open() -> Store:
+        stores.append(Store(db_url))
+        return stores[-1]
+
+    yield _open
+    for st in stores:
+        st.close()
+
+
+@pytest.fixture
+def migrated_store(open_store):
+    """A migrated app database on SQLite and on the test PostgreSQL server."""
+    st = open_store()
+    st.migrate()
+    return st

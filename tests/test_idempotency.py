@@ -19,30 +19,9 @@ from hptransfer.store.store import IdempotencyConflict, Store
 RESULT = {"status": "completed", "final_val_loss": 3.0, "curve": []}
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return (f"sqlite:///{tmp_path / 'hpt.db'}" if request.param == "sqlite"
-            else request.getfixturevalue("postgres_schema_url"))
-
-
 @pytest.fixture
-def open_store(db_url: str) -> Iterator[Callable[[], Store]]:
-    """Store instances on one database (one per 'server'), migrated, closed afterwards."""
-    stores: list[Store] = []
-
-    def _open() -> Store:
-        stores.append(Store(db_url))
-        stores[-1].migrate()
-        return stores[-1]
-
-    yield _open
-    for st in stores:
-        st.close()
-
-
-@pytest.fixture
-def store(open_store: Callable[[], Store]) -> Store:
-    return open_store()
+def store(migrated_store: Store) -> Store:
+    return migrated_store
 
 
 def new_sweep(store: Store, n: int = 2, idempotency: tuple[str, str] | None = None,
@@ -89,6 +68,7 @@ def test_thirty_identical_submits_at_once_store_one_sweep(
         open_store: Callable[[], Store]) -> None:
     """Two 'servers' (stores) on one database, 15 requests each, all at once."""
     stores = [open_store(), open_store()]
+    stores[0].migrate()
     barrier = threading.Barrier(30)
     ids: list[str] = []
     errors: list[BaseException] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import FrozenInstanceError, fields, replace
 from datetime import UTC
 from pathlib import Path
@@ -82,36 +82,9 @@ def new_sweep(store: Store, items: list[Planned], **kw: Any) -> str:
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(
-    params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)],
-)
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A URL to an empty database: a fresh SQLite file, or a fresh PostgreSQL schema."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'nested' / 'hpt.db'}"  # parent missing: Store makes it
-        return
-    yield request.getfixturevalue("postgres_schema_url")
-
-
 @pytest.fixture
-def open_store(db_url: str) -> Iterator[Callable[[], Store]]:
-    """Open extra Store instances on the same database (closed before it is dropped)."""
-    stores: list[Store] = []
-
-    def _open() -> Store:
-        stores.append(Store(db_url))
-        return stores[-1]
-
-    yield _open
-    for st in stores:
-        st.close()
-
-
-@pytest.fixture
-def store(open_store: Callable[[], Store]) -> Store:
-    st = open_store()
-    st.migrate()
-    return st
+def store(migrated_store: Store) -> Store:
+    return migrated_store
 
 
 def trial_ids(store: Store, sweep_id: str, **filters: Any) -> list[str]:
