@@ -385,6 +385,24 @@ def test_transfer_slopes_recover_known_drift() -> None:
     assert_json_safe(res.to_dict())
 
 
+def test_transfer_detects_positive_drift() -> None:
+    # η* that rises with the model (as CompleteP's did with depth at a short horizon, issue
+    # 51): +0.5 octave per width doubling, +0.25 per depth doubling. The verdict's
+    # `ci_low > 0` branch is the only thing that can call this a drift.
+    vertices = {("up", w, d): -8.0 + 0.5 * math.log2(w / 256) + 0.25 * math.log2(d / 2)
+                for w in (128, 256, 512, 1024) for d in (2, 4, 8)}
+    res = transfer_drift(lr_sweep(vertices, seeds=4, noise=0.002,
+                                  rng=np.random.default_rng(11),
+                                  grid=np.arange(-13.0, -3.5, 0.5)))
+    table = res.to_frame().set_index("axis")
+    for axis, truth in (("width", 0.5), ("depth", 0.25)):
+        row = table.loc[axis]
+        assert row["slope"] == pytest.approx(truth, abs=0.05)
+        assert 0.0 < row["ci_low"] <= truth <= row["ci_high"]
+        assert row["verdict"] == "drifts", (axis, row["ci_low"], row["ci_high"])
+        assert row["reliable"]
+
+
 def test_slope_and_ci_match_dummy_variable_regression() -> None:
     rng = np.random.default_rng(2)
     x = np.tile(np.arange(5.0), 3)
