@@ -75,11 +75,18 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("HPT_MAX_TRIAL_FLOPS", "`1e16` on CPUs, `1e21` on GPUs",
            "refuse a sweep whose per-trial training FLOPs exceed this (a trial has no time "
            "limit: this and `HPT_MAX_TRIAL_STEPS` are what end it)"),
+    EnvVar("HPT_CHECKPOINT_URL", "`HPT_HOME/checkpoints`",
+           "where trials checkpoint: a directory (shared by every node on a multi-node "
+           "cluster, e.g. NFS) or an object store URI pyarrow opens (`s3://bucket/prefix`)"),
     EnvVar("HPT_MAX_TRIAL_STEPS", "`1000000`",
            "refuse a sweep whose trials would train more optimizer steps than this"),
     EnvVar("HPT_MAX_SWEEP_FLOPS", "`1e18` on CPUs, `1e22` on GPUs",
            "refuse a sweep whose trials together (every trial it can plan) would train more "
            "FLOPs than this"),
+    EnvVar("HPT_MAX_SWEEP_DEVICE_HOURS", "`100`",
+           "a sweep whose estimated device-hours (`hpt plan`: GPU-hours, on CPUs CPU-hours) "
+           "exceed this is refused unless submitted with `--confirm-cost` "
+           "(`confirm_cost=true`)"),
     EnvVar("HPT_PUBLIC_READS", "`0`",
            "`1`: with `HPT_API_TOKEN` set, reads (GETs: listings, trials, fits at the "
            "default bootstrap, dashboards) stay open to clients without the token"),
@@ -229,8 +236,16 @@ class Settings:
     max_trial_memory_gb: float | None = None
     max_sweep_flops: float | None = None  # None: DEFAULT_MAX_SWEEP_FLOPS for the device
     max_trial_steps: int = 1_000_000
+    # a sweep priced above this (hpt plan) needs confirm_cost to be queued
+    max_sweep_device_hours: float = 100.0
     # with api_token set: GETs served without it too (a public dashboard)
     public_reads: bool = False
+    # where trials checkpoint (workers/checkpoints.py); "": `checkpoints` under home
+    checkpoint_url: str = ""
+
+    @property
+    def checkpoint_root(self) -> str:
+        return self.checkpoint_url or str(self.home / "checkpoints")
 
     def ensure_dirs(self) -> Settings:
         """Create the data directory and its sub-folders (call before using the defaults)."""
@@ -358,7 +373,9 @@ def get_settings() -> Settings:
         max_trial_memory_gb=_env_float("HPT_MAX_TRIAL_MEMORY_GB", None),
         max_sweep_flops=_env_float("HPT_MAX_SWEEP_FLOPS", None),
         max_trial_steps=_env_int("HPT_MAX_TRIAL_STEPS", 1_000_000),
+        max_sweep_device_hours=_env_float("HPT_MAX_SWEEP_DEVICE_HOURS", 100.0) or 100.0,
         public_reads=_env_flag("HPT_PUBLIC_READS"),
+        checkpoint_url=_env("HPT_CHECKPOINT_URL") or "",
     )
     # a driver's error may quote a piece of a password as a host name: masked wherever shown
     remember_url_secrets(settings.database_url, settings.optuna_url, settings.mlflow_uri,

@@ -343,7 +343,7 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
         first_try.touch()
         packed.free_memory = lambda *args: 1.0  # 0.8 to use at 0.3 a member: groups of 2
         packed.trial_memory = lambda *a, **kw: SimpleNamespace(pack_peak=lambda k: 0.3 * k)
-        channel = remote._channel
+        channel = remote.progress_channel
 
         def dying_channel(board):
             report = channel(board)
@@ -354,7 +354,7 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
                 return report(trial_id, metrics)
             return report_or_die
 
-        remote._channel = dying_channel
+        remote.progress_channel = dying_channel
         return execute_trials(specs, trial_ids, progress, cache_dir, *guard)
 
     coordinator = Coordinator(get_settings())

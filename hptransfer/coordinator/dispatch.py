@@ -39,7 +39,16 @@ from .dispatch_context import MAX_BACKOFF_S, BadSweep, DispatchContext, log
 from .optuna_asks import OptunaAsker
 from .optuna_bridge import OptunaBridge, OptunaUnavailable
 from .packing import measured_packs, pack_cost, pack_size, plan_packs
-from .ray_runner import ClusterCapacity, InFlight, RayRunner, init_ray, tasks_fitting
+from .ray_runner import (
+    ClusterCapacity,
+    InFlight,
+    RayRunner,
+    count_fitting,
+    init_ray,
+    never_fits,
+    task_of,
+    tasks_fitting,
+)
 from .recovery import RecoveryLedger
 from .study_advancer import StudyAdvancer
 
@@ -244,7 +253,7 @@ class Dispatcher:
                 self.waiting[sweep.id] = ("Optuna's storage is failing; this sweep's next "
                                           "trials are asked once it answers (see /health)")
         started = 0
-        leased = self._lease(sweep.id, spec, free, capacity.resources)
+        leased = self._lease(sweep.id, spec, free, capacity)
         while leased:
             try:
                 self.ray_runner.submit(spec, leased[0])
@@ -256,19 +265,38 @@ class Dispatcher:
         return started
 
     def _lease(self, sweep_id: str, spec: SweepSpec, free: int,
-               cluster: dict[str, float]) -> list[list[TrialRecord]]:
+               capacity: ClusterCapacity) -> list[list[TrialRecord]]:
         """Lease up to `free` tasks' worth of pending trials: single trials, or packs of
-        one shape when the spec packs (planned over the pending trials, plan order)."""
+        one shape when the spec packs (planned over the pending trials, plan order); a
+        sweep with trials on several workers leases those first, each alone, while the
+        cluster has their workers' resources free."""
+        leased: list[list[TrialRecord]] = []
+        pending = None
+        if spec.resources.workers > 1 or spec.resources.scale_out:
+            pending = self.store.leasable(sweep_id, limit=MAX_PACK_PEEK)
+            spanning = [t for t in pending if task_of(spec, t).spans]
+            leased = self._lease_spanning(sweep_id, spec, spanning, free, capacity)
+            free -= len(leased)
+            pending = [t for t in pending if t not in spanning]
+            if free <= 0 or not pending:
+                return leased
         if spec.resources.pack == 1:
-            return [[t] for t in self.store.lease_pending(self.owner, free, sweep_id=sweep_id)]
+            if pending is None:
+                return [[t] for t in self.store.lease_pending(self.owner, free,
+                                                              sweep_id=sweep_id)]
+            got = self.store.lease_pending(self.owner, free, sweep_id=sweep_id,
+                                           ids=[t.id for t in pending[:free]])
+            return leased + [[t] for t in got]
         # every task slot this sweep may fill at once, for balancing the packs
+        cluster = capacity.resources
         fits = tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
         slots = min(spec.max_concurrent, max(1, fits))
-        pending = self.store.leasable(sweep_id, limit=min(MAX_PACK_PEEK, slots * MAX_PACK))
+        if pending is None:
+            pending = self.store.leasable(sweep_id,
+                                          limit=min(MAX_PACK_PEEK, slots * MAX_PACK))
         where = measured_packs(spec)
         planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
                              lambda t, n: pack_cost(n, t.spec, where))
-        leased: list[list[TrialRecord]] = []
         try:
             for pack in planned[:free]:
                 got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
@@ -278,4 +306,29 @@ class Dispatcher:
         except Exception:
             self.recovery.release_later(leased)  # the packs leased before it have no task
             raise
+        return leased
+
+    def _lease_spanning(self, sweep_id: str, spec: SweepSpec, spanning: list[TrialRecord],
+                        free: int, capacity: ClusterCapacity) -> list[list[TrialRecord]]:
+        """Lease trials on several workers, each alone, while their workers fit in what
+        the cluster has free; a trial that can never fit sets the sweep's waiting reason."""
+        used_cpu, used_gpu = self.ray_runner.used()
+        room_cpu = capacity.resources.get("CPU", 0.0) - used_cpu
+        room_gpu = capacity.resources.get("GPU", 0.0) - used_gpu
+        leased: list[list[TrialRecord]] = []
+        for trial in spanning:
+            if len(leased) >= free:
+                break
+            task = task_of(spec, trial)
+            why = never_fits(task, capacity)
+            if why:
+                self.waiting[sweep_id] = why
+                continue
+            if count_fitting(task, room_cpu, room_gpu) < 1:
+                break  # plan order: the next trial waits for this one's workers
+            got = self.store.lease_pending(self.owner, 1, sweep_id=sweep_id, ids=[trial.id])
+            if got:
+                leased.append(got)
+                room_cpu -= task.cpus * task.workers
+                room_gpu -= task.gpus * task.workers
         return leased

@@ -39,7 +39,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hptransfer.config import Settings
 from hptransfer.contracts.status import LOST, SweepStatus, TrialStatus
 from hptransfer.spec import SweepSpec
+from hptransfer.spec.sections import TaskResources
+from hptransfer.spec.trial import TrialSpec
 from hptransfer.store.store import TrialRecord
+from hptransfer.workers.checkpoints import CheckpointPolicy
+from hptransfer.workers.ray_train import execute_trial_on_workers
 from hptransfer.workers.remote import execute_trial, execute_trials
 
 from .dispatch_context import DispatchContext, log
@@ -152,12 +156,43 @@ class ClusterCapacity:
         return self._largest
 
 
+def task_of(spec: SweepSpec, trial: TrialRecord) -> TaskResources:
+    """What `trial`'s Ray task asks for (resources.workers and scale_out)."""
+    if not spec.resources.scale_out:
+        return spec.resources.base
+    return spec.task_resources(TrialSpec.model_validate(trial.spec), trial.stage)
+
+
+def never_fits(task: TaskResources, capacity: ClusterCapacity) -> str | None:
+    """Why no trial with these resources can start until the cluster grows, if so."""
+    cluster = capacity.resources
+    what = (f"{task.workers} workers x {task.cpus:g} CPUs" + (f" + {task.gpus:g} GPU"
+            if task.gpus else "") if task.spans else f"{task.cpus:g} CPUs per task")
+    if task.gpus and not cluster.get("GPU"):
+        return (f"needs {task.gpus:g} GPU per {'worker' if task.spans else 'trial'} and "
+                "the Ray cluster has none; trials stay pending until a GPU node joins")
+    largest = capacity.largest_node_cpus()
+    if task.cpus > largest + 1e-9:  # a task (a Train worker) runs on one node
+        return (f"needs {what} and the largest Ray node has {largest:g} CPUs; trials stay "
+                "pending until a node that large joins (or lower resources.cpus)")
+    if task.spans and (task.workers * task.cpus > cluster.get("CPU", 0.0) + 1e-9
+                       or task.workers * task.gpus > cluster.get("GPU", 0.0) + 1e-9):
+        return (f"needs {what} and the Ray cluster has {cluster.get('CPU', 0.0):g} CPUs, "
+                f"{cluster.get('GPU', 0.0):g} GPUs in all; trials stay pending until it "
+                "grows (or lower the scale_out rule's workers)")
+    return None
+
+
 def tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:
-    """How many of the sweep's tasks fit in these CPUs and GPUs."""
-    res = spec.resources
-    fits = math.floor(cpus / res.cpus + 1e-9)
-    if res.gpus:
-        fits = min(fits, math.floor(gpus / res.gpus + 1e-9))
+    """How many of the sweep's tasks with its base resources fit in these CPUs and GPUs."""
+    return count_fitting(spec.resources.base, cpus, gpus)
+
+
+def count_fitting(task: TaskResources, cpus: float, gpus: float) -> int:
+    """How many tasks of these resources (all their workers) fit in these CPUs and GPUs."""
+    fits = math.floor(cpus / (task.cpus * task.workers) + 1e-9)
+    if task.gpus:
+        fits = min(fits, math.floor(gpus / (task.gpus * task.workers) + 1e-9))
     return fits
 
 
@@ -181,6 +216,7 @@ class RayRunner:
         self._drains_heard = 0  # the latest drain answered (or failed): its number
         self.run_trial = None  # execute_trial as a Ray remote function, once started
         self.run_pack = None  # execute_trials, likewise
+        self.run_on_workers = None  # execute_trial_on_workers (Ray Train), likewise
 
     def start(self) -> None:
         init_ray(self.context.settings)
@@ -192,6 +228,7 @@ class RayRunner:
         self._drain = None  # a call to an earlier board (a restart in this process) is moot
         self.run_trial = ray.remote(execute_trial)
         self.run_pack = ray.remote(execute_trials)
+        self.run_on_workers = ray.remote(execute_trial_on_workers)
 
     def capacity(self) -> ClusterCapacity:
         """What the cluster offers now (the one place that asks Ray; tests replace it)."""
@@ -218,47 +255,65 @@ class RayRunner:
         max_concurrent and within the cluster's CPUs/GPUs not taken by tasks already in
         flight (of any sweep), so a leased trial is really running, not waiting in Ray's
         queue. With none, why, when no trial of it can start until the cluster grows."""
-        res, cluster = spec.resources, capacity.resources
+        cluster = capacity.resources
         # leasing now would leave the trial 'running' in Ray's queue forever, and the CPUs
         # it asks for counted as taken: every other sweep's trials would wait behind it
-        if res.gpus and not cluster.get("GPU"):
-            return 0, (f"needs {res.gpus:g} GPU per trial and the Ray cluster has none; "
-                       "trials stay pending until a GPU node joins")
-        largest_node_cpus = capacity.largest_node_cpus()
-        if res.cpus > largest_node_cpus + 1e-9:  # a task runs on one node
-            return 0, (f"needs {res.cpus:g} CPUs per task and the largest Ray node has "
-                       f"{largest_node_cpus:g}; trials stay pending until a node that large "
-                       "joins (or lower resources.cpus)")
-        used_cpu = sum(f.cpus for f in self.tasks())
-        used_gpu = sum(f.gpus for f in self.tasks())
+        why = never_fits(spec.resources.base, capacity)
+        if why:
+            return 0, why
+        used_cpu, used_gpu = self.used()
         fits = tasks_fitting(spec, cluster.get("CPU", 0.0) - used_cpu,
                              cluster.get("GPU", 0.0) - used_gpu)
         if not self.in_flight:
             fits = max(fits, 1)  # larger than the cluster today: let Ray queue (or autoscale)
         return min(spec.max_concurrent - len(self.tasks(sweep_id)), fits), None
 
+    def used(self) -> tuple[float, float]:
+        """CPUs and GPUs the tasks in flight hold."""
+        tasks = self.tasks()
+        return sum(f.cpus for f in tasks), sum(f.gpus for f in tasks)
+
     def submit(self, spec: SweepSpec, trials: list[TrialRecord]) -> None:
-        """Start one Ray task for one trial or a pack of trials of one shape."""
-        specs = [{**t.spec, "num_threads": spec.resources.threads} for t in trials]
+        """Start one Ray task for one trial or a pack of trials of one shape; a trial on
+        several workers runs as a Ray Train run (ray_train.py) driven by a task of its own."""
+        task = task_of(spec, trials[0]) if len(trials) == 1 else spec.resources.base
+        specs = [{**t.spec, "num_threads": task.threads} for t in trials]
         ids = [t.id for t in trials]
-        options: dict[str, Any] = {"num_cpus": spec.resources.cpus, "max_retries": 0}
-        if spec.resources.gpus:
-            options["num_gpus"] = spec.resources.gpus
         settings = self.context.settings
         cache = str(settings.cache_dir)
         # the worker checks the data again: still inside the roots, still what was submitted
         guard = ([str(r) for r in settings.data_roots], trials[0].data_hash)
-        if len(trials) == 1:
-            ref = self.run_trial.options(**options).remote(specs[0], ids[0],
-                                                           self.progress_board, cache, *guard)
+        options: dict[str, Any] = {"num_cpus": task.cpus, "max_retries": 0}
+        if task.gpus:
+            options["num_gpus"] = task.gpus
+        if task.spans:
+            # the driver holds nothing; its Train workers hold the resources
+            ref = self.run_on_workers.options(num_cpus=0, max_retries=0).remote(
+                specs[0], ids[0], self.progress_board, cache, *guard,
+                workers=task.workers, cpus=task.cpus, gpus=task.gpus,
+                checkpoint=self._checkpoint(spec, trials[0]),
+                storage_path=f"{settings.checkpoint_root}/ray_train",
+                run_name=f"{ids[0]}-{trials[0].attempts}")
+        elif len(trials) == 1:
+            ref = self.run_trial.options(**options).remote(
+                specs[0], ids[0], self.progress_board, cache, *guard,
+                self._checkpoint(spec, trials[0]))
         else:
             ref = self.run_pack.options(**options).remote(specs, ids, self.progress_board,
                                                           cache, *guard)
         for i, trial in enumerate(trials):
-            self.in_flight[trial.id] = InFlight(trial, ref, spec.resources.cpus,
-                                                spec.resources.gpus,
+            self.in_flight[trial.id] = InFlight(trial, ref, task.cpus * task.workers,
+                                                task.gpus * task.workers,
                                                 member=i if len(trials) > 1 else None,
                                                 drains_before=self._drains_sent)
+
+    def _checkpoint(self, spec: SweepSpec, trial: TrialRecord) -> dict[str, Any]:
+        """The trial's checkpoint policy, as the worker takes it."""
+        c = spec.checkpoint
+        return CheckpointPolicy(
+            url=self.context.settings.checkpoint_root, key=f"{trial.sweep_id}/{trial.id}",
+            every_steps=c.every_steps, every_minutes=c.every_minutes,
+            keep_final=c.keep_final, max_sweep_bytes=c.max_sweep_gb * 1e9).to_dict()
 
     def cancel_stopped_sweeps(self) -> None:
         """Cancel the tasks in flight of every sweep a request stopped."""

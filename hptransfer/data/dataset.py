@@ -64,9 +64,11 @@ class TokenDataset:
         """Raw uint16 tokens [start, stop) of the whole stream (train split, then val split)."""
         return self._stream.read(start, stop)
 
-    def train_batch(self, step: int, batch_size: int, seq_len: int, seed: int) -> Batch:
+    def train_batch(self, step: int, batch_size: int, seq_len: int, seed: int,
+                    rows: slice | None = None) -> Batch:
         """(x, y) int64 tensors (batch_size, seq_len), y = x shifted by one. Window offsets come
-        from default_rng([seed, step]), so a batch depends only on its arguments."""
+        from default_rng([seed, step]), so a batch depends only on its arguments. `rows`: only
+        those rows of the batch are read (a data-parallel rank's part)."""
         _check_positive(batch_size=batch_size, seq_len=seq_len)
         if step < 0 or seed < 0:
             raise DataError(f"step={step} and seed={seed} must be non-negative")
@@ -79,6 +81,8 @@ class TokenDataset:
             )
         rng = np.random.default_rng([int(seed), int(step)])
         starts = rng.integers(0, self.n_train_tokens - span + 1, size=batch_size)
+        if rows is not None:
+            starts = starts[rows]
         windows = self._stream.windows(starts, span)
         self._check_ids(windows, "training batch")
         return _as_tensor(windows[:, :-1]), _as_tensor(windows[:, 1:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -225,6 +226,71 @@ class Search(SpecModel):
         return min(self.n_startup or DEFAULT_N_STARTUP, n)
 
 
+def _ray_gpus(value: float) -> float:
+    if 0 < value < RAY_RESOURCE_UNIT:
+        raise ValueError(f"give 0 or at least {RAY_RESOURCE_UNIT:g} GPU per task (Ray's "
+                         f"smallest fraction), got {value:g}")
+    return value
+
+
+MAX_WORKERS = 512  # data-parallel Ray Train workers of one trial
+MAX_SCALE_OUT_RULES = 8
+# a study's stages, in the order they run (stages.STAGE_ORDER)
+StageName = Literal["tune", "transfer", "check", "aspect_ratio"]
+
+
+@dataclass(frozen=True)
+class TaskResources:
+    """What one trial's Ray task asks for: `workers` Ray Train workers (1: a plain task) of
+    `cpus` and `gpus` each."""
+
+    workers: int
+    cpus: float
+    gpus: float
+
+    @property
+    def threads(self) -> int:
+        """Torch threads of one worker: its whole CPUs, at least one (rounding up would put
+        more threads on the cores than Ray gave, and on a shared core OpenMP's threads wait
+        on each other at every op)."""
+        return max(1, int(self.cpus))
+
+    @property
+    def spans(self) -> bool:
+        return self.workers > 1
+
+
+class ScaleOut(SpecModel):
+    """Trials this rule matches train data-parallel over `workers` Ray Train workers of
+    `cpus` and `gpus` each (DDP: NCCL on GPUs, gloo on CPUs). A rule matches a trial at or
+    above every threshold it gives (non-embedding parameters, training FLOPs) and in one of
+    its `stages` when it names some; the first matching rule wins."""
+
+    min_params: float | None = Field(None, ge=0, le=1e15)
+    min_flops: float | None = Field(None, ge=0, le=1e30)
+    stages: list[StageName] | None = Field(None, min_length=1, max_length=4)
+    workers: int = Field(ge=1, le=MAX_WORKERS)
+    cpus: float = Field(1.0, ge=RAY_RESOURCE_UNIT, le=MAX_CPUS)
+    gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: float) -> float:
+        return _ray_gpus(value)
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> ScaleOut:
+        if self.min_params is None and self.min_flops is None and self.stages is None:
+            raise ValueError("give min_params, min_flops or stages: which trials this rule "
+                             "is for (resources.workers applies to every trial)")
+        return self
+
+    def matches(self, params: float, flops: float, stage: str | None) -> bool:
+        return ((self.min_params is None or params >= self.min_params)
+                and (self.min_flops is None or flops >= self.min_flops)
+                and (self.stages is None or (stage or "tune") in self.stages))
+
+
 class Resources(SpecModel):
     """Ray resources of one task; fractions let several tasks share a GPU.
 
@@ -232,19 +298,36 @@ class Resources(SpecModel):
     trained together as one batched model in one task with these resources; `auto` picks
     the size from the shape and the device (`coordinator/packing.py`), 1 never packs. Each
     member stays its own trial. `max_concurrent` counts tasks, so a pack is one of them.
+
+    `workers` > 1: every trial trains data-parallel over that many Ray Train workers of
+    `cpus` and `gpus` each; `scale_out`: rules that give only the trials they match (large
+    shapes, a stage) their own workers and resources. A trial on more than one worker is
+    never packed.
     """
 
     cpus: float = Field(1.0, ge=RAY_RESOURCE_UNIT, le=MAX_CPUS)
     gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
     pack: Literal["auto"] | int = "auto"
+    workers: int = Field(1, ge=1, le=MAX_WORKERS)
+    scale_out: list[ScaleOut] = Field([], max_length=MAX_SCALE_OUT_RULES)
 
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, value: float) -> float:
-        if 0 < value < RAY_RESOURCE_UNIT:
-            raise ValueError(f"give 0 or at least {RAY_RESOURCE_UNIT:g} GPU per task (Ray's "
-                             f"smallest fraction), got {value:g}")
-        return value
+        return _ray_gpus(value)
+
+    def task_for(self, params: float, flops: float, stage: str | None) -> TaskResources:
+        """The resources of a trial of `params` non-embedding parameters and `flops`
+        training FLOPs in `stage` (None: a sweep without stages)."""
+        for rule in self.scale_out:
+            if rule.matches(params, flops, stage):
+                return TaskResources(rule.workers, rule.cpus, rule.gpus)
+        return TaskResources(self.workers, self.cpus, self.gpus)
+
+    @property
+    def base(self) -> TaskResources:
+        """What a trial no rule matches gets."""
+        return TaskResources(self.workers, self.cpus, self.gpus)
 
     @field_validator("pack", mode="before")
     @classmethod
@@ -257,10 +340,21 @@ class Resources(SpecModel):
 
     @property
     def threads(self) -> int:
-        """Torch threads of one task: the whole CPUs it is given, at least one (rounding up
-        would put more threads on the cores than Ray gave, and on a shared core OpenMP's
-        threads wait on each other at every op)."""
-        return max(1, int(self.cpus))
+        """Torch threads of a task with the base resources (TaskResources.threads)."""
+        return self.base.threads
+
+
+class Checkpointing(SpecModel):
+    """When a trial checkpoints (model, optimizer, schedule position, RNG, data position,
+    curve) to HPT_CHECKPOINT_URL, so a retry resumes there instead of at step 0. Every
+    `every_steps` optimizer steps and/or `every_minutes` of training; the default, every
+    10 minutes, never slows a trial of seconds. A finished trial's checkpoints are deleted
+    unless `keep_final`; no checkpoint is written past `max_sweep_gb` for the sweep."""
+
+    every_steps: int | None = Field(None, ge=1, le=10**7)
+    every_minutes: float | None = Field(10.0, gt=0, le=7 * 24 * 60)
+    keep_final: bool = False
+    max_sweep_gb: float = Field(100.0, gt=0, le=1e6)
 
 
 class Arm(SpecModel):

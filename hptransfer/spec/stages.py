@@ -18,16 +18,16 @@ the base shape, the arms) are `SweepSpec`'s.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from hptransfer.spec.trial import Depth, TokensPerParam, Width
 
 from .errors import SpecError, error
-from .sections import SpecModel
+from .sections import SpecModel, StageName
 
-STAGE_ORDER: tuple[str, ...] = ("tune", "transfer", "check", "aspect_ratio")
+STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 MAX_STAGE_SHAPES = 64  # per stage: a study is a handful of shapes, not a grid
 MAX_EXTEND = 4
 

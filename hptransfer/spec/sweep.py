@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hptransfer.models import ModelConfig, ModelConfigError
-from hptransfer.models.flops import param_counts
+from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec.data import DataSpec, val_window_problem
 from hptransfer.spec.trial import Budget, Schedule, TrialSpec
 
@@ -35,12 +35,14 @@ from .loading import read_spec_data
 from .sections import (
     MAX_ARMS,
     Arm,
+    Checkpointing,
     Fixed,
     Grid,
     Resources,
     Search,
     SpecModel,
     SweepBudget,
+    TaskResources,
 )
 from .stages import Stages
 
@@ -70,6 +72,7 @@ class SweepSpec(SpecModel):
     schedule: Schedule = Schedule()
     search: Search = Search()
     resources: Resources = Resources()
+    checkpoint: Checkpointing = Checkpointing()
     max_concurrent: int = Field(2, ge=1, le=MAX_CONCURRENT)
     retries: int = Field(2, ge=0, le=MAX_RETRIES)
     reuse: bool = True
@@ -320,6 +323,18 @@ class SweepSpec(SpecModel):
         if self.data.vocab_size:
             return self.data.vocab_size
         return self.data.bpe_vocab_size if self.data.tokenizer == "bpe" else 256
+
+    def task_resources(self, trial: TrialSpec, stage: str | None = None) -> TaskResources:
+        """What the Ray task of `trial` (a trial of this sweep, in `stage`) asks for:
+        resources.scale_out's first rule it matches, else the base resources."""
+        if not self.resources.scale_out:
+            return self.resources.base
+        cfg = trial.model_config_obj(vocab_size=self.model_vocab_size())
+        params = param_counts(cfg).non_embedding
+        tokens_per_step = trial.batch_size * trial.seq_len
+        steps = trial.budget.steps_for(tokens_per_step, params)
+        flops = float(steps) * tokens_per_step * flops_per_token(cfg, trial.seq_len).training
+        return self.resources.task_for(params, flops, stage)
 
     def _non_embedding_params(self, arm: Arm, width: int, depth: int, head_dim: int) -> int:
         cfg = ModelConfig(

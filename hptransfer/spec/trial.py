@@ -242,6 +242,11 @@ class TrialResult(BaseModel):
     spec_hash: str | None = None
     error: str | None = None
     notes: list[str] = []
+    # resumed from a checkpoint: the steps it had done, and the tokens an earlier attempt
+    # had trained past it (trained again by this one)
+    resumed_from_step: int | None = None
+    retrained_tokens: int = 0
+    workers: int = 1  # data-parallel workers it trained on
 
     @field_validator("status")
     @classmethod

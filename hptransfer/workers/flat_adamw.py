@@ -93,3 +93,20 @@ class FlatAdamW:
             denom.div_(bias_correction2**0.5)
             denom.add_(eps)
             flat.flat.addcdiv_(flat.exp_avg, denom, value=step_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The moments and step count of each group (for a checkpoint; the LRs are set from
+        the schedule every step, the parameters come with the model)."""
+        return {"groups": [{"steps": f.steps, "exp_avg": f.exp_avg.clone(),
+                            "exp_avg_sq": f.exp_avg_sq.clone()} for f in self._flat]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["groups"]
+        if len(saved) != len(self._flat) or any(
+                s["exp_avg"].shape != f.exp_avg.shape for s, f in zip(saved, self._flat,
+                                                                      strict=False)):
+            raise ValueError("the checkpoint's optimizer state is for another model")
+        for s, f in zip(saved, self._flat, strict=True):
+            f.steps = int(s["steps"])
+            f.exp_avg.copy_(s["exp_avg"])  # in place: the per-parameter views stay valid
+            f.exp_avg_sq.copy_(s["exp_avg_sq"])

@@ -63,10 +63,14 @@ class Progress:
 
 
 def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable,
-                 train_time: float, started: float, notes: list[str]) -> TrialResult:
+                 train_time: float, started: float, notes: list[str],
+                 resumed_from: int | None = None, retrained: int = 0,
+                 workers: int = 1) -> TrialResult:
     spec, status = plan.spec, progress.status
     tokens = progress.steps_done * plan.tokens_per_step
-    tokens_per_s = tokens / train_time if train_time > 0 else 0.0
+    # this attempt's speed: the steps it trained itself (from the checkpoint on)
+    trained_here = (progress.steps_done - (resumed_from or 0)) * plan.tokens_per_step
+    tokens_per_s = trained_here / train_time if train_time > 0 else 0.0
     fpt = plan.flops.training
     peak = peak_flops(plan.device)
     return TrialResult(
@@ -89,6 +93,9 @@ def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable,
         data_hash=plan.data.content_hash,
         spec_hash=spec.content_hash(),
         notes=plan.notes + notes,
+        resumed_from_step=resumed_from,
+        retrained_tokens=retrained * plan.tokens_per_step,
+        workers=workers,
     )
 
 

@@ -19,13 +19,14 @@ from typing import Any
 
 from hptransfer.spec.trial import TrialResult
 
+from .checkpoints import CheckpointPolicy
 from .trainer import run_trial, run_trials
 
 log = logging.getLogger(__name__)
 _REPORT_TIMEOUT_S = 5.0
 
 
-def _channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bool]:
+def progress_channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bool]:
     """report(trial_id, metrics) -> stop requested; after one failure it stops reporting."""
     import ray
 
@@ -46,7 +47,7 @@ def _channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bool]:
     return report
 
 
-def _out(result: TrialResult) -> dict[str, Any]:
+def result_payload(result: TrialResult) -> dict[str, Any]:
     import ray
 
     out = result.model_dump(mode="json")
@@ -59,13 +60,16 @@ def _out(result: TrialResult) -> dict[str, Any]:
 def execute_trial(
     spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None,
     roots: list[str] | None = None, data_hash: str | None = None,
+    checkpoint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`roots`, `data_hash`: the server's data roots and the sweep's data hash, which the
-    worker checks again (plan.load_trial_data)."""
-    report = _channel(progress)
+    worker checks again (plan.load_trial_data). `checkpoint`: a CheckpointPolicy's fields
+    (the trial checkpoints, and resumes from its latest checkpoint)."""
+    report = progress_channel(progress)
     result = run_trial(spec, reporter=lambda m: report(trial_id, m), cache_dir=cache_dir,
-                       roots=roots, data_hash=data_hash)
-    return _out(result)
+                       roots=roots, data_hash=data_hash,
+                       checkpoints=CheckpointPolicy(**checkpoint) if checkpoint else None)
+    return result_payload(result)
 
 
 def execute_trials(
@@ -75,13 +79,13 @@ def execute_trials(
     """One result per spec, in order (members of one shape, trained packed). A pack split
     for memory delivers each group's results to `progress` as the group finishes, so they
     outlive this task should it die training a later group."""
-    report = _channel(progress)
+    report = progress_channel(progress)
 
     def deliver(i: int, result: TrialResult) -> None:
         import ray
 
         try:  # waited for: delivered before the next group can take the worker down
-            ray.get(progress.deliver.remote(trial_ids[i], _out(result)),
+            ray.get(progress.deliver.remote(trial_ids[i], result_payload(result)),
                     timeout=_REPORT_TIMEOUT_S)
         except Exception as exc:  # the return value still carries it
             log.warning("could not deliver trial %s's result early: %s", trial_ids[i], exc)
@@ -89,4 +93,4 @@ def execute_trials(
     results = run_trials(specs, reporter=lambda i, m: report(trial_ids[i], m),
                          cache_dir=cache_dir, on_result=deliver if progress else None,
                          roots=roots, data_hash=data_hash)
-    return [_out(r) for r in results]
+    return [result_payload(r) for r in results]

@@ -16,6 +16,7 @@ AdamW's numbers to the bit, a few ops per parameter group rather than per parame
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -28,11 +29,14 @@ from hptransfer.models.build import build_from_config
 from hptransfer.models.parameterization import optimizer_groups
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
+from .checkpoints import CheckpointPolicy, TrialCheckpoints
 from .compiling import Compiled, eager_if_backward_fails
+from .data_parallel import DataParallel
 from .device import autocast, reading_back_is_free, to_device
 from .flat_adamw import FlatAdamW
 from .outcome import Progress, failed_result, trial_result
 from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
+from .preemption import Preempted, preemption
 from .subnormals import subnormals_flushed
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
@@ -49,9 +53,13 @@ def run_trial(
     cache_dir: str | None = None,
     roots: Sequence[str] | None = None,
     data_hash: str | None = None,
+    checkpoints: CheckpointPolicy | None = None,
+    parallel: DataParallel | None = None,
 ) -> TrialResult:
     """Train `spec` to its budget. Never raises for training problems: the status says.
-    `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data)."""
+    `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data). `checkpoints`: where
+    and how often to checkpoint, and resume from the latest one (checkpoints.py).
+    `parallel`: this process's rank of a data-parallel trial (data_parallel.py)."""
     started = time.perf_counter()
     progress = Progress()
     try:
@@ -59,16 +67,18 @@ def run_trial(
         prepare_process(spec)  # threads, subnormals, malloc: before anything is allocated
         data = load_trial_data(spec, cache_dir, roots, data_hash)
         plan = plan_trial(spec, data)  # device, precision, batches, steps, eval points
-        return _train(plan, reporter, progress, started)
+        return _train(plan, reporter, progress, started, checkpoints, parallel)
     except Exception as exc:
         return failed_result(spec, exc, started, progress.curve)
 
 
-def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress,
-           started: float) -> TrialResult:
-    """Build the model and its optimizer, train them to the plan's end (or a stop), and
-    return the result."""
+def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, started: float,
+           policy: CheckpointPolicy | None = None,
+           parallel: DataParallel | None = None) -> TrialResult:
+    """Build the model and its optimizer (from the latest checkpoint, if any), train them
+    to the plan's end (or a stop), and return the result."""
     spec, data, device = plan.spec, plan.data, plan.device
+    leads = parallel is None or parallel.leads
     # ---- model and optimizer
     built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
                               device=device)
@@ -78,36 +88,57 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress,
     opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
            else FlatAdamW(groups, betas=betas))
     notes: list[str] = []
-    model = Compiled(built.model, device, notes, "model", work_flops=plan.training_flops)
+    checkpoints = TrialCheckpoints(policy, notes) if policy is not None else None
+    resume, retrained = _resume(checkpoints, built.model, opt, progress, notes)
+    # the optimizer first: FlatAdamW re-points the parameters, DDP then registers them
+    trained = built.model if parallel is None else parallel.wrap(built.model, device)
+    model = Compiled(trained, device, notes, "model", work_flops=plan.training_flops)
     params = list(built.model.parameters())
+    rows = None if parallel is None else parallel.rows(plan.batch_size)
+    share = 1.0 if parallel is None else parallel.share(plan.batch_size)
 
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """A step's loss, its gradient accumulated over micro-batches in .grad."""
+        """A step's loss, its gradient accumulated over micro-batches in .grad (a data-
+        parallel rank's weighted so that DDP's average is the global batch's)."""
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
-        for xs, ys, weight in plan.micro_batches(x, y):
-            with autocast(device, plan.bf16):
+        pieces = plan.micro_batches(x, y)
+        for i, (xs, ys, weight) in enumerate(pieces):
+            # DDP all-reduces once per step, with the last micro-batch's backward
+            with _no_sync(trained, i < len(pieces) - 1), autocast(device, plan.bf16):
                 logits = model(xs)
             part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
-            if weight != 1.0:
-                part = part * weight
-            part.backward()
+            if weight * share != 1.0:
+                part = part * (weight * share)
+            with _no_sync(trained, i < len(pieces) - 1):
+                part.backward()
             loss += part.detach()
         return loss
 
     def record(step: int, evaluating: bool) -> None:
         """The curve point after `step`, with the validation loss where `evaluating`; the
-        reporter hears it and may stop the trial (pruned) before its last step."""
+        reporter hears it and may stop the trial (pruned) before its last step. With data
+        parallelism rank 0 evaluates and decides, and every rank takes its answer."""
         point = plan.point(step, progress.train_loss)
-        if evaluating:
+        stop = False
+        if evaluating and leads:
             built.model.eval()
-            progress.val_loss = evaluate(model, plan)
+            progress.val_loss = evaluate(built.model if parallel else model, plan)
             built.model.train()
-            point["val_loss"] = progress.val_loss
-            if not math.isfinite(progress.val_loss):
-                progress.status = "diverged"
+        if leads:
+            if evaluating:
+                point["val_loss"] = progress.val_loss
+            stop = bool(reporter is not None and reporter(dict(point)))
+        if parallel is not None:
+            val, flag = parallel.from_leader(
+                [progress.val_loss if evaluating and leads else math.nan, float(stop)],
+                device)
+            if evaluating:
+                progress.val_loss = point["val_loss"] = val
+            stop = bool(flag)
+        if evaluating and not math.isfinite(progress.val_loss):
+            progress.status = "diverged"
         progress.curve.append(point)
-        stop = reporter is not None and reporter(dict(point))
         if stop and progress.running and step + 1 < plan.total_steps:
             progress.status = "pruned"
 
@@ -115,39 +146,99 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress,
     pending_steps: list[int] = []
     pending_losses: list[torch.Tensor] = []
     t_train = time.perf_counter()
-    for step in range(plan.total_steps):
-        factor = plan.factor(step)
-        for g in opt.param_groups:
-            g["lr"] = g["initial_lr"] * factor
-        x, y = data.train_batch(step, plan.batch_size, spec.seq_len, spec.seed)
-        x, y = to_device(x, device), to_device(y, device)
-        loss = eager_if_backward_fails(model, gradients, x, y)
-        if spec.grad_clip:
-            clip_gradients(params, spec.grad_clip)
-        opt.step()
-        built.after_step()
-        pending_steps.append(step)
-        pending_losses.append(loss)
+    with preemption() as preempted:
+        for step in range(resume, plan.total_steps):
+            factor = plan.factor(step)
+            for g in opt.param_groups:
+                g["lr"] = g["initial_lr"] * factor
+            x, y = data.train_batch(step, plan.batch_size, spec.seq_len, spec.seed, rows)
+            x, y = to_device(x, device), to_device(y, device)
+            loss = eager_if_backward_fails(model, gradients, x, y)
+            if spec.grad_clip:
+                clip_gradients(params, spec.grad_clip)
+            opt.step()
+            built.after_step()
+            pending_steps.append(step)
+            pending_losses.append(loss)
 
-        done = step + 1
-        if not plan.is_sync_step(done):
-            continue
-        # one device->host transfer for every step since the last sync; a diverged step
-        # ends the trial there (later steps' updates are discarded with the model)
-        progress.absorb(plan, pending_steps, torch.stack(pending_losses).tolist())
-        pending_steps, pending_losses = [], []
-        if not progress.running or done == plan.total_steps:
-            break  # the last step's point comes with the final evaluation, below
-        if plan.is_curve_step(done) or plan.is_eval_step(done):
-            record(step, evaluating=plan.is_eval_step(done))
-            if not progress.running:
-                break
+            done = step + 1
+            checkpoint_due = checkpoints is not None and checkpoints.step_is_due(done)
+            if not (plan.is_sync_step(done) or checkpoint_due or preempted()):
+                continue
+            # one device->host transfer for every step since the last sync; a diverged step
+            # ends the trial there (later steps' updates are discarded with the model)
+            losses = torch.stack(pending_losses)
+            if parallel is not None:
+                losses = parallel.mean_losses(losses)
+            progress.absorb(plan, pending_steps, losses.tolist())
+            pending_steps, pending_losses = [], []
+            if not progress.running or done == plan.total_steps:
+                break  # the last step's point comes with the final evaluation, below
+            if checkpoints is not None and leads:
+                checkpoints.mark_reached(done)
+            if plan.is_curve_step(done) or plan.is_eval_step(done):
+                record(step, evaluating=plan.is_eval_step(done))
+                if not progress.running:
+                    break
+            if checkpoints is not None and leads:
+                if checkpoints.due(done) or preempted():
+                    checkpoints.save(done, _state(done, built.model, opt, progress))
+            if preempted():
+                raise Preempted(f"stopped by SIGTERM after step {done}, checkpointed")
 
     # ---- the final evaluation, unless the trial stopped early
     if progress.running:
         record(plan.total_steps - 1, evaluating=True)
+    if checkpoints is not None and leads:
+        checkpoints.finish()
     return trial_result(plan, progress, table=built.table,
-                        train_time=time.perf_counter() - t_train, started=started, notes=notes)
+                        train_time=time.perf_counter() - t_train, started=started,
+                        notes=notes, resumed_from=resume or None, retrained=retrained,
+                        workers=1 if parallel is None else parallel.world)
+
+
+def _no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+    """DDP's no_sync() for a micro-batch whose gradient is not yet the step's whole."""
+    return model.no_sync() if skip and hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def _state(done: int, model: torch.nn.Module, opt: Any, progress: Progress) -> dict[str, Any]:
+    """Everything the loop needs to go on after `done` steps exactly as if never stopped:
+    the data position is the step (a batch depends only on seed and step)."""
+    return {
+        "steps_done": done,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "progress": {"steps_done": progress.steps_done, "initial_loss": progress.initial_loss,
+                     "train_loss": progress.train_loss, "val_loss": progress.val_loss,
+                     "curve": progress.curve},
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _resume(checkpoints: TrialCheckpoints | None, model: torch.nn.Module, opt: Any,
+            progress: Progress, notes: list[str]) -> tuple[int, int]:
+    """Load the latest complete checkpoint into the model, optimizer and progress: the
+    steps it had done (0: start from scratch), and how many steps past it an earlier
+    attempt had got to (trained again now)."""
+    found = checkpoints.latest() if checkpoints is not None else None
+    if found is None:
+        return 0, 0
+    done, state = found
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    saved = state["progress"]
+    progress.steps_done, progress.initial_loss = saved["steps_done"], saved["initial_loss"]
+    progress.train_loss, progress.val_loss = saved["train_loss"], saved["val_loss"]
+    progress.curve = list(saved["curve"])
+    torch.set_rng_state(state["rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    retrained = max(0, checkpoints.reached() - done)
+    notes.append(f"resumed from the checkpoint after step {done} (an earlier attempt had "
+                 f"reached step {done + retrained})")
+    return done, retrained
 
 
 @torch.no_grad()
