@@ -247,10 +247,25 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+@command("plan")
+def cmd_plan(a: argparse.Namespace) -> int:
+    with _client(a) as c:
+        plan = c.plan(a.spec, cpus=a.cpus, gpus=a.gpus, calibrate=a.calibrate)
+    if a.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    print(plan["text"])
+    ceiling = plan.get("ceiling") or {}
+    if ceiling.get("exceeded"):
+        print(f"over the server's HPT_MAX_SWEEP_DEVICE_HOURS={ceiling['device_hours']:g}: "
+              "`hpt submit` needs --confirm-cost")
+    return 0
+
+
 @command("submit")
 def cmd_submit(a: argparse.Namespace) -> int:
     with _client(a) as c:
-        s = c.submit(a.spec)
+        s = c.submit(a.spec, confirm_cost=a.confirm_cost)
         # flushed: a script reading the output through a pipe learns the id before the wait
         print(f"submitted sweep {s['id']} ({s['total']} trials)", flush=True)
         if not a.wait:
@@ -422,11 +437,26 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sweep_commands(sub: _Commands) -> None:
-    """The API client's commands on sweeps: submit, status, trials, fits, cancel."""
+    """The API client's commands on sweeps: plan, submit, status, trials, fits, cancel."""
+    p = sub.add_parser("plan", help="price a sweep spec on the server's cluster (trials, "
+                       "FLOPs, memory, device-hours, wall time per stage); queues nothing")
+    p.add_argument("spec")
+    p.add_argument("--cpus", type=float, default=None,
+                   help="plan for a cluster of this many CPUs (default: the server's)")
+    p.add_argument("--gpus", type=float, default=None,
+                   help="plan for a cluster of this many GPUs (default: the server's)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the throughput again instead of the cached figures")
+    p.add_argument("--json", action="store_true")
+    _add_client_args(p)
+
     p = sub.add_parser("submit", help="submit a sweep spec (YAML or JSON file)")
     p.add_argument("spec")
     p.add_argument("--wait", action="store_true",
                    help="wait with a progress bar; exit 1 unless the sweep completes")
+    p.add_argument("--confirm-cost", action="store_true",
+                   help="queue it even if its estimate (`hpt plan`) exceeds the server's "
+                        "HPT_MAX_SWEEP_DEVICE_HOURS")
     _add_client_args(p)
 
     p = sub.add_parser("status", help="one sweep, or all")

@@ -90,9 +90,28 @@ class Client:
         return r.json()
 
     # sweeps --------------------------------------------------------------------------
-    def submit(self, spec: Any) -> dict[str, Any]:
-        """Submit a SweepSpec, a dict, a path to a YAML/JSON file, or YAML/JSON text."""
-        return self._call("POST", "/sweeps", json=_as_dict(spec))
+    def submit(self, spec: Any, confirm_cost: bool = False) -> dict[str, Any]:
+        """Submit a SweepSpec, a dict, a path to a YAML/JSON file, or YAML/JSON text.
+        `confirm_cost`: queue it even if its estimate (`plan`) exceeds the server's
+        HPT_MAX_SWEEP_DEVICE_HOURS (else that is an ApiError naming `confirm_cost`)."""
+        params = {"confirm_cost": "true"} if confirm_cost else None
+        return self._call("POST", "/sweeps", json=_as_dict(spec), params=params)
+
+    def plan(self, spec: Any, cpus: float | None = None, gpus: float | None = None,
+             calibrate: bool = False) -> dict[str, Any]:
+        """What the sweep would cost on the server's cluster (or on one of `cpus` and
+        `gpus`), queueing nothing: per stage and in `total`, trials, tokens, FLOPs, peak
+        memory per worker, workers per trial, device-hours and wall time; `throughput` says
+        where the seconds per trial came from, `text` is the table `hpt plan` prints.
+        `calibrate`: measure the throughput again."""
+        params: dict[str, Any] = {"dry_run": "true"}
+        if cpus is not None:
+            params["cpus"] = cpus
+        if gpus is not None:
+            params["gpus"] = gpus
+        if calibrate:
+            params["calibrate"] = "true"
+        return self._call("POST", "/sweeps", json=_as_dict(spec), params=params)
 
     def get(self, sweep_id: str) -> dict[str, Any]:
         return self._call("GET", f"/sweeps/{_path_id(sweep_id)}")

@@ -76,7 +76,9 @@ def test_a_sweep_past_the_default_flops_ceiling_is_refused(hpt_home, monkeypatch
     spec["grid"]["seeds"] = list(range(10))  # each trial as before, 5x the trials
     errors = refusals(spec)
     assert [e["field"] for e in errors] == ["grid"], errors
-    assert errors[0]["message"].startswith("sweep too large: its 960 trials (at most) train")
+    # 960 by SweepSpec.trial_count, which counts the check bracket's 0 at its ladder shape
+    # (1024x16): that is the ladder's own trial, never trained twice
+    assert errors[0]["message"].startswith("sweep too large: its 930 trials (at most) train")
     assert ("exceeds the server's ceiling of 1e+22 FLOPs per sweep on a GPU (raise it with "
             "HPT_MAX_SWEEP_FLOPS on the server)") in errors[0]["message"]
     monkeypatch.setenv("HPT_MAX_SWEEP_FLOPS", "1e23")
@@ -90,8 +92,15 @@ def test_a_sweep_past_the_default_flops_ceiling_is_refused(hpt_home, monkeypatch
 def test_every_example_is_admitted_and_counted_shape_by_shape(hpt_home, path):
     spec = load_spec(yaml.safe_load(path.read_text()))
     admit(spec, get_settings())
-    # the sweep's FLOPs count every trial it can plan: the spec's own count, shape by shape
-    assert sum(trials_per_shape(spec).values()) * len(spec.arms) == spec.trial_count()
+    # the sweep's FLOPs count every trial it can plan: the spec's own count, shape by shape,
+    # less the check bracket's 0 at a ladder shape (the ladder's trial, which trial_count
+    # counts twice)
+    st, seeds = spec.stages, len(spec.grid.seeds)
+    twice = 0 if st is None or st.check is None else seeds * sum(
+        len(st.check.log2_offsets) - len(st.lr_offsets("check", s))
+        for s in st.shapes_of("check"))
+    assert sum(trials_per_shape(spec).values()) * len(spec.arms) == (
+        spec.trial_count() - twice * len(spec.arms))
     assert {c.trials for c in trial_costs(spec)} <= set(trials_per_shape(spec).values())
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, TypeAdapter, WithJsonSchema
 
 from hptransfer.contracts.filters import TrialFilters
 from hptransfer.contracts.status import HealthState, TrialStatus
 from hptransfer.coordinator.service import UnknownArm
+from hptransfer.jsonsafe import json_safe
 from hptransfer.models.config import MAX_DEPTH, MAX_WIDTH
 from hptransfer.spec.cache import MAX_PAGE
 from hptransfer.spec.stages import STAGE_ORDER
@@ -18,7 +20,15 @@ from hptransfer.spec.trial import MAX_SEED, MAX_SIGMA
 from .auth import require_token
 from .guards import StrictJSONRoute, require_json
 from .reads import check_bootstrap, require_reader, trusted
-from .schemas import EXAMPLE_SPEC, FitReport, Health, SweepSummary, TrialPage, errors
+from .schemas import (
+    EXAMPLE_SPEC,
+    FitReport,
+    Health,
+    SweepPlan,
+    SweepSummary,
+    TrialPage,
+    errors,
+)
 
 # trials a page holds with their curves (a point per evaluation each)
 MAX_CURVE_PAGE = 100
@@ -72,8 +82,10 @@ def health(request: Request, deep: bool = False) -> Any:
 
 
 @router.post("/sweeps", status_code=201, response_model=SweepSummary,
-             responses=errors(*MUTATION_ERRORS, 422, busy=True), dependencies=MUTATION,
-             tags=["sweeps"])
+             responses={200: {"model": SweepPlan, "description": "`dry_run=true`: the "
+                              "sweep's price; nothing queued or stored"},
+                        **errors(*MUTATION_ERRORS, 422, busy=True)},
+             dependencies=MUTATION, tags=["sweeps"])
 def submit_sweep(
     request: Request,
     # read as any JSON object and validated by the coordinator (field-named errors,
@@ -86,12 +98,31 @@ def submit_sweep(
         alias="Idempotency-Key", description="Retry-safe submit: the same key and body within "
         "24 h answer the sweep the first request made; the key with another body is a 422")
     ] = None,
-) -> dict[str, Any]:
+    dry_run: Annotated[bool, Query(description="price the sweep (`hpt plan`): trials, "
+                                   "tokens, FLOPs, memory per worker, device-hours and wall "
+                                   "time per stage; nothing is queued or stored")] = False,
+    confirm_cost: Annotated[bool, Query(description="queue a sweep whose estimate exceeds "
+                                        "HPT_MAX_SWEEP_DEVICE_HOURS")] = False,
+    cpus: Annotated[float | None, Query(gt=0, le=1e6, description="dry_run: plan for a "
+                                        "cluster of this many CPUs (default: this one's)")
+                    ] = None,
+    gpus: Annotated[float | None, Query(ge=0, le=1e6, description="dry_run: plan for a "
+                                        "cluster of this many GPUs (default: this one's)")
+                    ] = None,
+    calibrate: Annotated[bool, Query(description="dry_run: measure the throughput again "
+                                     "(a CPU micro-run) instead of the cached one")] = False,
+) -> Any:
     """Validate a sweep spec (JSON body), expand it and store every trial in one transaction.
+    `dry_run=true`: its price instead (200, nothing stored). A sweep priced above
+    HPT_MAX_SWEEP_DEVICE_HOURS is a 422 naming `confirm_cost` unless `confirm_cost=true`.
 
     A sync route, so FastAPI runs it in its threadpool: loading the data (hashing shards,
     tokenizing the corpus) never blocks the event loop."""
-    return coordinator(request).submit(spec, idempotency_key=idempotency_key)
+    if dry_run:
+        plan = coordinator(request).plan(spec, cpus=cpus, gpus=gpus, calibrate=calibrate)
+        return JSONResponse(json_safe(plan), status_code=200)
+    return coordinator(request).submit(spec, idempotency_key=idempotency_key,
+                                       confirm_cost=confirm_cost)
 
 
 @router.get("/sweeps", response_model=list[SweepSummary],

@@ -100,6 +100,45 @@ class SweepSummary(BaseModel):
     mlflow_synced_status: str | None = None
 
 
+class PlanRow(BaseModel):
+    """One stage's price (or the total's): every figure at the most it can reach."""
+
+    model_config = ConfigDict(extra="allow")
+
+    stage: str | None = None
+    trials: int = Field(description="at most, with every extension round")
+    planned: int = Field(description="without extension rounds")
+    tokens: float
+    flops: float = Field(description="analytic training FLOPs, summed over the trials")
+    peak_memory_per_worker_gb: float
+    workers_per_trial: list[int]
+    device_hours: float = Field(description="GPU-hours (CPU-hours on a CPU sweep)")
+
+
+class SweepPlan(BaseModel):
+    """`POST /sweeps?dry_run=true`: what the sweep would cost on this cluster; nothing is
+    queued. `throughput` says where the seconds per trial came from (this cluster's
+    trials, a micro-run, or a GPU's peak FLOP/s x a stated MFU)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    device: str
+    unit: str
+    stages: list[PlanRow]
+    total: dict[str, Any] = Field(description="a PlanRow plus wall_s (at most) and "
+                                  "wall_s_planned (without extension rounds); null wall "
+                                  "times: the trials cannot run on this cluster")
+    rounds: list[dict[str, Any]]
+    throughput: dict[str, Any]
+    cluster: dict[str, Any]
+    ceiling: dict[str, Any] = Field(description="HPT_MAX_SWEEP_DEVICE_HOURS and whether "
+                                    "the estimate exceeds it (then submit needs "
+                                    "confirm_cost=true)")
+    warnings: list[str] = []
+    text: str = Field(description="the plan as `hpt plan` prints it")
+
+
 def _trial_model() -> type[BaseModel]:
     """`Trial`, the body of one trial: TrialRecord's fields (their one definition) with the
     status as its enum, then `reused`; a field that may be None may also be left out."""

@@ -28,6 +28,7 @@ from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .gate import Busy, Gate, half_the_cores
 from .plan import plan_shapes, plan_sweep, spec_hash
+from .pricing import cluster_now, cost_message, may_exceed, price
 from .study import initial_state, study_progress
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,24 @@ class Coordinator:
             self.mirror.stop()  # one last pass, so MLflow shows the final state
 
     # operations ----------------------------------------------------------------------
+    def plan(self, source: SweepSpec | dict | str, cpus: float | None = None,
+             gpus: float | None = None, calibrate: bool = False) -> dict[str, Any]:
+        """The sweep's price (`pricing.price`) on this cluster, or on one of `cpus` and
+        `gpus`; nothing is stored. `calibrate`: measure the throughput again."""
+        spec = load_spec(source, max_trials=self.settings.max_trials)
+        plan = price(spec, self.settings, self.store, cluster_now(cpus, gpus), calibrate)
+        plan["ceiling"] = self._ceiling(plan)
+        return plan
+
+    def _ceiling(self, plan: dict[str, Any]) -> dict[str, Any]:
+        limit = self.settings.max_sweep_device_hours
+        hours = plan["total"]["device_hours"]
+        return {"device_hours": limit, "exceeded": hours > limit,
+                "message": cost_message(plan, limit) if hours > limit else None}
+
     def submit(self, source: SweepSpec | dict | str,
-               idempotency_key: str | None = None) -> dict[str, Any]:
+               idempotency_key: str | None = None,
+               confirm_cost: bool = False) -> dict[str, Any]:
         """Validate, admit, plan and store a sweep. Everything that can refuse it runs before
         the one transaction that stores the sweep with all its trials, so a refused (or
         failing) submission leaves nothing behind.
@@ -119,13 +136,14 @@ class Coordinator:
         With an `idempotency_key` (the Idempotency-Key header), a submit the key already
         made with the same body (within IDEMPOTENCY_WINDOW_S, across restarts and servers)
         answers that sweep's summary instead of storing another; the key used with another
-        body is a SpecError naming the header."""
+        body is a SpecError naming the header. A sweep priced above
+        HPT_MAX_SWEEP_DEVICE_HOURS is a SpecError naming `confirm_cost` unless it is set."""
         claim = idempotency(idempotency_key, source) if idempotency_key is not None else None
         try:
             earlier = self.store.submitted_sweep(*claim) if claim is not None else None
             if earlier is not None:
                 return self.summary(earlier)  # a retry: nothing to validate or plan again
-            sweep_id = self._store_sweep(source, claim)
+            sweep_id = self._store_sweep(source, claim, confirm_cost)
         except IdempotencyConflict as exc:
             raise SpecError([{"field": IDEMPOTENCY_HEADER, "message": str(exc)}]) from None
         if self.dispatcher:
@@ -135,11 +153,17 @@ class Coordinator:
         return self.summary(sweep_id)
 
     def _store_sweep(self, source: SweepSpec | dict | str,
-                     claim: tuple[str, str] | None) -> str:
-        """Validate, admit and plan the spec, then store it: the new sweep's id (or, with
-        `claim`, the id of the sweep an identical submit racing this one stored)."""
+                     claim: tuple[str, str] | None, confirm_cost: bool = False) -> str:
+        """Validate, admit, price and plan the spec, then store it: the new sweep's id (or,
+        with `claim`, the id of the sweep an identical submit racing this one stored)."""
         spec = load_spec(source, max_trials=self.settings.max_trials)
-        admit(spec, self.settings)
+        costs = admit(spec, self.settings)
+        limit = self.settings.max_sweep_device_hours
+        if not confirm_cost and may_exceed(spec, costs, limit):
+            plan = price(spec, self.settings, self.store, cluster_now())
+            if plan["total"]["device_hours"] > limit:
+                raise SpecError([{"field": "confirm_cost",
+                                  "message": cost_message(plan, limit)}])
         stored_spec = storable(spec)
         data_hash = self._data_hash(spec)
         optuna = spec.search.method == "optuna"

@@ -1,0 +1,252 @@
+"""How fast trials run on this cluster: the throughput a plan (`pricing.py`) prices with.
+
+A trial of `steps` optimizer steps of `passes` forward/backward passes each, at depth L,
+training F FLOPs on one worker, takes
+
+    seconds = overhead_s + steps x passes x L x layer_pass_s + F / flops_per_s
+
+(a fixed cost per trial: building the model, loading its data, evaluating; a cost per layer
+and pass that no FLOP count sees: kernel launches, the optimizer's per-tensor work, Python;
+and the FLOPs at the achieved rate). On W data-parallel workers the compute divides by
+W x DDP_EFFICIENCY. The three coefficients come from, in order:
+
+1. ``store``: the completed trials this cluster trained (not reused, not packed) on the same
+   kind of device with the sweep's threads, sequence length and head size, fitted by
+   non-negative least squares when there are MIN_TRIALS of them;
+2. ``micro-run``: a few short trials of the sweep's own settings on this host's CPU
+   (CPU sweeps only), measured once and cached under $HPT_HOME/calibration;
+3. ``peak x MFU``: the GPU's peak bf16 FLOP/s (by its Ray accelerator type, else assumed
+   ASSUMED_GPU) at DEFAULT_MFU (GPU sweeps with nothing measured).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hptransfer.spec import SweepSpec
+from hptransfer.spec.trial import TrialSpec, sequences_per_pass
+
+MIN_TRIALS = 8  # completed trials a store fit needs (3 coefficients, and some to spare)
+STORE_TRIALS = 500  # the most recent completed trials read for a fit
+DEFAULT_MFU = 0.35  # a dense GPT at these sizes, bf16, compiled: 0.3-0.45 where measured
+ASSUMED_GPU = "H100"  # priced against when the cluster names no GPU
+DDP_EFFICIENCY = 0.9  # data-parallel compute per worker against one process (not measured)
+MICRO_STEPS = 24  # optimizer steps of each micro-run trial
+CACHE_DAYS = 7.0  # a micro-run older than this is measured again
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Seconds per trial on one worker (module docstring), and where the figures came from."""
+
+    device: str  # "cpu" or "gpu"
+    source: str  # "store", "micro-run" or "peak x MFU"
+    detail: str  # the source in words, for the plan's output
+    flops_per_s: float
+    layer_pass_s: float = 0.0
+    overhead_s: float = 0.0
+
+    def seconds(self, flops: float, steps: int, passes: int, depth: int,
+                workers: int = 1) -> float:
+        """One trial's wall time on `workers` data-parallel workers."""
+        rate = self.flops_per_s * (workers * DDP_EFFICIENCY if workers > 1 else 1.0)
+        return self.overhead_s + steps * passes * depth * self.layer_pass_s + flops / rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def passes_per_step(batch_size: int, micro_batch_size: int | None, workers: int = 1) -> int:
+    """Forward/backward passes one worker makes per optimizer step (micro-batches of its
+    rows of the batch)."""
+    rows = math.ceil(batch_size / workers)
+    return math.ceil(rows / sequences_per_pass(rows, micro_batch_size))
+
+
+def fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float] | None:
+    """(overhead_s, layer_pass_s, flops_per_s) from (seconds, steps x passes x depth, FLOPs)
+    per trial, by non-negative least squares weighted by 1/seconds (each trial's relative
+    error counts alike, so the many short trials do not lose to the few long ones); None
+    when the FLOPs get no positive rate."""
+    from scipy.optimize import nnls
+
+    y = np.array([r[0] for r in rows], dtype=float)
+    x = np.array([[1.0, r[1], r[2]] for r in rows], dtype=float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / y
+    coef, _ = nnls((x / scale) * w[:, None], y * w)
+    coef = coef / scale
+    if coef[2] <= 0:
+        return None
+    return float(coef[0]), float(coef[1]), float(1.0 / coef[2])
+
+
+def settings_key(spec: SweepSpec, device: str) -> dict[str, Any]:
+    """What a measurement must share with the sweep to price it: the device kind, the
+    torch threads of a task, the sequence length, head size and precision."""
+    f = spec.fixed
+    return {"device": device, "threads": spec.resources.threads, "seq_len": f.seq_len,
+            "head_dim": f.head_dim, "precision": f.precision if device == "gpu" else "fp32"}
+
+
+def from_store(store: Any, spec: SweepSpec, device: str) -> Throughput | None:
+    """A fit to the completed trials this cluster trained with the sweep's settings."""
+    from sqlalchemy import select
+
+    from hptransfer.store.schema import Trial
+
+    key = settings_key(spec, device)
+    stmt = (select(Trial.spec, Trial.result, Trial.wall_time_s, Trial.flops)
+            .where(Trial.status == "completed", Trial.reused_from.is_(None),
+                   Trial.wall_time_s > 0, Trial.flops > 0)
+            .order_by(Trial.finished_at.desc()).limit(STORE_TRIALS))
+    rows = []
+    with store.engine.connect() as conn:
+        for trial_spec, result, seconds, flops in conn.execute(stmt):
+            result = result or {}
+            if any(n.startswith("trained packed") for n in result.get("notes") or []):
+                continue  # a pack's members share its time: not one trial's
+            kind = "gpu" if str(result.get("device", "cpu")).startswith("cuda") else "cpu"
+            try:
+                trial = TrialSpec.model_validate(trial_spec)
+            except ValueError:
+                continue  # a row of an older schema
+            workers = int(result.get("workers") or 1)
+            seen = {"device": kind, "threads": trial.num_threads, "seq_len": trial.seq_len,
+                    "head_dim": trial.head_dim,
+                    "precision": trial.precision if kind == "gpu" else "fp32"}
+            if seen != key:
+                continue
+            steps = int(result.get("steps") or 0)
+            passes = passes_per_step(trial.batch_size, trial.micro_batch_size, workers)
+            layer_passes = steps * passes * trial.depth
+            eff = workers * DDP_EFFICIENCY if workers > 1 else 1.0
+            rows.append((float(seconds), float(layer_passes), float(flops) / eff))
+    if len(rows) < MIN_TRIALS:
+        return None
+    coefficients = fit(rows)
+    if coefficients is None:
+        return None
+    overhead, layer, rate = coefficients
+    return Throughput(device, "store", f"fitted to {len(rows)} completed trials on this "
+                      f"cluster ({_described(key)})", rate, layer, overhead)
+
+
+def peak_throughput(gpu: str | None, mfu: float = DEFAULT_MFU) -> Throughput:
+    """The GPU's peak bf16 FLOP/s at `mfu` (ASSUMED_GPU when `gpu` is unknown)."""
+    from hptransfer.workers.outcome import _PEAK_BF16
+
+    name = gpu if gpu in _PEAK_BF16 else ASSUMED_GPU
+    said = name if gpu == name else f"{name} (assumed: the cluster names no GPU type)"
+    peak = _PEAK_BF16[name]
+    return Throughput("gpu", "peak x MFU", f"nothing measured yet: {said} peak "
+                      f"{peak / 1e12:.0f} TFLOP/s bf16 x MFU {mfu:g}", peak * mfu)
+
+
+MICRO_STEP_FLOPS = 4e9  # the largest shape a micro-run times: ~0.1-0.2 s a step on a core
+
+
+def micro_shapes(spec: SweepSpec) -> list[tuple[int, int]]:
+    """Up to four of the sweep's own shapes cheap enough to time (at most MICRO_STEP_FLOPS
+    a step): the cheapest, the costliest, the deepest and the widest, so that the fit
+    interpolates where the sweep trains; small shapes at its head size fill in where
+    fewer than three are cheap enough (a large sweep on a CPU)."""
+    from hptransfer.models.flops import flops_per_token
+
+    from .admission import stage_shapes
+
+    vocab = spec.model_vocab_size()
+    arm, lr = spec.arms[0], spec.grid.lr_values()[0]
+    cheap: dict[tuple[int, int], float] = {}
+    for s in stage_shapes(spec):
+        trial = spec.trial_spec(arm, s.width, s.depth, lr, spec.grid.sigma_bases[0],
+                                spec.grid.seeds[0])
+        cfg = trial.model_config_obj(vocab_size=vocab)
+        step = flops_per_token(cfg, trial.seq_len).training * trial.batch_size * trial.seq_len
+        if step <= MICRO_STEP_FLOPS:
+            cheap[(s.width, s.depth)] = step
+    picks = [min(cheap, key=cheap.__getitem__), max(cheap, key=cheap.__getitem__),
+             max(cheap, key=lambda k: (k[1], -k[0])),
+             max(cheap, key=lambda k: (k[0], -k[1]))] if cheap else []
+    h = spec.fixed.head_dim
+    shapes = list(dict.fromkeys(picks))
+    for filler in [(h, 1), (h, 6), (4 * h, 1)]:
+        if len(shapes) >= 3:
+            break
+        if filler not in shapes:
+            shapes.append(filler)
+    return shapes
+
+
+def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
+    """A few short trials of the sweep's settings on this host's CPU (MICRO_STEPS steps
+    each, at `micro_shapes`), fitted; cached under `home`/calibration by settings and host
+    for CACHE_DAYS."""
+    key = settings_key(spec, "cpu") | {"host": platform.node(), "cpus": os.cpu_count(),
+                                       "batch": spec.budget.batch_size,
+                                       "micro_batch": spec.fixed.micro_batch_size}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = home / "calibration" / f"cpu-{digest}.json"
+    if not refresh and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            if time.time() - cached["measured_at"] < CACHE_DAYS * 86400:
+                return Throughput(**cached["throughput"])
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: measured again
+    shapes = micro_shapes(spec)
+    _time_one(spec, *shapes[0])  # a process's first trial pays its warm-up: not timed
+    # the faster of two runs of each: a shared host's noise only ever slows one down
+    rows = [min(_time_one(spec, w, d), _time_one(spec, w, d)) for w, d in shapes]
+    coefficients = fit(rows)
+    if coefficients is None:  # noise hid the FLOPs' share: their rate over all the time
+        coefficients = (0.0, 0.0, sum(r[2] for r in rows) / sum(r[0] for r in rows))
+    overhead, layer, rate = coefficients
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    result = Throughput("cpu", "micro-run", f"a micro-run of {len(rows)} short trials on this "
+                        f"host's CPU ({_described(key)}; measured {when}, cached)",
+                        rate, layer, overhead)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"measured_at": time.time(), "key": key, "rows": rows,
+                               "throughput": result.to_dict()}))
+    tmp.replace(path)
+    return result
+
+
+def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, float]:
+    """(seconds, steps x passes x depth, FLOPs) of one short trial of the sweep's settings
+    (the first arm, the embedded corpus at the byte tokenizer)."""
+    from hptransfer.spec.trial import Budget
+    from hptransfer.workers.trainer import run_trial
+
+    arm = spec.arms[0]
+    trial = spec.trial_spec(arm, width, depth, spec.grid.lr_values()[0],
+                            spec.grid.sigma_bases[0], spec.grid.seeds[0])
+    trial = trial.model_copy(update={
+        "budget": Budget(steps=MICRO_STEPS), "device": "cpu", "eval_every": 10**6,
+        "data": trial.data.model_copy(update={"source": "stdlib", "tokenizer": "byte",
+                                              "vocab_size": None})})
+    result = run_trial(trial)
+    if result.status != "completed":
+        raise RuntimeError(f"the micro-run's trial at {width}x{depth} did not complete: "
+                           f"{result.status} {(result.error or '')[:300]}")
+    layer_passes = result.steps * passes_per_step(trial.batch_size, trial.micro_batch_size) * depth
+    return result.wall_time_s, float(layer_passes), result.flops
+
+
+def _described(key: dict[str, Any]) -> str:
+    return (f"{key['device'].upper()}, {key['threads']} thread"
+            f"{'s' if key['threads'] != 1 else ''}, seq_len {key['seq_len']}, head_dim "
+            f"{key['head_dim']}")
