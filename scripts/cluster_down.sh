@@ -20,11 +20,9 @@ if [ ! -d "$DIR" ]; then echo "cluster_down: nothing at $DIR" >&2; exit 0; fi
 # shellcheck disable=SC1091
 [ -f "$DIR/state" ] && source "$DIR/state"
 
-running() {  # running PID: exists and is not a zombie
-  local state
-  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
-  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
-}
+# running, session_procs, kill_session, pg_procs, pg_postmaster_alive, pg_clear
+# shellcheck source=cluster_lib.sh
+source "$ROOT/scripts/cluster_lib.sh"
 stop_group() {  # stop_group NAME GRACE: SIGTERM its session, SIGKILL what is left after GRACE s
   local name=$1 grace=$2 pid
   pid=$(cat "$DIR/pids/$name" 2>/dev/null) || return 0
@@ -34,6 +32,9 @@ stop_group() {  # stop_group NAME GRACE: SIGTERM its session, SIGKILL what is le
     kill -KILL -- "-$pid" 2>/dev/null || true
     echo "cluster_down: stopped $name" >&2
   fi
+  # the rest of its session, also when the leader was killed before: children in process
+  # groups of their own (Ray's workers) or orphaned by a killed leader (mlflow's uvicorn)
+  kill_session "$pid"
   rm -f "$DIR/pids/$name"
 }
 stop_ray_leftovers() {  # Ray daemons that left the session: found by their node's temp dir
@@ -50,10 +51,15 @@ for name in "${NAMES[@]}"; do
         PG_BIN=${HPT_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)}
         [ -n "$PG_BIN" ] || PG_BIN=$(dirname "$(command -v pg_ctl)")
         if [ "$(id -u)" = 0 ]; then run=(runuser -u postgres --); else run=(); fi
-        if "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" status >/dev/null 2>&1; then
-          "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m fast -w stop >/dev/null
+        if pg_postmaster_alive "$DIR/pg"; then
+          "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m fast -w -t 60 stop >/dev/null ||
+            "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m immediate -w -t 30 stop >/dev/null ||
+            true
           echo "cluster_down: stopped postgres" >&2
         fi
+        # a killed postmaster's backends (pg_ctl sees no server and stops nothing)
+        pg_clear "$DIR/pg" 30 || echo "cluster_down: postgres processes of $DIR/pg survive \
+SIGKILL:" $(pg_procs "$DIR/pg") >&2
       fi ;;
     ray-head|ray-worker|ray-coordinator)
       # Ray's daemons keep nothing to flush here (no GCS fault tolerance, results live in the

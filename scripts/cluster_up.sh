@@ -99,18 +99,18 @@ umask 077
 umask 022
 
 # ---------------------------------------------------------------- process helpers
-running() {  # running PID: exists and is not a zombie (a killed, not yet reaped, process)
-  local state
-  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
-  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
-}
+# running, session_procs, kill_session, pg_procs, pg_postmaster_alive, pg_clear
+# shellcheck source=cluster_lib.sh
+source "$ROOT/scripts/cluster_lib.sh"
 alive() {  # alive NAME: its recorded process (group leader) runs
   local pid
   pid=$(cat "$DIR/pids/$1" 2>/dev/null) || return 1
   running "$pid"
 }
 start_bg() {  # start_bg NAME CMD...: in a session of its own, so cluster_down stops it whole
-  local name=$1; shift
+  local name=$1 old; shift
+  # a killed leader's children are still in its session (and may hold its port)
+  old=$(cat "$DIR/pids/$name" 2>/dev/null) && kill_session "$old"
   setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! > "$DIR/pids/$name"
 }
@@ -159,9 +159,20 @@ HPT_CLUSTER_DIR whose parents it can enter (not a mode-700 folder of root)"
     die "initdb failed (log: $DIR/logs/postgres-init.log)"; }
   rm -f "$pwfile"
 fi
-if as_pg "$PG_BIN/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+if pg_postmaster_alive "$PGDATA"; then
   say "postgres already running"
 else
+  # a killed postmaster leaves its pid file (naming a zombie until its parent reaps it, and
+  # PostgreSQL refuses to start while kill -0 finds that pid) and, maybe, backends that
+  # keep its shared memory: clear both, the pid file only once nothing of the data dir runs
+  pg_clear "$PGDATA" "$TIMEOUT" || die "postgres: processes of the dead server in $PGDATA \
+still run after ${TIMEOUT}s (pids $(pg_procs "$PGDATA" | tr '\n' ' ')): stop them, then run \
+this again"
+  if [ -f "$PGDATA/postmaster.pid" ]; then
+    say "postgres: removing the stale postmaster.pid (postmaster $(head -n 1 \
+"$PGDATA/postmaster.pid") is gone)"
+    rm -f "$PGDATA/postmaster.pid"
+  fi
   touch "$DIR/logs/postgres.log"
   [ "$(id -u)" = 0 ] && chown postgres "$DIR/logs/postgres.log"
   # TCP on loopback only, no unix socket (its path length is limited)
@@ -244,6 +255,7 @@ wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/he
 if alive coordinator; then
   say "coordinator already running"
 else
+  old=$(cat "$DIR/pids/coordinator" 2>/dev/null) && kill_session "$old"
   # shellcheck disable=SC1091
   (source "$DIR/env" && exec setsid "$BIN/hpt" serve --host 127.0.0.1 --port "$API_PORT") \
     >>"$DIR/logs/coordinator.log" 2>&1 </dev/null &

@@ -269,3 +269,115 @@ def test_doctor_names_a_stopped_component(cluster, component, check):
         assert cluster["HPT_DATABASE_URL"].split("@")[0].split(":")[-1] not in bad.stdout
     finally:
         _script(UP, env=cluster["script_env"])
+
+
+# ---------------------------------------------------------------- a crashed PostgreSQL
+_SUBREAPER = """
+import ctypes, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+print(subprocess.run(["bash", sys.argv[1]], capture_output=True).returncode, flush=True)
+sys.stdin.read()  # holds what cluster_up.sh orphaned, without ever reaping it
+"""
+
+
+def _pg(cluster) -> tuple[Path, dict[str, str]]:
+    state = dict(re.findall(r"^(\w+)=(.*)$", (cluster["dir"] / "state").read_text(), re.M))
+    return cluster["dir"] / "pg", state
+
+
+def _postmaster(cluster) -> psutil.Process:
+    pgdata, _ = _pg(cluster)
+    return psutil.Process(int((pgdata / "postmaster.pid").read_text().split()[0]))
+
+
+def _data_dir_processes(cluster) -> list[psutil.Process]:
+    """The live processes of the cluster's PostgreSQL (they all run in its data dir)."""
+    pgdata, _ = _pg(cluster)
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.cwd() == str(pgdata.resolve()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _busy_backend(cluster) -> tuple[subprocess.Popen, int]:
+    """A psql running a long CPU-bound query, and its backend's pid once it runs: a busy
+    backend notices its postmaster's death only when it next waits."""
+    _, state = _pg(cluster)
+    pg_bin = PG_BIN[0].parent if PG_BIN else Path(shutil.which("initdb")).parent
+    url = f"postgresql://hpt:{state['PG_PASSWORD']}@127.0.0.1:{state['PG_PORT']}/postgres"
+    psql = subprocess.Popen([str(pg_bin / "psql"), url, "-c",
+                             "SELECT count(*) FROM generate_series(1, 10000000000)"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import psycopg
+
+    deadline = time.time() + 30
+    with psycopg.connect(url, autocommit=True) as conn:
+        while True:
+            row = conn.execute("SELECT pid FROM pg_stat_activity WHERE state = 'active' "
+                               "AND query LIKE '%generate_series%' AND pid <> "
+                               "pg_backend_pid()").fetchone()
+            if row:
+                return psql, row[0]
+            assert time.time() < deadline, "the long query never started"
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("leftover", ["zombie", "busy-backend", "busy-backend-down"])
+def test_killed_postmaster_is_restarted_promptly(cluster, tiny_spec, leftover):
+    """kill -9 of PostgreSQL's postmaster, then cluster_up.sh: PostgreSQL is back within
+    60 s and the coordinator works on it again. What the kill leaves: a zombie postmaster
+    (its parent has not reaped it; PostgreSQL and pg_ctl take its pid for a live server),
+    or a backend busy in a query that outlives it holding the shared memory (PostgreSQL
+    will not start beside it); `-down`: cluster_down.sh runs first and must stop it."""
+    env = {**cluster["script_env"], "HPT_CLUSTER_TIMEOUT": "90"}
+    holder = psql = None
+    try:
+        if leftover == "zombie":  # the postmaster's parent: a process that never reaps
+            _script(DOWN, "postgres", env=env)
+            holder = subprocess.Popen([sys.executable, "-c", _SUBREAPER, str(UP)], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+            assert holder.stdout.readline().strip() == "0"
+            assert _postmaster(cluster).ppid() == holder.pid
+        else:
+            psql, backend = _busy_backend(cluster)
+        postmaster = _postmaster(cluster)
+        postmaster.kill()
+        time.sleep(1)
+        if leftover == "zombie":
+            assert postmaster.status() == psutil.STATUS_ZOMBIE
+        else:  # it outlived its postmaster
+            assert psutil.Process(backend).status() != psutil.STATUS_ZOMBIE
+        if leftover == "busy-backend-down":
+            _script(DOWN, "postgres", env=env)
+            assert _data_dir_processes(cluster) == []
+        started = time.monotonic()
+        proc = subprocess.run(["bash", str(UP)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        took = time.monotonic() - started
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert took < 60, took
+        assert _postmaster(cluster).pid != postmaster.pid
+        if leftover != "zombie":
+            assert not psutil.pid_exists(backend) or \
+                psutil.Process(backend).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if psql:
+            psql.kill()
+            psql.wait()
+        if holder:  # its zombies go to init, which reaps them
+            holder.stdin.close()
+            holder.wait(timeout=30)
+    with _client(cluster) as c:  # the coordinator reconnects: reads, writes, dispatches
+        deadline = time.time() + 120
+        while (health := c.health())["status"] != "ok":  # after the dispatcher's back-off
+            assert time.time() < deadline, health
+            time.sleep(1)
+        sweep_id = c.submit(_grid_spec(tiny_spec, f"after-pg-{leftover}", 5,
+                                       [2**-8, 2**-6]))["id"]
+        done = _wait(c, sweep_id, timeout=300)
+    assert done["status"] == "completed", done
