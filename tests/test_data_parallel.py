@@ -97,13 +97,9 @@ def test_uneven_ranks_weight_their_rows(tmp_path):
 
 # ---- through Ray Train, as the dispatcher runs a trial with workers > 1
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    yield ray
-    ray.shutdown()
+@pytest.fixture
+def ray_cluster(module_ray_cluster):
+    return module_ray_cluster  # conftest's local cluster (2 CPUs), shared by the run
 
 
 def on_train_workers(ray, s: dict, workers: int, tmp_path: Path, *, checkpoint=None,
@@ -164,3 +160,40 @@ def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluste
     assert killed_at - again["resumed_from_step"] < 40 + 5  # `reached` lags at most ~1 s
     assert again["final_val_loss"] == whole["final_val_loss"]
     assert again["curve"] == whole["curve"]
+
+
+# ---- end to end: a study whose ladder mixes packed small shapes and 2-worker large ones
+
+def test_a_study_mixing_packed_and_two_worker_shapes_runs_over_rest(hpt_home, ray_cluster):
+    import copy
+
+    from conftest import TINY_SPEC
+
+    from hptransfer.api.server import serve_in_thread
+    from hptransfer.client import Client
+    from hptransfer.config import get_settings
+
+    study = copy.deepcopy(TINY_SPEC)
+    study.update(name="mixed", max_concurrent=2)
+    study["grid"]["lrs"] = [2**-9, 2**-7, 2**-5]
+    study["budget"] = {"steps": 12, "batch_size": 4}
+    study["stages"] = {"transfer": {"shapes": [{"width": 32, "depth": 2},
+                                               {"width": 64, "depth": 2}]}}
+    # 64x2 has 12 * 64^2 * 2 = 98,304 non-embedding parameters: it trains on 2 workers
+    study["resources"] = {"cpus": 1, "pack": "auto",
+                          "scale_out": [{"min_params": 90_000, "workers": 2, "cpus": 1}]}
+    study["checkpoint"] = {"every_steps": 4}
+    with serve_in_thread(get_settings()) as url, Client(url) as c:
+        sweep = c.submit(study)
+        done = c.wait(sweep["id"], poll=0.3, timeout=600, progress=False)
+        trials = c.trials(sweep["id"])
+        fits = c.fits(sweep["id"])
+    assert done["status"] == "completed", done
+    assert trials["status"].isin(["completed", "diverged"]).all()
+    workers = {(r.width, r.depth, r.result["workers"]) for r in trials.itertuples()}
+    assert {(w, d) for w, d, _ in workers} == {(32, 1), (32, 2), (64, 2)}
+    assert workers == {(32, 1, 1), (32, 2, 1), (64, 2, 2)}
+    assert (trials.loc[trials["width"] == 64, "status"] == "completed").all()
+    assert fits is not None
+    # finished trials leave no checkpoints behind
+    assert not list((hpt_home / "checkpoints").rglob("*.ckpt"))
