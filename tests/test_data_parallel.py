@@ -197,3 +197,52 @@ def test_a_study_mixing_packed_and_two_worker_shapes_runs_over_rest(hpt_home, ra
     assert fits is not None
     # finished trials leave no checkpoints behind
     assert not list((hpt_home / "checkpoints").rglob("*.ckpt"))
+
+
+# ---- resources per shape: the spec's rules and why a trial waits
+
+def test_scale_out_rules_pick_a_trials_workers_and_are_checked_with_their_field():
+    import copy
+
+    from conftest import TINY_SPEC
+
+    from hptransfer.spec import SpecError, load_spec
+    from hptransfer.spec.trial import TrialSpec
+
+    rules = [{"min_params": 90_000, "workers": 4, "cpus": 2},
+             {"stages": ["check"], "workers": 2}]
+    spec = load_spec({**copy.deepcopy(TINY_SPEC), "resources": {"cpus": 1,
+                                                                "scale_out": rules}})
+    def task(width: int, depth: int, stage: str | None = None):
+        trial = TrialSpec.model_validate(spec.trial_spec(spec.arms[0], width, depth, 2**-8,
+                                                         0.02, 0))
+        return spec.task_resources(trial, stage)
+    assert (task(32, 1).workers, task(32, 1).cpus) == (1, 1.0)
+    assert (task(64, 2).workers, task(64, 2).cpus) == (4, 2.0)  # 98,304 params
+    assert task(32, 1, "check").workers == 2  # the first matching rule wins
+    assert task(64, 2, "check").workers == 4
+    for bad, field in [({"workers": 2}, "resources.scale_out.0"),
+                       ({"min_params": 1, "workers": 0}, "resources.scale_out.0.workers"),
+                       ({"min_params": 1, "workers": 2, "gpus": 1e-6},
+                        "resources.scale_out.0.gpus")]:
+        with pytest.raises(SpecError) as exc:
+            load_spec({**copy.deepcopy(TINY_SPEC), "resources": {"scale_out": [bad]}})
+        assert any(e["field"].replace("[", ".").replace("]", "") == field
+                   for e in exc.value.errors), exc.value.errors
+
+
+def test_a_trial_whose_workers_no_cluster_holds_says_what_it_needs():
+    from hptransfer.coordinator.ray_runner import ClusterCapacity, count_fitting, never_fits
+    from hptransfer.spec.sections import TaskResources
+
+    four = TaskResources(workers=4, cpus=1.0, gpus=0.0)
+    two_nodes = ClusterCapacity({"CPU": 4.0}, lambda: [
+        {"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 2.0}}])
+    assert never_fits(four, two_nodes) is None  # 4 workers over two 2-CPU nodes
+    assert count_fitting(four, 4.0, 0.0) == 1 and count_fitting(four, 3.0, 0.0) == 0
+    why = never_fits(TaskResources(workers=8, cpus=1.0, gpus=0.0), two_nodes)
+    assert "8 workers x 1 CPUs" in why and "4 CPUs" in why
+    why = never_fits(TaskResources(workers=2, cpus=3.0, gpus=0.0), two_nodes)
+    assert "largest Ray node has 2" in why
+    why = never_fits(TaskResources(workers=2, cpus=1.0, gpus=1.0), two_nodes)
+    assert "GPU" in why and "none" in why

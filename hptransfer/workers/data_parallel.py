@@ -52,9 +52,10 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         # no buffers are sent at each forward: rank 0 evaluates alone, on the bare model
-        return DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False)
+        if device.type != "cuda":
+            return DistributedDataParallel(model, broadcast_buffers=False)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return DistributedDataParallel(model, device_ids=[index], broadcast_buffers=False)
 
     def mean_losses(self, losses: torch.Tensor) -> torch.Tensor:
         """Per-step global batch losses from each rank's weighted ones (every rank gets them)."""

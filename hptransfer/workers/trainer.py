@@ -120,25 +120,21 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
         reporter hears it and may stop the trial (pruned) before its last step. With data
         parallelism rank 0 evaluates and decides, and every rank takes its answer."""
         point = plan.point(step, progress.train_loss)
-        stop = False
-        if evaluating and leads:
-            built.model.eval()
-            progress.val_loss = evaluate(built.model if parallel else model, plan)
-            built.model.train()
-        if leads:
-            if evaluating:
-                point["val_loss"] = progress.val_loss
-            stop = bool(reporter is not None and reporter(dict(point)))
-        if parallel is not None:
-            val, flag = parallel.from_leader(
-                [progress.val_loss if evaluating and leads else math.nan, float(stop)],
-                device)
-            if evaluating:
-                progress.val_loss = point["val_loss"] = val
-            stop = bool(flag)
-        if evaluating and not math.isfinite(progress.val_loss):
-            progress.status = "diverged"
+        if evaluating:
+            if leads:
+                built.model.eval()
+                progress.val_loss = evaluate(built.model if parallel else model, plan)
+                built.model.train()
+            if parallel is not None:
+                progress.val_loss = parallel.from_leader(
+                    [progress.val_loss if leads else math.nan], device)[0]
+            point["val_loss"] = progress.val_loss
+            if not math.isfinite(progress.val_loss):
+                progress.status = "diverged"
         progress.curve.append(point)
+        stop = leads and reporter is not None and bool(reporter(dict(point)))
+        if parallel is not None:
+            stop = bool(parallel.from_leader([float(stop)], device)[0])
         if stop and progress.running and step + 1 < plan.total_steps:
             progress.status = "pruned"
 
