@@ -355,6 +355,8 @@ class Mirror:
         result = a.result or {}
         table = result.get("param_table") or {}
         tags = {"hpt.status": a.status}
+        if result.get("resumed_from_step"):  # its curve's first part came from a checkpoint
+            tags["hpt.resumed_from_step"] = str(result["resumed_from_step"])
         if a.error:
             tags["hpt.error"] = str(a.error)[-ERROR_TAIL:]
         self._tolerant("trial table params", lambda: self._log_batch(
