@@ -381,3 +381,39 @@ def test_killed_postmaster_is_restarted_promptly(cluster, tiny_spec, leftover):
                                        [2**-8, 2**-6]))["id"]
         done = _wait(c, sweep_id, timeout=300)
     assert done["status"] == "completed", done
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return out
+
+
+def test_killed_mlflow_server_leaves_no_orphan_on_its_port(cluster):
+    """kill -9 of `mlflow server` leaves its uvicorn child serving the port: cluster_up.sh
+    must clear it and start a server of its own (not take the orphan's answer for its new
+    server, which died on "address already in use"), and cluster_down.sh must stop that."""
+    leader = int((cluster["dir"] / "pids" / "mlflow").read_text())
+    children = [p for p in _session(leader) if p.pid != leader]
+    assert children  # uvicorn
+    os.kill(leader, signal.SIGKILL)
+    time.sleep(1)
+    assert all(p.is_running() for p in children)  # the orphan is what this test is about
+    _script(UP, env=cluster["script_env"])
+    new = int((cluster["dir"] / "pids" / "mlflow").read_text())
+    assert new != leader
+    assert not [p for p in _session(leader) if p.is_running()]
+    time.sleep(3)  # a server that lost the port exits just after the orphan answered for it
+    assert psutil.Process(new).status() != psutil.STATUS_ZOMBIE
+    assert _doctor(cluster, "--quick").returncode == 0
+    # cluster_down stops the whole session, also after its leader was killed
+    children = [p for p in _session(new) if p.pid != new]
+    os.kill(new, signal.SIGKILL)
+    _script(DOWN, "mlflow", env=cluster["script_env"])
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _script(UP, env=cluster["script_env"])
