@@ -1,0 +1,418 @@
+"""A chaos storm over the whole local deployment (issue 52): random kill -9s during one sweep.
+
+`scripts/cluster_up.sh` brings up its topology as processes (PostgreSQL, `mlflow server`, a
+Ray head, a Ray worker node, the coordinator's raylet and `hpt serve`) in a scratch folder.
+One sweep of small CPU trials goes in over REST, and while it runs `--faults` faults are
+injected, one kind drawn at random (`--seed`) each time:
+
+* coordinator: kill -9 of `hpt serve`;
+* ray-worker:  kill -9 of the Ray worker node's whole session (its `ray start`, raylet,
+  agents and the trials' workers), as when that host dies;
+* mlflow:      kill -9 of the `mlflow server` process (its uvicorn child is left running,
+  holding the port, as after an OOM kill of the parent);
+* postgres:    kill -9 of PostgreSQL's postmaster (its backends are left to notice).
+
+Each fault is followed at once by `cluster_up.sh`, which must bring the component back on
+its own; the next fault waits until a trial more has completed (so every fault lands on a
+sweep that is making progress) plus a random moment. At the end it checks, with no manual
+step in between: the sweep and every trial completed, each trial exactly once (one
+completed attempt; `attempts` equals its attempt rows); exactly one FINISHED MLflow run per
+trial on the MLflow server (read with mlflow's client) and no run left RUNNING; and no
+process of the deployment left after `cluster_down.sh`. It prints one summary line and
+exits 1 when a check failed.
+
+`--mlflow-down-second-half`: the MLflow server is stopped once half the trials completed
+and stays down (no MLflow faults then) until the sweep has ended; the results must be kept
+and mirrored when it is back.
+
+    .venv/bin/python benchmarks/chaos.py --faults 10 --seed 1
+    .venv/bin/python benchmarks/chaos.py --faults 4 --mlflow-down-second-half
+
+Needs PostgreSQL's server programs (as scripts/cluster_up.sh does); as root the data dir
+must be enterable by the postgres user, so the scratch folder is under /tmp, mode 755.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+UP, DOWN = ROOT / "scripts" / "cluster_up.sh", ROOT / "scripts" / "cluster_down.sh"
+KINDS = ("coordinator", "ray-worker", "mlflow", "postgres")
+LRS = [2**-10, 2**-9, 2**-8, 2**-7]
+
+
+def sweep_spec(trials: int, steps: int) -> dict[str, Any]:
+    """`trials` (a multiple of 4) small CPU trials, 4 LRs x seeds: one shape, one trial per
+    Ray task (so a fault takes down one trial, not a pack of them)."""
+    seeds = trials // len(LRS)
+    return {
+        "name": "chaos",
+        "arms": [{"arch": "gpt", "parameterization": "completep"}],
+        "grid": {"widths": [32], "depths": [1], "lrs": LRS, "seeds": list(range(seeds))},
+        "fixed": {"head_dim": 32, "seq_len": 32, "base_width": 32, "base_depth": 1,
+                  "device": "cpu", "eval_every": 5},
+        "budget": {"steps": steps, "batch_size": 4},
+        "data": {"source": "stdlib", "val_tokens": 1024, "max_corpus_bytes": 400000},
+        "resources": {"pack": 1},
+        "max_concurrent": 2,
+        # a trial may be hit by several faults (a worker host dying fails its task)
+        "retries": 10,
+    }
+
+
+@dataclass
+class Storm:
+    folder: Path
+    script_env: dict[str, str]
+    settings: dict[str, str] = field(default_factory=dict)
+    sessions: set[int] = field(default_factory=set)  # every component's session seen
+    up_seconds: list[float] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    _store: Any = None
+
+    @property
+    def dir(self) -> Path:
+        return self.folder / "c"
+
+    def say(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        self.log.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    def script(self, path: Path, *args: str) -> None:
+        started = time.monotonic()
+        proc = subprocess.run(["bash", str(path), *args], env=self.script_env,
+                              capture_output=True, text=True, timeout=900)
+        took = time.monotonic() - started
+        if path == UP:
+            self.up_seconds.append(took)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path.name} {' '.join(args)} failed after {took:.0f}s:\n"
+                               f"{proc.stderr[-3000:]}")
+        notes = [ln for ln in proc.stderr.splitlines()
+                 if "already running" not in ln and ln.strip()]
+        self.say(f"{' '.join([path.name, *args])}: {took:.1f}s" +
+                 (f" ({'; '.join(notes)[:300]})" if notes else ""))
+        self.remember_sessions()
+
+    def up(self) -> None:
+        self.script(UP)
+        self.settings = dict(re.findall(r"^export (\w+)=(.*)$", (self.dir / "env").read_text(),
+                                        flags=re.M))
+
+    def remember_sessions(self) -> None:
+        for f in (self.dir / "pids").glob("*"):
+            try:
+                self.sessions.add(int(f.read_text()))
+            except (OSError, ValueError):
+                pass
+
+    def pid(self, name: str) -> int:
+        if name == "postgres":
+            return int((self.dir / "pg" / "postmaster.pid").read_text().split()[0])
+        return int((self.dir / "pids" / name).read_text())
+
+    def kill(self, kind: str) -> str:
+        """kill -9 of one component, as described in the module docstring."""
+        pid = self.pid(kind)
+        if kind == "ray-worker":  # the host dies: every process of the node's session
+            victims = [p for p in psutil.process_iter() if _sid(p.pid) == pid]
+            for p in victims:
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+            return f"{len(victims)} processes of session {pid}"
+        os.kill(pid, signal.SIGKILL)
+        return f"pid {pid}"
+
+    def client(self):
+        from hptransfer.client import Client
+
+        return Client(self.settings["HPT_URL"], token=self.settings["HPT_API_TOKEN"])
+
+    def store(self):
+        """One Store for the run (its pool pings connections, so it outlives restarts)."""
+        if self._store is None:
+            from hptransfer.store.store import Store
+
+            self._store = Store(self.settings["HPT_DATABASE_URL"])
+        return self._store
+
+    def ours(self) -> list[psutil.Process]:
+        """Live processes of this deployment: in a session a component was started in, in
+        the PostgreSQL data dir, or with this deployment's folder in their environment
+        (every process cluster_up.sh starts inherits HPT_CLUSTER_DIR)."""
+        marker = str(self.dir)
+        pgdata = str((self.dir / "pg").resolve()) if (self.dir / "pg").exists() else None
+        out = []
+        for p in psutil.process_iter():
+            if p.pid == os.getpid():
+                continue
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if (_sid(p.pid) in self.sessions
+                        or (pgdata and p.cwd() == pgdata)
+                        or p.environ().get("HPT_CLUSTER_DIR") == marker):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def _retry(what, timeout: float = 300.0, pause: float = 1.0):
+    """what() once it stops raising (the database or the API may be coming back)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return what()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(pause)
+
+
+def _completed(storm: Storm, sweep_id: str) -> tuple[int, str]:
+    """(trials completed, sweep status), read from PostgreSQL."""
+    store = storm.store()
+    return store.count_trials(sweep_id, status="completed"), store.get_sweep(sweep_id).status
+
+
+def storm(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    # every kind once first (in a random order), then random draws
+    kinds = rng.sample(KINDS, len(KINDS)) + [rng.choice(KINDS) for _ in range(args.faults)]
+    kinds = kinds[:args.faults]
+    if args.mlflow_down_second_half:
+        half = (args.faults + 1) // 2  # no MLflow fault while it is down anyway
+        kinds = kinds[:half] + [k if k != "mlflow" else rng.choice(KINDS[:2] + KINDS[3:])
+                                for k in kinds[half:]]
+    wanted = args.trials or 3 * args.faults + 4
+    trials = len(LRS) * -(-wanted // len(LRS))  # whole seeds of the LR grid
+    folder = Path(tempfile.mkdtemp(prefix="hptchaos", dir="/tmp"))
+    folder.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HPT_", "RAY_", "MLFLOW_"))}
+    env.update(PYTHON=sys.executable, HPT_CLUSTER_DIR=str(folder / "c"), OMP_NUM_THREADS="1",
+               # the head notices a dead worker node in ~1.5 s, not 15 s
+               RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="500",
+               RAY_health_check_failure_threshold="3")
+    s = Storm(folder, env)
+    failures: list[str] = []
+    done_kinds: Counter[str] = Counter()
+    started = time.monotonic()
+    summary: dict[str, Any] = {}
+    try:
+        s.up()
+        with s.client() as c:
+            sweep_id = c.submit(sweep_spec(trials, args.steps))["id"]
+        s.say(f"sweep {sweep_id}: {trials} trials; faults: {' '.join(kinds)}")
+        mlflow_down = False
+        last = 0
+        for i, kind in enumerate(kinds):
+            # a sweep making progress: a trial more completed since the last fault
+            deadline = time.monotonic() + args.fault_wait
+            while True:
+                n, status = _retry(lambda: _completed(s, sweep_id))
+                if n > last or status != "running" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            if status != "running":
+                failures.append(f"the sweep ended ({status}) after {i} of {args.faults} "
+                                f"faults: give it more --trials")
+                break
+            if (args.mlflow_down_second_half and not mlflow_down
+                    and (i >= len(kinds) // 2 or n >= trials // 2)):
+                s.script(DOWN, "mlflow")
+                mlflow_down = True
+                s.say(f"MLflow server stopped at {n}/{trials} trials completed")
+            time.sleep(rng.uniform(0, args.jitter))
+            what = s.kill(kind)
+            done_kinds[kind] += 1
+            s.say(f"fault {i + 1}/{len(kinds)}: kill -9 {kind} ({what}); {n} completed")
+            if mlflow_down:  # cluster_up.sh would start it again: restart the rest only
+                _up_without_mlflow(s)
+            else:
+                s.up()
+            last = n
+        if args.mlflow_down_second_half and not mlflow_down:
+            s.script(DOWN, "mlflow")
+            mlflow_down = True
+        with s.client() as c:
+            final = _retry(lambda: c.wait(sweep_id, poll=1.0, timeout=args.timeout,
+                                          progress=False))
+        s.say(f"sweep {final['status']}")
+        if mlflow_down:  # results kept while it was down, mirrored now it is back
+            s.up()
+        summary = check(s, sweep_id, trials, final, failures)
+    except Exception as e:  # a failed restart or a hung sweep is a finding, not a crash
+        failures.append(f"{type(e).__name__}: {e}")
+    finally:
+        # the process accounting below must see the deployment while it runs
+        before = Counter(_name(p) for p in s.ours())
+        s.say(f"{sum(before.values())} processes of the deployment before cluster_down.sh: "
+              + ", ".join(f"{k} {v}" for k, v in before.most_common()))
+        if not before:
+            failures.append("no process of the deployment found while it ran")
+        try:
+            s.script(DOWN)
+        except Exception as e:
+            failures.append(f"cluster_down.sh: {e}")
+        time.sleep(1)
+        left = s.ours()
+        if left:
+            failures.append("processes left after cluster_down.sh: " + "; ".join(
+                f"{p.pid} {' '.join(_cmd(p))[:80]}" for p in left[:10]))
+            for p in left:  # ours: do not leave them on the machine
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        summary["leftover"] = len(left)
+        if args.keep:
+            s.say(f"kept {s.dir}")
+        else:
+            subprocess.run(["bash", str(DOWN), "--purge"], env=env, capture_output=True,
+                           timeout=300)
+            shutil.rmtree(folder, ignore_errors=True)
+    wall = time.monotonic() - started
+    by_kind = ", ".join(f"{k} {done_kinds[k]}" for k in KINDS)
+    line = (f"chaos: faults={sum(done_kinds.values())} ({by_kind}) "
+            f"trials={summary.get('completed', '?')}/{trials} completed "
+            f"attempts_max={summary.get('attempts_max', '?')} "
+            f"finished_runs_per_trial={summary.get('runs_per_trial', '?')} "
+            f"cluster_up_max={max(s.up_seconds, default=0):.1f}s "
+            f"leftover_processes={summary['leftover']} "
+            f"{'mlflow_down_second_half ' if args.mlflow_down_second_half else ''}"
+            f"wall={wall:.0f}s seed={args.seed} {'OK' if not failures else 'FAILED'}")
+    for f in failures:
+        print(f"chaos: FAILED: {f}", file=sys.stderr)
+    print(line, flush=True)
+    return 1 if failures else 0
+
+
+def _up_without_mlflow(s: Storm) -> None:
+    """cluster_up.sh while the MLflow server is meant to stay down: it starts it with the
+    rest (it restores everything that is not running), so it is stopped again at once."""
+    s.up()
+    s.script(DOWN, "mlflow")
+
+
+def _name(p: psutil.Process) -> str:
+    """A process's kind for the log: its title up to the first space or colon."""
+    try:
+        title = " ".join(p.cmdline()) or p.name()
+    except psutil.Error:
+        return "?"
+    first = re.split(r"[\s:(]", title, maxsplit=1)[0]
+    return Path(first).name or title[:20]
+
+
+def _cmd(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return ["?"]
+
+
+def check(s: Storm, sweep_id: str, trials: int, final: dict, failures: list[str]) -> dict:
+    """The end state: every trial completed exactly once, in PostgreSQL and in MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    store = s.store()
+    if final["status"] != "completed":
+        failures.append(f"sweep status {final['status']}")
+    deadline = time.monotonic() + 180  # the mirror catches up after the sweep ends
+    while (backlog := store.mirror_backlog(sweep_id)) > 0:
+        if time.monotonic() > deadline:
+            failures.append(f"the MLflow mirror never caught up ({backlog} left)")
+            break
+        time.sleep(1)
+    rows = store.trials(sweep_id, limit=None)
+    if len(rows) != trials:
+        failures.append(f"{len(rows)} trials stored, {trials} expected")
+    bad = [(r.id, r.status) for r in rows if r.status != "completed"]
+    if bad:
+        failures.append(f"trials not completed: {bad[:5]}")
+    attempts = {r.id: store.attempts(r.id) for r in rows}
+    for r in rows:
+        got = Counter(a.status for a in attempts[r.id])
+        if got["completed"] != 1:
+            failures.append(f"trial {r.id}: {got['completed']} completed attempts {dict(got)}")
+        if r.attempts != len(attempts[r.id]):
+            failures.append(f"trial {r.id}: attempts={r.attempts}, "
+                            f"{len(attempts[r.id])} attempt rows")
+    sweep = store.get_sweep(sweep_id)
+    ml = MlflowClient(tracking_uri=s.settings["MLFLOW_TRACKING_URI"])
+    runs = ml.search_runs([sweep.mlflow_experiment_id], max_results=50000)
+    trial_runs = [r for r in runs if r.data.tags.get("hpt.trial_id")]
+    finished = Counter(r.data.tags["hpt.trial_id"] for r in trial_runs
+                       if r.info.status == "FINISHED")
+    per_trial = Counter(finished[r.id] for r in rows)
+    if set(per_trial) != {1}:
+        failures.append(f"FINISHED MLflow runs per trial (runs: trials): {dict(per_trial)}")
+    running = [r.info.run_id for r in runs if r.info.status == "RUNNING"]
+    if running:
+        failures.append(f"{len(running)} MLflow runs left RUNNING")
+    for r in rows:  # the finished run holds the trial's own result
+        fin = [m for m in trial_runs
+               if m.data.tags["hpt.trial_id"] == r.id and m.info.status == "FINISHED"]
+        if len(fin) == 1 and r.final_val_loss is not None:
+            got = fin[0].data.metrics.get("final_val_loss")
+            if got is None or abs(got - r.final_val_loss) > 1e-6 * max(1, abs(got)):
+                failures.append(f"trial {r.id}: MLflow final_val_loss {got}, "
+                                f"stored {r.final_val_loss}")
+    return {"completed": sum(r.status == "completed" for r in rows),
+            "attempts_max": max((r.attempts for r in rows), default=0),
+            "runs_per_trial": "/".join(str(k) for k in sorted(per_trial)) or "?"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--faults", type=int, default=10, help="kill -9s to inject (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="draws the faults and their moments")
+    p.add_argument("--trials", type=int, default=0,
+                   help="trials of the sweep (default 3 x faults + 4: it lasts through them)")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="training steps per trial (2000: ~10 s on a 2-core host)")
+    p.add_argument("--jitter", type=float, default=2.0,
+                   help="a random pause of up to this many seconds before each fault")
+    p.add_argument("--fault-wait", type=float, default=60.0,
+                   help="at most this long for a trial to complete between two faults")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="for the sweep to end after the last fault")
+    p.add_argument("--mlflow-down-second-half", action="store_true",
+                   help="the MLflow server down from half the sweep until it ended")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs)")
+    args = p.parse_args(argv)
+    if args.faults < 0:
+        p.error("--faults must be >= 0")
+    return storm(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
