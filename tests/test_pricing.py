@@ -66,7 +66,9 @@ def expected_stage_flops(spec) -> dict[str, list[float]]:
 
 
 def test_gpu_study_plan_prices_every_trial_it_can_train(client):
-    r = client.post("/sweeps", params={"dry_run": "true"}, json=example("gpu_study.yaml"))
+    # every trial on half a GPU (the example's scale_out rule aside: the arithmetic below)
+    half_gpu = {**example("gpu_study.yaml"), "resources": {"cpus": 4, "gpus": 0.5}}
+    r = client.post("/sweeps", params={"dry_run": "true"}, json=half_gpu)
     assert r.status_code == 200, r.text
     plan = r.json()
     spec = load_spec(example("gpu_study.yaml"))
@@ -88,7 +90,7 @@ def test_gpu_study_plan_prices_every_trial_it_can_train(client):
     alone = plan["total"]["flops"] / rate / 3600
     assert plan["total"]["device_hours"] < alone
     unpacked = client.post("/sweeps", params={"dry_run": "true"}, json={
-        **example("gpu_study.yaml"), "resources": {"cpus": 4, "gpus": 0.5, "pack": 1}})
+        **half_gpu, "resources": {"cpus": 4, "gpus": 0.5, "pack": 1}})
     assert unpacked.json()["total"]["device_hours"] == pytest.approx(alone, rel=1e-9)
     assert plan["total"]["device_hours"] > plan["ceiling"]["device_hours"]
     assert plan["ceiling"]["exceeded"]
@@ -98,7 +100,8 @@ def test_gpu_study_plan_prices_every_trial_it_can_train(client):
 
 
 def test_wall_time_follows_the_cluster_and_max_concurrent(client):
-    spec = example("gpu_study.yaml")
+    # every trial on half a GPU: the example's 8-worker top would not fit on one GPU
+    spec = {**example("gpu_study.yaml"), "resources": {"cpus": 4, "gpus": 0.5}}
 
     def wall(gpus: int, concurrent: int) -> tuple[float, float]:
         r = client.post("/sweeps", json={**spec, "max_concurrent": concurrent},

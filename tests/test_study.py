@@ -114,9 +114,9 @@ def test_a_study_tunes_at_the_base_shape():
 def test_trial_cap_counts_every_stage():
     spec = load_spec(study_dict())
     # the most it can plan: tune 2 arms x 5 LRs; per arm an extension of 2 LRs, transfer 2,
-    # check 3 offsets (an upper bound: offset 0 is the ladder's own trial) and one
-    # extension of 1 LR, aspect ratio 4
-    assert spec.trial_count() == 10 + 2 * (2 + 2 + 3 + 1 + 4)
+    # check 2 offsets (its offset 0 is the ladder's own trial) and one extension of 1 LR,
+    # aspect ratio 4
+    assert spec.trial_count() == 10 + 2 * (2 + 2 + 2 + 1 + 4)
     with pytest.raises(SpecError) as exc:
         load_spec(study_dict(), max_trials=27)
     assert exc.value.errors[0]["field"] == "grid"

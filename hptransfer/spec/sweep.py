@@ -305,10 +305,10 @@ class SweepSpec(SpecModel):
         st = self.stages
         per_arm_seed = st.tune.extend * st.tune.extend_lrs * len(g.sigma_bases)
         for stage in st.enabled()[1:]:
-            n = len(st.shapes_of(stage))
-            per_arm_seed += n * (len(st.check.log2_offsets) + st.check.extend
-                                 * st.check.extend_lrs) if stage == "check" and st.check \
-                else n
+            extension = (st.check.extend * st.check.extend_lrs
+                         if stage == "check" and st.check else 0)
+            per_arm_seed += sum(len(st.lr_offsets(stage, shape)) + extension
+                                for shape in st.shapes_of(stage))
         return tune + len(self.arms) * len(g.seeds) * per_arm_seed
 
     def arm(self, label: str) -> Arm:
