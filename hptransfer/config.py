@@ -73,8 +73,12 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "refuse a sweep whose estimated per-trial memory exceeds this (the largest Ray "
            "node's memory, or this host's, always applies; on GPUs the largest GPU's)"),
     EnvVar("HPT_MAX_TRIAL_FLOPS", "`1e16` on CPUs, `1e21` on GPUs",
-           "refuse a sweep whose per-trial training FLOPs exceed this (a trial has no time "
-           "limit: this and `HPT_MAX_TRIAL_STEPS` are what end it)"),
+           "refuse a sweep whose per-trial training FLOPs exceed this"),
+    EnvVar("HPT_MAX_TRIAL_HOURS", "`168`",
+           "a trial attempt still training after this many hours stops, failed, saying so"),
+    EnvVar("HPT_MAX_SWEEP_HOURS", "`720`",
+           "a sweep still running this many hours after it started fails, saying so; its "
+           "running trials are cancelled"),
     EnvVar("HPT_CHECKPOINT_URL", "`HPT_HOME/checkpoints`",
            "where trials checkpoint: a directory (shared by every node on a multi-node "
            "cluster, e.g. NFS) or an object store URI pyarrow opens (`s3://bucket/prefix`)"),
@@ -240,6 +244,9 @@ class Settings:
     max_sweep_device_hours: float = 100.0
     # with api_token set: GETs served without it too (a public dashboard)
     public_reads: bool = False
+    # wall-time ceilings: a trial attempt's training, a sweep from its start
+    max_trial_hours: float = 168.0
+    max_sweep_hours: float = 720.0
     # where trials checkpoint (workers/checkpoints.py); "": `checkpoints` under home
     checkpoint_url: str = ""
 
@@ -376,6 +383,8 @@ def get_settings() -> Settings:
         max_sweep_device_hours=_env_float("HPT_MAX_SWEEP_DEVICE_HOURS", 100.0) or 100.0,
         public_reads=_env_flag("HPT_PUBLIC_READS"),
         checkpoint_url=_env("HPT_CHECKPOINT_URL") or "",
+        max_trial_hours=_env_float("HPT_MAX_TRIAL_HOURS", 168.0) or 168.0,
+        max_sweep_hours=_env_float("HPT_MAX_SWEEP_HOURS", 720.0) or 720.0,
     )
     # a driver's error may quote a piece of a password as a host name: masked wherever shown
     remember_url_secrets(settings.database_url, settings.optuna_url, settings.mlflow_uri,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
+from datetime import UTC, datetime, timedelta
 
 from hptransfer.backoff import Backoff
 from hptransfer.config import Settings
@@ -213,6 +214,8 @@ class Dispatcher:
         if active:  # one call to Ray's control store per tick with work to place, none idle
             capacity.largest_node_cpus()
         for sweep in active:
+            if self._past_ceiling(sweep):
+                continue  # marked failed; its running trials are cancelled next tick
             try:
                 spec = self.context.spec(sweep)
             except BadSweep:
@@ -230,6 +233,22 @@ class Dispatcher:
         if started:
             self.context.wake_mirror()
         return started
+
+    def _past_ceiling(self, sweep: SweepRecord) -> bool:
+        """A sweep running longer than HPT_MAX_SWEEP_HOURS fails, saying so."""
+        hours = self.context.settings.max_sweep_hours
+        started = sweep.started_at
+        if started is None:
+            return False
+        if started.tzinfo is None:  # SQLite hands naive UTC back
+            started = started.replace(tzinfo=UTC)
+        if datetime.now(UTC) - started <= timedelta(hours=hours):
+            return False
+        self.store.fail_sweep(sweep.id, f"ran past the server's HPT_MAX_SWEEP_HOURS={hours:g} "
+                                        "(hours since it started); its unfinished trials "
+                                        "were cancelled")
+        self.context.wake_mirror()
+        return True
 
     def _note_optuna_sweeps_gone(self, active: list[SweepRecord]) -> None:
         """An Optuna sweep no longer active was completed or stopped (by anyone): a stopped

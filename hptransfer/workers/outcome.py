@@ -43,6 +43,7 @@ class Progress:
     train_loss: float = float("nan")
     val_loss: float | None = None
     curve: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None  # why a trial stopped failed without an exception
 
     @property
     def running(self) -> bool:
@@ -93,6 +94,7 @@ def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable,
         data_hash=plan.data.content_hash,
         spec_hash=spec.content_hash(),
         notes=plan.notes + notes,
+        error=progress.error,
         resumed_from_step=resumed_from,
         retrained_tokens=retrained * plan.tokens_per_step,
         workers=workers,

@@ -66,7 +66,8 @@ def train_worker(config: dict[str, Any]) -> None:
     result = run_trial(
         config["spec"], reporter=(lambda m: report(trial_id, m)) if leads else None,
         cache_dir=config["cache_dir"], roots=config["roots"], data_hash=config["data_hash"],
-        checkpoints=CheckpointPolicy(**policy) if policy else None, parallel=parallel)
+        checkpoints=CheckpointPolicy(**policy) if policy else None, parallel=parallel,
+        max_hours=config.get("max_hours"))
     if result.status == "failed" and parallel is not None:
         raise TrialFailedOnWorker(result_payload(result))
     # every rank reports (Ray Train waits for all of them); rank 0's result travels as the
@@ -83,6 +84,7 @@ def execute_trial_on_workers(
     spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None,
     roots: list[str] | None, data_hash: str | None, *, workers: int, cpus: float,
     gpus: float, checkpoint: dict[str, Any] | None, storage_path: str, run_name: str,
+    max_hours: float | None = None,
 ) -> dict[str, Any]:
     """Train one trial on `workers` Ray Train workers of `cpus` and `gpus` each; its result
     as execute_trial returns one, or a lost outcome when a worker died."""
@@ -94,7 +96,7 @@ def execute_trial_on_workers(
         train_worker,
         train_loop_config={"spec": spec, "trial_id": trial_id, "progress": progress,
                            "cache_dir": cache_dir, "roots": roots, "data_hash": data_hash,
-                           "checkpoint": checkpoint},
+                           "checkpoint": checkpoint, "max_hours": max_hours},
         # a rank that stops answering ends the group after this long, not gloo's 30 minutes
         torch_config=TorchConfig(backend="nccl" if gpus else "gloo",
                                  timeout_s=COLLECTIVE_TIMEOUT_S),

@@ -60,15 +60,17 @@ def result_payload(result: TrialResult) -> dict[str, Any]:
 def execute_trial(
     spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None,
     roots: list[str] | None = None, data_hash: str | None = None,
-    checkpoint: dict[str, Any] | None = None,
+    checkpoint: dict[str, Any] | None = None, max_hours: float | None = None,
 ) -> dict[str, Any]:
     """`roots`, `data_hash`: the server's data roots and the sweep's data hash, which the
     worker checks again (plan.load_trial_data). `checkpoint`: a CheckpointPolicy's fields
-    (the trial checkpoints, and resumes from its latest checkpoint)."""
+    (the trial checkpoints, and resumes from its latest checkpoint). `max_hours`: the
+    server's wall-time ceiling of an attempt."""
     report = progress_channel(progress)
     result = run_trial(spec, reporter=lambda m: report(trial_id, m), cache_dir=cache_dir,
                        roots=roots, data_hash=data_hash,
-                       checkpoints=CheckpointPolicy(**checkpoint) if checkpoint else None)
+                       checkpoints=CheckpointPolicy(**checkpoint) if checkpoint else None,
+                       max_hours=max_hours)
     return result_payload(result)
 
 

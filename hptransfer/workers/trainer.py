@@ -55,11 +55,14 @@ def run_trial(
     data_hash: str | None = None,
     checkpoints: CheckpointPolicy | None = None,
     parallel: DataParallel | None = None,
+    max_hours: float | None = None,
 ) -> TrialResult:
     """Train `spec` to its budget. Never raises for training problems: the status says.
     `roots`, `data_hash`: a sweep's data guard (plan.load_trial_data). `checkpoints`: where
     and how often to checkpoint, and resume from the latest one (checkpoints.py).
-    `parallel`: this process's rank of a data-parallel trial (data_parallel.py)."""
+    `parallel`: this process's rank of a data-parallel trial (data_parallel.py).
+    `max_hours`: the server's wall-time ceiling (HPT_MAX_TRIAL_HOURS): an attempt still
+    training after it stops there, failed, saying so."""
     started = time.perf_counter()
     progress = Progress()
     try:
@@ -67,14 +70,14 @@ def run_trial(
         prepare_process(spec)  # threads, subnormals, malloc: before anything is allocated
         data = load_trial_data(spec, cache_dir, roots, data_hash)
         plan = plan_trial(spec, data)  # device, precision, batches, steps, eval points
-        return _train(plan, reporter, progress, started, checkpoints, parallel)
+        return _train(plan, reporter, progress, started, checkpoints, parallel, max_hours)
     except Exception as exc:
         return failed_result(spec, exc, started, progress.curve)
 
 
 def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, started: float,
-           policy: CheckpointPolicy | None = None,
-           parallel: DataParallel | None = None) -> TrialResult:
+           policy: CheckpointPolicy | None = None, parallel: DataParallel | None = None,
+           max_hours: float | None = None) -> TrialResult:
     """Build the model and its optimizer (from the latest checkpoint, if any), train them
     to the plan's end (or a stop), and return the result."""
     spec, data, device = plan.spec, plan.data, plan.device
@@ -172,6 +175,12 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                 break  # the last step's point comes with the final evaluation, below
             if checkpoints is not None and leads:
                 checkpoints.mark_reached(done)
+            if max_hours is not None and _past(started, max_hours, parallel, device):
+                progress.status = "failed"
+                progress.error = (f"stopped after step {done} of {plan.total_steps}: "
+                                  f"trained past the server's HPT_MAX_TRIAL_HOURS={max_hours:g}")
+                progress.curve.append(plan.point(step, progress.train_loss))  # where it got
+                break
             if plan.is_curve_step(done) or plan.is_eval_step(done):
                 record(step, evaluating=plan.is_eval_step(done))
                 if not progress.running:
@@ -191,6 +200,15 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                         train_time=time.perf_counter() - t_train, started=started,
                         notes=notes, resumed_from=resume or None, retrained=retrained,
                         workers=1 if parallel is None else parallel.world)
+
+
+def _past(started: float, max_hours: float, parallel: DataParallel | None,
+          device: torch.device) -> bool:
+    """Whether the attempt has trained past `max_hours` (rank 0's clock decides for all)."""
+    past = time.perf_counter() - started > max_hours * 3600.0
+    if parallel is not None:
+        past = bool(parallel.from_leader([float(past)], device)[0])
+    return past
 
 
 def _no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextManager:
