@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from hptransfer.redaction import mask_url, redact
 from hptransfer.spec.text import load_yaml, looks_like_path, non_finite_paths
 
 DEFAULT_URL = "http://127.0.0.1:8600"
+SUBMIT_RETRIES = 2  # a submit is sent again after no answer (its Idempotency-Key dedups)
 TERMINAL_SWEEP: tuple[str, ...] = tuple(s for s in SweepStatus if s not in ACTIVE)
 
 
@@ -67,10 +69,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def _call(self, method: str, path: str, retries: int = 0, **kw: Any) -> Any:
+        """`retries`: times to send the request again after no answer (only for a request
+        the server deduplicates: a submit with its Idempotency-Key)."""
         where = mask_url(self.url)
         try:
-            r = self._http.request(method, path, **kw)
+            r = self._send(method, path, retries, **kw)
         except httpx.TimeoutException as exc:
             applied = ("; it may still have been applied: check `hpt status` before sending it "
                        "again" if method != "GET" else "")
@@ -89,13 +93,29 @@ class Client:
                 raise ApiError(r.status_code, r.text) from None
         return r.json()
 
+    def _send(self, method: str, path: str, retries: int, **kw: Any) -> httpx.Response:
+        for attempt in range(retries + 1):
+            try:
+                return self._http.request(method, path, **kw)
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
+                if attempt == retries:
+                    raise
+                time.sleep(min(2.0, 0.25 * 2**attempt))
+        raise AssertionError("unreachable")
+
     # sweeps --------------------------------------------------------------------------
-    def submit(self, spec: Any, confirm_cost: bool = False) -> dict[str, Any]:
+    def submit(self, spec: Any, confirm_cost: bool = False,
+               idempotency_key: str | None = None) -> dict[str, Any]:
         """Submit a SweepSpec, a dict, a path to a YAML/JSON file, or YAML/JSON text.
         `confirm_cost`: queue it even if its estimate (`plan`) exceeds the server's
-        HPT_MAX_SWEEP_DEVICE_HOURS (else that is an ApiError naming `confirm_cost`)."""
+        HPT_MAX_SWEEP_DEVICE_HOURS (else that is an ApiError naming `confirm_cost`).
+        Every submit carries an Idempotency-Key (`idempotency_key`, else a fresh one), so
+        a request that got no answer is sent again (twice at most) without making a
+        second sweep."""
         params = {"confirm_cost": "true"} if confirm_cost else None
-        return self._call("POST", "/sweeps", json=_as_dict(spec), params=params)
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        return self._call("POST", "/sweeps", retries=SUBMIT_RETRIES, json=_as_dict(spec),
+                          params=params, headers=headers)
 
     def plan(self, spec: Any, cpus: float | None = None, gpus: float | None = None,
              calibrate: bool = False) -> dict[str, Any]:

@@ -205,3 +205,72 @@ def test_the_header_over_http(hpt_home: Path, tiny_spec: dict) -> None:
         bad = c.post("/sweeps", json=tiny_spec, headers={"Idempotency-Key": ""})
         assert bad.status_code == 422 and "Idempotency-Key" in bad.json()["error"]
         assert [s["id"] for s in c.get("/sweeps").json()] == [first.json()["id"]]
+
+
+class AnswerLostOnce:
+    """A TCP relay in front of the server that forwards the first request and drops the
+    connection instead of relaying the answer (a reply lost on the way back); later
+    connections are relayed whole."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+
+        self.target = target_port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.dropped = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            drop = self.dropped == 0
+            self.dropped += drop
+            threading.Thread(target=self._relay, args=(client, upstream, drop),
+                             daemon=True).start()
+
+    @staticmethod
+    def _relay(client: Any, upstream: Any, drop: bool) -> None:
+        import select
+
+        with client, upstream:
+            while True:
+                ready, _, _ = select.select([client, upstream], [], [], 30)
+                if not ready:
+                    return
+                for side in ready:
+                    data = side.recv(65536)
+                    if not data:
+                        return
+                    if side is upstream and drop:
+                        return  # the answer is lost: the client sees the connection close
+                    (upstream if side is client else client).sendall(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_the_client_sends_a_submit_again_after_a_lost_answer_and_gets_one_sweep(
+        hpt_home: Path, tiny_spec: dict) -> None:
+    from urllib.parse import urlsplit
+
+    from hptransfer.api.server import serve_in_thread
+    from hptransfer.client import Client
+    from hptransfer.config import get_settings
+
+    with serve_in_thread(get_settings(), dispatch=False) as url:
+        relay = AnswerLostOnce(urlsplit(url).port)
+        try:
+            with Client(f"http://127.0.0.1:{relay.port}") as c:
+                sweep = c.submit(tiny_spec)
+                sweeps = c.list()
+        finally:
+            relay.close()
+    assert relay.dropped == 1  # the first answer was lost, the request had been applied
+    assert [s["id"] for s in sweeps] == [sweep["id"]]  # the retry got the same sweep
