@@ -246,3 +246,31 @@ def test_a_trial_whose_workers_no_cluster_holds_says_what_it_needs():
     assert "largest Ray node has 2" in why
     why = never_fits(TaskResources(workers=2, cpus=1.0, gpus=1.0), two_nodes)
     assert "GPU" in why and "none" in why
+
+
+def test_cancelling_a_sweep_stops_its_train_workers(hpt_home, ray_cluster):
+    """Cancel reaches a trial on several workers as it does a one-process trial: its Ray
+    Train workers end (they are owned by the cancelled task) and the trial is cancelled."""
+    import copy
+
+    from conftest import TINY_SPEC
+    from waiting import wait_for
+
+    from hptransfer.api.server import serve_in_thread
+    from hptransfer.client import Client
+    from hptransfer.config import get_settings
+
+    spec = copy.deepcopy(TINY_SPEC)
+    spec.update(name="cancel-workers", max_concurrent=1)
+    spec["grid"]["lrs"] = [2**-8]
+    spec["budget"] = {"steps": 100_000, "batch_size": 4}
+    spec["resources"] = {"cpus": 1, "workers": 2}
+    before = set(train_worker_pids())
+    with serve_in_thread(get_settings()) as url, Client(url) as c:
+        sweep = c.submit(spec)
+        wait_for(lambda: set(train_worker_pids()) - before, 180, "the trial's Train workers")
+        c.cancel(sweep["id"])
+        wait_for(lambda: (c.trials(sweep["id"])["status"] == "cancelled").all(), 60,
+                 "the trial cancelled")
+        wait_for(lambda: not set(train_worker_pids()) - before, 60,
+                 "its Train workers gone")
