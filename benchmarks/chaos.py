@@ -3,7 +3,7 @@
 `scripts/cluster_up.sh` brings up its topology as processes (PostgreSQL, `mlflow server`, a
 Ray head, a Ray worker node, the coordinator's raylet and `hpt serve`) in a scratch folder.
 One sweep of small CPU trials goes in over REST, and while it runs `--faults` faults are
-injected, one kind drawn at random (`--seed`) each time:
+injected, one kind drawn at random (`--seed`) each time, the first four one of each kind:
 
 * coordinator: kill -9 of `hpt serve`;
 * ray-worker:  kill -9 of the Ray worker node's whole session (its `ray start`, raylet,
@@ -13,17 +13,19 @@ injected, one kind drawn at random (`--seed`) each time:
 * postgres:    kill -9 of PostgreSQL's postmaster (its backends are left to notice).
 
 Each fault is followed at once by `cluster_up.sh`, which must bring the component back on
-its own; the next fault waits until a trial more has completed (so every fault lands on a
-sweep that is making progress) plus a random moment. At the end it checks, with no manual
-step in between: the sweep and every trial completed, each trial exactly once (one
-completed attempt; `attempts` equals its attempt rows); exactly one FINISHED MLflow run per
-trial on the MLflow server (read with mlflow's client) and no run left RUNNING; and no
+its own. Fault i waits until i / (faults + 1) of the sweep completed (so the faults spread
+over it) and a trial more than at the last fault (so each lands on a sweep that makes
+progress), plus a random moment. At the end it checks, with no manual step in between: the
+sweep and every trial completed, each trial exactly once (one completed attempt; `attempts`
+equals its attempt rows); exactly one FINISHED MLflow run per trial on the MLflow server
+(read with mlflow's client), the sweep's own run FINISHED and no run left RUNNING; and no
 process of the deployment left after `cluster_down.sh`. It prints one summary line and
 exits 1 when a check failed.
 
 `--mlflow-down-second-half`: the MLflow server is stopped once half the trials completed
-and stays down (no MLflow faults then) until the sweep has ended; the results must be kept
-and mirrored when it is back.
+and stays down until the sweep has ended (`cluster_up.sh --without mlflow` restores the
+rest; an MLflow fault drawn then becomes another kind); the results must be kept (attempts
+wait for the mirror) and mirrored when it is back.
 
     .venv/bin/python benchmarks/chaos.py --faults 10 --seed 1
     .venv/bin/python benchmarks/chaos.py --faults 4 --mlflow-down-second-half
@@ -111,8 +113,8 @@ class Storm:
                  (f" ({'; '.join(notes)[:300]})" if notes else ""))
         self.remember_sessions()
 
-    def up(self) -> None:
-        self.script(UP)
+    def up(self, *args: str) -> None:
+        self.script(UP, *args)
         self.settings = dict(re.findall(r"^export (\w+)=(.*)$", (self.dir / "env").read_text(),
                                         flags=re.M))
 
@@ -129,18 +131,24 @@ class Storm:
         return int((self.dir / "pids" / name).read_text())
 
     def kill(self, kind: str) -> str:
-        """kill -9 of one component, as described in the module docstring."""
+        """kill -9 of one component, as described in the module docstring; returns once
+        the victims are dead (a supervisor restarts what it saw die: a process still
+        exiting, its threads being torn down, would pass for a running one)."""
         pid = self.pid(kind)
         if kind == "ray-worker":  # the host dies: every process of the node's session
             victims = [p for p in psutil.process_iter() if _sid(p.pid) == pid]
-            for p in victims:
-                try:
-                    p.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
-            return f"{len(victims)} processes of session {pid}"
-        os.kill(pid, signal.SIGKILL)
-        return f"pid {pid}"
+        else:
+            victims = [psutil.Process(pid)]
+        for p in victims:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + 30
+        while any(_live(p) for p in victims) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return f"{len(victims)} processes of session {pid}" if len(victims) > 1 \
+            else f"pid {pid}"
 
     def client(self):
         from hptransfer.client import Client
@@ -177,6 +185,13 @@ class Storm:
         return out
 
 
+def _live(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _sid(pid: int) -> int | None:
     try:
         return os.getsid(pid)
@@ -207,10 +222,6 @@ def storm(args: argparse.Namespace) -> int:
     # every kind once first (in a random order), then random draws
     kinds = rng.sample(KINDS, len(KINDS)) + [rng.choice(KINDS) for _ in range(args.faults)]
     kinds = kinds[:args.faults]
-    if args.mlflow_down_second_half:
-        half = (args.faults + 1) // 2  # no MLflow fault while it is down anyway
-        kinds = kinds[:half] + [k if k != "mlflow" else rng.choice(KINDS[:2] + KINDS[3:])
-                                for k in kinds[half:]]
     wanted = args.trials or 3 * args.faults + 4
     trials = len(LRS) * -(-wanted // len(LRS))  # whole seeds of the LR grid
     folder = Path(tempfile.mkdtemp(prefix="hptchaos", dir="/tmp"))
@@ -232,43 +243,56 @@ def storm(args: argparse.Namespace) -> int:
             sweep_id = c.submit(sweep_spec(trials, args.steps))["id"]
         s.say(f"sweep {sweep_id}: {trials} trials; faults: {' '.join(kinds)}")
         mlflow_down = False
+
+        def second_half(n: int) -> None:  # the MLflow server down from half the sweep on
+            nonlocal mlflow_down
+            if args.mlflow_down_second_half and not mlflow_down and n >= trials // 2:
+                s.script(DOWN, "mlflow")
+                mlflow_down = True
+                summary["mlflow_down_at"] = f"{n}/{trials}"
+                s.say(f"MLflow server stopped at {n}/{trials} trials completed")
+
         last = 0
         for i, kind in enumerate(kinds):
-            # a sweep making progress: a trial more completed since the last fault
+            # spread over the sweep: fault i once i / (faults + 1) of it completed, and on a
+            # sweep making progress (a trial more completed since the last fault)
+            goal = max(last + 1, (i + 1) * trials // (len(kinds) + 1))
             deadline = time.monotonic() + args.fault_wait
             while True:
                 n, status = _retry(lambda: _completed(s, sweep_id))
-                if n > last or status != "running" or time.monotonic() > deadline:
+                second_half(n)
+                if n >= goal or status != "running" or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
             if status != "running":
                 failures.append(f"the sweep ended ({status}) after {i} of {args.faults} "
                                 f"faults: give it more --trials")
                 break
-            if (args.mlflow_down_second_half and not mlflow_down
-                    and (i >= len(kinds) // 2 or n >= trials // 2)):
-                s.script(DOWN, "mlflow")
-                mlflow_down = True
-                s.say(f"MLflow server stopped at {n}/{trials} trials completed")
+            if mlflow_down and kind == "mlflow":  # it is down already: another kind
+                kind = rng.choice([k for k in KINDS if k != "mlflow"])
             time.sleep(rng.uniform(0, args.jitter))
             what = s.kill(kind)
             done_kinds[kind] += 1
             s.say(f"fault {i + 1}/{len(kinds)}: kill -9 {kind} ({what}); {n} completed")
-            if mlflow_down:  # cluster_up.sh would start it again: restart the rest only
-                _up_without_mlflow(s)
-            else:
-                s.up()
+            # cluster_up.sh restores whatever is not running, save an MLflow meant to be down
+            s.up(*(["--without", "mlflow"] if mlflow_down else []))
             last = n
-        if args.mlflow_down_second_half and not mlflow_down:
-            s.script(DOWN, "mlflow")
-            mlflow_down = True
+        while args.mlflow_down_second_half and not mlflow_down:
+            n, status = _retry(lambda: _completed(s, sweep_id))
+            second_half(n if status == "running" else trials)
+            time.sleep(0.5)
         with s.client() as c:
             final = _retry(lambda: c.wait(sweep_id, poll=1.0, timeout=args.timeout,
                                           progress=False))
         s.say(f"sweep {final['status']}")
         if mlflow_down:  # results kept while it was down, mirrored now it is back
+            backlog = s.store().mirror_backlog(sweep_id)
+            summary["backlog"] = backlog
+            s.say(f"{backlog} attempts waiting for the MLflow server; starting it again")
+            if not backlog:
+                failures.append("nothing waited for the MLflow server while it was down")
             s.up()
-        summary = check(s, sweep_id, trials, final, failures)
+        summary.update(check(s, sweep_id, trials, final, failures))
     except Exception as e:  # a failed restart or a hung sweep is a finding, not a crash
         failures.append(f"{type(e).__name__}: {e}")
     finally:
@@ -307,19 +331,14 @@ def storm(args: argparse.Namespace) -> int:
             f"finished_runs_per_trial={summary.get('runs_per_trial', '?')} "
             f"cluster_up_max={max(s.up_seconds, default=0):.1f}s "
             f"leftover_processes={summary['leftover']} "
-            f"{'mlflow_down_second_half ' if args.mlflow_down_second_half else ''}"
+            + (f"mlflow_down_at={summary.get('mlflow_down_at', '?')} "
+               f"mirrored_after={summary.get('backlog', '?')} "
+               if args.mlflow_down_second_half else "") +
             f"wall={wall:.0f}s seed={args.seed} {'OK' if not failures else 'FAILED'}")
     for f in failures:
         print(f"chaos: FAILED: {f}", file=sys.stderr)
     print(line, flush=True)
     return 1 if failures else 0
-
-
-def _up_without_mlflow(s: Storm) -> None:
-    """cluster_up.sh while the MLflow server is meant to stay down: it starts it with the
-    rest (it restores everything that is not running), so it is stopped again at once."""
-    s.up()
-    s.script(DOWN, "mlflow")
 
 
 def _name(p: psutil.Process) -> str:
@@ -375,6 +394,12 @@ def check(s: Storm, sweep_id: str, trials: int, final: dict, failures: list[str]
     per_trial = Counter(finished[r.id] for r in rows)
     if set(per_trial) != {1}:
         failures.append(f"FINISHED MLflow runs per trial (runs: trials): {dict(per_trial)}")
+    deadline = time.monotonic() + 120  # the sweep's own run ends after its fits
+    while (parent := ml.get_run(sweep.mlflow_run_id).info.status) != "FINISHED":
+        if time.monotonic() > deadline:
+            failures.append(f"the sweep's MLflow run is {parent}")
+            break
+        time.sleep(1)
     running = [r.info.run_id for r in runs if r.info.status == "RUNNING"]
     if running:
         failures.append(f"{len(running)} MLflow runs left RUNNING")

@@ -9,7 +9,18 @@
 # Idempotent: a component already running is left alone, a stopped one is started again with
 # the same ports, password and token. `source DIR/env` gives a shell the coordinator's
 # settings (hpt status, hpt doctor, the Python client). Stop it all: scripts/cluster_down.sh.
+# `--without mlflow` leaves the MLflow server as it is (down for maintenance: the coordinator
+# keeps every result and mirrors it when the server is back).
 set -euo pipefail
+WITHOUT_MLFLOW=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --without)
+      [ "${2:-}" = mlflow ] || { echo "cluster_up: --without takes mlflow" >&2; exit 2; }
+      WITHOUT_MLFLOW=1; shift 2 ;;
+    *) echo "cluster_up: unknown argument $1 (known: --without mlflow)" >&2; exit 2 ;;
+  esac
+done
 unset WAIT_UNTIL  # wait_for's per-call deadline: never inherited from the environment
 # The daemons started below must not inherit the caller's descriptors (a `flock` held around
 # this script would otherwise stay held by PostgreSQL for as long as it runs).
@@ -189,7 +200,9 @@ for db in hpt optuna mlflow; do  # separate databases: all three use an alembic_
 done
 
 # ---------------------------------------------------------------- MLflow server
-if alive mlflow; then
+if [ $WITHOUT_MLFLOW = 1 ]; then
+  say "mlflow left as it is (--without mlflow)"
+elif alive mlflow; then
   say "mlflow already running"
 else
   # without MLflow's GenAI job runner (SERVER_ENV in hptransfer/tracking/tracking.py)
@@ -249,7 +262,8 @@ join_ray ray-worker "$RAY_AGENT_PORT_WORKER" --num-cpus="$WORKER_CPUS" \
   --resources='{"hpt_worker": 1}'
 # the coordinator's own raylet: no CPUs, so no trial lands beside the API
 join_ray ray-coordinator "$RAY_AGENT_PORT_COORD" --num-cpus=0 --num-gpus=0
-wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
+[ $WITHOUT_MLFLOW = 1 ] ||
+  wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
 
 # ---------------------------------------------------------------- coordinator
 if alive coordinator; then
