@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from scipy import stats
 from scipy.optimize import brentq, minimize_scalar
 
 from hptransfer.analysis import (
@@ -118,37 +119,40 @@ def test_bootstrap_ci_contains_truth_and_is_reproducible() -> None:
     assert first["lr_ci_low"] == pytest.approx(2.0 ** first["log2_ci_low"])
 
 
-def _delta_method_sd(df: pd.DataFrame, fit_lrs: list[float]) -> float:
-    """Independent reference for η*'s standard error: least squares of a parabola in log2(lr)
-    through the fitted LRs' mean losses, its vertex's variance by the delta method from each
-    LR's unbiased seed variance over its seed count."""
+def _delta_method_half(df: pd.DataFrame, fit_lrs: list[float]) -> float:
+    """Independent reference for η*'s CI half-width: least squares of a parabola in log2(lr)
+    through the fitted LRs' mean losses, its vertex's variance by the delta method from the
+    seed variance pooled over those LRs (each over its seed count), times the t quantile
+    with the pooled degrees of freedom."""
     by_lr = df.groupby("lr")["final_val_loss"]
     lrs = np.array(fit_lrs)
     mean, var, n = (by_lr.mean().loc[lrs].to_numpy(), by_lr.var(ddof=1).loc[lrs].to_numpy(),
                     by_lr.count().loc[lrs].to_numpy())
+    dof = np.sum(n - 1)
+    pooled = np.sum((n - 1) * var) / dof
     x = np.log2(lrs)
     design = np.stack([np.ones_like(x), x, x**2], axis=1)
     solve = np.linalg.solve(design.T @ design, design.T)  # coefficients = solve @ mean
     c = solve @ mean
     d_vertex = np.array([0.0, -1 / (2 * c[2]), c[1] / (2 * c[2] ** 2)]) @ solve
-    return float(np.sqrt(np.sum(d_vertex**2 * var / n)))
+    return float(stats.t.ppf(0.975, dof) * np.sqrt(np.sum(d_vertex**2 * pooled / n)))
 
 
 @pytest.mark.parametrize("seeds", [2, 3])
-def test_bootstrap_ci_has_the_delta_method_width_with_few_seeds(seeds: int) -> None:
-    """A resampled mean of n seeds varies by s²(n-1)/n², not s²/n; unwidened, the η* interval
-    was sqrt((n-1)/n) of its due width (0.68x with 2 seeds, 0.81x with 3, median of 12
-    sweeps) and covered the truth about 0.71 of the time at a 95 % level."""
+def test_eta_ci_has_the_delta_method_width_with_few_seeds(seeds: int) -> None:
+    """With a well-curved bowl Fieller's interval is the delta method's: its half-width is
+    t(dof) x the vertex's standard error from the pooled seed variance. (The seed bootstrap
+    it replaced was a z-interval from 1-2 degrees of freedom per LR: it covered the truth
+    about 0.8 of the time at 95 % with 2 seeds.)"""
     ratios = []
     for rep in range(12):
         df = lr_sweep({("a", 256, 4): -8.4}, seeds=seeds, noise=0.01,
                       rng=np.random.default_rng(rep))
-        row = optimal_lr(df, bootstrap=4000, seed=rep).shapes.iloc[0]
-        sd = (row["log2_ci_high"] - row["log2_ci_low"]) / (2 * 1.959964)
-        ratios.append(sd / _delta_method_sd(df, row["fit_lrs"]))
-        assert any(f"{seeds} seeds per LR: the bootstrap CI is approximate" in w
-                   for w in row["warnings"])
-    assert 0.9 < np.median(ratios) < 1.1, ratios
+        row = optimal_lr(df).shapes.iloc[0]
+        half = (row["log2_ci_high"] - row["log2_ci_low"]) / 2
+        assert row["noise_dof"] == 5 * (seeds - 1)
+        ratios.append(half / _delta_method_half(df, row["fit_lrs"]))
+    assert 0.95 < np.median(ratios) < 1.05, ratios
 
 
 def test_curve_spread_is_the_sample_std_and_unequal_seed_counts_bootstrap() -> None:
@@ -199,7 +203,9 @@ def test_no_ci_when_the_fitted_lrs_have_one_seed_each() -> None:
     row = optimal_lr(pd.concat([df, far], ignore_index=True), bootstrap=200).shapes.iloc[0]
     assert 2.0**-12 not in row["fit_lrs"] and row["n_seeds"] == 2
     assert np.isnan(row["log2_ci_low"]) and np.isnan(row["log2_ci_high"])
-    assert "one seed per fitted LR: no bootstrap CI" in row["warnings"]
+    # a number without a CI is not reliable, however sound its fit, and the row says why
+    assert row["sound"] and not row["reliable"] and row["noise_dof"] == 0
+    assert row["reason"].startswith("one seed per fitted LR: the loss noise between seeds")
 
 
 @pytest.mark.parametrize(
@@ -341,10 +347,12 @@ def test_a_fit_with_a_rival_basin_is_unreliable_and_says_where() -> None:
     (note,) = [w for w in row["warnings"] if w.startswith("two basins")]
     assert "0.0109" in note and "3.382" in note  # the rival's LR and its loss
     # the point the search then asked, half a slice below the rival, trained to 3.16: one
-    # basin, 0.07 below the rest, and a reliable η* between 2^-9.02 and 2^-6.52
+    # basin, 0.07 below the rest, and a sound η* between 2^-9.02 and 2^-6.52 (one seed:
+    # no CI, so not reliable)
     rows.append({"arm": "sp", "width": 64, "depth": 1, "lr": 2.0**-7.77, "final_val_loss": 3.16})
     row = optimal_lr(trial_frame(rows), bootstrap=0, neighbours=1).shapes.iloc[0]
-    assert row["reliable"] and np.isnan(row["rival_lr"])
+    assert row["sound"] and np.isnan(row["rival_lr"])
+    assert not row["reliable"] and row["reason"].startswith("one seed per fitted LR")
     assert -9.02 < row["log2_lr_opt"] < -6.52
     assert not any(w.startswith("two basins") for w in row["warnings"])
     # one curve, as fit_lr_parabola takes it: the same rival, and none with 2^-7.77
@@ -586,21 +594,30 @@ def test_cubic_argmin_and_band_recovered() -> None:
     for depth in (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
         width = round(math.sqrt(1e7 / depth))  # ~ fixed params 12*N^2*L = 1.2e8
         u = math.log(width / depth) - x0
-        rows.append(
-            {
-                "arm": "completep",
-                "width": width,
-                "depth": depth,
-                "lr": 1e-3,
-                "params_non_embedding": 12 * width**2 * depth,
-                "final_val_loss": 3.0 + 0.02 * u**2 + 0.002 * u**3,
-            }
-        )
+        for seed, spread in enumerate((0.002, -0.002)):  # two seeds: their mean on the cubic
+            rows.append(
+                {
+                    "arm": "completep",
+                    "width": width,
+                    "depth": depth,
+                    "lr": 1e-3,
+                    "seed": seed,
+                    "params_non_embedding": 12 * width**2 * depth,
+                    "final_val_loss": 3.0 + 0.02 * u**2 + 0.002 * u**3 + spread,
+                }
+            )
     res = optimal_aspect_ratio(trial_frame(rows))
     assert res.reason is None
     row = res.to_frame().iloc[0]
     assert row["n_points"] == 11 and row["reliable"]
     assert row["nl_opt"] == pytest.approx(11.8, rel=1e-6)
+    # its CI holds the seeds' noise (sd 0.0028 per loss, 0.002 per mean of two)
+    assert row["noise_sd"] == pytest.approx(0.002, rel=1e-6)
+    assert row["nl_ci_low"] < 11.8 < row["nl_ci_high"]
+    # one seed: the same means, no noise measured, so no CI and not reliable
+    one = optimal_aspect_ratio(trial_frame(rows[::2])).to_frame().iloc[0]
+    assert math.isnan(one["nl_ci_low"]) and not one["reliable"]
+    assert any(w.startswith("one seed per point") for w in one["warnings"])
 
     # Band edges from the analytic cubic: 0.02u^2 + 0.002u^3 = 0.01 * 3.
     def excess(u: float) -> float:

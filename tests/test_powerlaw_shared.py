@@ -69,15 +69,20 @@ def test_an_arm_with_too_few_points_gets_a_reason_and_the_others_fit() -> None:
     assert "short" not in fits["sp"].shared_asymptote
 
 
-def _frame(noise: float) -> pd.DataFrame:
+def _frame(noise: float, seeds: int = 1) -> pd.DataFrame:
+    """The points as trials; with 2 seeds, each point's pair is its loss x (1 ± noise), so
+    their mean is the point and their spread the noise (its mean's log sd: `noise`)."""
     rows = []
     for arm, (c, y) in _points(noise).items():
         for i, (ci, yi) in enumerate(zip(c, y, strict=True)):
-            rows.append({"arch": "gpt", "parameterization": arm, "arm": arm, "width": 16 * (i + 1),
-                         "depth": 2, "lr": 1e-3, "sigma_base": 0.02, "seed": 0,
-                         "status": "completed", "flops": ci, "final_val_loss": yi,
-                         "tokens": np.nan, "params_non_embedding": np.nan,
-                         "params_embedding": 0, "trial_id": f"{arm}{i}"})
+            for s in range(seeds):
+                spread = 0.0 if seeds == 1 else noise * (1 if s == 0 else -1)
+                rows.append({"arch": "gpt", "parameterization": arm, "arm": arm,
+                             "width": 16 * (i + 1), "depth": 2, "lr": 1e-3, "sigma_base": 0.02,
+                             "seed": s, "status": "completed", "flops": ci,
+                             "final_val_loss": yi * (1 + spread), "tokens": np.nan,
+                             "params_non_embedding": np.nan, "params_embedding": 0,
+                             "trial_id": f"{arm}{i}s{s}"})
     return pd.DataFrame(rows)
 
 
@@ -93,9 +98,15 @@ def test_frontier_with_shared_asymptote_gives_closed_form_savings() -> None:
 
 
 def test_savings_of_noisy_shared_fits_have_a_real_ci_containing_the_truth() -> None:
-    frontier = loss_compute_frontier(_frame(0.004), bootstrap=200, seed=0,
+    frontier = loss_compute_frontier(_frame(0.004, seeds=2), bootstrap=200, seed=0,
                                      shared_asymptote=True)
     assert frontier.reliable
+    assert frontier.fits["sp"].seed_noise == pytest.approx(0.004, rel=0.02)
+    # one seed per point: the same curve, but the noise between seeds is not measured
+    alone = loss_compute_frontier(_frame(0.004), bootstrap=50, seed=0, shared_asymptote=True)
+    assert not alone.reliable and all(
+        any(w.startswith("one seed per point") for w in f.warnings)
+        for f in alone.fits.values())
     comp = compare_fits(frontier.fits["completep"], frontier.fits["sp"], arm="completep",
                         reference="sp", n_grid=9)
     head = comp.headline()

@@ -189,8 +189,13 @@ def test_savings_rows_follow_the_rules_against_closed_form_percentiles() -> None
         else:
             seen.add("ok")
             assert row["ci_low"] == pytest.approx(lo) and row["ci_high"] == pytest.approx(hi)
-            assert row["reliable"] == (lo <= est <= hi)
-    assert seen == {"unbounded", "wide", "ok"}  # the data exercises every branch
+            # reliable: the estimate inside its CI, and the CI on one side of 0
+            excludes_zero = lo > 0 or hi < 0
+            assert row["reliable"] == (lo <= est <= hi and excludes_zero)
+            if lo <= est <= hi and not excludes_zero:
+                seen.add("zero inside")
+                assert "includes 0" in row["note"]
+    assert {"unbounded", "wide", "ok"} <= seen  # the data exercises every branch
     head = comp.headline()
     mid = t[t["savings"].notna()].iloc[len(t) // 2]
     assert head["loss"] == pytest.approx(mid["loss"])

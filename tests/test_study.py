@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import TINY_SPEC
+from scipy import stats
 
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import ApiError, Client
@@ -655,7 +656,10 @@ def test_study_report_takes_each_fit_from_its_stage():
     shift = report.transfer_check.table.set_index("arm")["shift_log2"]
     for arm, m in moved.items():
         assert shift[arm] == pytest.approx(m, abs=1e-6)
-    assert report.transfer_check.table["reliable"].all()
+    # one seed per trial: exact shifts, but no seed noise measured, so no CI and not reliable
+    check = report.transfer_check.table
+    assert not check["reliable"].any()
+    assert all(r.startswith("one seed per fitted LR") for r in check["reason"])
     nl = report.aspect_ratio.groups.set_index("arm")["nl_opt"]
     assert nl.to_numpy() == pytest.approx([8.0, 8.0], rel=0.05)
     head = report.to_dict()["headline"]
@@ -837,9 +841,17 @@ def test_the_transfer_checks_shift_ci_counts_the_base_eta_uncertainty():
             assert row["shift_ci_high"] == pytest.approx(check["log2_ci_high"] - b)
         else:  # wider than the check's own CI on both sides, by the base's half-widths
             assert tune["log2_ci_high"] - tune["log2_ci_low"] > 0.01
-            assert row["shift_ci_low"] == pytest.approx(c - b - math.hypot(
-                c - check["log2_ci_low"], tune["log2_ci_high"] - b))
-            assert row["shift_ci_high"] == pytest.approx(c - b + math.hypot(
-                check["log2_ci_high"] - c, b - tune["log2_ci_low"]))
+            dofs = (check["noise_dof"], tune["noise_dof"])
+
+            def half(widths, dofs=dofs):  # SEs in quadrature, Welch-Satterthwaite t
+                se = [w / stats.t.ppf(0.975, d) for w, d in zip(widths, dofs, strict=True)]
+                dof = sum(x**2 for x in se) ** 2 / sum(
+                    x**4 / d for x, d in zip(se, dofs, strict=True))
+                return stats.t.ppf(0.975, dof) * math.hypot(*se)
+
+            assert row["shift_ci_low"] == pytest.approx(c - b - half(
+                (c - check["log2_ci_low"], tune["log2_ci_high"] - b)))
+            assert row["shift_ci_high"] == pytest.approx(c - b + half(
+                (check["log2_ci_high"] - c, b - tune["log2_ci_low"])))
             assert row["shift_ci_low"] < check["log2_ci_low"] - b
             assert row["shift_ci_high"] > check["log2_ci_high"] - b

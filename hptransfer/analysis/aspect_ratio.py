@@ -3,7 +3,10 @@
 Following the CompleteP paper: for models of about equal size, loss (at the best LR) against
 log(N/L) is fitted by a cubic; its minimum inside the tested range is the optimal N:L, and the
 range whose predicted loss is within 1 % of that minimum says how flat the optimum is. A result
-is `reliable` with 5+ aspect ratios, its minimum inside the range and its band ending inside it.
+is `reliable` with 5+ aspect ratios, its minimum inside the range, its band ending inside it,
+and a CI: the optimum refitted on the losses redrawn with the noise measured between seeds
+(or the cubic's residual noise where that is larger). One seed per shape measures no seed
+noise: no CI, not reliable.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import pandas as pd
 from hptransfer.jsonsafe import frame_records
 
 from .errors import NotEnoughData
+from .noise import ONE_SEED, pooled_sd
 from .optimal_lr import OptimalLRResult, as_optimal
 from .serialize import analysis_dict, with_none
-from .stats import snap_runs
+from .stats import percentile_ci, snap_runs
 from .trials import Trials
 
 _BAND_GRID = 4001
@@ -103,6 +107,7 @@ class AspectRatioResult:
     warnings: list[str] = field(default_factory=list)
     tolerance: float = 0.15
     within: float = 0.01
+    ci_level: float = 0.95
     set_aside: list[str] = field(default_factory=list)  # shapes at another budget (warnings)
 
     @property
@@ -118,6 +123,7 @@ class AspectRatioResult:
             self,
             size_tolerance=self.tolerance,
             within=self.within,
+            ci_level=self.ci_level,
             groups=frame_records(self.groups),
         )
 
@@ -134,6 +140,9 @@ _GROUP_COLUMNS = [
     "loss_opt",
     "nl_within_low",
     "nl_within_high",
+    "nl_ci_low",
+    "nl_ci_high",
+    "noise_sd",
     "edge",
     "reliable",
     "reason",
@@ -147,7 +156,33 @@ _GROUP_COLUMNS = [
 _INPUT_FIELDS = ("width", "depth", "aspect", "params", "loss", "trial_ids")
 
 
-def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) -> dict[str, Any]:
+def optimum_ci(x: np.ndarray, loss: np.ndarray, fit: CubicOptimum, n_seeds: np.ndarray,
+               seed_sd: float, seed_dof: float, bootstrap: int, seed: int | None, ci: float,
+               ) -> tuple[float, float, float]:
+    """CI of the optimum's log N:L: the cubic refitted on the fitted losses plus Gaussian
+    noise of sd max(seed_sd / sqrt(n_i), the residuals' scale), seed_sd redrawn from its
+    scaled inverse chi² (`seed_dof` degrees of freedom) in each refit so its own
+    uncertainty widens the interval as a t would; the optimum (inside the tested range)
+    taken each time. Returns (low, high, noise sd used); NaN without a seed noise (one
+    seed) or without resamples."""
+    if not (np.isfinite(seed_sd) and seed_dof >= 1) or bootstrap <= 0:
+        return float("nan"), float("nan"), float("nan")
+    n = len(x)
+    resid_var = float(np.sum(fit.residuals**2) / (n - 4)) if n > 4 else 0.0
+    fitted = loss - fit.residuals
+    rng = np.random.default_rng(seed)
+    scale = np.sqrt(seed_dof / rng.chisquare(seed_dof, size=bootstrap))
+    seed_var = (seed_sd * scale[:, None]) ** 2 / np.maximum(n_seeds, 1)[None, :]
+    sd = np.sqrt(np.maximum(seed_var, resid_var))
+    draws = fitted[None, :] + sd * rng.standard_normal((bootstrap, n))
+    opts = np.array([fit_cubic_optimum(x, y, 0.0).x_opt for y in draws])
+    lo, hi = percentile_ci(opts, ci)
+    return float(lo), float(hi), float(np.sqrt(max(seed_sd**2 / np.median(n_seeds),
+                                                     resid_var)))
+
+
+def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float,
+               bootstrap: int = 0, seed: int | None = 0, ci: float = 0.95) -> dict[str, Any]:
     params = pts["params"].astype(float)
     row: dict[str, Any] = {
         "arm": arm,
@@ -196,14 +231,26 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float) ->
         )
     if n_ratios < 5:
         notes.append("4 aspect ratios for 4 cubic coefficients: the fit has no residual check")
+    seed_sd, seed_dof = pooled_sd(pts["noise_sd"], pts["noise_dof"] + 1)
+    lo, hi, noise = optimum_ci(pts["log_aspect"], pts["loss"].astype(float), fit,
+                               pts["n_seeds"].astype(float), float(seed_sd), float(seed_dof),
+                               bootstrap, seed, ci)
+    if not np.isfinite(seed_sd):
+        notes.append(ONE_SEED)
+    elif bootstrap <= 0:
+        notes.append("no CI of N:L: bootstrap is off")
     row.update(
+        nl_ci_low=float(np.exp(lo)),
+        nl_ci_high=float(np.exp(hi)),
+        noise_sd=noise,
         nl_opt=float(np.exp(fit.x_opt)),
         log_nl_opt=fit.x_opt,
         loss_opt=fit.loss_opt,
         nl_within_low=float(np.exp(fit.x_low)),
         nl_within_high=float(np.exp(fit.x_high)),
         edge=fit.edge,
-        reliable=fit.edge is None and not fit.band_clipped and n_ratios >= 5,
+        reliable=(fit.edge is None and not fit.band_clipped and n_ratios >= 5
+                  and bool(np.isfinite(lo) and np.isfinite(hi))),
         warnings=notes,
         coefficients=fit.coefficients.tolist(),
         residuals=fit.residuals.tolist(),
@@ -274,8 +321,12 @@ def optimal_aspect_ratio(
     *,
     tolerance: float = 0.15,
     within: float = 0.01,
+    bootstrap: int = 200,
+    seed: int | None = 0,
+    ci: float = 0.95,
 ) -> AspectRatioResult:
-    """Per arm and per size group (params within ±tolerance of the median): the optimal N:L."""
+    """Per arm and per size group (params within ±tolerance of the median): the optimal N:L,
+    with its CI (`bootstrap` refits with the seed noise, `optimum_ci`; level `ci`)."""
     opt = as_optimal(data, needs=("params_non_embedding",))
     warnings = list(opt.warnings)
     best = opt.best_points()
@@ -290,6 +341,9 @@ def optimal_aspect_ratio(
             "loss": best["best_loss"].to_numpy(),
             "trial_ids": best["best_trial_ids"].to_numpy(),
             "tokens": best["tokens"].to_numpy(dtype=float),
+            "noise_sd": best["noise_sd"].to_numpy(dtype=float),
+            "noise_dof": best["noise_dof"].to_numpy(dtype=float),
+            "n_seeds": best["n_seeds"].to_numpy(dtype=float),
         }
     )
     # Label size groups per arm (each budget of a shape is its own point until compared).
@@ -323,7 +377,8 @@ def optimal_aspect_ratio(
             skipped += 1
             continue
         sub = {c: v[lo:hi] for c, v in arrays.items()}
-        rows.append(_group_row(str(sub["arm"][0]), int(sub["group"][0]), sub, within))
+        rows.append(_group_row(str(sub["arm"][0]), int(sub["group"][0]), sub, within,
+                               bootstrap, None if seed is None else seed + len(rows), ci))
     if skipped:
         warnings.append(f"{skipped} sizes had a single shape and were skipped")
     groups = pd.DataFrame(rows, columns=_GROUP_COLUMNS)
@@ -338,4 +393,5 @@ def optimal_aspect_ratio(
         if points.empty:
             because = "no shape has a completed run with a recorded params_non_embedding"
         reason = NotEnoughData("the compute-optimal N:L", because)
-    return AspectRatioResult(groups, points, reason, warnings, tolerance, within, set_aside)
+    return AspectRatioResult(groups, points, reason, warnings, tolerance, within, ci,
+                             set_aside)

@@ -134,10 +134,14 @@ def residual_scale(
 def residual_bootstrap(
     fitted: np.ndarray, residuals: np.ndarray, n_params: int, n_resamples: int,
     seed: int | None, refit: Callable[[np.ndarray], np.ndarray],
-    leverage: np.ndarray | None = None, pool: np.ndarray | None = None,
+    leverage: np.ndarray | None = None, pool: np.ndarray | None = None, floor: float = 0.0,
 ) -> np.ndarray:
     """`refit` (responses -> parameters, NaN when it failed) on `n_resamples` redraws of the
     responses, fitted + resampled residuals; shape (n_resamples, n_params).
+
+    `floor`: the noise measured between seeds at the points (`noise.log_noise_floor`): when
+    the residuals' root mean square is below it, they are scaled up to it (a curve of a few
+    points can pass closer to them than the seeds' spread says another run would land).
 
     A study's shapes and budgets are chosen, not sampled, so this keeps them and redraws only
     the noise (the residual bootstrap for a fixed design). Resampling the points instead
@@ -150,6 +154,9 @@ def residual_bootstrap(
     if n_resamples <= 0:
         return np.empty((0, n_params))
     r = drawn_residuals(residuals, n_params, leverage, pool)
+    rms = float(np.sqrt(np.mean(r**2))) if r.size else 0.0
+    if floor > rms:
+        r = r * (floor / rms) if rms > 0 else np.array([-floor, floor])
     rng = np.random.default_rng(seed)
     draws = rng.choice(r, size=(n_resamples, np.size(fitted)))
     return np.array([refit(fitted + d) for d in draws]).reshape(-1, n_params)
@@ -182,13 +189,17 @@ def studentized_bootstrap(
     fitted: np.ndarray, residuals: np.ndarray, n_params: int, n_resamples: int,
     seed: int | None, solve: Callable[[np.ndarray], Any],
     params: Callable[[Any], np.ndarray], leverage: np.ndarray, pool: np.ndarray | None = None,
+    floor: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`residual_bootstrap` of a scipy `least_squares` fit whose refits are to be studentized:
     (refit parameters, shape (n_resamples, n_params); `student_ratios` of the refits).
     `solve` refits the redrawn responses, `params` reads a result's parameters; each refit's
     own noise scale comes from its residuals (`fun`, model - data: the sign does not matter)
     and its own hat values, as the fit's from `residuals` and `leverage` (all points: `pool`
-    only limits the residuals drawn, see `residual_bootstrap`)."""
+    only limits the residuals drawn, see `residual_bootstrap`). With a seed-noise `floor`,
+    the fit's and each refit's scale are at least the floor: where the seeds' noise
+    dominates, it is known from many degrees of freedom and the refits are not widened by
+    their few residuals' own uncertainty."""
     def refit(y_star: np.ndarray) -> np.ndarray:
         r = solve(y_star)
         if not r.success:
@@ -196,9 +207,9 @@ def studentized_bootstrap(
         return np.r_[params(r), residual_scale(r.fun, n_params, fit_leverage(r))]
 
     out = residual_bootstrap(fitted, residuals, n_params + 1, n_resamples, seed, refit,
-                             leverage=leverage, pool=pool)
-    scale = residual_scale(residuals, n_params, leverage)
-    return out[:, :n_params], student_ratios(scale, out[:, n_params])
+                             leverage=leverage, pool=pool, floor=floor)
+    scale = max(residual_scale(residuals, n_params, leverage), floor)
+    return out[:, :n_params], student_ratios(scale, np.maximum(out[:, n_params], floor))
 
 
 def student_ratios(scale: float, refit_scales: np.ndarray) -> np.ndarray:

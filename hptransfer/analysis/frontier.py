@@ -11,6 +11,7 @@ import pandas as pd
 from hptransfer.jsonsafe import frame_records
 
 from .errors import NotEnoughData
+from .noise import ONE_SEED, log_noise_floor
 from .optimal_lr import OptimalLRResult, as_optimal
 from .powerlaw import PARAM_NAMES, PowerLawFit, fit_power_law
 from .powerlaw_shared import fit_power_laws_shared_e
@@ -68,7 +69,8 @@ class FrontierResult:
                 for name in PARAM_NAMES:
                     ci = fit.ci.get(name, (np.nan, np.nan))
                     row[f"{name}_ci_low"], row[f"{name}_ci_high"] = ci
-                row.update(loss_min=lo, loss_max=hi, compute_min=clo, compute_max=chi)
+                row.update(loss_min=lo, loss_max=hi, compute_min=clo, compute_max=chi,
+                           seed_noise_log=fit.seed_noise)
                 row.update(fit.status_row())
             else:
                 reason = self.reasons.get(arm) or (fit.reason if fit is not None else None)
@@ -88,6 +90,7 @@ class FrontierResult:
             "loss_max",
             "compute_min",
             "compute_max",
+            "seed_noise_log",
             "reliable",
             "reason",
             "warnings",
@@ -116,7 +119,11 @@ def loss_compute_frontier(
     """Per arm: each shape at its best LR gives (flops, loss); fit L(C) on the frontier.
 
     `shared_asymptote`: fit all arms jointly with one irreducible loss E (per-arm A, b; see
-    `powerlaw_shared`), for arms trained and scored on the same data and tokenizer."""
+    `powerlaw_shared`), for arms trained and scored on the same data and tokenizer.
+
+    The bootstrap draws at least the loss noise measured between seeds at the points
+    (pooled per arm, or over all arms with a shared E; `noise.log_noise_floor`); with one
+    seed per point that noise is not measured, and no fit is `reliable`."""
     opt = as_optimal(data, needs=("flops",))
     warnings = list(opt.warnings)
     best = opt.best_points()
@@ -140,6 +147,7 @@ def loss_compute_frontier(
         points["flops"].to_numpy(), points["loss"].to_numpy(), points["arm"].to_numpy()
     )
     points["residual_log"] = np.nan
+    noise = _seed_noise(best[has_flops], shared_asymptote)
     fronts = {str(arm): pts[pts["on_frontier"]]
               for arm, pts in points.groupby("arm", sort=True)}
     if shared_asymptote:
@@ -147,6 +155,7 @@ def loss_compute_frontier(
             {arm: (f["flops"].to_numpy(), f["loss"].to_numpy()) for arm, f in fronts.items()},
             bootstrap=bootstrap, seed=seed, ci=ci, f_scale=f_scale,
             trial_ids={arm: f["trial_ids"].tolist() for arm, f in fronts.items()},
+            seed_noise=noise.get("", float("nan")),
         ))
     else:
         for i, (arm, front) in enumerate(fronts.items()):
@@ -159,10 +168,14 @@ def loss_compute_frontier(
                 f_scale=f_scale,
                 trial_ids=front["trial_ids"].tolist(),
                 what=f"the loss-vs-compute fit of arm {arm}",
+                seed_noise=noise.get(arm, float("nan")),
             )
     for arm, front in fronts.items():
         if fits[arm].ok:
             points.loc[front.index, "residual_log"] = fits[arm].residuals
+            if not np.isfinite(fits[arm].seed_noise):
+                fits[arm].reliable = False
+                fits[arm].warnings.append(ONE_SEED)
         else:
             reasons[arm] = fits[arm].reason  # type: ignore[assignment]
     reason = None
@@ -172,6 +185,20 @@ def loss_compute_frontier(
         because = "; ".join(r.message for r in reasons.values()) or "no shape has a best point"
         reason = NotEnoughData("the loss-vs-compute frontier", because)
     return FrontierResult(points, fits, reasons, reason, warnings, left_out)
+
+
+def _seed_noise(best: pd.DataFrame, shared: bool) -> dict[str, float]:
+    """The points' loss noise between seeds on the log scale, per arm (key "": all arms,
+    for a fit with one E); NaN where no point has 2 seeds."""
+    def floor(rows: pd.DataFrame) -> float:
+        return log_noise_floor(rows["noise_sd"].to_numpy(dtype=float),
+                               rows["noise_dof"].to_numpy(dtype=float),
+                               rows["n_seeds"].to_numpy(dtype=float),
+                               rows["best_loss"].to_numpy(dtype=float))[0]
+
+    if shared:
+        return {"": floor(best)}
+    return {str(arm): floor(rows) for arm, rows in best.groupby("arm", sort=True)}
 
 
 def _shapes_left_out(shapes: pd.DataFrame, best: pd.DataFrame, keys: list[str]) -> list[str]:

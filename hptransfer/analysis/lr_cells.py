@@ -1,5 +1,5 @@
 """Trials collapsed to (shape, LR) cells: the padded (shape x LR) matrices the η* fits run
-on, and the seed bootstrap of η* over them (one numpy pass per chunk of resamples)."""
+on, with each cell's seed count and spread (the seed noise η*'s CI comes from)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .parabola import fit_parabolas
 from .stats import snap_runs
 from .trials import DIVERGED, OK
 
 # what a shape's point carries besides its loss: the frontier and L(N, D) fit on these
 POINT_COLUMNS: tuple[str, ...] = ("flops", "tokens", "params_non_embedding", "params_embedding")
-# Resampled loss values held in memory at once during the bootstrap (bounds peak memory).
-_BOOT_CHUNK_VALUES = 4_000_000
 
 
 @dataclass
@@ -32,7 +29,6 @@ class Cells:
     mean: np.ndarray
     std: np.ndarray
     point_means: dict[str, np.ndarray]
-    seed_losses: np.ndarray
     ok_ids_by_cell: tuple[np.ndarray, np.ndarray, np.ndarray]
     ok_ids_by_shape: list[np.ndarray]
     n_shapes: int
@@ -90,12 +86,6 @@ def build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> Cells:
         with np.errstate(divide="ignore", invalid="ignore"):
             point_means[col] = np.where(cnt > 0, tot / cnt, np.nan)
 
-    # Per-cell seed losses, padded, for resampling seeds in the bootstrap.
-    pos = np.arange(len(order)) - start[cell]
-    width = max(int(n_ok.max()), 1)
-    seed_losses = np.zeros((n_cells, width))
-    seed_losses[cell[ok], pos[ok]] = loss[ok]
-
     cell_sid = sid_s[start]
     first = np.flatnonzero(np.r_[True, cell_sid[1:] != cell_sid[:-1]])
     cell_col = np.arange(n_cells) - first[cell_sid]
@@ -113,7 +103,6 @@ def build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> Cells:
         mean=mean,
         std=std,
         point_means=point_means,
-        seed_losses=seed_losses,
         ok_ids_by_cell=(ids, start, n_ok),
         ok_ids_by_shape=ok_ids,
         n_shapes=n_shapes,
@@ -124,34 +113,4 @@ def build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> Cells:
 def matrix(cells: Cells, values: np.ndarray, fill: float = np.nan) -> np.ndarray:
     out = np.full((cells.n_shapes, cells.n_cols), fill, dtype=float)
     out[cells.cell_sid, cells.cell_col] = values
-    return out
-
-
-def bootstrap_log2_opt(
-    cells: Cells, x: np.ndarray, n_resamples: int, rng: np.random.Generator, neighbours: int
-) -> np.ndarray:
-    """η* (log2) refitted on seed-resampled mean losses; shape (n_resamples, n_shapes)."""
-    n_cells, width = cells.seed_losses.shape
-    n_ok = cells.n_ok
-    chunk = max(1, _BOOT_CHUNK_VALUES // max(1, n_cells * width))
-    cell_idx = np.arange(n_cells)[None, :, None]
-    in_cell = np.arange(width)[None, :] < n_ok[:, None]
-    inflation = np.sqrt(n_ok / np.maximum(n_ok - 1, 1))
-    out = np.empty((n_resamples, cells.n_shapes))
-    for begin in range(0, n_resamples, chunk):
-        b = min(chunk, n_resamples - begin)
-        # Resample the seeds of each LR independently (same count, with replacement).
-        picks = (rng.random((b, n_cells, width)) * n_ok[None, :, None]).astype(np.intp)
-        draws = np.where(in_cell[None], cells.seed_losses[cell_idx, picks], 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            means = np.where(n_ok > 0, draws.sum(axis=2) / n_ok, np.nan)
-        # A resampled mean varies by s²(n-1)/n², not s²/n: widened by sqrt(n/(n-1)) about
-        # the cell's mean, as the power-law bootstrap widens its residuals
-        means = cells.mean + inflation * (means - cells.mean)
-        y = np.full((b, cells.n_shapes, cells.n_cols), np.nan)
-        y[:, cells.cell_sid, cells.cell_col] = means
-        fits = fit_parabolas(
-            np.tile(x, (b, 1)), y.reshape(b * cells.n_shapes, cells.n_cols), neighbours
-        )
-        out[begin : begin + b] = fits.log2_opt.reshape(b, cells.n_shapes)
     return out

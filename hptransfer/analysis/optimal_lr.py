@@ -1,5 +1,10 @@
 """Optimal learning rate per shape: a quadratic in log2(lr) around the best grid point
-(the fit itself is in parabola.py).
+(the fit itself is in parabola.py), with its CI from the seed noise (noise.py).
+
+η* is `reliable` when its fit is `sound` (vertex inside the fitted LRs, convex, off the grid's
+edge, one basin) and `informative`: its CI is no wider than ±`max_ci_log2` octaves and the
+bracket's losses rise on both sides of the best LR by more than the seed noise. One seed per
+LR measures no noise, so gives no CI: not reliable, and `reason` says so.
 
 Everything is computed for all shapes at once on padded (shape x LR) matrices, so the cost
 grows with the number of trials through a few numpy passes, not a Python loop per trial.
@@ -18,17 +23,14 @@ from hptransfer.jsonsafe import frame_records
 
 from .basins import RIVAL_TOLERANCE, rival_basins
 from .errors import NotEnoughData
-from .lr_cells import POINT_COLUMNS, Cells, bootstrap_log2_opt, build_cells, matrix
+from .lr_cells import POINT_COLUMNS, Cells, build_cells, matrix
+from .noise import ETA_CI_LOG2, bracket_rise, coefficient_cov, pooled_sd, t_quantile, vertex_ci
 from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict
-from .stats import percentile_ci
 from .trials import CORE_COLUMNS, IGNORED, OK, Trials, prepare_trials
 
 SHAPE_KEYS: tuple[str, ...] = ("arm", "width", "depth", "sigma_base")
 _WHAT = "the optimal LR"
-# Below this many seeds per LR the seed bootstrap's η* interval covers less than its level
-# (simulated, 95 %: about 0.8 with 2 seeds, 0.85 with 3, 0.9 with 4): said in the warnings
-FEW_SEEDS = 4
 
 
 @dataclass
@@ -42,6 +44,7 @@ class OptimalLRResult:
     warnings: list[str] = field(default_factory=list)
     bootstrap: int = 0
     ci_level: float = 0.95
+    max_ci_log2: float = ETA_CI_LOG2
 
     @property
     def reliable(self) -> bool:
@@ -57,6 +60,7 @@ class OptimalLRResult:
             first={"keys": list(self.keys)},
             bootstrap=self.bootstrap,
             ci_level=self.ci_level,
+            max_ci_log2=self.max_ci_log2,
             shapes=frame_records(self.shapes),
         )
 
@@ -93,8 +97,6 @@ def _shape_notes(
     runs_best: int,
     div_next: int,
     runs_next: int,
-    fit_seeds: int | None,
-    boot_failed: float,
     rival: tuple[float, float] | None,
     best_loss: float,
 ) -> list[str]:
@@ -131,31 +133,28 @@ def _shape_notes(
             f"the next LR above the best diverged in {div_next} of {runs_next} runs: η* is "
             "close to the stability limit"
         )
-    if fit_seeds is not None and fit_seeds < 2:
-        notes.append("one seed per fitted LR: no bootstrap CI")
-    elif fit_seeds is not None and fit_seeds < FEW_SEEDS:
-        notes.append(f"{fit_seeds} seeds per LR: the bootstrap CI is approximate (it covers "
-                     f"η* less often than its nominal level); {FEW_SEEDS}+ seeds firm it up")
-    if fit_seeds is not None and fit_seeds >= 2 and boot_failed > 0.1:
-        notes.append(f"{boot_failed:.0%} of bootstrap refits failed; CI is optimistic")
     return notes
 
 
 def _empty_result(
-    keys: tuple[str, ...], reason: NotEnoughData, warnings: list[str], bootstrap: int, ci: float
+    keys: tuple[str, ...], reason: NotEnoughData, warnings: list[str], bootstrap: int, ci: float,
+    max_ci_log2: float,
 ) -> OptimalLRResult:
     # a key may also be a point column (per_budget keys on tokens): one column each
     shapes = pd.DataFrame(columns=[*keys, *(c for c in _SHAPE_COLUMNS if c not in keys)])
     curves = pd.DataFrame(columns=[*keys, *(c for c in _CURVE_COLUMNS if c not in keys)])
-    shapes["reliable"] = shapes["reliable"].astype(bool)
+    for col in ("reliable", "sound", "informative"):
+        shapes[col] = shapes[col].astype(bool)
     shapes["best_loss"] = shapes["best_loss"].astype(float)
-    return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci)
+    return OptimalLRResult(shapes, curves, keys, reason, warnings, bootstrap, ci, max_ci_log2)
 
 
 _SHAPE_COLUMNS = (
     "n_lrs", "n_completed", "n_diverged", "n_seeds", "best_lr", "best_loss", "lr_opt",
-    "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "loss_at_opt",
-    "curvature", "n_fit_points", "edge", "clamped", "concave", "rival_lr", "reliable", "reason",
+    "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "ci_half_log2",
+    "noise_sd", "noise_dof", "bracket_rise", "bracket_noise", "loss_at_opt",
+    "curvature", "n_fit_points", "edge", "clamped", "concave", "rival_lr", "sound",
+    "informative", "reliable", "reason",
     "warnings", "fit_lrs", "residuals", *POINT_COLUMNS, "best_trial_ids", "trial_ids",
     "n_pruned", "pruned",
 )
@@ -197,12 +196,17 @@ def optimal_lr(
     ci: float = 0.95,
     extra_keys: Sequence[str] = (),
     neighbours: int = 2,
+    max_ci_log2: float = ETA_CI_LOG2,
 ) -> OptimalLRResult:
     """η* for every shape (arm x width x depth x sigma_base, plus `extra_keys`).
 
     Loss is averaged over seeds per LR (diverged runs excluded but counted), the best LR is
     taken, and a quadratic in log2(lr) is fitted on it and up to `neighbours` LRs each side.
-    The CI resamples seeds within each LR `bootstrap` times and refits.
+    The CI (level `ci`) is Fieller's for the vertex, from the seed noise pooled over the
+    fitted LRs (`noise.vertex_ci`): exact for Gaussian noise, so it needs no resamples
+    (`bootstrap` and `seed` are kept for the callers that pass them to every fit). η* is
+    `reliable` only when its CI's half-width is at most `max_ci_log2` octaves and the
+    bracket rises above the seed noise on both sides (see the module docstring).
     """
     keys = (*SHAPE_KEYS, *extra_keys)
     trials = data if isinstance(data, Trials) else prepare_trials(data, (*CORE_COLUMNS, *keys))
@@ -210,19 +214,20 @@ def optimal_lr(
     frame = trials.frame[trials.frame["outcome"].to_numpy() != IGNORED]
     because = _nothing_to_fit(trials, frame)
     if because is not None:
-        return _empty_result(keys, NotEnoughData(_WHAT, because), warnings, bootstrap, ci)
+        return _empty_result(keys, NotEnoughData(_WHAT, because), warnings, bootstrap, ci,
+                             max_ci_log2)
 
     sweep = _fit_sweep(build_cells(frame, keys), neighbours)
-    log2_ci, boot_failed = _bootstrap_ci(sweep, bootstrap, seed, ci, neighbours)
-    flags = _shape_flags(sweep)
-    shapes = _shape_table(sweep, flags, log2_ci)
-    _add_shape_lists(shapes, sweep, flags, boot_failed if bootstrap > 0 else None)
+    noise = _noise_ci(sweep, ci, max_ci_log2)
+    flags = _shape_flags(sweep, noise)
+    shapes = _shape_table(sweep, flags, noise)
+    _add_shape_lists(shapes, sweep, flags, noise)
     pruned = _pruned_by_shape(trials.frame, sweep.cells.key_frame, keys)
     shapes["n_pruned"] = np.array([len(p) for p in pruned], dtype=np.int64)
     shapes["pruned"] = pd.Series(pruned, dtype=object)
     warnings += _summary_warnings(sweep, flags)
     return OptimalLRResult(shapes, _curves(sweep.cells, sweep.fits), keys,
-                           _no_fit_reason(sweep), warnings, bootstrap, ci)
+                           _no_fit_reason(sweep), warnings, bootstrap, ci, max_ci_log2)
 
 
 @dataclass
@@ -239,7 +244,7 @@ class _Sweep:
     rows: np.ndarray
     n_lrs: np.ndarray
     n_seeds: np.ndarray
-    fit_seeds: np.ndarray  # most seeds at one LR of the fit window
+    std: np.ndarray  # each LR's sample std over its seeds (NaN under 2 seeds)
     n_with_loss: np.ndarray  # LRs with a completed run
 
 
@@ -253,28 +258,72 @@ def _fit_sweep(cells: Cells, neighbours: int) -> _Sweep:
         rows=np.arange(cells.n_shapes),
         n_lrs=np.isfinite(x).sum(axis=1),
         n_seeds=n_ok.max(axis=1).astype(int),
-        # the CI's spread comes from the seeds of the LRs the parabola is fitted on
-        fit_seeds=np.where(fits.window, n_ok, 0).max(axis=1).astype(int),
+        std=matrix(cells, cells.std),
         n_with_loss=(n_ok > 0).sum(axis=1),
     )
 
 
-def _bootstrap_ci(
-    sweep: _Sweep, bootstrap: int, seed: int | None, ci: float, neighbours: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """log2 η*'s CI per shape (rows low, high; NaN without one) and each shape's share of
-    failed refits."""
-    n_shapes = sweep.cells.n_shapes
-    log2_ci = np.full((2, n_shapes), np.nan)
-    boot_failed = np.zeros(n_shapes)
-    if bootstrap > 0:
-        rng = np.random.default_rng(seed)
-        samples = bootstrap_log2_opt(sweep.cells, sweep.x, bootstrap, rng, neighbours)
-        log2_ci = percentile_ci(samples, ci, axis=0)
-        boot_failed = np.mean(~np.isfinite(samples), axis=0)
-        no_ci = ~sweep.fits.fit_ok | (sweep.fit_seeds < 2)
-        log2_ci[:, no_ci] = np.nan
-    return log2_ci, boot_failed
+@dataclass
+class _Noise:
+    """Per shape: the seed noise of its fitted LRs, η*'s CI from it, and whether η* is
+    informative (`why`: the reason it is not, for a sound fit; None when it is)."""
+
+    sd: np.ndarray
+    dof: np.ndarray
+    log2_ci: np.ndarray  # rows low, high; NaN without a CI, ±inf when unbounded
+    half: np.ndarray
+    rise: np.ndarray
+    rise_noise: np.ndarray
+    informative: np.ndarray
+    why: list[str | None]
+
+
+def _noise_ci(sweep: _Sweep, ci: float, max_ci_log2: float) -> _Noise:
+    """η*'s CI from the seed noise pooled over each shape's fitted LRs (Fieller's interval
+    for the vertex of the OLS quadratic, t with the pooled degrees of freedom)."""
+    fits = sweep.fits
+    # the noise of the LRs the parabola is fitted on (far LRs near divergence spread more)
+    sd, dof = pooled_sd(sweep.std, sweep.n_ok, fits.window, axis=1)
+    t = t_quantile(ci, dof)
+    window = fits.window & fits.fit_ok[:, None]
+    dx = np.where(window, sweep.x - fits.x_best[:, None], 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var = np.where(window, sd[:, None] ** 2 / np.maximum(sweep.n_ok, 1), 0.0)
+    cov = coefficient_cov(dx, window, var)
+    lo, hi = vertex_ci(fits.coef[:, 1], fits.coef[:, 2], cov, t)
+    has = fits.fit_ok & ~fits.concave
+    log2_ci = np.where(has, np.stack([lo, hi]) + fits.x_best, np.nan)
+    with np.errstate(invalid="ignore"):
+        half = (log2_ci[1] - log2_ci[0]) / 2.0
+    rise, rise_noise, rises = bracket_rise(
+        np.where(np.isfinite(sweep.x), sweep.x, np.inf), sweep.means, sweep.n_ok, window,
+        fits.best, sd, t)
+    informative = np.isfinite(half) & (half <= max_ci_log2) & rises
+    why: list[str | None] = []
+    for s in range(sweep.cells.n_shapes):
+        why.append(None if informative[s] or not has[s] else _uninformative(
+            float(dof[s]), log2_ci[:, s], float(half[s]), float(rise[s]),
+            float(rise_noise[s]), bool(rises[s]), ci, max_ci_log2))
+    return _Noise(sd, dof, log2_ci, half, rise, rise_noise, informative, why)
+
+
+def _uninformative(dof: float, log2_ci: np.ndarray, half: float, rise: float,
+                   rise_noise: float, rises: bool, ci: float, max_ci_log2: float) -> str:
+    """Why a sound η* is not informative: no CI, a bracket flat within the noise, or a CI
+    wider than ±max_ci_log2 octaves."""
+    if dof < 1:
+        return ("one seed per fitted LR: the loss noise between seeds is not measured, so η* "
+                "has no CI and is not reliable; run 2+ seeds per LR")
+    if not rises:
+        return (f"the bracket is flat within the seed noise: its losses rise {rise:.3g} "
+                f"above the best LR's on its flatter side, not more than the noise "
+                f"({rise_noise:.3g}, {ci:.0%}): the vertex is noise; add seeds or LRs "
+                "further out")
+    if not np.isfinite(half):
+        return (f"η*'s {ci:.0%} CI is unbounded: the curvature is within the seed noise; "
+                "add seeds or LRs further out")
+    return (f"η*'s {ci:.0%} CI [2^{log2_ci[0]:.2f}, 2^{log2_ci[1]:.2f}] is ±{half:.2f} "
+            f"octave, wider than the ±{max_ci_log2:g} asked (analysis.eta_ci_log2); add seeds")
 
 
 @dataclass
@@ -285,14 +334,15 @@ class _Flags:
     on_edge: np.ndarray
     rival_col: np.ndarray
     has_rival: np.ndarray
-    reliable: np.ndarray
+    sound: np.ndarray  # the fit itself: convex, vertex inside, off the edge, one basin
+    reliable: np.ndarray  # sound and informative
     best_cell: np.ndarray
     best_lr: np.ndarray
     div_next: np.ndarray
     runs_next: np.ndarray
 
 
-def _shape_flags(sweep: _Sweep) -> _Flags:
+def _shape_flags(sweep: _Sweep, noise: _Noise) -> _Flags:
     fits, x, rows, cells = sweep.fits, sweep.x, sweep.rows, sweep.cells
     x_min = np.nanmin(x, axis=1)
     x_max = np.nanmax(x, axis=1)
@@ -304,13 +354,13 @@ def _shape_flags(sweep: _Sweep) -> _Flags:
     on_edge = np.array([e is not None for e in edge], dtype=bool)
     rival_col = _rival_columns(x, sweep.means)
     has_rival = rival_col >= 0
-    reliable = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
+    sound = fits.fit_ok & ~fits.concave & ~fits.clamped & ~on_edge & ~has_rival
     # Divergence right above the best LR means η* sits near the stability limit.
     next_col = np.minimum(fits.best + 1, cells.n_cols - 1)
     has_next = (fits.best + 1 < cells.n_cols) & np.isfinite(x[rows, next_col])
     n_div, n_ok = sweep.n_div, sweep.n_ok
     return _Flags(
-        edge, on_edge, rival_col, has_rival, reliable,
+        edge, on_edge, rival_col, has_rival, sound, sound & noise.informative,
         best_cell=np.flatnonzero(cells.cell_col == 0)[rows] + fits.best,
         best_lr=sweep.lr[rows, fits.best],
         div_next=np.where(has_next, n_div[rows, next_col], 0),
@@ -318,7 +368,7 @@ def _shape_flags(sweep: _Sweep) -> _Flags:
     )
 
 
-def _shape_table(sweep: _Sweep, flags: _Flags, log2_ci: np.ndarray) -> pd.DataFrame:
+def _shape_table(sweep: _Sweep, flags: _Flags, noise: _Noise) -> pd.DataFrame:
     """The per-shape columns computed for all shapes at once (the lists come after)."""
     fits, has = sweep.fits, sweep.fits.has_data
     shapes = sweep.cells.key_frame.copy()
@@ -330,10 +380,16 @@ def _shape_table(sweep: _Sweep, flags: _Flags, log2_ci: np.ndarray) -> pd.DataFr
     shapes["best_loss"] = np.where(has, fits.y_best, np.nan)
     shapes["lr_opt"] = 2.0**fits.log2_opt
     shapes["log2_lr_opt"] = fits.log2_opt
+    log2_ci = noise.log2_ci
     shapes["lr_ci_low"] = 2.0 ** log2_ci[0]
     shapes["lr_ci_high"] = 2.0 ** log2_ci[1]
     shapes["log2_ci_low"] = log2_ci[0]
     shapes["log2_ci_high"] = log2_ci[1]
+    shapes["ci_half_log2"] = noise.half
+    shapes["noise_sd"] = noise.sd
+    shapes["noise_dof"] = noise.dof.astype(int)
+    shapes["bracket_rise"] = np.where(np.isfinite(noise.rise), noise.rise, np.nan)
+    shapes["bracket_noise"] = noise.rise_noise
     shapes["loss_at_opt"] = fits.loss_opt
     shapes["curvature"] = np.where(fits.fit_ok, fits.coef[:, 2], np.nan)
     shapes["n_fit_points"] = np.where(fits.fit_ok, fits.n_fit, 0)
@@ -342,15 +398,19 @@ def _shape_table(sweep: _Sweep, flags: _Flags, log2_ci: np.ndarray) -> pd.DataFr
     shapes["concave"] = fits.concave
     shapes["rival_lr"] = np.where(
         flags.has_rival, sweep.lr[sweep.rows, np.maximum(flags.rival_col, 0)], np.nan)
+    shapes["sound"] = flags.sound
+    shapes["informative"] = noise.informative
     shapes["reliable"] = flags.reliable
     return shapes
 
 
 def _add_shape_lists(
-    shapes: pd.DataFrame, sweep: _Sweep, flags: _Flags, boot_failed: np.ndarray | None
+    shapes: pd.DataFrame, sweep: _Sweep, flags: _Flags, noise: _Noise
 ) -> None:
-    """Add the columns that hold a text or a list per shape (`boot_failed`: None without a
-    bootstrap), and the best point's own columns after them."""
+    """Add the columns that hold a text or a list per shape, and the best point's own
+    columns after them. `reason`: why a shape has no η*, or why its sound η* is not
+    informative (no CI, flat bracket, CI too wide); the warnings say why an unsound one
+    is not reliable."""
     fits, n_ok_m, n_div_m, lr_m = sweep.fits, sweep.n_ok, sweep.n_div, sweep.lr
     ids, start, n_ok = sweep.cells.ok_ids_by_cell
     key_records = sweep.cells.key_frame.to_dict("records")
@@ -360,7 +420,8 @@ def _add_shape_lists(
         best = fits.best[s]
         lists["reason"].append(_shape_reason(
             _label(key_records[s]), bool(fits.has_data[s]), bool(fits.fit_ok[s]),
-            int(n_div_m[s].sum()), int(sweep.n_with_loss[s])))
+            int(n_div_m[s].sum()), int(sweep.n_with_loss[s]))
+            or (noise.why[s] if flags.sound[s] else None))
         lists["warnings"].append(_shape_notes(
             edge=flags.edge[s],
             best_lr=float(flags.best_lr[s]),
@@ -371,9 +432,6 @@ def _add_shape_lists(
             runs_best=int(n_div_m[s, best] + n_ok_m[s, best]),
             div_next=int(flags.div_next[s]) if fits.has_data[s] else 0,
             runs_next=int(flags.runs_next[s]),
-            fit_seeds=(int(sweep.fit_seeds[s])
-                       if boot_failed is not None and fits.fit_ok[s] else None),
-            boot_failed=float(boot_failed[s]) if boot_failed is not None else 0.0,
             rival=((float(lr_m[s, flags.rival_col[s]]), float(sweep.means[s, flags.rival_col[s]]))
                    if flags.has_rival[s] else None),
             best_loss=float(fits.y_best[s]),
@@ -414,10 +472,14 @@ def _summary_warnings(sweep: _Sweep, flags: _Flags) -> list[str]:
             f"{n_edge} of {sweep.cells.n_shapes} shapes have their best LR at the edge of the "
             "LR grid"
         )
-    n_bad = int((sweep.fits.fit_ok & ~flags.reliable).sum())
+    n_bad = int((sweep.fits.fit_ok & ~flags.sound).sum())
     if n_bad:
         out.append(f"{n_bad} fitted shapes are unreliable (edge, clamped, concave or "
                    "two basins)")
+    n_vague = int((flags.sound & ~flags.reliable).sum())
+    if n_vague:
+        out.append(f"{n_vague} sound η* fits are not reliable: no CI (one seed), a bracket "
+                   "flat within the seed noise, or a CI wider than asked (see each reason)")
     return out
 
 

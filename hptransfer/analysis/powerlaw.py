@@ -57,6 +57,9 @@ class PowerLawFit(FitResult):
     boot_ratio: np.ndarray = field(default_factory=lambda: np.empty(0), kw_only=True)
     # the arms fitted jointly with this one under one E (see powerlaw_shared); empty if alone
     shared_asymptote: list[str] = field(default_factory=list, kw_only=True)
+    # the loss noise between seeds the bootstrap drew at least (log scale, `noise.py`); NaN:
+    # not measured (one seed per point), 0: not given (a fit of bare arrays)
+    seed_noise: float = field(default=0.0, kw_only=True)
 
     @property
     def loss_range(self) -> tuple[float, float]:
@@ -126,6 +129,7 @@ class PowerLawFit(FitResult):
                 ],
                 "n_bootstrap": int(len(self.boot_params)),
                 "shared_asymptote": list(self.shared_asymptote),
+                "seed_noise_log": self.seed_noise,
                 **self.status_dict(),
             }
         )
@@ -140,6 +144,11 @@ def studentized_cis(
     a_orig = boot[:, 1] * c_scale ** boot[:, 2]
     return studentized_log_cis(
         {"E": E, "A": A, "b": b}, {"E": boot[:, 0], "A": a_orig, "b": boot[:, 2]}, ratios, ci)
+
+
+def _floor(seed_noise: float) -> float:
+    """The bootstrap's noise floor: the seed noise where measured, else none."""
+    return seed_noise if np.isfinite(seed_noise) and seed_noise > 0 else 0.0
 
 
 def _invert(loss: np.ndarray, e: Any, a_scaled: Any, b: Any, c_scale: float) -> np.ndarray:
@@ -280,12 +289,14 @@ def fit_power_law(
     f_scale: float = 0.01,
     trial_ids: Sequence[Sequence[str]] | None = None,
     what: str = "the loss-vs-compute fit",
+    seed_noise: float = 0.0,
 ) -> PowerLawFit:
     """Fit L = E + A*C^(-b) with a soft-L1 loss on log residuals from a grid of starts.
 
     `f_scale` is the log-residual size (about a relative error) beyond which points count
     linearly, so a few bad runs do not drag the fit. The CI refits `bootstrap` residual
-    resamples (`fit_result.residual_bootstrap`), studentized (`fit_result.studentize`).
+    resamples (`fit_result.residual_bootstrap`), studentized (`fit_result.studentize`),
+    drawing at least `seed_noise` (the points' loss noise between seeds, on the log scale).
     """
     (c, y), ids, warnings = usable_points((compute, loss), trial_ids)
     if np.unique(c).size < 3:
@@ -312,7 +323,7 @@ def fit_power_law(
     boot, ratios = studentized_bootstrap(
         logy - residuals, residuals, 3, bootstrap, seed,
         lambda logy_star: _solve(x, logy_star, p, bounds, f_scale), lambda r: np.exp(r.x),
-        fit_leverage(best))
+        fit_leverage(best), floor=_floor(seed_noise))
     ci_map = studentized_cis(E, A, b, boot, c_scale, ratios, ci)
 
     problems = fit_problems(c, y, E, b, ci_map)
@@ -331,4 +342,5 @@ def fit_power_law(
         warnings=warnings + problems,
         boot_params=boot,
         boot_ratio=ratios,
+        seed_noise=seed_noise,
     )

@@ -23,6 +23,7 @@ from .powerlaw import (
     _LOG_B_BOUNDS,
     _LOG_E_RANGE,
     PowerLawFit,
+    _floor,
     _nan_fit,
     e_profile_grid,
     fit_problems,
@@ -94,12 +95,14 @@ def fit_power_laws_shared_e(
     f_scale: float = 0.01,
     trial_ids: Mapping[str, Sequence[Sequence[str]]] | None = None,
     what: str = "the loss-vs-compute fit of arm {arm}",
+    seed_noise: float = 0.0,
 ) -> dict[str, PowerLawFit]:
     """One `PowerLawFit` per arm of `points` (arm -> (compute, loss)), all with the same E.
 
     Arms with fewer than 3 distinct compute values get no fit (a reason) and do not enter the
     joint fit. Each arm's `reliable` follows the same rules as `fit_power_law`'s
-    (`fit_problems`), with that arm's points and its bootstrap CI of b."""
+    (`fit_problems`), with that arm's points and its bootstrap CI of b. `seed_noise`: the
+    points' loss noise between seeds (log scale), the least noise the bootstrap draws."""
     fits: dict[str, PowerLawFit] = {}
     clean: dict[str, tuple[np.ndarray, np.ndarray, list[list[str]], list[str]]] = {}
     for arm, (compute, loss) in points.items():
@@ -138,7 +141,7 @@ def fit_power_laws_shared_e(
     boot, ratios = studentized_bootstrap(
         fitted, y_all - fitted, 1 + 2 * k, bootstrap, seed,
         lambda y_star: _solve(xs, np.split(y_star, sizes), p, bounds, f_scale),
-        lambda r: r.x, fit_leverage(best))
+        lambda r: r.x, fit_leverage(best), floor=_floor(seed_noise))
     arm_residuals = np.split(y_all - fitted, sizes)
     E = float(np.exp(e))
     for i, arm in enumerate(arms):
@@ -154,6 +157,6 @@ def fit_power_laws_shared_e(
             E, A_i, b_i, c_scale, c, y, residuals,
             trial_ids=ids, ci=ci_map, ci_level=ci, reliable=not problems,
             warnings=warnings + problems, boot_params=arm_boot, boot_ratio=ratios,
-            shared_asymptote=arms,
+            shared_asymptote=arms, seed_noise=seed_noise,
         )
     return {arm: fits[arm] for arm in points}

@@ -16,6 +16,7 @@ from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
 from .chinchilla import ChinchillaResult, chinchilla_fit
 from .errors import AnalysisError
 from .frontier import FrontierResult, loss_compute_frontier
+from .noise import ETA_CI_LOG2
 from .optimal_lr import OptimalLRResult, as_optimal, budgets_vary, optimal_lr
 from .savings import SavingsResult, flop_savings
 from .staged import TransferCheckResult
@@ -125,6 +126,7 @@ def fit_report(
     within: float = 0.01,
     n_grid: int = 20,
     neighbours: int = 2,
+    max_ci_log2: float = ETA_CI_LOG2,
 ) -> FitReport:
     """Run every analysis. Never raises on bad data: problems become reasons and warnings.
 
@@ -132,7 +134,8 @@ def fit_report(
     `reference_arm` defaults to the arm whose parameterization is µP, else SP, else the first arm.
     `neighbours`: completed LRs each side of the best in η*'s quadratic (2 for grids; 1 for
     searches, whose LRs crowd around η* and thin out far away, where a wider window lets the
-    far, asymmetric tail pull the vertex).
+    far, asymmetric tail pull the vertex). `max_ci_log2`: the widest η* CI (half-width,
+    octaves) that is reliable.
     """
     report = FitReport(bootstrap=bootstrap, seed=seed)
     try:
@@ -160,7 +163,7 @@ def fit_report(
             "optimal_lr",
             lambda: optimal_lr(
                 trials, bootstrap=bootstrap, seed=seed, ci=ci, extra_keys=extra_keys,
-                neighbours=neighbours,
+                neighbours=neighbours, max_ci_log2=max_ci_log2,
             ),
         )
         report.optimal_lr = opt
@@ -195,7 +198,8 @@ def fit_report(
             )
         report.aspect_ratio = run(
             "aspect_ratio",
-            lambda: optimal_aspect_ratio(points, tolerance=size_tolerance, within=within),
+            lambda: optimal_aspect_ratio(points, tolerance=size_tolerance, within=within,
+                                         bootstrap=bootstrap, seed=seed, ci=ci),
         )
         if report.aspect_ratio is not None:  # in the text too, not only the JSON
             report.warnings.extend(report.aspect_ratio.set_aside)
@@ -219,6 +223,8 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "lr_opt",
         "lr_ci_low",
         "lr_ci_high",
+        "ci_half_log2",
+        "noise_sd",
         "edge",
         "reliable",
     ],
@@ -244,6 +250,7 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "b_ci_high",
         "loss_min",
         "loss_max",
+        "seed_noise_log",
         "reliable",
     ],
     "transfer_check": [
@@ -253,6 +260,8 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "lr_transferred",
         "lr_check",
         "shift_log2",
+        "shift_ci_low",
+        "shift_ci_high",
         "n_lrs",
         "edge",
         "reliable",
@@ -265,6 +274,8 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "nl_opt",
         "nl_within_low",
         "nl_within_high",
+        "nl_ci_low",
+        "nl_ci_high",
         "loss_opt",
         "edge",
         "reliable",
@@ -448,12 +459,15 @@ def headline(report: FitReport) -> dict[str, Any]:
             out["eta_star"].append({
                 "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
                 "sigma_base": r["sigma_base"], "lr": r["lr_opt"], "log2_lr": r["log2_lr_opt"],
-                "reliable": bool(r["reliable"]), "stage": "tune"})
+                "log2_ci_low": r["log2_ci_low"], "log2_ci_high": r["log2_ci_high"],
+                "noise_sd": r["noise_sd"], "reliable": bool(r["reliable"]),
+                "reason": _why(r), "stage": "tune"})
     if report.transfer_check is not None:
         for _, r in report.transfer_check.table.iterrows():
             out["transfer_shift"].append({
                 "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
-                "shift_log2": r["shift_log2"], "reliable": bool(r["reliable"]),
+                "shift_log2": r["shift_log2"], "ci_low": r["shift_ci_low"],
+                "ci_high": r["shift_ci_high"], "reliable": bool(r["reliable"]),
                 "reason": r["reason"], "stage": "tune + check"})
     if report.frontier is not None:
         for arm, fit in report.frontier.fits.items():
@@ -462,6 +476,7 @@ def headline(report: FitReport) -> dict[str, Any]:
                                     "b_ci_low": b_ci[0], "b_ci_high": b_ci[1],
                                     "n_points": int(fit.compute.size),
                                     "shared_E": bool(fit.shared_asymptote),
+                                    "seed_noise_log": fit.seed_noise,
                                     "reliable": bool(fit.reliable), "stage": "transfer"})
     if report.savings is not None:
         for c in report.savings.comparisons.values():
@@ -472,6 +487,7 @@ def headline(report: FitReport) -> dict[str, Any]:
             out["aspect_ratio"].append({
                 "arm": r["arm"], "params": r["params_median"], "nl_opt": r["nl_opt"],
                 "nl_within_low": r["nl_within_low"], "nl_within_high": r["nl_within_high"],
+                "nl_ci_low": r["nl_ci_low"], "nl_ci_high": r["nl_ci_high"],
                 "within": report.aspect_ratio.within,
                 "reliable": bool(r["reliable"]), "stage": "aspect_ratio"})
     return json_safe(out)
@@ -481,23 +497,49 @@ def _ok(flag: bool) -> str:
     return "" if flag else "  (NOT reliable)"
 
 
+def _why(row: pd.Series) -> str | None:
+    """Why a η* row is not reliable: its reason, else its warnings (None when reliable)."""
+    if bool(row["reliable"]):
+        return None
+    if isinstance(row.get("reason"), str) and row["reason"]:
+        return str(row["reason"])
+    return "; ".join(row.get("warnings") or []) or None
+
+
+def _log2_ci(low: Any, high: Any) -> str:
+    """' [2^a, 2^b]' (octaves) or ', no CI'."""
+    lo, hi = _num(low), _num(high)
+    if math.isnan(lo) or math.isnan(hi):
+        return ", no CI"
+    return f", CI [2^{lo:.2f}, 2^{hi:.2f}]"
+
+
 def headline_lines(report: FitReport) -> list[str]:
     h = headline(report)
     lines = []
     for r in h["eta_star"]:
+        why = f": {r['reason']}" if r.get("reason") else ""
         lines.append(f"η* {r['arm']} at N={r['width']} L={r['depth']}: {_num(r['lr']):.4g} "
-                     f"(log2 {_num(r['log2_lr']):+.2f}) [tune]{_ok(r['reliable'])}")
+                     f"(log2 {_num(r['log2_lr']):+.2f}"
+                     f"{_log2_ci(r.get('log2_ci_low'), r.get('log2_ci_high'))}) [tune]"
+                     f"{_ok(r['reliable'])}{why}")
     for r in h["transfer_shift"]:
         why = f": {r['reason']}" if r["reason"] else ""
+        lo, hi = _num(r.get("ci_low")), _num(r.get("ci_high"))
+        ci = (f", CI [{lo:+.2f}, {hi:+.2f}]" if not (math.isnan(lo) or math.isnan(hi))
+              else ", no CI")
         lines.append(f"transfer shift {r['arm']} at N={r['width']} L={r['depth']}: "
-                     f"{_num(r['shift_log2']):+.2f} octaves [tune + check]"
+                     f"{_num(r['shift_log2']):+.2f} octaves{ci} [tune + check]"
                      f"{_ok(r['reliable'])}{why}")
     for r in h["frontier"]:
         shared = ", E shared by all arms" if r.get("shared_E") else ""
         b_ci = (f", b CI [{_num(r['b_ci_low']):.3f}, {_num(r['b_ci_high']):.3f}]"
                 if math.isfinite(_num(r.get("b_ci_low"))) else "")
+        noise = _num(r.get("seed_noise_log"))
+        seeds = (f", seed noise {noise:.2%} of the loss" if noise > 0
+                 else ", one seed: noise unmeasured" if math.isnan(noise) else "")
         lines.append(f"frontier {r['arm']}: L(C) = {_num(r['E']):.3f} + {_num(r['A']):.3g}"
-                     f"·C^-{_num(r['b']):.3f} ({r['n_points']} points{b_ci}{shared}) "
+                     f"·C^-{_num(r['b']):.3f} ({r['n_points']} points{b_ci}{shared}{seeds}) "
                      f"[transfer]{_ok(r['reliable'])}")
     for r in h["savings"]:
         if r.get("savings") is None:
@@ -510,7 +552,11 @@ def headline_lines(report: FitReport) -> list[str]:
                      f"{r['loss']:.3f}: {r['savings']:+.1%}, {ci} [transfer]{_ok(r['reliable'])}")
     for r in h["aspect_ratio"]:
         band = f"within {r.get('within', 0.01):.0%}"  # the loss band the N:L range spans
+        nl_lo, nl_hi = _num(r.get("nl_ci_low")), _num(r.get("nl_ci_high"))
+        nl_ci = (f", CI {nl_lo:.3g}-{nl_hi:.3g}" if not (math.isnan(nl_lo) or math.isnan(nl_hi))
+                 else ", no CI")
         lines.append(f"compute-optimal N:L {r['arm']} at ~{_num(r['params']):.3g} params: "
                      f"{_num(r['nl_opt']):.3g} ({band}: {_num(r['nl_within_low']):.3g}"
-                     f"-{_num(r['nl_within_high']):.3g}) [aspect_ratio]{_ok(r['reliable'])}")
+                     f"-{_num(r['nl_within_high']):.3g}{nl_ci}) [aspect_ratio]"
+                     f"{_ok(r['reliable'])}")
     return lines or ["(no results yet)"]

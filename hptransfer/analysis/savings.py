@@ -26,6 +26,8 @@ _TABLE_COLUMNS = [
 # A savings CI whose compute ratio C_arm/C_ref (= 1 - savings) spans more than this factor
 # says nothing about which arm is cheaper: such a row is shown but not `reliable`.
 MAX_CI_RATIO_SPAN = 4.0
+ZERO_INSIDE = ("the CI includes 0: which arm needs less compute at this loss is not "
+               "resolved (more seeds or shapes narrow it)")
 # Fewer distinct bootstrap values than this cannot give percentile tails (2.5 % of 10 is
 # already a fraction of one draw).
 MIN_DISTINCT_REFITS = 10
@@ -35,8 +37,9 @@ MIN_DISTINCT_REFITS = 10
 class SavingsComparison:
     """savings(L) = 1 - C_arm(L) / C_ref(L) on a grid of losses both fits cover.
 
-    Each table row has its own `reliable` (both fits reliable and the row's CI usable: see
-    `row_ci_problem`); the comparison is `reliable` when its headline row is."""
+    Each table row has its own `reliable` (both fits reliable, the row's CI usable, see
+    `row_ci_problem`, and excluding 0: which arm is cheaper is known); the comparison is
+    `reliable` when its headline row is."""
 
     arm: str
     reference: str
@@ -130,7 +133,10 @@ def compare_fits(
         warnings.append(f"savings have no confidence interval: {no_ci}")
     fits_reliable = bool(arm_fit.reliable and ref_fit.reliable)
     for i in np.flatnonzero(inside):
-        if no_ci is None and row_problem[i] is not None:
+        if no_ci is None and row_problem[i] is None and not (ci_lo[i] > 0 or ci_hi[i] < 0):
+            row_problem[i] = ZERO_INSIDE
+            note[i] = ZERO_INSIDE
+        elif no_ci is None and row_problem[i] is not None:
             note[i] = f"CI not usable: {row_problem[i]}"
     row_ok = inside & (no_ci is None) & fits_reliable & np.array(
         [p is None for p in row_problem], dtype=bool)
@@ -160,7 +166,8 @@ def compare_fits(
     # interval that is unbounded or spans a factor > MAX_CI_RATIO_SPAN, does not say how sure
     h = _headline_index(np.isfinite(savings))
     if h >= 0 and row_problem[h] is not None:
-        warnings.append(f"the headline savings' CI is not usable: {row_problem[h]}")
+        warnings.append(f"the headline savings: {ZERO_INSIDE}" if row_problem[h] == ZERO_INSIDE
+                        else f"the headline savings' CI is not usable: {row_problem[h]}")
     reliable = reason is None and h >= 0 and bool(row_ok[h])
     return SavingsComparison(arm, reference, table, (lo, hi), reliable, warnings, reason, no_ci)
 

@@ -21,8 +21,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from .errors import NotEnoughData
+from .noise import ETA_CI_LOG2
 from .optimal_lr import OptimalLRResult, optimal_lr, per_budget
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
@@ -66,35 +68,58 @@ class TransferCheckResult:
 
 _CHECK_COLUMNS = [
     "arm", "width", "depth", "base_width", "base_depth", "lr_transferred", "lr_check",
-    "shift_log2", "shift_ci_low", "shift_ci_high", "n_lrs", "edge", "reliable", "reason",
-    "warnings",
+    "shift_log2", "shift_ci_low", "shift_ci_high", "shift_ci_half", "n_lrs", "edge",
+    "reliable", "reason", "warnings",
 ]
 
 
-def shift_interval(check: tuple[float, float, float],
-                   base: tuple[float, float, float]) -> tuple[float, float]:
+def shift_interval(check: tuple[float, float, float], base: tuple[float, float, float],
+                   dofs: tuple[float, float] | None = None,
+                   ci: float = 0.95) -> tuple[float, float]:
     """CI of check - base from the (estimate, low, high) CIs of two independent estimates
     (log2 η* at the check shape and at the base shape): the method of variance estimates
     recovery (MOVER; Zou & Donner 2008), each side's half-widths added in quadrature, the
-    base's upper half-width to the lower side. NaN when either CI is unknown."""
+    base's upper half-width to the lower side. NaN when either CI is unknown; an unbounded
+    side (±inf: a curvature within the noise) stays unbounded.
+
+    With `dofs` (each CI's t degrees of freedom, level `ci`) the half-widths are turned back
+    into standard errors and their sum is scaled by the t of the Welch-Satterthwaite degrees
+    of freedom: two t intervals of 5 dof each added as they are cover about 0.985 at 95 %."""
     c, c_lo, c_hi = check
     b, b_lo, b_hi = base
-    if not all(math.isfinite(v) for v in (*check, *base)):
+    if any(math.isnan(v) for v in (*check, *base)) or not math.isfinite(c - b):
         return math.nan, math.nan
     shift = c - b
-    low = shift - math.hypot(max(c - c_lo, 0.0), max(b_hi - b, 0.0))
-    high = shift + math.hypot(max(c_hi - c, 0.0), max(b - b_lo, 0.0))
-    return low, high
+    down = (max(c - c_lo, 0.0), max(b_hi - b, 0.0))
+    up = (max(c_hi - c, 0.0), max(b - b_lo, 0.0))
+    if dofs is None or not all(math.isfinite(d) and d >= 1 for d in dofs):
+        return shift - math.hypot(*down), shift + math.hypot(*up)
+    t = [float(stats.t.ppf(0.5 + ci / 2, d)) for d in dofs]
+
+    def half(widths: tuple[float, float]) -> float:
+        se = [w / ti for w, ti in zip(widths, t, strict=True)]
+        if not all(math.isfinite(x) for x in se):
+            return math.inf
+        var = se[0] ** 2 + se[1] ** 2
+        if var == 0:
+            return 0.0
+        dof = var**2 / sum(x**4 / d for x, d in zip(se, dofs, strict=True))
+        return float(stats.t.ppf(0.5 + ci / 2, dof)) * math.sqrt(var)
+
+    return shift - half(down), shift + half(up)
 
 
 def transfer_check(
     df: pd.DataFrame, *, bootstrap: int = 200, seed: int | None = 0, ci: float = 0.95,
     base_fit: OptimalLRResult | None = None, neighbours: int = 2,
+    max_ci_log2: float = ETA_CI_LOG2,
 ) -> TransferCheckResult:
     """The transfer check of a study frame (stages tune, transfer, check). The shift's CI
     counts both η*s' uncertainty: `base_fit`, η* of the tune stage with its CI
     (`optimal_lr` of the tune trials at the same bootstrap and ci, on `neighbours` LRs each
-    side of the best, as the study transferred it), is fitted when not given."""
+    side of the best, as the study transferred it), is fitted when not given. A shift is
+    reliable when both η*s are (each informative: see `optimal_lr`) and its own CI's
+    half-width is at most `max_ci_log2` octaves."""
     what = "the transfer check"
     tune = df[df["stage"] == "tune"]
     checked = df[df["stage"] == "check"]
@@ -112,9 +137,9 @@ def transfer_check(
         at = at[at["tokens_per_param"].fillna(-1.0).isin(budget)]
     if base_fit is None:
         base_fit = optimal_lr(tune, bootstrap=bootstrap, seed=seed, ci=ci,
-                              neighbours=neighbours)
+                              neighbours=neighbours, max_ci_log2=max_ci_log2)
     base = base_fit.shapes
-    check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci)
+    check_fit = optimal_lr(at, bootstrap=bootstrap, seed=seed, ci=ci, max_ci_log2=max_ci_log2)
     check = check_fit.shapes
     rows = []
     for _, c in check.iterrows():
@@ -133,21 +158,27 @@ def transfer_check(
         if math.isfinite(lr_c):
             at_check = (math.log2(lr_c), float(c["log2_ci_low"]), float(c["log2_ci_high"]))
             at_base = (math.log2(lr_t), float(b0["log2_ci_low"]), float(b0["log2_ci_high"]))
-            low, high = shift_interval(at_check, at_base)
+            low, high = shift_interval(at_check, at_base,
+                                       (float(c["noise_dof"]), float(b0["noise_dof"])), ci)
             row.update(lr_check=lr_c, shift_log2=at_check[0] - at_base[0],
-                       shift_ci_low=low, shift_ci_high=high)
-            if math.isfinite(at_check[1]) and not math.isfinite(at_base[1]):
-                row["warnings"].append("η* at the base shape has no CI (one seed per LR, "
-                                       "or bootstrap off): the shift has none either")
+                       shift_ci_low=low, shift_ci_high=high, shift_ci_half=(high - low) / 2)
+            if not math.isnan(at_check[1]) and math.isnan(at_base[1]):
+                row["warnings"].append("η* at the base shape has no CI (one seed per LR): "
+                                       "the shift has none either")
         reason = c["reason"]
         if isinstance(c["edge"], str):
             side = "below" if c["edge"] == "low" else "above"
             reason = (f"the optimum lies {side} the bracket: η* moved more than the bracket "
                       f"spans (the shift is a bound, not an estimate); widen "
                       "stages.check.log2_offsets or raise stages.check.extend")
-        row["reliable"] = bool(c["reliable"]) and bool(b0["reliable"]) and reason is None
         if not bool(b0["reliable"]) and reason is None:
-            reason = "η* at the base shape is not reliable"
+            why = b0["reason"] if isinstance(b0["reason"], str) else "; ".join(
+                b0["warnings"] or []) or "its fit is not sound"
+            reason = f"η* at the base shape is not reliable ({why})"
+        if reason is None and bool(c["reliable"]):
+            reason = _shift_ci_problem(row.get("shift_ci_low", math.nan),
+                                       row.get("shift_ci_high", math.nan), ci, max_ci_log2)
+        row["reliable"] = bool(c["reliable"]) and bool(b0["reliable"]) and reason is None
         row["reason"] = reason
         rows.append(row)
     table = with_none(pd.DataFrame(rows, columns=_CHECK_COLUMNS), ["reason", "edge"])
@@ -155,6 +186,18 @@ def transfer_check(
     curves = check_fit.curves[["arm", "width", "depth", "lr", "mean_loss", "n_completed",
                                "n_diverged"]]
     return TransferCheckResult(table, curves=curves)
+
+
+def _shift_ci_problem(low: float, high: float, ci: float, max_ci_log2: float) -> str | None:
+    """Why a shift's CI (both η*s reliable) does not make it reliable (None when it does)."""
+    if math.isnan(low) or math.isnan(high):
+        return "the shift has no CI"
+    half = (high - low) / 2
+    if half > max_ci_log2:
+        return (f"the shift's {ci:.0%} CI [{low:+.2f}, {high:+.2f}] is ±{half:.2f} octave, "
+                f"wider than the ±{max_ci_log2:g} asked (analysis.eta_ci_log2): the base's "
+                "and the check's CIs add; add seeds")
+    return None
 
 
 def by_budget(frame: pd.DataFrame, *needs: str) -> OptimalLRResult:

@@ -9,6 +9,7 @@ import pandas as pd
 from .aspect_ratio import optimal_aspect_ratio
 from .chinchilla import chinchilla_fit
 from .frontier import loss_compute_frontier
+from .noise import ETA_CI_LOG2
 from .optimal_lr import optimal_lr
 from .report import FitReport
 from .staged import STAGE_SOURCES, by_budget, param_of, study_savings, transfer_check
@@ -27,9 +28,11 @@ def study_fit_report(
     within: float = 0.01,
     n_grid: int = 20,
     neighbours: int = 2,
+    max_ci_log2: float = ETA_CI_LOG2,
 ) -> FitReport:
     """A `FitReport` whose every analysis comes from its stage (see `STAGE_SOURCES`);
-    `neighbours`: LRs each side of the best that the tune stage's η* is fitted on."""
+    `neighbours`: LRs each side of the best that the tune stage's η* is fitted on;
+    `max_ci_log2`: the widest η* or shift CI (half-width, octaves) that is reliable."""
     report = FitReport(bootstrap=bootstrap, seed=seed)
     report.stages = dict(STAGE_SOURCES)
     try:
@@ -54,10 +57,11 @@ def study_fit_report(
     with single_threaded_blas():
         tune = part("tune")
         report.optimal_lr = run("optimal_lr", lambda: optimal_lr(
-            tune, bootstrap=bootstrap, seed=seed, ci=ci, neighbours=neighbours))
+            tune, bootstrap=bootstrap, seed=seed, ci=ci, neighbours=neighbours,
+            max_ci_log2=max_ci_log2))
         report.transfer_check = run("transfer_check", lambda: transfer_check(
             df, bootstrap=bootstrap, seed=seed, ci=ci, base_fit=report.optimal_lr,
-            neighbours=neighbours))
+            neighbours=neighbours, max_ci_log2=max_ci_log2))
         # a ladder shape may run at two token budgets: each (shape, tokens) is its own point,
         # so the frontier takes the lower envelope and L(N, D) sees D vary at fixed N
         ladder = run("frontier", lambda: by_budget(part("transfer"), "flops"))
@@ -72,7 +76,8 @@ def study_fit_report(
             if report.savings is not None:
                 report.reference_arm = report.savings.reference
         report.aspect_ratio = run("aspect_ratio", lambda: optimal_aspect_ratio(
-            part("aspect_ratio"), tolerance=size_tolerance, within=within))
+            part("aspect_ratio"), tolerance=size_tolerance, within=within,
+            bootstrap=bootstrap, seed=seed, ci=ci))
         if report.aspect_ratio is not None:  # in the text too, not only the JSON
             report.warnings.extend(report.aspect_ratio.set_aside)
         report.chinchilla = run("chinchilla", lambda: chinchilla_fit(

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from hptransfer.analysis import FitReport, fit_report
+from hptransfer.analysis.noise import ETA_CI_LOG2
 from hptransfer.analysis.staged import is_study_frame
 from hptransfer.analysis.study_report import study_fit_report
 from hptransfer.jsonsafe import json_safe
@@ -80,11 +81,14 @@ def _compute(store: Store, sweep_id: str, bootstrap: int,
     frame = store.results_frame(sweep_id)
     sweep = store.get_sweep(sweep_id)
     neighbours = fit_neighbours(sweep.search if sweep is not None else "grid")
+    # the spec's reliability width (analysis.eta_ci_log2); older stored specs lack it
+    analysis = ((sweep.spec or {}).get("analysis") or {}) if sweep is not None else {}
+    width = float(analysis.get("eta_ci_log2", ETA_CI_LOG2))
     if is_study_frame(frame):  # a staged study: each fit from its own stage
         return study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
-                                neighbours=neighbours)
+                                neighbours=neighbours, max_ci_log2=width)
     return fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
-                      bootstrap=bootstrap, neighbours=neighbours)
+                      bootstrap=bootstrap, neighbours=neighbours, max_ci_log2=width)
 
 
 def fits_payload(report: FitReport) -> dict[str, Any]:

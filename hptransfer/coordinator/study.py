@@ -194,7 +194,9 @@ def _tune_decisions(
                 f"arm {arm}: the best LR {best['best_lr']:.4g} is at the {edge} edge of the "
                 f"LRs tried after {used} extension(s); {fix}")
             continue
-        if not bool(best["reliable"]):
+        # the fit's own soundness: a η* without a CI (one seed) is not `reliable`, but it
+        # is still the study's best estimate to transfer
+        if not bool(best["sound"]):
             why = best["reason"] or "; ".join(best["warnings"] or []) or "the fit is unreliable"
             stops.append(f"arm {arm}: no reliable η* at the base shape ({why})")
             continue

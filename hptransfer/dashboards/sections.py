@@ -256,10 +256,11 @@ def check_section(report: FitReport | None) -> str:
              "log2(η*_here / η*_transferred); 0 means the LR transferred.</p>")
     fig = figures.check_figure(result.curves, result.table, _palette(report))
     rows = [[r["arm"], int(r["width"]), int(r["depth"]), fmt(r["lr_transferred"]),
-             fmt(r["lr_check"]), fmt(r["shift_log2"]), "yes" if r["reliable"] else "no",
-             r["reason"] or ""]
+             fmt(r["lr_check"]), fmt(r["shift_log2"]),
+             f"[{fmt(r['shift_ci_low'])}, {fmt(r['shift_ci_high'])}]",
+             "yes" if r["reliable"] else "no", r["reason"] or ""]
             for _, r in result.table.iterrows()]
-    head = ["arm", "width", "depth", "η* transferred", "η* here", "shift (log2)", "reliable",
-            "why"]
+    head = ["arm", "width", "depth", "η* transferred", "η* here", "shift (log2)",
+            "shift CI (log2, seed noise)", "reliable", "why"]
     return section(title, intro + (box or "") + figures.to_div(fig) + table(head, rows),
                    "check")

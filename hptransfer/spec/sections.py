@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from hptransfer.analysis.noise import ETA_CI_LOG2
 from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
 from hptransfer.models.config import Arch
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
@@ -134,6 +135,13 @@ LrGrid = Annotated[
         ),
     ),
 ]
+
+
+class Analysis(SpecModel):
+    """How the sweep's fits judge their numbers. `eta_ci_log2`: the widest CI (half-width,
+    octaves of LR) an η* or a transfer shift may have and still be reported reliable."""
+
+    eta_ci_log2: float = Field(ETA_CI_LOG2, gt=0.0, le=8.0)
 
 
 class Grid(SpecModel):

@@ -34,6 +34,7 @@ from .errors import SpecError, error, plain_message, spec_error
 from .loading import read_spec_data
 from .sections import (
     MAX_ARMS,
+    Analysis,
     Arm,
     Checkpointing,
     Fixed,
@@ -79,6 +80,8 @@ class SweepSpec(SpecModel):
     tags: dict[TagKey, TagValue] = Field({}, max_length=MAX_TAGS)
     # A staged study (tune at the base shape, then transfer/check/aspect_ratio); see stages.py
     stages: Stages | None = None
+    # how the fits judge reliability (the widest η* / shift CI that counts)
+    analysis: Analysis = Analysis()
 
     @field_validator("name")
     @classmethod
