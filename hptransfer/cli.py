@@ -298,7 +298,7 @@ def cmd_trials(a: argparse.Namespace) -> int:
         df = c.trials(a.id, status=a.status, stage=a.stage)
     cols = [k for k in ("id", "stage", "arm", "width", "depth", "lr", "seed", "status",
                         "final_val_loss",
-                        "attempts", "wall_time_s") if k in df.columns]
+                        "attempts", "wall_time_s", "reason") if k in df.columns]
     if a.csv:
         df.drop(columns=[k for k in ("spec", "result") if k in df.columns]).to_csv(
             sys.stdout, index=False)

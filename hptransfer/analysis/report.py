@@ -21,6 +21,7 @@ from .optimal_lr import OptimalLRResult, as_optimal, budgets_vary, optimal_lr
 from .savings import SavingsResult, flop_savings
 from .staged import TransferCheckResult
 from .stats import single_threaded_blas
+from .targets import target_lines
 from .transfer import TransferResult, transfer_drift
 from .trials import CORE_COLUMNS, MUP_LABELS, SP_LABELS, Trials, prepare_trials
 
@@ -59,6 +60,9 @@ class FitReport:
     # a staged study's report: the transfer check, and the stage each analysis came from
     transfer_check: TransferCheckResult | None = None
     stages: dict[str, str] = field(default_factory=dict)
+    # a study's stage targets as its planner left them (met or not, trials spent on each;
+    # coordinator/targets.py), in stage order; empty without targets
+    targets: list[dict[str, Any]] = field(default_factory=list)
 
     def results(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in TABLE_NAMES}
@@ -86,6 +90,7 @@ class FitReport:
                 "failures": self.failures,
                 "stages": self.stages,
                 "headline": headline(self) if self.stages else None,
+                "targets": self.targets,
                 "analyses": {
                     name: result.to_dict() if result is not None else None
                     for name, result in self.results().items()
@@ -389,6 +394,10 @@ def _format_report(report: FitReport, max_notes: int) -> str:
     if report.stages:
         lines += ["", "== Headline (each number from the stage in [brackets]) =="]
         lines += [f"  {line}" for line in headline_lines(report)]
+    if report.targets:
+        lines += ["", "== Targets (trials the study added until each was met, or its cap "
+                  "spent) =="]
+        lines += [f"  {line}" for line in target_lines(report.targets)]
     for name in TABLE_NAMES:
         result = getattr(report, name)
         if result is None and (name in report.stages) != bool(report.stages):
@@ -490,6 +499,7 @@ def headline(report: FitReport) -> dict[str, Any]:
                 "nl_ci_low": r["nl_ci_low"], "nl_ci_high": r["nl_ci_high"],
                 "within": report.aspect_ratio.within,
                 "reliable": bool(r["reliable"]), "stage": "aspect_ratio"})
+    out["targets"] = report.targets  # each stage target: met or not, trials spent on it
     return json_safe(out)
 
 

@@ -54,6 +54,11 @@ class TransferCheckResult:
     warnings: list[str] = field(default_factory=list)
     # loss vs LR at each check shape (arm, width, depth, lr, mean_loss, n_completed, ...)
     curves: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # the two fits the shift is the difference of, and the trials of the check's fit (a
+    # study target reads them to see which side to add trials to)
+    base_fit: OptimalLRResult | None = None
+    check_fit: OptimalLRResult | None = None
+    check_trials: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def reliable(self) -> bool:
@@ -135,6 +140,12 @@ def transfer_check(
         # LR, another loss) is not a point of the bracket
         budget = set(checked["tokens_per_param"].fillna(-1.0))
         at = at[at["tokens_per_param"].fillna(-1.0).isin(budget)]
+    # a ladder trial and a check trial of the same LR and seed (a target may add both) are
+    # one run, reused by content hash: one point of the bracket, not two
+    same = [c for c in ("arm", "width", "depth", "lr", "seed", "sigma_base",
+                        "tokens_per_param") if c in at]
+    if "seed" in at:
+        at = at.drop_duplicates(subset=same)
     if base_fit is None:
         base_fit = optimal_lr(tune, bootstrap=bootstrap, seed=seed, ci=ci,
                               neighbours=neighbours, max_ci_log2=max_ci_log2)
@@ -185,7 +196,8 @@ def transfer_check(
     table["reliable"] = table["reliable"].astype(bool)
     curves = check_fit.curves[["arm", "width", "depth", "lr", "mean_loss", "n_completed",
                                "n_diverged"]]
-    return TransferCheckResult(table, curves=curves)
+    return TransferCheckResult(table, curves=curves, base_fit=base_fit, check_fit=check_fit,
+                               check_trials=at)
 
 
 def _shift_ci_problem(low: float, high: float, ci: float, max_ci_log2: float) -> str | None:

@@ -84,6 +84,7 @@ class TrialRecord(Record):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    reason: str | None  # why a stage target added it (None: planned otherwise)
 
     @property
     def reused(self) -> bool:

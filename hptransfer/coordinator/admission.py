@@ -117,17 +117,31 @@ def stage_shapes(spec: SweepSpec) -> list[StageShape]:
            for d in g.depths for w in g.widths]
     if st is None:
         return out
+    _add_target_cap(out, st.extra_cap("tune"))
     for stage in st.enabled()[1:]:
         # check without shapes brackets the ladder's largest: transfer's field asks for it
         given = stage != "check" or (st.check is not None and st.check.shapes is not None)
         field = f"stages.{stage}.shapes" if given else "stages.transfer.shapes"
         extend = (st.check.extend * st.check.extend_lrs
                   if stage == "check" and st.check is not None else 0)
+        shapes = []
         for s in st.shapes_of(stage):
             n = len(st.lr_offsets(stage, s))
-            out.append(StageShape(stage, s.width, s.depth, st.tokens_per_param(stage, s),
-                                  field, (n + extend) * seeds, n * seeds))
+            shapes.append(StageShape(stage, s.width, s.depth, st.tokens_per_param(stage, s),
+                                     field, (n + extend) * seeds, n * seeds))
+        _add_target_cap(shapes, st.extra_cap(stage))
+        out += shapes
     return out
+
+
+def _add_target_cap(shapes: list[StageShape], cap: int) -> None:
+    """A stage target's `max_extra_trials`, all of it at the stage's largest shape (by
+    12·N²·L): the worst case of trials it may add (a check target may add some at the
+    smaller base shape instead)."""
+    if cap and shapes:
+        i = max(range(len(shapes)), key=lambda k: (shapes[k].width**2 * shapes[k].depth,
+                                                  shapes[k].width))
+        shapes[i] = replace(shapes[i], trials=shapes[i].trials + cap)
 
 
 def trained_shapes(spec: SweepSpec) -> dict[tuple[int, int, float | None], str]:

@@ -16,6 +16,7 @@ from hptransfer.analysis.noise import ETA_CI_LOG2
 from hptransfer.analysis.staged import is_study_frame
 from hptransfer.analysis.study_report import study_fit_report
 from hptransfer.jsonsafe import json_safe
+from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.store.store import Store
 
 from .gate import Busy, Gate, half_the_cores
@@ -85,10 +86,19 @@ def _compute(store: Store, sweep_id: str, bootstrap: int,
     analysis = ((sweep.spec or {}).get("analysis") or {}) if sweep is not None else {}
     width = float(analysis.get("eta_ci_log2", ETA_CI_LOG2))
     if is_study_frame(frame):  # a staged study: each fit from its own stage
-        return study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
-                                neighbours=neighbours, max_ci_log2=width)
+        report = study_fit_report(frame, reference_arm=reference_arm, bootstrap=bootstrap,
+                                  neighbours=neighbours, max_ci_log2=width)
+        report.targets = study_targets(sweep.study if sweep is not None else None)
+        return report
     return fit_report(frame.drop(columns=["stage"]), reference_arm=reference_arm,
                       bootstrap=bootstrap, neighbours=neighbours, max_ci_log2=width)
+
+
+def study_targets(study: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The study's stage targets as its planner recorded them (coordinator/targets.py:
+    each with its items met or not, and the extra trials spent), in stage order."""
+    recorded = (study or {}).get("targets") or {}
+    return [recorded[s] for s in STAGE_ORDER if s in recorded]
 
 
 def fits_payload(report: FitReport) -> dict[str, Any]:

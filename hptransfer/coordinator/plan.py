@@ -29,6 +29,7 @@ class PlannedTrial:
     seed: int
     content_hash: str  # trial.content_hash(): identifies the result, for reuse
     stage: str | None = None  # a study's stage ("tune" for a study's own grid); else None
+    reason: str | None = None  # why a stage target added it (coordinator/targets.py)
 
 
 class ShapeKey(NamedTuple):

@@ -14,6 +14,11 @@ tagged with its stage and planned in stage order, so they lease in that order. A
 a check bracket whose best LR sits at its edge adds LRs beyond that edge (up to
 `stages.check.extend` rounds), so a transfer that moved η* further than the bracket spans is
 measured rather than bounded.
+
+Targets (coordinator/targets.py): a stage with a `target` not yet met adds rounds of trials
+(seeds, or an LR near η*), each with its `reason`, until it is met or its `max_extra_trials`
+are spent: the tune target before the later stages are planned (they transfer the refined
+η*), the check and transfer targets after the check's edge extensions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hptransfer.spec import SweepSpec
 from hptransfer.spec.stages import STAGE_ORDER
 from hptransfer.spec.trial import MAX_LR
 
+from . import targets
 from .optuna_search import fit_neighbours
 from .plan import PlannedTrial, ShapeKey, trial_at
 
@@ -83,6 +89,16 @@ def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> St
         return _after_later_stages(spec, state, frame)
     tune = frame[frame["stage"] == TUNE] if "stage" in frame else frame.iloc[:0]
     decisions, extend, stops = _tune_decisions(spec, state, tune)
+    if stops and targets.has_target(spec, TUNE):
+        # a fit the noise made unsound (two basins, a vertex outside): seeds, not a stop,
+        # while the target has trials left to add (with any arm's edge extension)
+        extra = targets.tune_round(spec, state, tune)
+        if extra:
+            state["round"] += 1
+            for arm, lrs in extend.items():
+                state["extensions"][arm] = state["extensions"].get(arm, 0) + 1
+                extra += _tune_trials(spec, arm, lrs)
+            return _target_step(state, extra)
     if stops:
         reason = "tune stage gave no η* to transfer: " + "; ".join(stops)
         state.update(stop_reason=reason, round=state["round"] + 1)
@@ -96,6 +112,10 @@ def next_step(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame) -> St
         state["stages"].append({"name": TUNE, "round": state["round"], "n_trials": len(trials),
                                 "extends": {a: [float(x) for x in v] for a, v in extend.items()}})
         return StudyStep("plan", state, trials)
+    if targets.has_target(spec, TUNE):  # η* not yet as sure as asked: seeds or LRs first
+        extra = targets.tune_round(spec, state, tune)
+        if extra:
+            return _target_step(state, extra)
     state["hps"] = decisions
     trials = []
     for stage in stage_names(spec)[1:]:
@@ -303,6 +323,9 @@ def _after_later_stages(spec: SweepSpec, state: dict[str, Any],
     state["round"] += 1
     extend = _check_extensions(spec, state, frame)
     if not extend:
+        extra = targets.later_round(spec, state, frame)  # targets not met yet, cap left
+        if extra:
+            return _target_step(state, extra)
         state["done"] = True
         return StudyStep("done", state)
     counts = state.setdefault("check_extensions", {})
@@ -315,6 +338,14 @@ def _after_later_stages(spec: SweepSpec, state: dict[str, Any],
                    for lr in lrs for seed in spec.grid.seeds]
     state["stages"].append({"name": "check", "round": state["round"], "n_trials": len(trials),
                             "extends": {_check_label(*k): v for k, v in extend.items()}})
+    return StudyStep("plan", state, trials)
+
+
+def _target_step(state: dict[str, Any], trials: list[PlannedTrial]) -> StudyStep:
+    """A round of trials added for stage targets (each trial's `reason` says why)."""
+    for stage in dict.fromkeys(p.stage for p in trials):
+        state["stages"].append({"name": stage, "round": state["round"], "target": True,
+                                "n_trials": sum(p.stage == stage for p in trials)})
     return StudyStep("plan", state, trials)
 
 

@@ -13,12 +13,18 @@ before it (see `hptransfer.coordinator.study`):
 
 Every field is bounded and checked here; checks that need the rest of the spec (head_dim,
 the base shape, the arms) are `SweepSpec`'s.
+
+Targets: the tune, transfer and check stages may each give a `target` (how sure their
+headline must be) and `max_extra_trials` (the most trials the study may add to meet it).
+After the stage's trials, a target not met adds seeds where the seed noise dominates, or an
+LR in the gap where η* sits between LRs far apart, refits, and repeats until it is met or
+the cap is spent (`hptransfer.coordinator.targets`).
 """
 
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -30,6 +36,7 @@ from .sections import SpecModel, StageName
 STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 MAX_STAGE_SHAPES = 64  # per stage: a study is a handful of shapes, not a grid
 MAX_EXTEND = 4
+MAX_EXTRA_TRIALS = 10_000  # per stage target; the sweep's trial cap bounds the sum too
 
 
 class Shape(SpecModel):
@@ -55,13 +62,61 @@ def _unique_shapes(shapes: list[Shape]) -> list[Shape]:
 Shapes = Annotated[list[Shape], Field(min_length=1, max_length=MAX_STAGE_SHAPES)]
 
 
-class TuneStage(SpecModel):
+CiLog2 = Annotated[float, Field(gt=0.0, le=8.0)]
+
+
+class TuneTarget(SpecModel):
+    """η* of every arm at the base shape known to ±`eta_ci_log2` octaves (its 95 % CI's
+    half-width from the seed noise), with a bracket whose losses rise above that noise."""
+
+    eta_ci_log2: CiLog2
+
+
+class TransferTarget(SpecModel):
+    """Every FLOP-savings headline row's CI excludes 0 (which arm is cheaper is known)."""
+
+    savings_excludes_zero: Literal[True]
+
+
+class CheckTarget(SpecModel):
+    """Every check shape's transfer shift (η* there minus η* at the base) known to
+    ±`shift_ci_log2` octaves; the base's η* and the check's both count in its CI."""
+
+    shift_ci_log2: CiLog2
+
+
+class _Targeted(SpecModel):
+    """A stage with an optional `target` and the trials it may add to meet it."""
+
+    target: Any = None
+    max_extra_trials: int | None = Field(None, ge=0, le=MAX_EXTRA_TRIALS)
+
+    @model_validator(mode="after")
+    def _capped(self) -> _Targeted:
+        if self.target is not None and self.max_extra_trials is None:
+            raise SpecError([error(
+                "max_extra_trials", "a target adds trials until it is met: give "
+                "max_extra_trials, the most it may add (0: only report whether it is met)")])
+        if self.target is None and self.max_extra_trials:
+            raise SpecError([error(
+                "max_extra_trials", "max_extra_trials is what a target may spend; give "
+                "target as well, or leave max_extra_trials out")])
+        return self
+
+    def extra_cap(self) -> int:
+        """The most trials this stage's target may add (0 without one)."""
+        return (self.max_extra_trials or 0) if self.target is not None else 0
+
+
+class TuneStage(_Targeted):
     """The sweep's grid (or Optuna search) at the base shape. When η* of an arm sits at an
     edge of the LR range, up to `extend` more rounds add `extend_lrs` LRs beyond that edge
-    (same step); past that the study stops and says why."""
+    (same step); past that the study stops and says why. `target` (eta_ci_log2) with
+    `max_extra_trials`: seeds or LRs are added at the base shape until η* is that sure."""
 
     extend: int = Field(1, ge=0, le=MAX_EXTEND)
     extend_lrs: int = Field(2, ge=1, le=8)
+    target: TuneTarget | None = None
 
 
 class LadderShape(Shape):
@@ -72,10 +127,13 @@ class LadderShape(Shape):
     tokens_per_param: TokensPerParam | None = None
 
 
-class TransferStage(SpecModel):
-    """The ladder, trained once per arm and seed at the arm's transferred η*, σ*."""
+class TransferStage(_Targeted):
+    """The ladder, trained once per arm and seed at the arm's transferred η*, σ*.
+    `target` (savings_excludes_zero) with `max_extra_trials`: seeds are added to the
+    ladder of the arms whose savings CI straddles 0."""
 
     shapes: Annotated[list[LadderShape], Field(min_length=1, max_length=MAX_STAGE_SHAPES)]
+    target: TransferTarget | None = None
 
     @field_validator("shapes")
     @classmethod
@@ -102,12 +160,14 @@ class TransferStage(SpecModel):
         return [s for s in self.shapes if s.tokens_per_param is None]
 
 
-class CheckStage(SpecModel):
+class CheckStage(_Targeted):
     """LR bracket η* x 2^offset at `shapes` (default: the transfer ladder's largest shape).
     Offset 0 at a ladder shape is the ladder's own trial, so it is not trained twice. When
     the bracket's best LR is at its edge (η* moved further than the bracket spans), up to
     `extend` more rounds each add `extend_lrs` LRs beyond that edge, spaced like the
-    bracket; past that the shift is reported as a bound."""
+    bracket; past that the shift is reported as a bound. `target` (shift_ci_log2) with
+    `max_extra_trials`: seeds or LRs are added at the check shape, or at the base shape
+    when the base's η* is the wider part of the shift's CI."""
 
     shapes: list[Shape] | None = Field(None, min_length=1, max_length=8)
     log2_offsets: list[float] = Field(
@@ -115,6 +175,7 @@ class CheckStage(SpecModel):
     )
     extend: int = Field(1, ge=0, le=MAX_EXTEND)
     extend_lrs: int = Field(1, ge=1, le=8)
+    target: CheckTarget | None = None
 
     def step(self) -> float:
         """The bracket's spacing in octaves (its closest pair): how far an extension steps."""
@@ -174,6 +235,15 @@ class Stages(SpecModel):
                 "check.shapes", "check without shapes brackets the transfer ladder's largest "
                 "shape; add a transfer stage or give check.shapes")])
         return self
+
+    def extra_cap(self, stage: str) -> int:
+        """The most trials `stage`'s target may add (0: no target, or no such stage)."""
+        section = getattr(self, stage, None)
+        return section.extra_cap() if isinstance(section, _Targeted) else 0
+
+    def extra_total(self) -> int:
+        """The most trials every target together may add."""
+        return sum(self.extra_cap(stage) for stage in STAGE_ORDER)
 
     def enabled(self) -> list[str]:
         """Stage names in the order they run."""

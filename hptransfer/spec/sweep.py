@@ -312,7 +312,8 @@ class SweepSpec(SpecModel):
                          if stage == "check" and st.check else 0)
             per_arm_seed += sum(len(st.lr_offsets(stage, shape)) + extension
                                 for shape in st.shapes_of(stage))
-        return tune + len(self.arms) * len(g.seeds) * per_arm_seed
+        # every target's cap, whole (one arm's, or one seed's, target may spend it all)
+        return tune + len(self.arms) * len(g.seeds) * per_arm_seed + st.extra_total()
 
     def arm(self, label: str) -> Arm:
         for arm in self.arms:

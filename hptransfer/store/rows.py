@@ -118,6 +118,7 @@ def trial_row(
         "max_attempts": max_attempts,
         "optuna_trial_number": optuna_trial_number,
         "stage": getattr(p, "stage", None),  # set by a study's planner
+        "reason": getattr(p, "reason", None),  # why a stage target added it
         "created_at": now,
         # every row carries the same keys, so the inserts batch into one executemany
         **dict.fromkeys(RESULT_COLUMNS),

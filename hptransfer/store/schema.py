@@ -150,6 +150,8 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # why a study's planner added this trial to meet a stage target; None otherwise
+    reason: Mapped[str | None] = mapped_column(Text)
 
 
 class Attempt(Base):

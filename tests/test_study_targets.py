@@ -1,0 +1,388 @@
+"""Stage targets: a study adds seeds (or an LR near η*) until a stage's headline is as sure
+as its `target` asks, or its `max_extra_trials` are spent (coordinator/targets.py); the
+spec fields, the planner's rounds, the trials' `reason`, restart safety through the store
+and the dispatcher, and the report's account of each target."""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+
+import numpy as np
+import pandas as pd
+import pytest
+from sqlalchemy import event
+from test_study import _dispatcher_without_ray, frame_of, study_dict
+
+from hptransfer.analysis.study_report import study_fit_report
+from hptransfer.config import get_settings
+from hptransfer.coordinator.admission import stage_shapes
+from hptransfer.coordinator.fits import study_targets
+from hptransfer.coordinator.plan import plan_sweep
+from hptransfer.coordinator.study import initial_state, next_step
+from hptransfer.spec import SpecError, load_spec
+from hptransfer.store.store import Store
+
+TUNE_TARGET = {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 40}
+
+
+def noisy_bowl(centre: float, curvature: float, sd: float, moved: float = 0.0):
+    """Loss of a trial: a parabola in log2(lr) plus seed noise that is a fixed function of
+    the trial (its content hash), so a refit of the same trials sees the same losses;
+    `moved`: how far η* moved at shapes other than the base (32x1)."""
+    def loss(p) -> float:
+        rng = np.random.default_rng(zlib.crc32(p.content_hash.encode()))
+        c = centre + (moved if (p.width, p.depth) != (32, 1) else 0.0)
+        return 3.0 + curvature * (math.log2(p.lr) - c) ** 2 + sd * rng.standard_normal()
+    return loss
+
+
+def run_rounds(spec, loss, stop_at: str | None = None, limit: int = 12):
+    """Plan round after round, every planned trial finishing at `loss`, until the study is
+    done/stopped or a round plans trials of `stop_at`. (steps, all trials)."""
+    tune = plan_sweep(spec)
+    state, done, steps = initial_state(spec, len(tune)), list(tune), []
+    for _ in range(limit):
+        step = next_step(spec, state, frame_of(done, loss))
+        steps.append(step)
+        state, done = step.state, done + step.trials
+        if step.kind != "plan" or (stop_at and stop_at in {p.stage for p in step.trials}):
+            break
+    return steps, done
+
+
+# ------------------------------------------------------------------ spec
+
+
+@pytest.mark.parametrize("stages, field", [
+    ({"tune": {"target": {"eta_ci_log2": 0.5}}}, "stages.tune.max_extra_trials"),
+    ({"tune": {"max_extra_trials": 4}}, "stages.tune.max_extra_trials"),
+    ({"tune": {"target": {"eta_ci_log2": 0}, "max_extra_trials": 4}},
+     "stages.tune.target.eta_ci_log2"),
+    ({"tune": {"target": {"eta_ci_log2": 9}, "max_extra_trials": 4}},
+     "stages.tune.target.eta_ci_log2"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": -1}},
+     "stages.tune.max_extra_trials"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 10_001}},
+     "stages.tune.max_extra_trials"),
+    ({"tune": {"target": {"savings_excludes_zero": True}, "max_extra_trials": 4}},
+     "stages.tune.target.savings_excludes_zero"),
+    ({"transfer": {"shapes": [{"width": 32, "depth": 2}],
+                   "target": {"savings_excludes_zero": False}, "max_extra_trials": 4}},
+     "stages.transfer.target.savings_excludes_zero"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}],
+                "target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4}},
+     "stages.check.target.eta_ci_log2"),
+    ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
+                                  {"width": 96, "depth": 1}, {"width": 128, "depth": 1}],
+                       "target": {"eta_ci_log2": 0.5}}}, "stages.aspect_ratio.target"),
+])
+def test_bad_targets_name_the_field(stages, field):
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**stages))
+    assert field in [e["field"] for e in exc.value.errors], exc.value.errors
+
+
+def test_every_cap_counts_in_the_worst_case():
+    base = load_spec(study_dict())
+    stages = study_dict()["stages"]
+    stages["tune"] = TUNE_TARGET
+    stages["check"] = {"target": {"shift_ci_log2": 0.5}, "max_extra_trials": 30}
+    spec = load_spec(study_dict(**stages))
+    assert spec.trial_count() == base.trial_count() + 40 + 30
+    # pricing's worst case: each cap at its stage's largest shape, per arm
+    before = {(s.stage, s.width, s.depth): s.trials for s in stage_shapes(base)}
+    after = {(s.stage, s.width, s.depth): s.trials for s in stage_shapes(spec)}
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {
+        ("tune", 32, 1): 40, ("check", 64, 2): 30}
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**stages), max_trials=base.trial_count() + 69)
+    assert exc.value.errors[0]["field"] == "grid"
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_a_tune_target_is_met_after_added_seeds_and_the_refined_eta_transfers():
+    stages = study_dict()["stages"]
+    stages["tune"] = TUNE_TARGET
+    spec = load_spec(study_dict(**stages))
+    loss = noisy_bowl(-8.3, 0.05, 0.01)
+    steps, done = run_rounds(spec, loss, stop_at="transfer")
+    first, second = steps[0], steps[1]
+    # one seed per LR: no noise measured, no CI: round 1 adds seed 1 at each arm's fitted LRs
+    assert first.kind == "plan" and {p.stage for p in first.trials} == {"tune"}
+    assert {p.seed for p in first.trials} == {1}
+    book = first.state["targets"]["tune"]
+    assert [i["met"] for i in book["items"]] == [False, False]
+    assert all("one seed per LR" in i["why"] for i in book["items"])
+    assert book["spent"] == len(first.trials) and book["rounds"] == 1 and not book["final"]
+    for p in first.trials:
+        assert p.reason.startswith("target stages.tune.eta_ci_log2 round 1: η* of " + p.arm)
+        assert "+1 seed(s) [1]" in p.reason
+    fitted = {arm: sorted(p.lr for p in first.trials if p.arm == arm)
+              for arm in ("gpt/sp", "gpt/completep")}
+    assert all(len(v) >= 3 for v in fitted.values())
+    # two seeds measure the noise: η* is within ±0.5 octave, the later stages are planned
+    assert second.kind == "plan" and "transfer" in {p.stage for p in second.trials}
+    book = second.state["targets"]["tune"]
+    assert book["final"] and book["outcome"] == "met" and book["spent"] == len(first.trials)
+    assert all(i["met"] and i["value"] <= 0.5 for i in book["items"])
+    assert all(p.reason is None for p in second.trials)
+    # the η* transferred is the refit over both seeds, not the first seed's
+    from hptransfer.analysis import optimal_lr
+    from hptransfer.coordinator.study import _round_lr
+
+    tune = frame_of([p for p in done if p.stage == "tune"], loss)
+    fit = optimal_lr(tune, bootstrap=0).shapes.set_index("arm")
+    for arm, hp in second.state["hps"].items():
+        assert hp["lr"] == _round_lr(float(fit.loc[arm, "lr_opt"]))
+    # the same inputs plan the same trials (restart safety of the planner itself)
+    again = next_step(spec, steps[0].state, frame_of(done[:len(done) - len(second.trials)],
+                                                     loss))
+    assert [p.content_hash for p in again.trials] == [p.content_hash for p in second.trials]
+
+
+def test_the_cap_is_spent_first_then_the_study_goes_on_unmet():
+    stages = study_dict()["stages"]
+    stages["tune"] = {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 11}
+    spec = load_spec(study_dict(**stages))
+    loss = noisy_bowl(-8.3, 0.01, 0.02)  # a bowl flat within the noise
+    steps, done = run_rounds(spec, loss, stop_at="transfer")
+    added = [p for p in done if p.reason]
+    assert len(added) == 11  # the cap, not a trial more (round 2 was cut to what was left)
+    assert [s.kind for s in steps][-1] == "plan" and "transfer" in {
+        p.stage for p in steps[-1].trials}
+    book = steps[-1].state["targets"]["tune"]
+    assert book["spent"] == 11 and book["final"]
+    assert book["outcome"] == "cap spent (11 extra trials)"
+    assert not all(i["met"] for i in book["items"])
+    # each round shares what is left between the arms, turn by turn
+    for step in steps[:-1]:
+        arms = [p.arm for p in step.trials]
+        assert abs(arms.count("gpt/sp") - arms.count("gpt/completep")) <= 1 or len(
+            set(arms)) == 1
+    # nothing planned twice (64x2 is a ladder and an aspect-ratio shape: a row per stage)
+    assert len({(p.stage, p.content_hash) for p in done}) == len(done)
+    # flatter still, the fit is unsound (two basins, a vertex outside its LRs): seeds
+    # instead of a stop while the cap lasts, then the stop with its reason
+    steps, done = run_rounds(spec, noisy_bowl(-8.3, 0.002, 0.05), stop_at="transfer")
+    assert [s.kind for s in steps] == ["plan", "plan", "stop"]
+    assert steps[-1].state["targets"]["tune"]["spent"] == 11 == len(
+        [p for p in done if p.reason])
+    assert "no reliable η* at the base shape" in steps[-1].reason
+    # 0 extra trials: the target is only reported
+    stages["tune"] = {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 0}
+    spec0 = load_spec(study_dict(**stages))
+    steps0, _ = run_rounds(spec0, loss, stop_at="transfer")
+    assert len(steps0) == 1 and steps0[0].state["targets"]["tune"]["outcome"].startswith(
+        "cap spent")
+
+
+def test_eta_between_lrs_far_apart_gets_an_lr_in_the_gap():
+    d = study_dict(tune={"target": {"eta_ci_log2": 0.2}, "max_extra_trials": 100})
+    d["grid"]["lrs"] = [2.0**k for k in (-12, -10, -8, -6, -4)]  # two octaves apart
+    d["grid"]["seeds"] = [0, 1]
+    spec = load_spec(d)
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)),
+                     frame_of(tune, noisy_bowl(-8.9, 0.01, 0.01)))
+    # a curved bowl (the bracket rises above the noise), CI wider than ±0.2, η* between
+    # 2^-10 and 2^-8: one LR in the middle, at both seeds, per arm
+    assert sorted((p.arm, p.seed, math.log2(p.lr)) for p in step.trials) == [
+        (arm, seed, -9.0) for arm in ("gpt/completep", "gpt/sp") for seed in (0, 1)]
+    assert all("between LRs 2^-10.00 and 2^-8.00" in p.reason for p in step.trials)
+    # the same grid an octave apart: seeds instead (a point between LRs an octave apart
+    # narrows the fitted window and widens the CI)
+    d["grid"]["lrs"] = [2.0**k for k in range(-12, -3)]
+    spec = load_spec(d)
+    tune = plan_sweep(spec)
+    step = next_step(spec, initial_state(spec, len(tune)),
+                     frame_of(tune, noisy_bowl(-8.9, 0.01, 0.01)))
+    assert step.trials and {p.seed for p in step.trials} >= {2}
+    assert all(p.lr in d["grid"]["lrs"] and "seed(s)" in p.reason for p in step.trials)
+
+
+def test_a_check_target_adds_trials_to_the_wider_side_of_the_shift():
+    stages = {"transfer": {"shapes": [{"width": 64, "depth": 2}]},
+              "check": {"target": {"shift_ci_log2": 0.5}, "max_extra_trials": 60}}
+    d = study_dict(**stages)
+    d["grid"]["seeds"] = [0, 1, 2, 3]  # a well-measured base
+    spec = load_spec(d)
+    # the base is tight (4 seeds); the check's bracket has 4 seeds too but a flat bowl there
+    # would need the base side... first: a check shape whose own η* is the wide part
+    loss = noisy_bowl(-8.3, 0.05, 0.004, moved=0.4)
+    steps, done = run_rounds(spec, loss)
+    assert steps[-1].kind == "done"
+    book = steps[-1].state["targets"]["check"]
+    assert book["final"], book
+    added = [p for p in done if p.reason]
+    if book["spent"]:
+        assert {p.stage for p in added} <= {"check", "tune"}
+        assert all(p.reason.startswith("target stages.check.shift_ci_log2") for p in added)
+    # a one-seed base with a many-seed check: the base is the wider side, trials go to tune
+    d1 = study_dict(**stages)
+    spec1 = load_spec(d1)
+    tune = plan_sweep(spec1)
+    later = next_step(spec1, initial_state(spec1, len(tune)), frame_of(tune, loss))
+    check_more = []
+    for seed in (1, 2, 3):  # the check shape at 4 seeds, trained "by hand"
+        check_more += [type(p)(**{**p.__dict__, "seed": seed,
+                                  "content_hash": f"{p.content_hash}-{seed}"})
+                       for p in later.trials]
+    step = next_step(spec1, later.state, frame_of(tune + later.trials + check_more, loss))
+    assert step.kind == "plan"
+    assert {p.stage for p in step.trials} == {"tune"}
+    assert {(p.width, p.depth) for p in step.trials} == {(32, 1)}
+    assert all("its base η* the wider part" in p.reason for p in step.trials)
+
+
+def _ladder_frame(planned, loss) -> pd.DataFrame:
+    """frame_of plus what the frontier needs: compute, tokens, size, parameterization;
+    the ladder's loss falls with compute, SP's a little above CompleteP's (within noise)."""
+    df = frame_of(planned, loss)
+    n = np.array([12 * p.width**2 * p.depth for p in planned], dtype=float)
+    tokens = 20 * n
+    df["params_non_embedding"], df["tokens"], df["flops"] = n, tokens, 6 * n * tokens
+    df["params_embedding"] = 0.0
+    df["parameterization"] = [p.arm.split("/")[1] for p in planned]
+    ladder = (df["stage"] == "transfer").to_numpy()
+    rng = np.random.default_rng(0)
+    gap = np.where(df["arm"] == "gpt/sp", 1.01, 1.0)
+    df.loc[ladder, "final_val_loss"] = (2.0 + 40 * gap[ladder] * df.loc[ladder, "flops"]
+                                        ** -0.15 + 0.01 * rng.standard_normal(ladder.sum()))
+    return df
+
+
+def test_a_savings_target_adds_seeds_to_both_arms_ladders():
+    ladder = [{"width": w, "depth": d} for w, d in ((32, 1), (32, 2), (64, 1), (64, 2),
+                                                     (96, 2), (128, 2))]
+    spec = load_spec(study_dict(transfer={
+        "shapes": ladder, "target": {"savings_excludes_zero": True},
+        "max_extra_trials": 100}))
+    tune = plan_sweep(spec)
+    bowl_loss = noisy_bowl(-8.0, 0.05, 0.0)
+    later = next_step(spec, initial_state(spec, len(tune)), frame_of(tune, bowl_loss))
+    done = tune + later.trials
+    step = next_step(spec, later.state, _ladder_frame(done, bowl_loss))
+    # the savings CI straddles 0: a seed more on every ladder shape of both arms
+    book = step.state["targets"]["transfer"]
+    assert [i["met"] for i in book["items"]] == [False]
+    assert "straddles 0" in book["items"][0]["why"]
+    assert step.kind == "plan" and len(step.trials) == 2 * len(ladder)
+    for arm in ("gpt/sp", "gpt/completep"):
+        mine = [p for p in step.trials if p.arm == arm]
+        assert sorted((p.width, p.depth) for p in mine) == sorted(
+            (s["width"], s["depth"]) for s in ladder)
+        assert {(p.seed, p.stage, p.lr) for p in mine} == {
+            (1, "transfer", step.state["hps"][arm]["lr"])}
+    assert all("savings gpt/completep over gpt/sp" in p.reason for p in step.trials)
+
+
+# ------------------------------------------------------------------ store, restart, report
+
+
+def test_a_coordinator_killed_mid_extension_neither_loses_nor_repeats(hpt_home, monkeypatch):
+    """Through the store and the dispatcher's ticks (no Ray): a round of added trials is
+    planned, a kill at the commit of the next round's planning leaves nothing of it, a new
+    coordinator (new store, new dispatcher) finishes the round's trials, plans the next
+    round exactly once, and every added trial keeps its stored reason."""
+    stages = study_dict()["stages"]
+    stages["tune"] = {"target": {"eta_ci_log2": 0.2}, "max_extra_trials": 30}
+    spec = load_spec(study_dict(**stages))
+    loss = noisy_bowl(-8.3, 0.02, 0.02)
+    url = get_settings().database_url
+    store = Store(url)
+    store.migrate()
+    tune = plan_sweep(spec)
+    sid = store.create_sweep("s", spec.model_dump(mode="json"), "h", "grid", tune,
+                             study=initial_state(spec, len(tune)))
+
+    def finish(st: Store, n: int | None = None) -> None:
+        st.lease_pending("me", 1000, sweep_id=sid)
+        for t in st.trials(sid, status="running", limit=None)[:n]:
+            st.finish_trial(t.id, "completed", {"final_val_loss": loss(t)})
+
+    d, _ = _dispatcher_without_ray(store, monkeypatch)
+    finish(store)
+    d.run_once()  # round 1 of the target: planned and leased
+    first = [t for t in store.trials(sid, limit=None) if t.reason]
+    assert first and store.get_sweep(sid).study["targets"]["tune"]["spent"] == len(first)
+    finish(store, n=len(first) // 2)  # half of the round trained ...
+    assert store.count_trials(sid, status="running") == len(first) - len(first) // 2
+    before_kill = {t.id: (t.finished_at, t.final_val_loss)
+                   for t in store.trials(sid, status="completed", limit=None)}
+    store.close()  # ... and the coordinator is killed
+
+    store2 = Store(url)
+    assert store2.requeue_orphans("new-coordinator") == len(first) - len(first) // 2
+    d2, _ = _dispatcher_without_ray(store2, monkeypatch)
+    d2.run_once()  # leases the round's rest; nothing new is planned while they run
+    assert len([t for t in store2.trials(sid, limit=None) if t.reason]) == len(first)
+    finish(store2)
+    # a kill at the commit of the next round's planning: nothing of it may remain
+    sweep = store2.get_sweep(sid)
+    step = next_step(spec, sweep.study, store2.results_frame(sid))
+    assert step.kind == "plan" and step.trials
+
+    def killed(conn) -> None:
+        raise RuntimeError("coordinator killed while planning")
+
+    event.listen(store2.engine, "commit", killed)
+    try:
+        with pytest.raises(RuntimeError, match="killed while planning"):
+            store2.plan_stage(sid, sweep.study["round"], step.state, step.trials)
+    finally:
+        event.remove(store2.engine, "commit", killed)
+    assert store2.get_sweep(sid).study == sweep.study
+    assert store2.get_sweep(sid).n_trials == len(tune) + len(first)
+    while store2.get_sweep(sid).status == "running":
+        d2.run_once()  # plans the next round (or the later stages) once, then the rest
+        finish(store2)
+        before = store2.get_sweep(sid)
+        # a second, stale planner from the same round writes nothing
+        assert not store2.plan_stage(sid, before.study["round"] - 1, before.study, [])
+    rows = store2.trials(sid, limit=None)
+    assert store2.get_sweep(sid).status == "completed"
+    # nothing planned twice (64x2 is a ladder and an aspect-ratio shape: a row per stage,
+    # trained once), nothing lost, nothing trained twice
+    assert len({(t.stage, t.content_hash) for t in rows}) == len(rows)
+    assert [t.idx for t in rows] == list(range(len(rows)))
+    assert all(t.status == "completed" for t in rows)
+    for t in rows:  # a trial finished before the kill is never run again; one running then
+        # is run once more (its attempt died with the coordinator); the rest once
+        if t.id in before_kill:
+            assert (t.finished_at, t.final_val_loss, t.attempts) == (*before_kill[t.id], 1)
+        else:
+            assert t.attempts == (0 if t.reused else 2 if t.reason and t.idx < len(tune)
+                                  + len(first) else 1), t
+    added = [t for t in rows if t.reason]
+    book = store2.get_sweep(sid).study["targets"]["tune"]
+    assert book["final"] and book["spent"] == len(added) <= 30
+    assert all(t.to_dict()["reason"].startswith("target stages.tune.eta_ci_log2 round ")
+               for t in added)
+    assert {t.stage for t in added} == {"tune"}
+    store2.close()
+
+
+def test_the_report_says_which_targets_were_met_and_what_each_spent():
+    stages = study_dict()["stages"]
+    stages["tune"] = TUNE_TARGET
+    spec = load_spec(study_dict(**stages))
+    loss = noisy_bowl(-8.3, 0.05, 0.01)
+    steps, done = run_rounds(spec, loss, stop_at="transfer")
+    report = study_fit_report(frame_of(done, loss), bootstrap=0)
+    report.targets = study_targets(steps[-1].state)
+    spent = steps[-1].state["targets"]["tune"]["spent"]
+    text = report.format_text()
+    assert (f"target stages.tune.eta_ci_log2: met (2 of 2); spent {spent} of 40 extra "
+            "trials in 1 round(s); met") in text
+    assert "ok  gpt/sp: CI ±" in text
+    head = report.to_dict()["headline"]["targets"]
+    assert head[0]["spent"] == spent and head[0]["final"] and head[0]["outcome"] == "met"
+    assert report.to_dict()["targets"] == head
+    # a study without targets says nothing of them
+    plain = study_fit_report(frame_of(done, loss), bootstrap=0)
+    plain.targets = study_targets(copy.deepcopy(steps[0].state) | {"targets": {}})
+    assert "Targets" not in plain.format_text()
