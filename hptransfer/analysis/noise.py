@@ -20,9 +20,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-# Widest η* (or transfer shift) CI that counts as reliable: half-width in octaves (log2 LR).
-# The spec's `analysis.eta_ci_log2` defaults to this.
-ETA_CI_LOG2 = 0.5
+# the widest η* CI that counts as reliable, by default (the spec's analysis.eta_ci_log2)
+from hptransfer.contracts.reliability import ETA_CI_LOG2  # noqa: F401  (re-exported)
 
 
 def pooled_sd(std: np.ndarray, n: np.ndarray, mask: np.ndarray | None = None,

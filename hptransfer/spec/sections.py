@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from hptransfer.analysis.noise import ETA_CI_LOG2
+from hptransfer.contracts.reliability import ETA_CI_LOG2
 from hptransfer.models import ModelConfig, ModelConfigError, Parameterization
 from hptransfer.models.config import Arch
 from hptransfer.models.parameterization import PRESETS, ParameterizationError, check_pairing
