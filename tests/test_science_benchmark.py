@@ -78,3 +78,19 @@ def test_best_lr_needs_every_seed_completed():
     best = science.best_lr_per_arm(trials)
     assert best.loc["a", "lr"] == 0.001 and best.loc["a", "mean"] == pytest.approx(2.1)
     assert best.loc["b", "lr"] == 0.01  # mean 3.0 beats 3.1
+
+
+def test_seed_vertex_and_its_resampled_slope():
+    x = np.array([-8.0, -7.0, -6.0, -5.0, -4.0])
+    bowl = (x + 5.7) ** 2  # vertex at -5.7, inside the best LR's neighbours
+    assert science.seed_vertex(x, bowl) == pytest.approx(-5.7)
+    assert science.seed_vertex(x, (x + 9.0) ** 2) == -8.0  # best at the grid's edge
+    # a diverged neighbour (no loss): the best LR itself
+    assert science.seed_vertex(x, np.array([2.0, 1.0, 0.0, np.nan, 1.0])) == -6.0
+    # two seeds per depth whose vertices move +0.5 octave per doubling: slope 0.5, and
+    # every resample keeps it when the seeds agree
+    rows = [(d, s, lr, (lr - (-7.0 + 0.5 * math.log2(d))) ** 2)
+            for d in (1, 2, 4, 8) for s in (0, 1) for lr in x]
+    trials = pd.DataFrame(rows, columns=["depth", "seed", "log2_lr", "loss"])
+    point, draws = science.seed_resampled_slopes(trials, [1, 2, 4, 8], resamples=50)
+    assert point == pytest.approx(0.5) and np.allclose(draws, 0.5)
