@@ -127,6 +127,7 @@ def train_worker_pids() -> list[int]:
             and "ray::" in line]
 
 
+@pytest.mark.slow
 def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluster,
                                                                      tmp_path):
     """SIGKILL of one Train worker after the first checkpoint: the attempt comes back lost;
@@ -163,6 +164,7 @@ def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluste
 
 # ---- end to end: a study whose ladder mixes packed small shapes and 2-worker large ones
 
+@pytest.mark.slow
 def test_a_study_mixing_packed_and_two_worker_shapes_runs_over_rest(hpt_home, ray_cluster):
     import copy
 
