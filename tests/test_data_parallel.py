@@ -108,7 +108,9 @@ def on_train_workers(ray, s: dict, workers: int, tmp_path: Path, *, checkpoint=N
 
     task = ray.remote(execute_trial_on_workers).options(num_cpus=0, max_retries=0)
     return task.remote(s, "trial", None, str(tmp_path / "cache"), None, None,
-                       workers=workers, cpus=1.0, gpus=0.0, checkpoint=checkpoint,
+                       # half a CPU each: a task an earlier test left on this process's
+                       # 2-CPU cluster must not keep the group from starting
+                       workers=workers, cpus=0.5, gpus=0.0, checkpoint=checkpoint,
                        storage_path=str(tmp_path / "ray_train"), run_name=run_name)
 
 

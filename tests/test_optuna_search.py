@@ -252,7 +252,7 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameteriza
             lowest = found[(found["lr"] == min(seq[:4]))].iloc[0]
             assert lowest["status"] == "pruned", (key, [math.log2(lr) for lr in seq])
 
-    # every shape has a reliable fitted η* (quadratic in log2 LR, as for grids: the best LR
+    # every shape has a sound fitted η* (quadratic in log2 LR, as for grids: the best LR
     # has a full run on both sides, so the vertex is interpolated, not clamped) within one
     # grid step of a grid LR in the basin (within BASIN of the grid's best loss), and the
     # report lists its pruned trials with their steps
@@ -266,7 +266,8 @@ def test_optuna_finds_every_shapes_eta_star_with_fewer_tokens(pack, parameteriza
     for key, log2_grid in grid_log2.items():
         row = shapes.loc[key]
         assert row["log2_lr_opt"] is not None, (key, row["reason"])
-        assert row["reliable"], (key, row["reason"], row["warnings"])
+        # one seed: no CI, so not "reliable" (no noise measured); sound: the fit itself holds
+        assert row["sound"], (key, row["reason"], row["warnings"])
         # what η* trains to, alone, with the grid's spec of that shape: as good as the grid's
         # best up to the noise (the check a user makes before training large at η*)
         best_spec = argmin.loc[key, "spec"]
