@@ -95,13 +95,17 @@ def tune_round(spec: SweepSpec, state: dict[str, Any], tune: pd.DataFrame
         check = eta_check(best, width)
         checks.append(check)
         if not check.met:
-            rows = tune[(tune["arm"] == arm) & np.isclose(tune["sigma_base"],
-                                                          best["sigma_base"])]
+            rows = _arm_rows(tune, arm, best["sigma_base"])
             group = _refine(spec, best, rows, width, "tune", None,
                             f"η* of {arm} at the base shape", check)
             if group is not None:
                 groups.append(group)
     return _spend(book, checks, groups)
+
+
+def _arm_rows(frame: pd.DataFrame, arm: str, sigma_base: float) -> pd.DataFrame:
+    """The rows of one arm at one σ (the trials a fitted η* came from)."""
+    return frame[(frame["arm"] == arm) & np.isclose(frame["sigma_base"], sigma_base)]
 
 
 def later_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
@@ -143,8 +147,7 @@ def _check_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
         here = mine.iloc[0]
         shape = f"{row['arm']} {int(row['width'])}x{int(row['depth'])}"
         if _spread(base, side_width) > _spread(here, side_width):
-            rows = tune[(tune["arm"] == row["arm"])
-                        & np.isclose(tune["sigma_base"], base["sigma_base"])]
+            rows = _arm_rows(tune, row["arm"], base["sigma_base"])
             group = _refine(spec, base, rows, side_width, "tune", None,
                             f"shift at {shape}, its base η* the wider part", check)
         else:
