@@ -214,6 +214,36 @@ def _training(cluster, sweep_id: str, n: int, timeout: float = 600) -> None:
         time.sleep(0.5)
 
 
+def test_a_study_mixing_packed_and_two_worker_shapes_spans_both_nodes(cluster, tiny_spec):
+    """The large end of a study on 2 Ray Train workers, the small shapes packed, over REST on
+    the cluster, with fits. Each Ray node has 1 CPU (the coordinator's none), so the two
+    1-CPU workers of a trial can only be placed one per node: the trial spans nodes."""
+    study = {**tiny_spec, "name": "cluster-mixed", "max_concurrent": 2}
+    study["grid"] = {**study["grid"], "lrs": [2**-9, 2**-7, 2**-5]}
+    study["budget"] = {"steps": 12, "batch_size": 4}
+    study["stages"] = {"transfer": {"shapes": [{"width": 32, "depth": 2},
+                                               {"width": 64, "depth": 2}]}}
+    # 64x2 has 12 * 64^2 * 2 = 98,304 non-embedding parameters: it trains on 2 workers
+    study["resources"] = {"cpus": 1, "pack": "auto",
+                          "scale_out": [{"min_params": 90_000, "workers": 2, "cpus": 1}]}
+    study["checkpoint"] = {"every_steps": 4}
+    with _client(cluster) as c:
+        sweep_id = c.submit(study)["id"]
+        done = _wait(c, sweep_id)
+        trials = c.trials(sweep_id)
+        fits = c.fits(sweep_id)
+    assert done["status"] == "completed", done
+    assert trials["status"].isin(["completed", "diverged"]).all()
+    workers = {(r.width, r.depth, r.result["workers"]) for r in trials.itertuples()}
+    assert workers == {(32, 1, 1), (32, 2, 1), (64, 2, 2)}
+    assert (trials.loc[trials["width"] == 64, "status"] == "completed").all()
+    assert fits is not None
+    rows = _store(cluster).trials(sweep_id, limit=None)
+    _check_in_mlflow(cluster, sweep_id, rows)  # rank 0's run, one per trial
+    # finished trials leave no checkpoints behind
+    assert not list((Path(cluster["HPT_HOME"]) / "checkpoints").rglob("*.ckpt"))
+
+
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
     # 4 LRs of one shape train as two packs of 2, one per CPU. Long enough (a pack takes
     # 20-30 s here) that the sweep is still running when the worker has been restarted (the

@@ -164,44 +164,6 @@ def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluste
     assert again["curve"] == whole["curve"]
 
 
-# ---- end to end: a study whose ladder mixes packed small shapes and 2-worker large ones
-
-@pytest.mark.slow
-def test_a_study_mixing_packed_and_two_worker_shapes_runs_over_rest(hpt_home, ray_cluster):
-    import copy
-
-    from conftest import TINY_SPEC
-
-    from hptransfer.api.server import serve_in_thread
-    from hptransfer.client import Client
-    from hptransfer.config import get_settings
-
-    study = copy.deepcopy(TINY_SPEC)
-    study.update(name="mixed", max_concurrent=2)
-    study["grid"]["lrs"] = [2**-9, 2**-7, 2**-5]
-    study["budget"] = {"steps": 12, "batch_size": 4}
-    study["stages"] = {"transfer": {"shapes": [{"width": 32, "depth": 2},
-                                               {"width": 64, "depth": 2}]}}
-    # 64x2 has 12 * 64^2 * 2 = 98,304 non-embedding parameters: it trains on 2 workers
-    study["resources"] = {"cpus": 1, "pack": "auto",
-                          "scale_out": [{"min_params": 90_000, "workers": 2, "cpus": 1}]}
-    study["checkpoint"] = {"every_steps": 4}
-    with serve_in_thread(get_settings()) as url, Client(url) as c:
-        sweep = c.submit(study)
-        done = c.wait(sweep["id"], poll=0.3, timeout=600, progress=False)
-        trials = c.trials(sweep["id"])
-        fits = c.fits(sweep["id"])
-    assert done["status"] == "completed", done
-    assert trials["status"].isin(["completed", "diverged"]).all()
-    workers = {(r.width, r.depth, r.result["workers"]) for r in trials.itertuples()}
-    assert {(w, d) for w, d, _ in workers} == {(32, 1), (32, 2), (64, 2)}
-    assert workers == {(32, 1, 1), (32, 2, 1), (64, 2, 2)}
-    assert (trials.loc[trials["width"] == 64, "status"] == "completed").all()
-    assert fits is not None
-    # finished trials leave no checkpoints behind
-    assert not list((hpt_home / "checkpoints").rglob("*.ckpt"))
-
-
 # ---- resources per shape: the spec's rules and why a trial waits
 
 def test_scale_out_rules_pick_a_trials_workers_and_are_checked_with_their_field():
