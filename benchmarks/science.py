@@ -254,6 +254,16 @@ def markdown(frame: pd.DataFrame) -> str:
 DEPTH_ARMS = [{"arch": "gpt", "parameterization": p} for p in ("sp", "mup", "completep")]
 
 
+def print_loss_per_lr(trials: pd.DataFrame, wall: float) -> None:
+    """The sweep's wall time and its mean final validation loss per LR and arm."""
+    print(f"\nwall time {wall:.0f} s ({len(trials)} trials)")
+    print("\nmean final validation loss per LR (seeds averaged)")
+    grid = trials[trials["status"] == "completed"].pivot_table(
+        index="lr", columns="arm", values="final_val_loss", aggfunc="mean")
+    grid.index = [f"2^{math.log2(v):+.1f}" for v in grid.index]
+    print(grid.round(4).to_string())
+
+
 def depth_experiment(args: argparse.Namespace, client: Client | None) -> None:
     width, depths, seeds, batch = args.width, args.depths, args.seeds, args.batch
     deepest = max(depths)
@@ -391,12 +401,7 @@ def ngpt_experiment(args: argparse.Namespace, client: Client | None) -> None:
     [(_sweep, trials, _fits)] = run_sweeps(client, [spec], curves=True)
     wall = time.time() - t0
     best = best_lr_per_arm(trials)
-    print(f"\nwall time {wall:.0f} s ({len(trials)} trials)")
-    print("\nmean final validation loss per LR (seeds averaged; * best)")
-    grid = trials[trials["status"] == "completed"].pivot_table(
-        index="lr", columns="arm", values="final_val_loss", aggfunc="mean")
-    grid.index = [f"2^{math.log2(v):+.1f}" for v in grid.index]
-    print(grid.round(4).to_string())
+    print_loss_per_lr(trials, wall)
     gpt, ngpt = "gpt/sp", "ngpt/ngpt"
     if gpt not in best.index or ngpt not in best.index:
         print("an arm has no LR where every seed completed: no comparison")
@@ -457,12 +462,7 @@ def x0_experiment(args: argparse.Namespace, client: Client | None) -> None:
     [(_sweep, trials, _fits)] = run_sweeps(client, [spec], curves=True)
     wall = time.time() - t0
     best = best_lr_per_arm(trials)
-    print(f"\nwall time {wall:.0f} s ({len(trials)} trials)")
-    print("\nmean final validation loss per LR (seeds averaged)")
-    grid = trials[trials["status"] == "completed"].pivot_table(
-        index="lr", columns="arm", values="final_val_loss", aggfunc="mean")
-    grid.index = [f"2^{math.log2(v):+.1f}" for v in grid.index]
-    print(grid.round(4).to_string())
+    print_loss_per_lr(trials, wall)
     base = "gpt/sp"
     if base not in best.index:
         print("plain GPT has no LR where every seed completed: no comparison")
