@@ -25,7 +25,7 @@ from hptransfer.config import DEFAULT_MAX_SWEEP_FLOPS, DEFAULT_MAX_TRIAL_FLOPS, 
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec import SpecError, SweepSpec
 from hptransfer.spec.sections import TaskResources
-from hptransfer.workers.memory import host_memory, trial_memory
+from hptransfer.workers.memory import host_memory, trial_memory, worker_state_bytes
 
 from .packing import on_gpu
 
@@ -63,10 +63,14 @@ class TrialCost:
     @property
     def worker_memory_bytes(self) -> float:
         """Peak bytes on each of its workers: DDP keeps the whole weights, gradients and
-        AdamW state on every worker, and the activations of its share of the batch."""
+        AdamW state on every worker, FSDP (task.shard) 1/W of them plus the units it
+        gathers (memory.worker_state_bytes); and the activations of its share of the
+        batch."""
         share = (self.activation_bytes if self.worker_activation_bytes is None
                  else self.worker_activation_bytes)
-        return self.state_bytes + share
+        return share + worker_state_bytes(self.state_bytes, self.task.workers,
+                                          self.task.shard, self.params, self.non_embedding,
+                                          self.depth)
 
     def describe(self) -> str:
         spread = ""

@@ -293,7 +293,8 @@ class RayRunner:
                 workers=task.workers, cpus=task.cpus, gpus=task.gpus,
                 checkpoint=self._checkpoint(spec, trials[0]),
                 storage_path=f"{settings.checkpoint_root}/ray_train",
-                run_name=f"{ids[0]}-{trials[0].attempts}", max_hours=settings.max_trial_hours)
+                run_name=f"{ids[0]}-{trials[0].attempts}", max_hours=settings.max_trial_hours,
+                shard=task.shard)
         elif len(trials) == 1:
             ref = self.run_trial.options(**options).remote(
                 specs[0], ids[0], self.progress_board, cache, *guard,

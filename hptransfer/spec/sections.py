@@ -241,6 +241,15 @@ def _ray_gpus(value: float) -> float:
     return value
 
 
+def _shard_needs_workers(shard: bool, info: ValidationInfo) -> bool:
+    # `workers` comes before `shard` in both models, so it is validated (or failed) by now
+    workers = info.data.get("workers")
+    if shard and workers is not None and workers < 2:
+        raise ValueError(f"sharding (FSDP) splits a trial over its workers: give workers: 2 "
+                         f"or more with shard: true, got workers: {workers}")
+    return shard
+
+
 MAX_WORKERS = 512  # data-parallel Ray Train workers of one trial
 MAX_SCALE_OUT_RULES = 8
 # a study's stages, in the order they run (stages.STAGE_ORDER)
@@ -250,11 +259,13 @@ StageName = Literal["tune", "transfer", "check", "aspect_ratio"]
 @dataclass(frozen=True)
 class TaskResources:
     """What one trial's Ray task asks for: `workers` Ray Train workers (1: a plain task) of
-    `cpus` and `gpus` each."""
+    `cpus` and `gpus` each; `shard`: the workers shard the model (FSDP) instead of each
+    holding all of it (DDP)."""
 
     workers: int
     cpus: float
     gpus: float
+    shard: bool = False
 
     @property
     def threads(self) -> int:
@@ -270,7 +281,8 @@ class TaskResources:
 
 class ScaleOut(SpecModel):
     """Trials this rule matches train data-parallel over `workers` Ray Train workers of
-    `cpus` and `gpus` each (DDP: NCCL on GPUs, gloo on CPUs). A rule matches a trial at or
+    `cpus` and `gpus` each (DDP: NCCL on GPUs, gloo on CPUs; `shard`: FSDP, each worker
+    holding 1/W of the weights, gradients and AdamW state). A rule matches a trial at or
     above every threshold it gives (non-embedding parameters, training FLOPs) and in one of
     its `stages` when it names some; the first matching rule wins."""
 
@@ -280,11 +292,17 @@ class ScaleOut(SpecModel):
     workers: int = Field(ge=1, le=MAX_WORKERS)
     cpus: float = Field(1.0, ge=RAY_RESOURCE_UNIT, le=MAX_CPUS)
     gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
+    shard: bool = False
 
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, value: float) -> float:
         return _ray_gpus(value)
+
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, value: bool, info: ValidationInfo) -> bool:
+        return _shard_needs_workers(value, info)
 
     @model_validator(mode="after")
     def _some_condition(self) -> ScaleOut:
@@ -310,13 +328,16 @@ class Resources(SpecModel):
     `workers` > 1: every trial trains data-parallel over that many Ray Train workers of
     `cpus` and `gpus` each; `scale_out`: rules that give only the trials they match (large
     shapes, a stage) their own workers and resources. A trial on more than one worker is
-    never packed.
+    never packed. `shard` (with workers > 1): the workers shard the model with FSDP
+    (`fully_shard`) instead of DDP, for a shape whose weights, gradients and AdamW state do
+    not fit one device.
     """
 
     cpus: float = Field(1.0, ge=RAY_RESOURCE_UNIT, le=MAX_CPUS)
     gpus: float = Field(0.0, ge=0, le=MAX_GPUS)
     pack: Literal["auto"] | int = "auto"
     workers: int = Field(1, ge=1, le=MAX_WORKERS)
+    shard: bool = False
     scale_out: list[ScaleOut] = Field([], max_length=MAX_SCALE_OUT_RULES)
 
     @field_validator("gpus")
@@ -324,18 +345,23 @@ class Resources(SpecModel):
     def _gpus(cls, value: float) -> float:
         return _ray_gpus(value)
 
+    @field_validator("shard")
+    @classmethod
+    def _shard(cls, value: bool, info: ValidationInfo) -> bool:
+        return _shard_needs_workers(value, info)
+
     def task_for(self, params: float, flops: float, stage: str | None) -> TaskResources:
         """The resources of a trial of `params` non-embedding parameters and `flops`
         training FLOPs in `stage` (None: a sweep without stages)."""
         for rule in self.scale_out:
             if rule.matches(params, flops, stage):
-                return TaskResources(rule.workers, rule.cpus, rule.gpus)
-        return TaskResources(self.workers, self.cpus, self.gpus)
+                return TaskResources(rule.workers, rule.cpus, rule.gpus, rule.shard)
+        return self.base
 
     @property
     def base(self) -> TaskResources:
         """What a trial no rule matches gets."""
-        return TaskResources(self.workers, self.cpus, self.gpus)
+        return TaskResources(self.workers, self.cpus, self.gpus, self.shard)
 
     @field_validator("pack", mode="before")
     @classmethod

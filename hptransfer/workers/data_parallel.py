@@ -6,6 +6,9 @@ averages the gradients, so with rank r's loss weighted by W * rows_r / B the ave
 gradient of the global batch's mean loss, as in one process (up to the order of the sums).
 Decisions that end a trial (divergence, a pruning stop, the validation loss) are rank 0's,
 sent to the others, so every rank leaves the loop at the same step.
+
+With `shard` the ranks shard the model (FSDP, sharding.py) instead of each holding all of it;
+the rows, weights and decisions are the same.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from torch import nn
 class DataParallel:
     rank: int
     world: int
+    shard: bool = False  # FSDP (fully_shard) instead of DDP
 
     @classmethod
-    def current(cls) -> DataParallel | None:
+    def current(cls, shard: bool = False) -> DataParallel | None:
         """The process group's ranks (Ray Train starts it), None for one process."""
         if not dist.is_available() or not dist.is_initialized():
             return None
         world = dist.get_world_size()
-        return cls(dist.get_rank(), world) if world > 1 else None
+        return cls(dist.get_rank(), world, shard) if world > 1 else None
 
     @property
     def leads(self) -> bool:
@@ -49,6 +53,12 @@ class DataParallel:
         return self.world * (rows.stop - rows.start) / batch_size
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """DDP around `model`, or with `shard` the model itself sharded in place (built on the
+        CPU, its shards moved to `device`)."""
+        if self.shard:
+            from .sharding import shard_model
+
+            return shard_model(model, device, self.world)
         from torch.nn.parallel import DistributedDataParallel
 
         # no buffers are sent at each forward: rank 0 evaluates alone, on the bare model
@@ -62,6 +72,12 @@ class DataParallel:
         total = losses.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.world
+
+    def any_rank(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on some rank (every rank gets the answer)."""
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def from_leader(self, values: list[float], device: torch.device) -> list[float]:
         """Rank 0's values, on every rank."""

@@ -60,8 +60,14 @@ class FlatAdamW:
     anything else raises rather than silently diverging from torch's semantics."""
 
     def __init__(self, groups: Iterable[dict[str, Any]], betas: tuple[float, float]) -> None:
+        from torch.distributed.tensor import DTensor
+
         self.beta1, self.beta2 = betas
         self.param_groups = [dict(g) for g in groups]
+        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            # re-pointing a shard's storage would cut it off from FSDP's own buffers
+            raise TypeError("FlatAdamW takes whole CPU parameters, not FSDP's DTensor shards: "
+                            "use torch.optim.AdamW(foreach=True) (workers/sharding.py)")
         self._flat = [_FlatGroup(list(g["params"])) for g in self.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

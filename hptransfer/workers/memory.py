@@ -25,6 +25,11 @@ bytes (bf16 logits, their fp32 softmax and gradient), and autocast's bf16 copies
 block matrices, 2 bytes per parameter, are kept for backward too. Against what autograd
 saves under CPU autocast (tests/test_pack_memory.py) the halved-everything estimate read
 1.19-1.26x low; this one is checked to within 0.85-1.05x, like fp32's.
+A data-parallel worker (DDP) holds all of the 16 x params and its rows' activations; a
+sharded one (FSDP, workers/sharding.py) 16 x params / W, plus what FSDP gathers whole while
+it runs: the unit it computes (a block, or the root: embeddings and unembedding) and the
+next one prefetched, 4 bytes a parameter each, and a unit's full gradient with the
+reduce-scatter's copy of it, 4 + 4: 16 x the largest unit's parameters (`worker_state_bytes`).
 The estimate is deliberately simple: it stops a width 2^16, depth 1024 trial at submit and
 a pack of 64 deep models from filling a GPU, not a tight fit.
 """
@@ -55,6 +60,8 @@ PEAK_OVER_SAVED = 2.0
 _ACTIVATION_FLOATS_PER_WIDTH = 9  # plus 2 x mlp_ratio, per token and block
 _FP32_FLOATS_PER_WIDTH = 2  # of them, the LayerNorm inputs: fp32 under autocast too
 _LOGIT_BYTES = {False: 3 * 4, True: 2 + 4 + 4}  # per vocab entry: fp32 run, bf16 autocast
+# a sharded worker's gathered units: two units' weights and one's gradient and its copy
+FSDP_UNIT_BYTES_PER_PARAM = 16
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,23 @@ def trial_memory(spec: TrialSpec, vocab_size: int, half_activations: bool | None
     activations = live * t * per_token + copies
     return MemoryNeed(params=params, state_bytes=float(STATE_BYTES_PER_PARAM * params),
                       activation_bytes=float(activations))
+
+
+def fsdp_unit_params(params: float, non_embedding: float, depth: int) -> float:
+    """Parameters of the largest FSDP unit of a model: a block (its share of the
+    non-embedding parameters) or the root (the vocab-sized tables)."""
+    return max(non_embedding / max(depth, 1), params - non_embedding)
+
+
+def worker_state_bytes(state_bytes: float, workers: int, shard: bool, params: float,
+                       non_embedding: float, depth: int) -> float:
+    """Bytes of weights, gradients and AdamW state on each of a trial's `workers`: all of
+    `state_bytes` on each (one process, DDP), or with `shard` (FSDP) 1/W of it plus the
+    units FSDP gathers whole (module docstring)."""
+    if not shard or workers < 2:
+        return state_bytes
+    unit = fsdp_unit_params(params, non_embedding, depth)
+    return state_bytes / workers + FSDP_UNIT_BYTES_PER_PARAM * unit
 
 
 def free_memory(device: torch.device, threads: int | None = None) -> float:

@@ -1,7 +1,7 @@
 """A trial over several data-parallel workers, run by Ray Train: a TorchTrainer of W workers
-(DDP over NCCL on GPUs, gloo on CPUs), each running the same trainer (run_trial) on its rows
-of every global batch. Rank 0 reports progress, evaluates and checkpoints; its result is the
-trial's.
+(DDP over NCCL on GPUs, gloo on CPUs; FSDP where the trial shards, sharding.py), each
+running the same trainer (run_trial) on its rows of every global batch. Rank 0 reports
+progress, evaluates and checkpoints; its result is the trial's.
 
 The dispatcher runs `execute_trial_on_workers` as a Ray task (fit() blocks its caller, so not
 on the coordinator's loop). A worker that dies ends the attempt as lost (Ray Train does not
@@ -58,7 +58,7 @@ def train_worker(config: dict[str, Any]) -> None:
     """One Ray Train worker's loop: its rank of the trial, then rank 0's result reported."""
     import ray.train
 
-    parallel = DataParallel.current()
+    parallel = DataParallel.current(shard=bool(config.get("shard")))
     leads = parallel is None or parallel.leads
     report = progress_channel(config["progress"] if leads else None)
     trial_id = config["trial_id"]
@@ -84,10 +84,11 @@ def execute_trial_on_workers(
     spec: dict[str, Any], trial_id: str, progress: Any | None, cache_dir: str | None,
     roots: list[str] | None, data_hash: str | None, *, workers: int, cpus: float,
     gpus: float, checkpoint: dict[str, Any] | None, storage_path: str, run_name: str,
-    max_hours: float | None = None,
+    max_hours: float | None = None, shard: bool = False,
 ) -> dict[str, Any]:
-    """Train one trial on `workers` Ray Train workers of `cpus` and `gpus` each; its result
-    as execute_trial returns one, or a lost outcome when a worker died."""
+    """Train one trial on `workers` Ray Train workers of `cpus` and `gpus` each (`shard`:
+    the model sharded over them with FSDP, sharding.py; else DDP); its result as
+    execute_trial returns one, or a lost outcome when a worker died."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -96,7 +97,8 @@ def execute_trial_on_workers(
         train_worker,
         train_loop_config={"spec": spec, "trial_id": trial_id, "progress": progress,
                            "cache_dir": cache_dir, "roots": roots, "data_hash": data_hash,
-                           "checkpoint": checkpoint, "max_hours": max_hours},
+                           "checkpoint": checkpoint, "max_hours": max_hours,
+                           "shard": shard},
         # a rank that stops answering ends the group after this long, not gloo's 30 minutes
         torch_config=TorchConfig(backend="nccl" if gpus else "gloo",
                                  timeout_s=COLLECTIVE_TIMEOUT_S),

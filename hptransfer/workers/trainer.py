@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hptransfer.models.build import build_from_config
+from hptransfer.models.ngpt import NGPT
 from hptransfer.models.parameterization import optimizer_groups
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
@@ -37,6 +38,15 @@ from .flat_adamw import FlatAdamW
 from .outcome import Progress, failed_result, trial_result
 from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
 from .preemption import Preempted, preemption
+from .sharding import (
+    clip_sharded,
+    evaluate_sharded,
+    from_rank0,
+    gather_state,
+    normalize_sharded,
+    scatter_state,
+    sharded_optimizer,
+)
 from .subnormals import subnormals_flushed
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
@@ -82,20 +92,30 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
     to the plan's end (or a stop), and return the result."""
     spec, data, device = plan.spec, plan.data, plan.device
     leads = parallel is None or parallel.leads
+    sharded = parallel is not None and parallel.shard
     # ---- model and optimizer
+    # a sharded model is built on the CPU: only its shards go to the device (sharding.py)
     built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed,
-                              device=device)
-    groups = optimizer_groups(built.model, built.table)
+                              device=torch.device("cpu") if sharded else device)
     betas = (spec.beta1, spec.beta2)
-    # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group (flat_adamw.py)
-    opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
-           else FlatAdamW(groups, betas=betas))
     notes: list[str] = []
     checkpoints = TrialCheckpoints(policy, notes) if policy is not None else None
-    resume, retrained = _resume(checkpoints, built.model, opt, progress, notes)
-    # the optimizer first: FlatAdamW re-points the parameters, DDP then registers them
-    trained = built.model if parallel is None else parallel.wrap(built.model, device)
-    model = Compiled(trained, device, notes, "model", work_flops=plan.training_flops)
+    if sharded:
+        # sharded first: the optimizer steps the shards (AdamW over DTensors)
+        trained = parallel.wrap(built.model, device)
+        opt = sharded_optimizer(optimizer_groups(built.model, built.table), betas, device)
+        resume, retrained = _resume_sharded(checkpoints, parallel, built.model, opt,
+                                            progress, notes)
+        model: Any = trained  # eager: torch.compile around FSDP's hooks is not tried
+    else:
+        groups = optimizer_groups(built.model, built.table)
+        # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group
+        opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
+               else FlatAdamW(groups, betas=betas))
+        resume, retrained = _resume(checkpoints, built.model, opt, progress, notes)
+        # the optimizer first: FlatAdamW re-points the parameters, DDP then registers them
+        trained = built.model if parallel is None else parallel.wrap(built.model, device)
+        model = Compiled(trained, device, notes, "model", work_flops=plan.training_flops)
     params = list(built.model.parameters())
     rows = None if parallel is None else parallel.rows(plan.batch_size)
     share = 1.0 if parallel is None else parallel.share(plan.batch_size)
@@ -124,7 +144,11 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
         parallelism rank 0 evaluates and decides, and every rank takes its answer."""
         point = plan.point(step, progress.train_loss)
         if evaluating:
-            if leads:
+            if sharded:  # a sharded forward all-gathers on every rank: all evaluate
+                built.model.eval()
+                progress.val_loss = evaluate_sharded(built.model, plan, parallel)
+                built.model.train()
+            elif leads:
                 built.model.eval()
                 progress.val_loss = evaluate(built.model if parallel else model, plan)
                 built.model.train()
@@ -152,17 +176,23 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                 g["lr"] = g["initial_lr"] * factor
             x, y = data.train_batch(step, plan.batch_size, spec.seq_len, spec.seed, rows)
             x, y = to_device(x, device), to_device(y, device)
-            loss = eager_if_backward_fails(model, gradients, x, y)
+            loss = (gradients(x, y) if sharded
+                    else eager_if_backward_fails(model, gradients, x, y))
             if spec.grad_clip:
-                clip_gradients(params, spec.grad_clip)
+                (clip_sharded if sharded else clip_gradients)(params, spec.grad_clip)
             opt.step()
-            built.after_step()
+            if sharded and isinstance(built.model, NGPT):
+                normalize_sharded(built.model)
+            else:
+                built.after_step()
             pending_steps.append(step)
             pending_losses.append(loss)
 
             done = step + 1
+            # a SIGTERM reaches one rank; sharded ranks stop (and checkpoint) together
+            stopping = parallel.any_rank(preempted(), device) if sharded else preempted()
             checkpoint_due = checkpoints is not None and checkpoints.step_is_due(done)
-            if not (plan.is_sync_step(done) or checkpoint_due or preempted()):
+            if not (plan.is_sync_step(done) or checkpoint_due or stopping):
                 continue
             # one device->host transfer for every step since the last sync; a diverged step
             # ends the trial there (later steps' updates are discarded with the model)
@@ -185,10 +215,18 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                 record(step, evaluating=plan.is_eval_step(done))
                 if not progress.running:
                     break
-            if checkpoints is not None and leads:
-                if checkpoints.due(done) or preempted():
+            if checkpoints is not None and sharded:
+                # rank 0's clock decides; every rank gathers its shards for rank 0 to write
+                due = parallel.from_leader([float(leads and checkpoints.due(done))], device)
+                if due[0] or stopping:
+                    weights = gather_state(built.model, opt)
+                    if leads:
+                        checkpoints.save(done, _state(done, built.model, opt, progress,
+                                                      weights))
+            elif checkpoints is not None and leads:
+                if checkpoints.due(done) or stopping:
                     checkpoints.save(done, _state(done, built.model, opt, progress))
-            if preempted():
+            if stopping:
                 raise Preempted(f"stopped by SIGTERM after step {done}, checkpointed")
 
     # ---- the final evaluation, unless the trial stopped early
@@ -212,17 +250,26 @@ def _past(started: float, max_hours: float, parallel: DataParallel | None,
 
 
 def _no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextManager:
-    """DDP's no_sync() for a micro-batch whose gradient is not yet the step's whole."""
-    return model.no_sync() if skip and hasattr(model, "no_sync") else contextlib.nullcontext()
+    """DDP's no_sync() for a micro-batch whose gradient is not yet the step's whole. A
+    sharded model reduce-scatters every micro-batch's gradients into the shards' .grad:
+    its no_sync (set_requires_gradient_sync(False)) would keep every parameter's whole
+    gradient on every rank until the last one, 4 bytes a parameter that FSDP is there to
+    spread."""
+    if not skip or hasattr(model, "set_requires_gradient_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def _state(done: int, model: torch.nn.Module, opt: Any, progress: Progress) -> dict[str, Any]:
+def _state(done: int, model: torch.nn.Module, opt: Any, progress: Progress,
+           weights: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Everything the loop needs to go on after `done` steps exactly as if never stopped:
-    the data position is the step (a batch depends only on seed and step)."""
+    the data position is the step (a batch depends only on seed and step). `weights`: the
+    model's and optimizer's full state dicts where they are gathered (a sharded trial)."""
+    model_state, opt_state = weights or (model.state_dict(), opt.state_dict())
     return {
         "steps_done": done,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
+        "model": model_state,
+        "optimizer": opt_state,
         "progress": {"steps_done": progress.steps_done, "initial_loss": progress.initial_loss,
                      "train_loss": progress.train_loss, "val_loss": progress.val_loss,
                      "curve": progress.curve},
@@ -242,6 +289,12 @@ def _resume(checkpoints: TrialCheckpoints | None, model: torch.nn.Module, opt: A
     done, state = found
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
+    return _resume_from(done, state, checkpoints.reached(), progress, notes)
+
+
+def _resume_from(done: int, state: dict[str, Any], reached: int, progress: Progress,
+                 notes: list[str]) -> tuple[int, int]:
+    """The progress and RNG states of a checkpoint after `done` steps restored."""
     saved = state["progress"]
     progress.steps_done, progress.initial_loss = saved["steps_done"], saved["initial_loss"]
     progress.train_loss, progress.val_loss = saved["train_loss"], saved["val_loss"]
@@ -249,10 +302,27 @@ def _resume(checkpoints: TrialCheckpoints | None, model: torch.nn.Module, opt: A
     torch.set_rng_state(state["rng"])
     if state["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    retrained = max(0, checkpoints.reached() - done)
+    retrained = max(0, reached - done)
     notes.append(f"resumed from the checkpoint after step {done} (an earlier attempt had "
                  f"reached step {done + retrained})")
     return done, retrained
+
+
+def _resume_sharded(checkpoints: TrialCheckpoints | None, parallel: DataParallel,
+                    model: torch.nn.Module, opt: Any, progress: Progress,
+                    notes: list[str]) -> tuple[int, int]:
+    """_resume for a sharded model: rank 0 reads the latest checkpoint and scatters its
+    weights and optimizer state to the shards; every rank takes the rest of it."""
+    found = checkpoints.latest() if checkpoints is not None and parallel.leads else None
+    state = found[1] if found is not None else {}
+    rest = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    if found is not None:
+        rest["reached"] = checkpoints.reached()
+    rest = from_rank0(rest if found is not None else None)
+    if rest is None:
+        return 0, 0
+    scatter_state(model, opt, state.get("model", {}), state.get("optimizer", {}))
+    return _resume_from(rest["steps_done"], rest, rest["reached"], progress, notes)
 
 
 @torch.no_grad()
