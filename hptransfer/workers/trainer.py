@@ -103,6 +103,7 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
     if sharded:
         # sharded first: the optimizer steps the shards (AdamW over DTensors)
         trained = parallel.wrap(built.model, device)
+        notes.append(f"the model is sharded over the {parallel.world} workers (FSDP)")
         opt = sharded_optimizer(optimizer_groups(built.model, built.table), betas, device)
         resume, retrained = _resume_sharded(checkpoints, parallel, built.model, opt,
                                             progress, notes)

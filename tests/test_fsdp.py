@@ -1,0 +1,227 @@
+"""Sharded data-parallel trials (FSDP2, `fully_shard`, workers/sharding.py): W ranks (gloo,
+one CPU each) that each hold 1/W of the model train the numbers one process trains (up to
+the order of the sums), for GPT, nGPT (whose unit-norm projection spans the shards) and x0
+mixing, with micro-batches, an odd split and gradient clipping; through Ray Train as the
+dispatcher runs them; a preempted sharded trial resumes from its gathered checkpoint to the
+uninterrupted run's numbers, to the bit. The spec's `shard` switch is checked with its field
+named, and admission prices a sharded worker's memory at 1/W of the state."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
+from hptransfer.workers.trainer import run_trial
+
+ARCHS = {
+    "gpt": {"arch": "gpt"},
+    "ngpt": {"arch": "ngpt", "parameterization": "ngpt"},
+    "x0_mixing": {"arch": "gpt", "arch_options": {"x0_mixing": True, "extra_embeddings": 2}},
+}
+RTOL = 1e-4
+SHARDED_NOTE = "the model is sharded over the 2 workers (FSDP)"
+
+
+def spec(**kw) -> dict:
+    # 10 sequences over 2 ranks in micro-batches of 2: 5 rows each, passes of 2 + 2 + 1;
+    # clipping at 0.5 is active for these steps, so the norm must be the whole model's
+    base = dict(width=32, depth=2, head_dim=16, lr=2**-8, seq_len=32, batch_size=10,
+                micro_batch_size=2, budget={"steps": 12}, grad_clip=0.5,
+                data={"source": "stdlib", "tokenizer": "byte", "val_tokens": 4097},
+                eval_every=6, num_threads=1)
+    return {**base, **kw}
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= RTOL * abs(b)
+
+
+def assert_same_trial(sharded: dict, single) -> None:
+    assert sharded["status"] == single.status == "completed", sharded.get("error")
+    assert SHARDED_NOTE in sharded["notes"]
+    assert close(sharded["final_val_loss"], single.final_val_loss)
+    assert len(sharded["curve"]) == len(single.curve)
+    for p, q in zip(sharded["curve"], single.curve, strict=True):
+        assert p["step"] == q["step"] and close(p["train_loss"], q["train_loss"])
+        assert ("val_loss" in p) == ("val_loss" in q)
+        if "val_loss" in q:
+            assert close(p["val_loss"], q["val_loss"])
+    assert (sharded["steps"], sharded["tokens"], sharded["flops"]) == (
+        single.steps, single.tokens, single.flops)
+
+
+# one rank of a sharded trial; rank 1 may SIGTERM itself once a checkpoint file appears
+# (a preemption notice reaching one worker), after which every rank checkpoints and exits
+RANK_SCRIPT = """
+import glob, json, os, signal, sys, threading, time
+import torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+spec, out, policy, stop_after = eval(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+from hptransfer.workers.checkpoints import CheckpointPolicy
+from hptransfer.workers.data_parallel import DataParallel
+from hptransfer.workers.trainer import run_trial
+if stop_after and rank == 1:
+    def stop():
+        while not glob.glob(stop_after):
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=stop, daemon=True).start()
+result = run_trial(spec, parallel=DataParallel.current(shard=True),
+                   checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
+if rank == 0:
+    open(out, "w").write(result.model_dump_json())
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def sharded_ranks(s: dict, world: int, out: Path, policy: dict | None = None,
+                  stop_after: str = "") -> list[int]:
+    """Run the trial on `world` sharded gloo ranks; their exit codes."""
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
+                               repr(s), str(out), json.dumps(policy) if policy else "",
+                               stop_after]) for r in range(world)]
+    return [p.wait(timeout=240) for p in ranks]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_sharded_ranks_train_what_one_process_trains(arch, tmp_path):
+    s = spec(**ARCHS[arch])
+    single = run_trial(s)
+    assert sharded_ranks(s, 2, tmp_path / "rank0.json") == [0, 0]
+    sharded = json.loads((tmp_path / "rank0.json").read_text())
+    assert sharded["workers"] == 2
+    assert_same_trial(sharded, single)
+
+
+def test_a_preempted_sharded_trial_resumes_to_the_uninterrupted_numbers(tmp_path):
+    """SIGTERM reaches rank 1 after the first checkpoint: every rank stops at the same step,
+    the shards are gathered into one checkpoint (the one-process layout of the model's
+    state), every rank exits; the next run scatters it back and ends with the uninterrupted
+    sharded run's curve and validation loss, to the bit."""
+    s = spec(micro_batch_size=None, budget={"steps": 30}, eval_every=15)
+    assert sharded_ranks(s, 2, tmp_path / "whole.json") == [0, 0]
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    policy = CheckpointPolicy(url=str(tmp_path / "ckpt"), key="sweep/trial", every_steps=10,
+                              keep_final=True).to_dict()
+    folder = tmp_path / "ckpt" / "sweep" / "trial"
+    codes = sharded_ranks(s, 2, tmp_path / "first.json", policy,
+                          stop_after=str(folder / "step-000000010.sha256"))
+    assert codes == [-15, -15]  # both stopped by the preemption (SIGTERM, re-raised)
+    assert not (tmp_path / "first.json").exists()
+    assert sharded_ranks(s, 2, tmp_path / "again.json", policy) == [0, 0]
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["status"] == "completed"
+    assert again["resumed_from_step"] >= 10
+    assert again["final_val_loss"] == whole["final_val_loss"]
+    assert again["curve"] == whole["curve"]
+    # the kept checkpoint holds the whole model, keyed and shaped as one process's
+    from hptransfer.models.build import build_from_config
+    from hptransfer.spec.trial import TrialSpec
+
+    trial = TrialSpec.model_validate(s)
+    one = build_from_config(trial.model_config_obj(vocab_size=256),
+                            trial.parameterization_obj()).model.state_dict()
+    found = TrialCheckpoints(CheckpointPolicy(**policy), []).latest()
+    assert found is not None
+    saved = found[1]["model"]
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {
+        k: tuple(v.shape) for k, v in one.items()}
+
+
+# ---- through Ray Train, as the dispatcher runs a trial with resources.shard
+
+@pytest.mark.slow
+def test_ray_train_sharded_workers_train_what_one_process_trains(module_ray_cluster,
+                                                                tmp_path):
+    from hptransfer.workers.ray_train import execute_trial_on_workers
+
+    ray = module_ray_cluster
+    s = spec()
+    single = run_trial(s, cache_dir=str(tmp_path / "cache"))
+    task = ray.remote(execute_trial_on_workers).options(num_cpus=0, max_retries=0)
+    two = ray.get(task.remote(s, "trial", None, str(tmp_path / "cache"), None, None,
+                              workers=2, cpus=0.5, gpus=0.0, checkpoint=None,
+                              storage_path=str(tmp_path / "ray_train"), run_name="t-0",
+                              shard=True), timeout=600)
+    assert two["workers"] == 2
+    assert_same_trial(two, single)
+
+
+# ---- the spec's switch, and what admission prices
+
+def test_shard_needs_workers_and_the_error_names_its_field():
+    from conftest import TINY_SPEC
+
+    from hptransfer.spec import SpecError, load_spec
+    from hptransfer.spec.trial import TrialSpec
+
+    for resources, field in [
+            ({"shard": True}, "resources.shard"),
+            ({"workers": 1, "shard": True}, "resources.shard"),
+            ({"scale_out": [{"min_params": 1, "workers": 1, "shard": True}]},
+             "resources.scale_out.0.shard")]:
+        with pytest.raises(SpecError) as exc:
+            load_spec({**copy.deepcopy(TINY_SPEC), "resources": resources})
+        assert [e["field"].replace("[", ".").replace("]", "") for e in exc.value.errors] == [
+            field], exc.value.errors
+        assert "workers" in exc.value.errors[0]["message"]
+    rules = [{"min_params": 90_000, "workers": 8, "gpus": 1, "shard": True}]
+    sweep = load_spec({**copy.deepcopy(TINY_SPEC), "resources": {"cpus": 1,
+                                                                 "scale_out": rules}})
+    def task(width: int, depth: int):
+        trial = TrialSpec.model_validate(sweep.trial_spec(sweep.arms[0], width, depth, 2**-8,
+                                                          0.02, 0))
+        return sweep.task_resources(trial)
+    assert (task(32, 1).workers, task(32, 1).shard) == (1, False)  # the default: no FSDP
+    assert (task(64, 2).workers, task(64, 2).shard) == (8, True)
+    assert load_spec(copy.deepcopy(TINY_SPEC)).resources.base.shard is False
+
+
+def test_a_sharded_worker_holds_a_wth_of_the_state_plus_its_gathered_units():
+    """Per-worker memory of the same trial on 4 DDP workers and on 4 sharded ones, against
+    16 bytes a parameter (fp32 weights, gradient, AdamW's two moments) counted from a built
+    model: sharded, each holds 16 P / 4 plus 16 bytes for each parameter of the largest
+    FSDP unit (a block or the root's vocab tables), and the same activations."""
+    from conftest import TINY_SPEC
+
+    from hptransfer.coordinator.admission import stage_costs
+    from hptransfer.models.build import build_from_config
+    from hptransfer.spec import load_spec
+    from hptransfer.spec.trial import TrialSpec
+
+    base = {**copy.deepcopy(TINY_SPEC)}
+    base["grid"] = {**base["grid"], "widths": [128], "depths": [4]}
+    dense = load_spec({**base, "resources": {"workers": 4}})
+    sharded = load_spec({**base, "resources": {"workers": 4, "shard": True}})
+    d = next(c for c in stage_costs(dense) if (c.width, c.depth) == (128, 4))
+    s = next(c for c in stage_costs(sharded) if (c.width, c.depth) == (128, 4))
+
+    trial = TrialSpec.model_validate(dense.trial_spec(dense.arms[0], 128, 4, 2**-8, 0.02, 0))
+    model = build_from_config(trial.model_config_obj(vocab_size=dense.model_vocab_size()),
+                              trial.parameterization_obj()).model
+    total = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = total - sum(blocks)
+    unit = max(max(blocks), root)
+    activations = d.worker_memory_bytes - 16 * total
+    assert activations > 0 and s.worker_activation_bytes == d.worker_activation_bytes
+    assert d.worker_memory_bytes == pytest.approx(16 * total + activations, rel=1e-9)
+    expected = 16 * total / 4 + 16 * unit + activations
+    assert s.worker_memory_bytes == pytest.approx(expected, rel=1e-3)
+    assert s.worker_memory_bytes < d.worker_memory_bytes
