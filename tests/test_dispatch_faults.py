@@ -526,6 +526,35 @@ def test_leased_trials_whose_task_cannot_be_submitted_go_back_to_pending(
     assert len(_released_then_trained(store, rows)) == 2
 
 
+def test_a_lease_committed_unanswered_goes_back_to_pending(
+        hpt_home, ray_cluster, tiny_spec, monkeypatch):
+    """PostgreSQL restarted during a lease's COMMIT (benchmarks/chaos.py
+    --pg-restarts-mid-write): the lease committed but its answer was lost with the
+    connection, so the tick raised. Its trials ran under this coordinator's lease with no
+    task, and the sweep never completed until a coordinator restart; a later tick gives them
+    back, their attempt not charged, and each trains once."""
+    tiny_spec.update(name="unanswered-lease", max_concurrent=2, reuse=False)
+    coordinator = Coordinator(get_settings())
+    store = coordinator.store
+    coordinator.start(background=False)
+    real_lease, unanswered = store.lease_pending, []
+
+    def committed_unanswered(*args, **kwargs):  # the first lease that takes trials
+        got = real_lease(*args, **kwargs)
+        if got and not unanswered:
+            unanswered.extend(t.id for t in got)
+            raise _outage("COMMIT")
+        return got
+
+    monkeypatch.setattr(store, "lease_pending", committed_unanswered)
+    sweep_id, raised = _submit_and_tick(coordinator, tiny_spec, OperationalError)
+    assert len(raised) == 1 and unanswered
+    rows = store.trials(sweep_id, limit=None)
+    assert {r.status for r in rows} == {"completed"}
+    assert all(r.attempts == len(store.attempts(r.id)) for r in rows)
+    assert sorted(_released_then_trained(store, rows)) == sorted(unanswered)
+
+
 def test_packs_leased_before_a_failed_lease_go_back_to_pending(
         hpt_home, ray_cluster, tiny_spec, monkeypatch):
     """A tick leases each pack in its own transaction; when the database fails the second

@@ -27,6 +27,7 @@ import queue
 import threading
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from hptransfer.backoff import Backoff
 from hptransfer.config import Settings
@@ -176,6 +177,7 @@ class Dispatcher:
         self.ray_runner.relay_progress()
         recovery.retract_asks()
         recovery.release_leases()
+        recovery.release_unsure_leases(self.in_flight)
         self._take_stopped()
         recovery.resync_optuna_sweeps()
         recovery.settle_follow_ups()
@@ -301,10 +303,9 @@ class Dispatcher:
                 return leased
         if spec.resources.pack == 1:
             if pending is None:
-                return [[t] for t in self.store.lease_pending(self.owner, free,
-                                                              sweep_id=sweep_id)]
-            got = self.store.lease_pending(self.owner, free, sweep_id=sweep_id,
-                                           ids=[t.id for t in pending[:free]])
+                return [[t] for t in self._lease_pending(free, sweep_id=sweep_id)]
+            got = self._lease_pending(free, sweep_id=sweep_id,
+                                      ids=[t.id for t in pending[:free]])
             return leased + [[t] for t in got]
         # every task slot this sweep may fill at once, for balancing the packs
         cluster = capacity.resources
@@ -318,14 +319,24 @@ class Dispatcher:
                              lambda t, n: pack_cost(n, t.spec, where))
         try:
             for pack in planned[:free]:
-                got = self.store.lease_pending(self.owner, len(pack), sweep_id=sweep_id,
-                                               ids=[t.id for t in pack])
+                got = self._lease_pending(len(pack), sweep_id=sweep_id,
+                                          ids=[t.id for t in pack])
                 if got:  # fewer when another coordinator leased some meanwhile
                     leased.append(got)
         except Exception:
             self.recovery.release_later(leased)  # the packs leased before it have no task
             raise
         return leased
+
+    def _lease_pending(self, limit: int, **kwargs: Any) -> list[TrialRecord]:
+        """store.lease_pending for this coordinator. When it raises, its transaction may
+        have committed all the same (the database died with the answer on its way): the
+        next tick releases whatever runs under this lease without a task."""
+        try:
+            return self.store.lease_pending(self.owner, limit, **kwargs)
+        except Exception:
+            self.recovery.lease_unsure()
+            raise
 
     def _lease_spanning(self, sweep_id: str, spec: SweepSpec, spanning: list[TrialRecord],
                         free: int, capacity: ClusterCapacity) -> list[list[TrialRecord]]:
@@ -345,7 +356,7 @@ class Dispatcher:
                 continue
             if count_fitting(task, room_cpu, room_gpu) < 1:
                 break  # plan order: the next trial waits for this one's workers
-            got = self.store.lease_pending(self.owner, 1, sweep_id=sweep_id, ids=[trial.id])
+            got = self._lease_pending(1, sweep_id=sweep_id, ids=[trial.id])
             if got:
                 leased.append(got)
                 room_cpu -= task.cpus * task.workers

@@ -6,6 +6,9 @@ has happened: a failed write leaves the loop backing off, and a later tick finis
   their LR is asked again) once Optuna's storage takes it, so no phantom stays RUNNING.
 - leases_to_release: trials leased for a task Ray did not take: back to pending once the
   database takes it, not left 'running' until a restart.
+- leases_unsure: a lease raised, yet its transaction may have committed (the database went
+  down with the answer on its way): every trial running under this coordinator's lease
+  without a task goes back to pending once the database answers.
 - optuna_sweeps_to_resync: Optuna sweeps whose studies may still hold RUNNING trials that
   the app database has finished (or never added): each is told, or retracted, by a pass.
 
@@ -15,7 +18,7 @@ A restarted coordinator finishes what its dead predecessor held in memory
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,7 +29,7 @@ from hptransfer.contracts.status import ACTIVE
 from hptransfer.store.rows import utcnow
 from hptransfer.store.store import TrialRecord
 
-from .dispatch_context import BadSweep, DispatchContext
+from .dispatch_context import BadSweep, DispatchContext, log
 from .optuna_bridge import OptunaBridge, OptunaUnavailable, shape_of
 from .plan import ShapeKey, plan_shapes
 
@@ -54,6 +57,7 @@ class RecoveryLedger:
         self.pending_follow_ups: dict[str, FollowUp] = {}  # trial id -> its follow-ups
         self.asks_to_retract: list[tuple[optuna.Study, int]] = []
         self.leases_to_release: list[list[str]] = []  # trial ids, one list per task
+        self.leases_unsure = False
         self.optuna_sweeps_to_resync: set[str] = set()
 
     # start-up --------------------------------------------------------------------------
@@ -157,6 +161,23 @@ class RecoveryLedger:
         """Release leased trials whose task was never submitted."""
         store, owner = self.context.store, self.context.owner
         _do_each_oldest_first(self.leases_to_release, lambda ids: store.release(ids, owner))
+
+    def lease_unsure(self) -> None:
+        """A lease raised: whether it committed is unknown (see the module docstring)."""
+        self.leases_unsure = True
+
+    def release_unsure_leases(self, in_flight: Collection[str]) -> None:
+        """After a lease that raised: the trials running under this coordinator's lease
+        that have no task (not `in_flight`) go back to pending, the attempt not charged."""
+        if not self.leases_unsure:
+            return
+        store, owner = self.context.store, self.context.owner
+        taskless = [t for t in store.leased_ids(owner) if t not in in_flight]
+        if taskless:
+            store.release(taskless, owner)
+            log.warning("released %d trials whose lease committed unanswered (the database "
+                        "failed on the way): they had no task", len(taskless))
+        self.leases_unsure = False
 
     # Optuna trials left RUNNING --------------------------------------------------------------
     def resync_later(self, sweep_id: str) -> None:

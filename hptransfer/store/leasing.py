@@ -130,6 +130,12 @@ class Leasing(StoreBase):
             )
         return self._release(orphan, ORPHANED)
 
+    def leased_ids(self, owner: str) -> list[str]:
+        """The trials running under `owner`'s lease."""
+        with self._read() as s:
+            return list(s.scalars(select(Trial.id).where(Trial.status == TrialStatus.RUNNING,
+                                                         Trial.lease_owner == owner)))
+
     def release(self, trial_ids: Sequence[str], owner: str) -> int:
         """Trials `owner` leased whose task could not be submitted go back to pending, the
         attempt not charged (it never started); returns how many."""
