@@ -21,6 +21,7 @@ from hptransfer.coordinator.admission import stage_shapes
 from hptransfer.coordinator.fits import study_targets
 from hptransfer.coordinator.plan import plan_sweep
 from hptransfer.coordinator.study import initial_state, next_step
+from hptransfer.models.flops import training_flops
 from hptransfer.spec import SpecError, load_spec
 from hptransfer.store.store import Store
 
@@ -74,6 +75,19 @@ def run_rounds(spec, loss, stop_at: str | None = None, limit: int = 12):
     ({"check": {"shapes": [{"width": 32, "depth": 2}],
                 "target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4}},
      "stages.check.target.eta_ci_log2"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4,
+               "max_extra_flops": -1.0}}, "stages.tune.max_extra_flops"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4,
+               "max_extra_flops": math.inf}}, "stages.tune.max_extra_flops"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4,
+               "max_extra_flops": 2e30}}, "stages.tune.max_extra_flops"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 4,
+               "max_extra_flops": "1e12"}}, "stages.tune.max_extra_flops"),
+    ({"tune": {"max_extra_flops": 1e12}}, "stages.tune.max_extra_flops"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_flops": 1e12}},
+     "stages.tune.max_extra_trials"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "max_extra_flops": 1e12}},
+     "stages.check.max_extra_flops"),
     ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
                                   {"width": 96, "depth": 1}, {"width": 128, "depth": 1}],
                        "target": {"eta_ci_log2": 0.5}}}, "stages.aspect_ratio.target"),
@@ -99,6 +113,51 @@ def test_every_cap_counts_in_the_worst_case():
     with pytest.raises(SpecError) as exc:
         load_spec(study_dict(**stages), max_trials=base.trial_count() + 69)
     assert exc.value.errors[0]["field"] == "grid"
+
+
+def trial_flops(p) -> float:
+    """A planned trial's (or a TrialSpec's) training FLOPs, summed here from models.flops
+    and its own budget (the tiny spec trains a fixed number of steps), not via the planner."""
+    t = getattr(p, "trial", p)
+    assert t.budget.steps
+    return training_flops(t.model_config_obj(vocab_size=256), t.seq_len,
+                          t.budget.steps * t.batch_size * t.seq_len)
+
+
+def test_a_flop_cap_counts_in_the_worst_case():
+    """Admission's worst case of a target with max_extra_flops: no more trials than the
+    FLOPs buy at the cheapest shape it may add at, no more at the largest than the cap
+    needs there, the rest at the cheapest."""
+    def with_stages(**changed):
+        stages = study_dict()["stages"]
+        stages.update(changed)
+        return load_spec(study_dict(**stages))
+
+    base = with_stages()
+    f = {(w, d): trial_flops(base.trial_spec(base.arms[0], w, d, 0.01, 1.0, 0))
+         for w, d in ((32, 1), (32, 2), (64, 2))}
+    before = {(s.stage, s.width, s.depth): s.trials for s in stage_shapes(base)}
+
+    def added(spec):
+        after = {(s.stage, s.width, s.depth): s.trials for s in stage_shapes(spec)}
+        return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+    # the tune stage trains one shape: floor(5.5) trials of it, not the 40 the count allows
+    assert added(with_stages(tune={**TUNE_TARGET, "max_extra_flops": 5.5 * f[(32, 1)]})) == {
+        ("tune", 32, 1): 5}
+    # a loose FLOP cap changes nothing
+    assert added(with_stages(tune={**TUNE_TARGET, "max_extra_flops": 1e20})) == {
+        ("tune", 32, 1): 40}
+    # the ladder (32x2, 64x2): 2.5 trials of 64x2 worth of FLOPs buy n trials of 32x2;
+    # 3 priced at 64x2 (its FLOPs at least the cap), the rest at 32x2
+    cap = 2.5 * f[(64, 2)]
+    n = math.floor(cap / f[(32, 2)])
+    assert n > 3
+    ladder = with_stages(transfer={**base.stages.transfer.model_dump(mode="json"),
+                                   "target": {"savings_excludes_zero": True},
+                                   "max_extra_trials": 100, "max_extra_flops": cap})
+    assert added(ladder) == {("transfer", 64, 2): 3, ("transfer", 32, 2): n - 3}
+    assert 3 * f[(64, 2)] + (n - 3) * f[(32, 2)] >= cap
 
 
 # ------------------------------------------------------------------ planner
@@ -157,6 +216,7 @@ def test_the_cap_is_spent_first_then_the_study_goes_on_unmet():
     book = steps[-1].state["targets"]["tune"]
     assert book["spent"] == 11 and book["final"]
     assert book["outcome"] == "cap spent (11 extra trials)"
+    assert book["stopped_by"] == "max_extra_trials"
     assert not all(i["met"] for i in book["items"])
     # each round shares what is left between the arms, turn by turn
     for step in steps[:-1]:
@@ -178,6 +238,41 @@ def test_the_cap_is_spent_first_then_the_study_goes_on_unmet():
     steps0, _ = run_rounds(spec0, loss, stop_at="transfer")
     assert len(steps0) == 1 and steps0[0].state["targets"]["tune"]["outcome"].startswith(
         "cap spent")
+
+
+def test_a_flop_cap_spent_first_stops_the_adding():
+    """max_extra_flops tighter than max_extra_trials: the added trials' FLOPs (summed here)
+    stay within the cap, one trial more would exceed it, and the ledger and the report say
+    the FLOP cap stopped it."""
+    probe = load_spec(study_dict(tune=TUNE_TARGET))
+    one = trial_flops(plan_sweep(probe)[0])  # every trial trains at 32x1 (gpt: same FLOPs)
+    cap = 7.5 * one
+    stages = study_dict()["stages"]
+    stages["tune"] = {**TUNE_TARGET, "max_extra_flops": cap}
+    spec = load_spec(study_dict(**stages))
+    loss = noisy_bowl(-8.3, 0.01, 0.02)  # flat within the noise: the target is not met
+    steps, done = run_rounds(spec, loss, stop_at="transfer")
+    added = [p for p in done if p.reason]
+    spent = math.fsum(trial_flops(p) for p in added)
+    assert {trial_flops(p) for p in added} == {one}
+    assert spent <= cap < spent + one and len(added) == 7 < 40
+    book = steps[-1].state["targets"]["tune"]
+    assert book["final"] and book["stopped_by"] == "max_extra_flops"
+    assert book["spent"] == 7 and math.isclose(book["spent_flops"], spent, rel_tol=1e-12)
+    assert book["outcome"].startswith("FLOP cap spent (7 extra trials, ")
+    assert "transfer" in {p.stage for p in steps[-1].trials}  # the study goes on, unmet
+    report = study_fit_report(frame_of(done, loss), bootstrap=0)
+    report.targets = study_targets(steps[-1].state)
+    assert (f"spent 7 of 40 extra trials ({spent:.3g} of {cap:.3g} FLOPs) in "
+            f"{book['rounds']} round(s); FLOP cap spent") in report.format_text()
+    assert "[stopped by max_extra_flops]" in report.format_text()
+    assert report.to_dict()["targets"][0]["stopped_by"] == "max_extra_flops"
+    # a cap below one trial: nothing is added, and it says why
+    stages["tune"] = {**TUNE_TARGET, "max_extra_flops": 0.5 * one}
+    steps, done = run_rounds(load_spec(study_dict(**stages)), loss, stop_at="transfer")
+    book = steps[0].state["targets"]["tune"]
+    assert not [p for p in done if p.reason] and book["stopped_by"] == "max_extra_flops"
+    assert book["spent"] == 0 and book["spent_flops"] == 0
 
 
 def test_eta_between_lrs_far_apart_gets_an_lr_in_the_gap():

@@ -98,10 +98,14 @@ def target_lines(targets: list[dict[str, Any]]) -> list[str]:
         met = [i for i in items if i.get("met")]
         state = ("met" if items and len(met) == len(items) else
                  "in progress" if not t.get("final") else "NOT met")
+        flops = (f" ({float(t.get('spent_flops') or 0):.3g} of "
+                 f"{float(t['max_extra_flops']):.3g} FLOPs)"
+                 if t.get("max_extra_flops") is not None else "")
         lines.append(f"target stages.{t['stage']}.{t['target']}: {state} "
                      f"({len(met)} of {len(items)}); spent {t['spent']} of "
-                     f"{t['max_extra_trials']} extra trials in {t['rounds']} round(s)"
-                     + (f"; {t['outcome']}" if t.get("outcome") else ""))
+                     f"{t['max_extra_trials']} extra trials{flops} in {t['rounds']} "
+                     f"round(s)" + (f"; {t['outcome']}" if t.get("outcome") else "")
+                     + (f" [stopped by {t['stopped_by']}]" if t.get("stopped_by") else ""))
         lines += [f"  {'ok ' if i.get('met') else 'NO '} {i['item']}: {i['why']}"
                   for i in items]
     return lines

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hptransfer.config import DEFAULT_MAX_SWEEP_FLOPS, DEFAULT_MAX_TRIAL_FLOPS, Settings
-from hptransfer.models.flops import flops_per_token, param_counts
+from hptransfer.models.flops import param_counts
 from hptransfer.spec import SpecError, SweepSpec
 from hptransfer.spec.sections import TaskResources
 from hptransfer.workers.memory import host_memory, trial_memory, worker_state_bytes
@@ -121,7 +121,7 @@ def stage_shapes(spec: SweepSpec) -> list[StageShape]:
            for d in g.depths for w in g.widths]
     if st is None:
         return out
-    _add_target_cap(out, st.extra_cap("tune"))
+    _add_target_cap(spec, "tune", out)
     for stage in st.enabled()[1:]:
         # check without shapes brackets the ladder's largest: transfer's field asks for it
         given = stage != "check" or (st.check is not None and st.check.shapes is not None)
@@ -133,19 +133,52 @@ def stage_shapes(spec: SweepSpec) -> list[StageShape]:
             n = len(st.lr_offsets(stage, s))
             shapes.append(StageShape(stage, s.width, s.depth, st.tokens_per_param(stage, s),
                                      field, (n + extend) * seeds, n * seeds))
-        _add_target_cap(shapes, st.extra_cap(stage))
+        _add_target_cap(spec, stage, shapes)
         out += shapes
     return out
 
 
-def _add_target_cap(shapes: list[StageShape], cap: int) -> None:
-    """A stage target's `max_extra_trials`, all of it at the stage's largest shape (by
-    12·N²·L): the worst case of trials it may add (a check target may add some at the
-    smaller base shape instead)."""
-    if cap and shapes:
-        i = max(range(len(shapes)), key=lambda k: (shapes[k].width**2 * shapes[k].depth,
-                                                  shapes[k].width))
-        shapes[i] = replace(shapes[i], trials=shapes[i].trials + cap)
+def _add_target_cap(spec: SweepSpec, stage: str, shapes: list[StageShape]) -> None:
+    """The trials a stage target may add, in the worst case: its `max_extra_trials`, all at
+    the stage's largest shape (by 12·N²·L; a check target may add some at the smaller base
+    shape instead). With `max_extra_flops`, no more trials than that many FLOPs buy at the
+    cheapest shape the target may add at, and of them no more at the largest shape than
+    the cap needs to be spent there (so the FLOPs priced are never below what it may
+    spend); the rest at the stage's cheapest shape."""
+    assert spec.stages is not None
+    n = spec.stages.extra_cap(stage)
+    if not n or not shapes:
+        return
+    top = max(range(len(shapes)), key=lambda k: (shapes[k].width**2 * shapes[k].depth,
+                                                shapes[k].width))
+    at_top, cheapest = n, top
+    cap = spec.stages.extra_flops_cap(stage)
+    if cap is not None:
+        flops = [min(_shape_flops(spec, s)) for s in shapes]
+        cheapest = min(range(len(shapes)), key=lambda k: flops[k])
+        # a check target may add trials at the (cheaper) base shape: they count as well
+        low = min([flops[cheapest], *(min(_shape_flops(spec, s)) for s in (
+            _tune_shapes(spec) if stage == "check" else []))])
+        n = min(n, math.floor(cap / low))
+        at_top = min(n, math.ceil(cap / max(_shape_flops(spec, shapes[top]))))
+    shapes[top] = replace(shapes[top], trials=shapes[top].trials + at_top)
+    if n > at_top:
+        shapes[cheapest] = replace(shapes[cheapest],
+                                   trials=shapes[cheapest].trials + n - at_top)
+
+
+def _shape_flops(spec: SweepSpec, shape: StageShape) -> list[float]:
+    """One trial's training FLOPs at `shape`, per arm (`SweepSpec.trial_flops`)."""
+    lr, sigma, seed = spec.grid.lr_values()[0], spec.grid.sigma_bases[0], spec.grid.seeds[0]
+    return [spec.trial_flops(spec.trial_spec(arm, shape.width, shape.depth, lr, sigma, seed,
+                                             shape.tokens_per_param))
+            for arm in spec.arms]
+
+
+def _tune_shapes(spec: SweepSpec) -> list[StageShape]:
+    """The tune stage's shapes (the grid's), without trial counts: a check target's base."""
+    return [StageShape("tune", w, d, None, "grid", 0, 0)
+            for d in spec.grid.depths for w in spec.grid.widths]
 
 
 def trained_shapes(spec: SweepSpec) -> dict[tuple[int, int, float | None], str]:
@@ -198,7 +231,7 @@ def stage_costs(spec: SweepSpec) -> list[TrialCost]:
                 state_bytes=need.state_bytes,
                 activation_bytes=need.activation_bytes,
                 tokens=tokens,
-                flops=tokens * flops_per_token(cfg, t).training,
+                flops=spec.trial_flops(trial),
                 field=shape.field,
                 steps=steps,
                 trials=shape.trials,

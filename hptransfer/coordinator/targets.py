@@ -1,5 +1,6 @@
 """Stage targets: the trials a study adds, round by round, until a stage's headline is as
-sure as its `target` asks or its `max_extra_trials` are spent.
+sure as its `target` asks or the next trial would exceed its `max_extra_trials` or its
+`max_extra_flops` (their training FLOPs as pricing counts them: `SweepSpec.trial_flops`).
 
 Pure, like the planner that calls it (coordinator/study.py): reads the spec, the study
 state and the results frame, never Ray or the database. What it adds is recorded with the
@@ -66,7 +67,9 @@ def ledger(spec: SweepSpec, state: dict[str, Any], stage: str) -> dict[str, Any]
         "stage": stage, "target": TARGET_FIELDS[stage],
         "value": getattr(section.target, TARGET_FIELDS[stage]),
         "max_extra_trials": spec.stages.extra_cap(stage),
-        "spent": 0, "rounds": 0, "items": [], "final": False, "outcome": None})
+        "max_extra_flops": spec.stages.extra_flops_cap(stage),
+        "spent": 0, "spent_flops": 0.0, "rounds": 0, "items": [], "final": False,
+        "outcome": None, "stopped_by": None})
 
 
 def has_target(spec: SweepSpec, stage: str) -> bool:
@@ -100,7 +103,7 @@ def tune_round(spec: SweepSpec, state: dict[str, Any], tune: pd.DataFrame
                             f"η* of {arm} at the base shape", check)
             if group is not None:
                 groups.append(group)
-    return _spend(book, checks, groups)
+    return _spend(spec, book, checks, groups)
 
 
 def _arm_rows(frame: pd.DataFrame, arm: str, sigma_base: float) -> pd.DataFrame:
@@ -128,7 +131,7 @@ def _check_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
     result = transfer_check(frame, bootstrap=0, neighbours=fit_neighbours(spec.search.method),
                             max_ci_log2=width)
     if result.base_fit is None or result.check_fit is None:
-        return _spend(book, [], [], why=str(result.reason or "no check fit"))
+        return _spend(spec, book, [], [], why=str(result.reason or "no check fit"))
     tune = frame[frame["stage"] == "tune"]
     at = result.check_trials
     checks, groups = [], []
@@ -157,7 +160,7 @@ def _check_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
                             f"shift at {shape}", check)
         if group is not None:
             groups.append(group)
-    return _spend(book, checks, groups)
+    return _spend(spec, book, checks, groups)
 
 
 def _transfer_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
@@ -172,7 +175,7 @@ def _transfer_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
             seed=0, shared_asymptote=True)
         savings = study_savings(frontier, None, param_of(frame), 20, 0.95)
     except Exception as exc:  # too few ladder points for a frontier: seeds cannot help
-        return _spend(book, [], [], why=f"no savings to test ({type(exc).__name__}: {exc})")
+        return _spend(spec, book, [], [], why=f"no savings to test ({type(exc).__name__}: {exc})")
     checks, need = [], {}
     for comp in savings.comparisons.values():
         head = comp.headline()
@@ -187,7 +190,7 @@ def _transfer_round(spec: SweepSpec, state: dict[str, Any], frame: pd.DataFrame
     groups = [_ladder_seeds(spec, state, ladder, arm, k, check)
               for arm in (a.name for a in spec.arms) if arm in need
               for k, check in [need[arm]]]
-    return _spend(book, checks, [g for g in groups if g.trials])
+    return _spend(spec, book, checks, [g for g in groups if g.trials])
 
 
 # ---------------------------------------------------------------- what to add
@@ -305,18 +308,23 @@ def _ladder_seeds(spec: SweepSpec, state: dict[str, Any], ladder: pd.DataFrame, 
                   f"{len(st.transfer.shapes)} ladder shapes", trials)
 
 
-def _spend(book: dict[str, Any], checks: list[TargetCheck], groups: list[_Group],
-           why: str | None = None) -> list[PlannedTrial]:
+def _spend(spec: SweepSpec, book: dict[str, Any], checks: list[TargetCheck],
+           groups: list[_Group], why: str | None = None) -> list[PlannedTrial]:
     """Record this round's verdicts in the ledger and return the trials it may add: the
-    groups' trials taken in turn (each number gets some before any gets all), up to the cap
-    left; each trial tagged with its group's reason. None left, or none to add: final."""
+    groups' trials taken in turn (each number gets some before any gets all) until the
+    next would exceed a cap (the trials left, or the FLOPs left: `SweepSpec.trial_flops`,
+    pricing's count); each trial tagged with its group's reason. Met, a cap reached, or
+    none to add: final, the ledger saying which (`stopped_by`: the cap's field)."""
     book["items"] = [c.to_dict() for c in checks]
     left = int(book["max_extra_trials"]) - int(book["spent"])
+    flop_cap = book.get("max_extra_flops")  # absent in a ledger stored before FLOP caps
+    spent_flops = float(book.get("spent_flops") or 0.0)
     if checks and all(c.met for c in checks):
         book.update(final=True, outcome="met")
         return []
     if left <= 0:
-        book.update(final=True, outcome=f"cap spent ({book['spent']} extra trials)")
+        book.update(final=True, outcome=f"cap spent ({book['spent']} extra trials)",
+                    stopped_by="max_extra_trials")
         return []
     todo = [g for g in groups if g.trials]
     if not todo:
@@ -326,17 +334,31 @@ def _spend(book: dict[str, Any], checks: list[TargetCheck], groups: list[_Group]
     round_no = int(book["rounds"]) + 1
     picked: list[tuple[int, int, PlannedTrial]] = []
     seen: set[tuple[str | None, str]] = set()
+    blocked: float | None = None  # the FLOPs of the first trial the FLOP cap kept out
     for j in range(max(len(g.trials) for g in todo)):
         for i, g in enumerate(todo):
-            if j < len(g.trials) and len(picked) < left:
-                p = g.trials[j]
-                if (p.stage, p.content_hash) in seen:
-                    continue
-                seen.add((p.stage, p.content_hash))
-                reason = (f"target stages.{book['stage']}.{book['target']} round {round_no}: "
-                          f"{g.reason}")
-                picked.append((i, j, replace(p, reason=reason[:2000])))
+            if j >= len(g.trials) or len(picked) >= left or blocked is not None:
+                continue
+            p = g.trials[j]
+            if (p.stage, p.content_hash) in seen:
+                continue
+            cost = spec.trial_flops(p.trial)
+            if flop_cap is not None and spent_flops + cost > float(flop_cap):
+                blocked = cost  # it would exceed the FLOP cap: no more this round
+                continue
+            seen.add((p.stage, p.content_hash))
+            spent_flops += cost
+            reason = (f"target stages.{book['stage']}.{book['target']} round {round_no}: "
+                      f"{g.reason}")
+            picked.append((i, j, replace(p, reason=reason[:2000])))
+    if not picked:  # the FLOP cap keeps out even the first trial
+        book.update(final=True, stopped_by="max_extra_flops",
+                    outcome=f"FLOP cap spent ({book['spent']} extra trials, "
+                            f"{spent_flops:.3g} of {float(flop_cap):.3g} FLOPs; the next "
+                            f"trial would take {blocked or 0:.3g})")
+        return []
     picked.sort(key=lambda t: (t[0], t[1]))  # each group's trials together, in its order
     book["spent"] = int(book["spent"]) + len(picked)
+    book["spent_flops"] = spent_flops
     book["rounds"] = round_no
     return [p for _, _, p in picked]

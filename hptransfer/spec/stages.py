@@ -15,10 +15,11 @@ Every field is bounded and checked here; checks that need the rest of the spec (
 the base shape, the arms) are `SweepSpec`'s.
 
 Targets: the tune, transfer and check stages may each give a `target` (how sure their
-headline must be) and `max_extra_trials` (the most trials the study may add to meet it).
+headline must be), `max_extra_trials` (the most trials the study may add to meet it) and
+optionally `max_extra_flops` (the most training FLOPs those trials may take together).
 After the stage's trials, a target not met adds seeds where the seed noise dominates, or an
 LR in the gap where η* sits between LRs far apart, refits, and repeats until it is met or
-the cap is spent (`hptransfer.coordinator.targets`).
+a cap would be exceeded (`hptransfer.coordinator.targets`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 MAX_STAGE_SHAPES = 64  # per stage: a study is a handful of shapes, not a grid
 MAX_EXTEND = 4
 MAX_EXTRA_TRIALS = 10_000  # per stage target; the sweep's trial cap bounds the sum too
+MAX_EXTRA_FLOPS = 1e30  # per stage target: far above any sweep (admission bounds the sum)
 
 
 class Shape(SpecModel):
@@ -90,22 +92,31 @@ class _Targeted(SpecModel):
 
     target: Any = None
     max_extra_trials: int | None = Field(None, ge=0, le=MAX_EXTRA_TRIALS)
+    # training FLOPs of the trials it adds (`SweepSpec.trial_flops`, as pricing counts them)
+    max_extra_flops: float | None = Field(None, ge=0, le=MAX_EXTRA_FLOPS)
 
     @model_validator(mode="after")
     def _capped(self) -> _Targeted:
         if self.target is not None and self.max_extra_trials is None:
             raise SpecError([error(
                 "max_extra_trials", "a target adds trials until it is met: give "
-                "max_extra_trials, the most it may add (0: only report whether it is met)")])
-        if self.target is None and self.max_extra_trials:
-            raise SpecError([error(
-                "max_extra_trials", "max_extra_trials is what a target may spend; give "
-                "target as well, or leave max_extra_trials out")])
+                "max_extra_trials, the most it may add (0: only report whether it is met); "
+                "max_extra_flops may cap their training FLOPs as well")])
+        for name in ("max_extra_trials", "max_extra_flops"):
+            if self.target is None and getattr(self, name):
+                raise SpecError([error(
+                    name, f"{name} is what a target may spend; give target as well, or "
+                    f"leave {name} out")])
         return self
 
     def extra_cap(self) -> int:
         """The most trials this stage's target may add (0 without one)."""
         return (self.max_extra_trials or 0) if self.target is not None else 0
+
+    def extra_flops_cap(self) -> float | None:
+        """The most training FLOPs the trials this stage's target adds may take together
+        (None: no FLOP cap, or no target)."""
+        return self.max_extra_flops if self.target is not None else None
 
 
 class TuneStage(_Targeted):
@@ -240,6 +251,11 @@ class Stages(SpecModel):
         """The most trials `stage`'s target may add (0: no target, or no such stage)."""
         section = getattr(self, stage, None)
         return section.extra_cap() if isinstance(section, _Targeted) else 0
+
+    def extra_flops_cap(self, stage: str) -> float | None:
+        """The most training FLOPs `stage`'s target may add (None: no FLOP cap)."""
+        section = getattr(self, stage, None)
+        return section.extra_flops_cap() if isinstance(section, _Targeted) else None
 
     def extra_total(self) -> int:
         """The most trials every target together may add."""

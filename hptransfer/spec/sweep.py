@@ -334,11 +334,17 @@ class SweepSpec(SpecModel):
         if not self.resources.scale_out:
             return self.resources.base
         cfg = trial.model_config_obj(vocab_size=self.model_vocab_size())
-        params = param_counts(cfg).non_embedding
+        return self.resources.task_for(param_counts(cfg).non_embedding,
+                                       self.trial_flops(trial), stage)
+
+    def trial_flops(self, trial: TrialSpec) -> float:
+        """The analytic training FLOPs of `trial` (a trial of this sweep): its steps x
+        tokens per step x `models.flops` training FLOPs per token. The one count pricing,
+        scale_out rules and a stage target's `max_extra_flops` use."""
+        cfg = trial.model_config_obj(vocab_size=self.model_vocab_size())
         tokens_per_step = trial.batch_size * trial.seq_len
-        steps = trial.budget.steps_for(tokens_per_step, params)
-        flops = float(steps) * tokens_per_step * flops_per_token(cfg, trial.seq_len).training
-        return self.resources.task_for(params, flops, stage)
+        steps = trial.budget.steps_for(tokens_per_step, param_counts(cfg).non_embedding)
+        return float(steps) * tokens_per_step * flops_per_token(cfg, trial.seq_len).training
 
     def _non_embedding_params(self, arm: Arm, width: int, depth: int, head_dim: int) -> int:
         cfg = ModelConfig(
