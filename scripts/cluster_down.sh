@@ -20,7 +20,8 @@ if [ ! -d "$DIR" ]; then echo "cluster_down: nothing at $DIR" >&2; exit 0; fi
 # shellcheck disable=SC1091
 [ -f "$DIR/state" ] && source "$DIR/state"
 
-# running, session_procs, kill_session, pg_procs, pg_postmaster_alive, pg_clear
+# running, session_procs, kill_session, pg_procs, pg_postmaster_alive, pg_clear,
+# pg_segment, pg_free_segment
 # shellcheck source=cluster_lib.sh
 source "$ROOT/scripts/cluster_lib.sh"
 stop_group() {  # stop_group NAME GRACE: SIGTERM its session, SIGKILL what is left after GRACE s
@@ -51,6 +52,7 @@ for name in "${NAMES[@]}"; do
         PG_BIN=${HPT_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)}
         [ -n "$PG_BIN" ] || PG_BIN=$(dirname "$(command -v pg_ctl)")
         if [ "$(id -u)" = 0 ]; then run=(runuser -u postgres --); else run=(); fi
+        segment=$(pg_segment "$DIR/pg")  # a clean stop removes the file and the segment
         if pg_postmaster_alive "$DIR/pg"; then
           "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m fast -w -t 60 stop >/dev/null ||
             "${run[@]}" "$PG_BIN/pg_ctl" -D "$DIR/pg" -m immediate -w -t 30 stop >/dev/null ||
@@ -60,6 +62,8 @@ for name in "${NAMES[@]}"; do
         # a killed postmaster's backends (pg_ctl sees no server and stops nothing)
         pg_clear "$DIR/pg" 30 || echo "cluster_down: postgres processes of $DIR/pg survive \
 SIGKILL:" $(pg_procs "$DIR/pg") >&2
+        # and the shared memory of a killed postmaster (`ipcs -m`: 56 bytes, owner postgres)
+        pg_free_segment "$segment"
       fi ;;
     ray-head|ray-worker|ray-coordinator)
       # Ray's daemons keep nothing to flush here (no GCS fault tolerance, results live in the

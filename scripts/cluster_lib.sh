@@ -57,3 +57,22 @@ pg_clear() {  # pg_clear PGDATA SECONDS: SIGKILL what a dead postmaster left run
     left=$(pg_procs "$1")
   done
 }
+
+pg_segment() {  # pg_segment PGDATA: "KEY SHMID" of its server's System V segment, if recorded
+  sed -n 7p "$1/postmaster.pid" 2>/dev/null || true
+}
+
+pg_free_segment() {  # pg_free_segment "KEY SHMID": remove a dead server's segment
+  # PostgreSQL removes its small System V segment (a 56-byte header, the interlock that keeps
+  # a second server off the data dir) when it stops, and a new server on the same data dir
+  # recycles a dead one's; a postmaster killed -9 and never started again leaves it for
+  # good (nothing else removes it once the data dir is deleted). Only that segment (its key
+  # and id both as postmaster.pid recorded them), and only with nothing attached.
+  local key shmid
+  read -r key shmid <<<"$1" || true
+  [ -n "${shmid:-}" ] || return 0
+  if awk -v k="$key" -v id="$shmid" 'NR > 1 && $1 == k && $2 == id && $7 == 0 {f = 1}
+      END {exit !f}' /proc/sysvipc/shm 2>/dev/null; then
+    ipcrm -m "$shmid" 2>/dev/null || true
+  fi
+}

@@ -324,6 +324,19 @@ def _postmaster(cluster) -> psutil.Process:
     return psutil.Process(int((pgdata / "postmaster.pid").read_text().split()[0]))
 
 
+def _segment(cluster) -> tuple[int, int]:
+    """(key, shmid) of the System V segment the cluster's PostgreSQL runs with."""
+    pgdata, _ = _pg(cluster)
+    key, shmid = (pgdata / "postmaster.pid").read_text().splitlines()[6].split()
+    return int(key), int(shmid)
+
+
+def _segments() -> list[tuple[int, int]]:
+    """(key, shmid) of every System V shared-memory segment (`ipcs -m`)."""
+    rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    return [(int(r.split()[0]), int(r.split()[1])) for r in rows if r.strip()]
+
+
 def _data_dir_processes(cluster) -> list[psutil.Process]:
     """The live processes of the cluster's PostgreSQL (they all run in its data dir)."""
     pgdata, _ = _pg(cluster)
@@ -380,6 +393,7 @@ def test_killed_postmaster_is_restarted_promptly(cluster, tiny_spec, leftover):
         else:
             psql, backend = _busy_backend(cluster)
         postmaster = _postmaster(cluster)
+        segment = _segment(cluster)
         postmaster.kill()
         time.sleep(1)
         if leftover == "zombie":
@@ -387,8 +401,11 @@ def test_killed_postmaster_is_restarted_promptly(cluster, tiny_spec, leftover):
         else:  # it outlived its postmaster
             assert psutil.Process(backend).status() != psutil.STATUS_ZOMBIE
         if leftover == "busy-backend-down":
+            assert segment in _segments()  # the killed postmaster left it
             _script(DOWN, "postgres", env=env)
             assert _data_dir_processes(cluster) == []
+            # nor its shared memory (left for good if the data dir is deleted next: --purge)
+            assert segment not in _segments()
         started = time.monotonic()
         proc = subprocess.run(["bash", str(UP)], env=env, capture_output=True, text=True,
                               timeout=300)
