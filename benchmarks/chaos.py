@@ -27,8 +27,21 @@ and stays down until the sweep has ended (`cluster_up.sh --without mlflow` resto
 rest; an MLflow fault drawn then becomes another kind); the results must be kept (attempts
 wait for the mirror) and mirrored when it is back.
 
+`--pg-restarts-mid-write N`: N more events, each an immediate restart of PostgreSQL (SIGQUIT
+to the postmaster, what `pg_ctl stop -m immediate` sends, then `cluster_up.sh` starts it)
+fired the moment the coordinator has a transaction open that wrote and has not committed
+(a backend of its database with an XID, in `pg_stat_activity`, polled every few ms once the
+sweep reached the event's share of completed trials: the writes come as trials complete).
+That backend is frozen (SIGSTOP) the moment it is seen, so the restart lands inside its
+transaction rather than a poll later; it quits on the postmaster's SIGQUIT like the others.
+After the restart the caught transaction's fate is read back (`pg_xact_status`): aborted
+when the restart cut it, committed when its COMMIT was already under way (the coordinator
+then never heard the answer). They spread over the sweep with the faults, in an order drawn
+with them.
+
     .venv/bin/python benchmarks/chaos.py --faults 10 --seed 1
     .venv/bin/python benchmarks/chaos.py --faults 4 --mlflow-down-second-half
+    .venv/bin/python benchmarks/chaos.py --faults 0 --pg-restarts-mid-write 6
 
 Needs PostgreSQL's server programs (as scripts/cluster_up.sh does); as root the data dir
 must be enterable by the postgres user, so the scratch folder is under /tmp, mode 755.
@@ -56,6 +69,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 UP, DOWN = ROOT / "scripts" / "cluster_up.sh", ROOT / "scripts" / "cluster_down.sh"
 KINDS = ("coordinator", "ray-worker", "mlflow", "postgres")
+PG_RESTART = "pg-restart"
+# a transaction of the coordinator (its database, not this script's watcher) that has written
+# (an XID is assigned at the first write) and has not ended
+WRITING = ("SELECT pid, backend_xid::text, state, left(regexp_replace(query, '\\s+', ' ', 'g'), "
+           "70) FROM pg_stat_activity WHERE datname = current_database() "
+           "AND backend_xid IS NOT NULL AND pid <> pg_backend_pid() "
+           "AND application_name NOT LIKE 'hpt-chaos%'")
 LRS = [2**-10, 2**-9, 2**-8, 2**-7]
 
 
@@ -85,6 +105,7 @@ class Storm:
     settings: dict[str, str] = field(default_factory=dict)
     sessions: set[int] = field(default_factory=set)  # every component's session seen
     up_seconds: list[float] = field(default_factory=list)
+    segments: set[tuple[int, int]] = field(default_factory=set)  # PostgreSQL's (key, shmid)
     log: list[str] = field(default_factory=list)
     _store: Any = None
 
@@ -117,6 +138,19 @@ class Storm:
         self.script(UP, *args)
         self.settings = dict(re.findall(r"^export (\w+)=(.*)$", (self.dir / "env").read_text(),
                                         flags=re.M))
+        self.remember_segment()
+
+    def remember_segment(self) -> None:
+        """The System V segment PostgreSQL runs with (line 7 of postmaster.pid: key, shmid),
+        which must not outlive the deployment."""
+        try:
+            key, shmid = (self.dir / "pg" / "postmaster.pid").read_text().splitlines()[6].split()
+            self.segments.add((int(key), int(shmid)))
+        except (OSError, IndexError, ValueError):
+            pass
+
+    def segments_left(self) -> list[tuple[int, int]]:
+        return [seg for seg in _segments() if seg in self.segments]
 
     def remember_sessions(self) -> None:
         for f in (self.dir / "pids").glob("*"):
@@ -149,6 +183,71 @@ class Storm:
             time.sleep(0.05)
         return f"{len(victims)} processes of session {pid}" if len(victims) > 1 \
             else f"pid {pid}"
+
+    def restart_postgres_mid_write(self, window: float, *up_args: str) -> dict[str, Any]:
+        """An immediate restart of PostgreSQL the moment a coordinator's transaction has
+        written and not committed (or at the end of `window` seconds if none was seen): the
+        postmaster gets SIGQUIT (`pg_ctl stop -m immediate`: its backends quit at once, open
+        transactions are rolled back by crash recovery) and `cluster_up.sh` starts it. Says
+        what it caught and whether that transaction ended aborted or committed."""
+        import psycopg
+
+        pid = self.pid("postgres")
+        url = self.settings["HPT_DATABASE_URL"]
+        caught = None
+        deadline = time.monotonic() + window
+        conn = psycopg.connect(url, autocommit=True, application_name="hpt-chaos-watch")
+        try:
+            while time.monotonic() < deadline:
+                caught = conn.execute(WRITING).fetchone()
+                if caught:
+                    # frozen at once, that backend cannot commit before the restart lands
+                    # (a poll takes longer than the coordinator's short transactions)
+                    _signal(caught[0], signal.SIGSTOP)
+                    break
+                time.sleep(0.002)
+            if caught:  # the tables it wrote: what the write was (a lease, a result, ...)
+                tables = sorted(r[0] for r in conn.execute(
+                    "SELECT DISTINCT c.relname FROM pg_locks l JOIN pg_class c "
+                    "ON c.oid = l.relation WHERE l.pid = %s AND c.relkind = 'r' "
+                    "AND l.mode = 'RowExclusiveLock'", (caught[0],)))
+        finally:
+            conn.close()
+        os.kill(pid, signal.SIGQUIT)
+        if caught:  # it may go on once the postmaster's SIGQUIT waits for it: it quits
+            _continue_after_sigquit(caught[0])
+        victim = psutil.Process(pid)
+        deadline = time.monotonic() + 60
+        while _live(victim) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.up(*up_args)
+        out: dict[str, Any] = {"query": caught[3] if caught else None, "fate": None,
+                               "state": caught[2] if caught else None,
+                               "tables": tables if caught else []}
+        if caught:
+            out["fate"] = self.fate(int(caught[1]))
+        return out
+
+    def fate(self, xid: int) -> str:
+        """How a transaction cut by a restart ended: committed or aborted. One whose XID is
+        at or past the NextXID of the end-of-recovery checkpoint (the latest one, read
+        seconds after it) never reached the WAL: aborted, and its XID may be handed out
+        again, so pg_xact_status would tell of its new holder."""
+        import psycopg
+
+        ctl = subprocess.run([_pg_program("pg_controldata"), "-D", str(self.dir / "pg")],
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+        epoch, next_xid = map(int, re.search(r"NextXID:\s+(\d+):(\d+)", ctl).groups())
+        if xid >= next_xid:
+            return "aborted"
+        url = self.settings["HPT_DATABASE_URL"]
+
+        def status() -> str:
+            with psycopg.connect(url, autocommit=True, application_name="hpt-chaos-watch") as c:
+                return c.execute("SELECT pg_xact_status(%s::text::xid8)",
+                                 ((epoch << 32) | xid,)).fetchone()[0]
+        return _retry(status, timeout=60)
 
     def client(self):
         from hptransfer.client import Client
@@ -183,6 +282,45 @@ class Storm:
             except psutil.Error:
                 pass
         return out
+
+
+def _pg_program(name: str) -> str:
+    """A PostgreSQL server program, found as scripts/cluster_up.sh finds them."""
+    found = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"),
+                   key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
+    return str(found[-1]) if found else (shutil.which(name) or name)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _continue_after_sigquit(pid: int, timeout: float = 3.0) -> None:
+    """SIGCONT to a stopped backend once its postmaster's SIGQUIT is pending in it (then
+    it quits on waking, without a step further). Else PostgreSQL SIGKILLs it after 5 s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return
+        pending = 0
+        for name in ("SigPnd", "ShdPnd"):
+            found = re.search(rf"^{name}:\s*([0-9a-f]+)", status, flags=re.M)
+            pending |= int(found.group(1), 16) if found else 0
+        if pending & (1 << (signal.SIGQUIT - 1)):
+            _signal(pid, signal.SIGCONT)
+            return
+        time.sleep(0.01)
+
+
+def _segments() -> list[tuple[int, int]]:
+    """(key, shmid) of every System V shared-memory segment on the host."""
+    rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    return [(int(r.split()[0]), int(r.split()[1])) for r in rows if r.strip()]
 
 
 def _live(p: psutil.Process) -> bool:
@@ -222,7 +360,10 @@ def storm(args: argparse.Namespace) -> int:
     # every kind once first (in a random order), then random draws
     kinds = rng.sample(KINDS, len(KINDS)) + [rng.choice(KINDS) for _ in range(args.faults)]
     kinds = kinds[:args.faults]
-    wanted = args.trials or 3 * args.faults + 4
+    if args.pg_restarts_mid_write:  # among the faults, in a drawn order
+        kinds += [PG_RESTART] * args.pg_restarts_mid_write
+        rng.shuffle(kinds)
+    wanted = args.trials or 3 * len(kinds) + 4
     trials = len(LRS) * -(-wanted // len(LRS))  # whole seeds of the LR grid
     folder = Path(tempfile.mkdtemp(prefix="hptchaos", dir="/tmp"))
     folder.chmod(0o755)
@@ -235,13 +376,14 @@ def storm(args: argparse.Namespace) -> int:
     s = Storm(folder, env)
     failures: list[str] = []
     done_kinds: Counter[str] = Counter()
+    restarts: list[dict[str, Any]] = []  # what each PostgreSQL restart caught
     started = time.monotonic()
     summary: dict[str, Any] = {}
     try:
         s.up()
         with s.client() as c:
             sweep_id = c.submit(sweep_spec(trials, args.steps))["id"]
-        s.say(f"sweep {sweep_id}: {trials} trials; faults: {' '.join(kinds)}")
+        s.say(f"sweep {sweep_id}: {trials} trials; events: {' '.join(kinds)}")
         mlflow_down = False
 
         def second_half(n: int) -> None:  # the MLflow server down from half the sweep on
@@ -265,15 +407,26 @@ def storm(args: argparse.Namespace) -> int:
                     break
                 time.sleep(0.5)
             if status != "running":
-                failures.append(f"the sweep ended ({status}) after {i} of {args.faults} "
-                                f"faults: give it more --trials")
+                failures.append(f"the sweep ended ({status}) after {i} of {len(kinds)} "
+                                f"events: give it more --trials")
                 break
+            if kind == PG_RESTART:
+                got = s.restart_postgres_mid_write(
+                    args.fault_wait, *(["--without", "mlflow"] if mlflow_down else []))
+                restarts.append(got)
+                s.say(f"event {i + 1}/{len(kinds)}: PostgreSQL restarted "
+                      + (f"during a write to {', '.join(got['tables'])} ({got['state']}: "
+                         f"{got['query']}), which ended {got['fate']}" if got["query"]
+                         else "(no write seen in "
+                         f"{args.fault_wait:.0f}s)") + f"; {n} completed")
+                last = n
+                continue
             if mlflow_down and kind == "mlflow":  # it is down already: another kind
                 kind = rng.choice([k for k in KINDS if k != "mlflow"])
             time.sleep(rng.uniform(0, args.jitter))
             what = s.kill(kind)
             done_kinds[kind] += 1
-            s.say(f"fault {i + 1}/{len(kinds)}: kill -9 {kind} ({what}); {n} completed")
+            s.say(f"event {i + 1}/{len(kinds)}: kill -9 {kind} ({what}); {n} completed")
             # cluster_up.sh restores whatever is not running, save an MLflow meant to be down
             s.up(*(["--without", "mlflow"] if mlflow_down else []))
             last = n
@@ -323,6 +476,10 @@ def storm(args: argparse.Namespace) -> int:
             subprocess.run(["bash", str(DOWN), "--purge"], env=env, capture_output=True,
                            timeout=300)
             shutil.rmtree(folder, ignore_errors=True)
+            shm = s.segments_left()
+            if shm:
+                failures.append(f"PostgreSQL's shared memory left after --purge: {shm}")
+            summary["shm_left"] = len(shm)
     wall = time.monotonic() - started
     by_kind = ", ".join(f"{k} {done_kinds[k]}" for k in KINDS)
     line = (f"chaos: faults={sum(done_kinds.values())} ({by_kind}) "
@@ -331,6 +488,11 @@ def storm(args: argparse.Namespace) -> int:
             f"finished_runs_per_trial={summary.get('runs_per_trial', '?')} "
             f"cluster_up_max={max(s.up_seconds, default=0):.1f}s "
             f"leftover_processes={summary['leftover']} "
+            f"shm_left={summary.get('shm_left', '?')} "
+            + (f"pg_restarts={len(restarts)} "
+               f"writes_caught={sum(r['query'] is not None for r in restarts)} "
+               f"writes_aborted={sum(r['fate'] == 'aborted' for r in restarts)} "
+               if args.pg_restarts_mid_write else "")
             + (f"mlflow_down_at={summary.get('mlflow_down_at', '?')} "
                f"mirrored_after={summary.get('backlog', '?')} "
                if args.mlflow_down_second_half else "") +
@@ -432,10 +594,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="for the sweep to end after the last fault")
     p.add_argument("--mlflow-down-second-half", action="store_true",
                    help="the MLflow server down from half the sweep until it ended")
+    p.add_argument("--pg-restarts-mid-write", type=int, default=0, metavar="N",
+                   help="N immediate restarts of PostgreSQL, each while the coordinator "
+                        "writes (see above)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs)")
     args = p.parse_args(argv)
-    if args.faults < 0:
-        p.error("--faults must be >= 0")
+    if args.faults < 0 or args.pg_restarts_mid_write < 0:
+        p.error("--faults and --pg-restarts-mid-write must be >= 0")
     return storm(args)
 
 
