@@ -381,8 +381,11 @@ def _shape_table(sweep: _Sweep, flags: _Flags, noise: _Noise) -> pd.DataFrame:
     shapes["lr_opt"] = 2.0**fits.log2_opt
     shapes["log2_lr_opt"] = fits.log2_opt
     log2_ci = noise.log2_ci
-    shapes["lr_ci_low"] = 2.0 ** log2_ci[0]
-    shapes["lr_ci_high"] = 2.0 ** log2_ci[1]
+    # an unbounded side has no LR (2^-inf would read as a CI ending at LR 0): NaN, null in
+    # JSON, like the log2 endpoint beside it
+    with np.errstate(over="ignore"):
+        shapes["lr_ci_low"] = np.where(np.isfinite(log2_ci[0]), 2.0 ** log2_ci[0], np.nan)
+        shapes["lr_ci_high"] = np.where(np.isfinite(log2_ci[1]), 2.0 ** log2_ci[1], np.nan)
     shapes["log2_ci_low"] = log2_ci[0]
     shapes["log2_ci_high"] = log2_ci[1]
     shapes["ci_half_log2"] = noise.half

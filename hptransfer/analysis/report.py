@@ -469,6 +469,7 @@ def headline(report: FitReport) -> dict[str, Any]:
                 "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
                 "sigma_base": r["sigma_base"], "lr": r["lr_opt"], "log2_lr": r["log2_lr_opt"],
                 "log2_ci_low": r["log2_ci_low"], "log2_ci_high": r["log2_ci_high"],
+                "no_ci": _no_ci(r["log2_ci_low"], r["log2_ci_high"], "η*"),
                 "noise_sd": r["noise_sd"], "reliable": bool(r["reliable"]),
                 "reason": _why(r), "stage": "tune"})
     if report.transfer_check is not None:
@@ -476,8 +477,10 @@ def headline(report: FitReport) -> dict[str, Any]:
             out["transfer_shift"].append({
                 "arm": r["arm"], "width": int(r["width"]), "depth": int(r["depth"]),
                 "shift_log2": r["shift_log2"], "ci_low": r["shift_ci_low"],
-                "ci_high": r["shift_ci_high"], "reliable": bool(r["reliable"]),
-                "reason": r["reason"], "stage": "tune + check"})
+                "ci_high": r["shift_ci_high"],
+                "no_ci": _no_ci(r["shift_ci_low"], r["shift_ci_high"], "the shift"),
+                "reliable": bool(r["reliable"]), "reason": r["reason"],
+                "stage": "tune + check"})
     if report.frontier is not None:
         for arm, fit in report.frontier.fits.items():
             b_ci = fit.ci.get("b", (float("nan"), float("nan")))
@@ -516,11 +519,29 @@ def _why(row: pd.Series) -> str | None:
     return "; ".join(row.get("warnings") or []) or None
 
 
-def _log2_ci(low: Any, high: Any) -> str:
-    """' [2^a, 2^b]' (octaves) or ', no CI'."""
+def _no_ci(low: Any, high: Any, what: str) -> str | None:
+    """Why a headline number's CI endpoints are null in JSON (None: it has a CI): an
+    unbounded CI (an infinite endpoint) and a missing one (NaN) both serialize as null."""
     lo, hi = _num(low), _num(high)
     if math.isnan(lo) or math.isnan(hi):
-        return ", no CI"
+        return f"{what} has no CI (one seed per fitted LR, or no fit)"
+    if math.isinf(lo) or math.isinf(hi):
+        return (f"{what}'s CI is unbounded: the loss curvature is within the seed noise "
+                "(add seeds or LRs further out)")
+    return None
+
+
+def _ci_missing(no_ci: str | None) -> str:
+    """', CI unbounded' or ', no CI': the headline's endpoints are null either way (JSON-safe),
+    its `no_ci` says which."""
+    return ", CI unbounded" if no_ci and "unbounded" in no_ci else ", no CI"
+
+
+def _log2_ci(low: Any, high: Any, no_ci: str | None) -> str:
+    """' [2^a, 2^b]' (octaves), ', CI unbounded' or ', no CI'."""
+    lo, hi = _num(low), _num(high)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return _ci_missing(no_ci)
     return f", CI [2^{lo:.2f}, 2^{hi:.2f}]"
 
 
@@ -529,15 +550,15 @@ def headline_lines(report: FitReport) -> list[str]:
     lines = []
     for r in h["eta_star"]:
         why = f": {r['reason']}" if r.get("reason") else ""
+        ci = _log2_ci(r.get("log2_ci_low"), r.get("log2_ci_high"), r.get("no_ci"))
         lines.append(f"η* {r['arm']} at N={r['width']} L={r['depth']}: {_num(r['lr']):.4g} "
-                     f"(log2 {_num(r['log2_lr']):+.2f}"
-                     f"{_log2_ci(r.get('log2_ci_low'), r.get('log2_ci_high'))}) [tune]"
+                     f"(log2 {_num(r['log2_lr']):+.2f}{ci}) [tune]"
                      f"{_ok(r['reliable'])}{why}")
     for r in h["transfer_shift"]:
         why = f": {r['reason']}" if r["reason"] else ""
         lo, hi = _num(r.get("ci_low")), _num(r.get("ci_high"))
-        ci = (f", CI [{lo:+.2f}, {hi:+.2f}]" if not (math.isnan(lo) or math.isnan(hi))
-              else ", no CI")
+        ci = (f", CI [{lo:+.2f}, {hi:+.2f}]" if math.isfinite(lo) and math.isfinite(hi)
+              else _ci_missing(r.get("no_ci")))
         lines.append(f"transfer shift {r['arm']} at N={r['width']} L={r['depth']}: "
                      f"{_num(r['shift_log2']):+.2f} octaves{ci} [tune + check]"
                      f"{_ok(r['reliable'])}{why}")
