@@ -64,6 +64,26 @@ def sharded_optimizer(groups: list[dict[str, Any]], betas: tuple[float, float],
     return torch.optim.AdamW(groups, betas=betas, foreach=True)
 
 
+def micro_batches(x: torch.Tensor, y: torch.Tensor, passes: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """A rank's rows in `passes` micro-batches (x, y, weight), as TrialPlan.micro_batches
+    makes them but as many on every rank: each pass all-gathers and reduce-scatters, so a
+    rank with one row fewer must not run one pass fewer. A pass with no rows of its own
+    runs on the first row with weight 0 (the model takes no empty batch)."""
+    if passes <= 1:
+        return [(x, y, 1.0)]
+    rows = x.shape[0]
+    return [(xs, ys, xs.shape[0] / rows) if xs.shape[0] else (x[:1], y[:1], 0.0)
+            for xs, ys in zip(x.tensor_split(passes), y.tensor_split(passes), strict=True)]
+
+
+def passes_per_step(batch_size: int, pass_size: int, world: int) -> int:
+    """Micro-batches a step takes on every rank: the largest rank's rows in passes of at
+    most `pass_size`."""
+    most = -(-batch_size // world)
+    return -(-most // pass_size)
+
+
 def clip_sharded(params: Iterable[nn.Parameter], max_norm: float) -> None:
     """clip_grad_norm_ over the whole model: the norm of the full gradients, from shards."""
     torch.nn.utils.clip_grad_norm_(list(params), max_norm)
@@ -104,9 +124,13 @@ def evaluate_sharded(model: nn.Module, plan: TrialPlan, parallel: DataParallel) 
     for x, y in plan.data.val_batches(plan.pass_size * parallel.world, plan.spec.seq_len):
         n = x.shape[0]  # the last pass may hold fewer windows than ranks: some get none
         rows = slice(n * parallel.rank // parallel.world, n * (parallel.rank + 1) // parallel.world)
-        xs, ys = to_device(x[rows], device), to_device(y[rows], device)
+        # a rank with none still runs the pass (it is collective), on one window it ignores
+        own = rows.stop > rows.start
+        xs, ys = to_device(x[rows if own else slice(0, 1)], device), to_device(y[rows], device)
         with autocast(device, plan.bf16):
             logits = model(xs)
+        if not own:
+            continue
         loss = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten(), reduction="sum")
         total[0] += loss.double()
         total[1] += ys.numel()

@@ -44,9 +44,11 @@ from .sharding import (
     from_rank0,
     gather_state,
     normalize_sharded,
+    passes_per_step,
     scatter_state,
     sharded_optimizer,
 )
+from .sharding import micro_batches as sharded_micro_batches
 from .subnormals import subnormals_flushed
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
@@ -120,17 +122,23 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
     params = list(built.model.parameters())
     rows = None if parallel is None else parallel.rows(plan.batch_size)
     share = 1.0 if parallel is None else parallel.share(plan.batch_size)
+    passes = (passes_per_step(plan.batch_size, plan.pass_size, parallel.world)
+              if sharded else 0)
 
     def gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A step's loss, its gradient accumulated over micro-batches in .grad (a data-
         parallel rank's weighted so that DDP's average is the global batch's)."""
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
-        pieces = plan.micro_batches(x, y)
+        pieces = (sharded_micro_batches(x, y, passes) if sharded
+                  else plan.micro_batches(x, y))
         for i, (xs, ys, weight) in enumerate(pieces):
             # DDP all-reduces once per step, with the last micro-batch's backward
             with _no_sync(trained, i < len(pieces) - 1), autocast(device, plan.bf16):
                 logits = model(xs)
+            if not weight:  # a sharded rank's empty pass: its collectives, no loss
+                (logits.float().sum() * 0.0).backward()
+                continue
             part = F.cross_entropy(logits.float().flatten(0, 1), ys.flatten())
             if weight * share != 1.0:
                 part = part * (weight * share)
