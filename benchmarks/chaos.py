@@ -415,8 +415,9 @@ def storm(args: argparse.Namespace) -> int:
                     args.fault_wait, *(["--without", "mlflow"] if mlflow_down else []))
                 restarts.append(got)
                 s.say(f"event {i + 1}/{len(kinds)}: PostgreSQL restarted "
-                      + (f"during a write to {', '.join(got['tables'])} ({got['state']}: "
-                         f"{got['query']}), which ended {got['fate']}" if got["query"]
+                      + (f"during a write to {', '.join(got['tables']) or '? (locks gone)'} "
+                         f"({got['state']}: {got['query']}), which ended {got['fate']}"
+                         if got["query"]
                          else "(no write seen in "
                          f"{args.fault_wait:.0f}s)") + f"; {n} completed")
                 last = n
