@@ -26,7 +26,8 @@ ARCHS = {
     "x0_mixing": {"arch": "gpt", "arch_options": {"x0_mixing": True, "extra_embeddings": 2}},
     # 3 sequences in passes of 1: rank 0's 1 row and rank 1's 2 take 2 passes each, the
     # second of rank 0's without rows of its own (it must still run: a pass is collective)
-    "gpt_empty_pass": {"arch": "gpt", "batch_size": 3, "micro_batch_size": 1},
+    "gpt_empty_pass": {"arch": "gpt", "batch_size": 3, "micro_batch_size": 1,
+                       "eval_every": 12},
 }
 RTOL = 1e-4
 SHARDED_NOTE = "the model is sharded over the 2 workers (FSDP)"
