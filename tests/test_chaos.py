@@ -6,7 +6,7 @@ one FINISHED MLflow run each, and cluster_down.sh must leave no process behind.
 
 Slow: 4 faults (one of each kind, in a seeded order) take ~2.5 minutes on 2 cores, 10 take
 ~4.5; HPT_CHAOS_FAULTS sets the count, HPT_CHAOS_SEED the draw. The second test restarts
-PostgreSQL twice, each time inside a write of the coordinator. Both check that no shared
+PostgreSQL twice, each time inside a write of the coordinator (~75 s). Both check that no shared
 memory of the deployment's PostgreSQL is left after `cluster_down.sh --purge`.
 """
 
