@@ -5,16 +5,14 @@ with SIGKILL loses the attempt, and the next attempt resumes from the trial's ch
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from ranks import assert_same_trial, on_ranks
 
 from hptransfer.workers.checkpoints import CheckpointPolicy
 from hptransfer.workers.trainer import run_trial
@@ -24,59 +22,12 @@ ARCHS = {
     "ngpt": {"arch": "ngpt", "parameterization": "ngpt"},
     "x0_mixing": {"arch": "gpt", "arch_options": {"x0_mixing": True, "extra_embeddings": 2}},
 }
-RTOL = 1e-4
-
-
 def spec(**kw) -> dict:
     base = dict(width=32, depth=2, head_dim=16, lr=2**-9, seq_len=32, batch_size=10,
                 micro_batch_size=2, budget={"steps": 30}, data={"source": "stdlib",
                                                                "tokenizer": "byte"},
                 eval_every=10, num_threads=1)
     return {**base, **kw}
-
-
-def close(a: float, b: float) -> bool:
-    return abs(a - b) <= RTOL * abs(b)
-
-
-def assert_same_trial(parallel: dict, single) -> None:
-    assert parallel["status"] == single.status == "completed"
-    assert close(parallel["final_val_loss"], single.final_val_loss)
-    assert len(parallel["curve"]) == len(single.curve)
-    for p, q in zip(parallel["curve"], single.curve, strict=True):
-        assert p["step"] == q["step"] and close(p["train_loss"], q["train_loss"])
-    assert (parallel["steps"], parallel["tokens"], parallel["flops"]) == (
-        single.steps, single.tokens, single.flops)
-
-
-RANK_SCRIPT = """
-import json, os, sys
-import torch.distributed as dist
-rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-spec, out = eval(sys.argv[4]), sys.argv[5]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=world)
-from hptransfer.workers.data_parallel import DataParallel
-from hptransfer.workers.trainer import run_trial
-result = run_trial(spec, parallel=DataParallel.current())
-if rank == 0:
-    open(out, "w").write(result.model_dump_json())
-dist.destroy_process_group()
-"""
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def on_ranks(s: dict, world: int, out: Path) -> dict:
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
-                               repr(s), str(out)]) for r in range(world)]
-    assert all(p.wait(timeout=240) == 0 for p in ranks)
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

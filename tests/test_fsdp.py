@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ranks import assert_same_trial, run_ranks
 
 from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
 from hptransfer.workers.trainer import run_trial
@@ -29,7 +27,6 @@ ARCHS = {
     "gpt_empty_pass": {"arch": "gpt", "batch_size": 3, "micro_batch_size": 1,
                        "eval_every": 12},
 }
-RTOL = 1e-4
 SHARDED_NOTE = "the model is sharded over the 2 workers (FSDP)"
 
 
@@ -45,64 +42,15 @@ def spec(**kw) -> dict:
     return {**base, **kw}
 
 
-def close(a: float, b: float) -> bool:
-    return abs(a - b) <= RTOL * abs(b)
-
-
-def assert_same_trial(sharded: dict, single) -> None:
-    assert sharded["status"] == single.status == "completed", sharded.get("error")
+def assert_same_sharded_trial(sharded: dict, single) -> None:
     assert SHARDED_NOTE in sharded["notes"]
-    assert close(sharded["final_val_loss"], single.final_val_loss)
-    assert len(sharded["curve"]) == len(single.curve)
-    for p, q in zip(sharded["curve"], single.curve, strict=True):
-        assert p["step"] == q["step"] and close(p["train_loss"], q["train_loss"])
-        assert ("val_loss" in p) == ("val_loss" in q)
-        if "val_loss" in q:
-            assert close(p["val_loss"], q["val_loss"])
-    assert (sharded["steps"], sharded["tokens"], sharded["flops"]) == (
-        single.steps, single.tokens, single.flops)
-
-
-# one rank of a sharded trial; rank 1 may SIGTERM itself once a checkpoint file appears
-# (a preemption notice reaching one worker), after which every rank checkpoints and exits
-RANK_SCRIPT = """
-import glob, json, os, signal, sys, threading, time
-import torch.distributed as dist
-rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-spec, out, policy, stop_after = eval(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=world)
-from hptransfer.workers.checkpoints import CheckpointPolicy
-from hptransfer.workers.data_parallel import DataParallel
-from hptransfer.workers.trainer import run_trial
-if stop_after and rank == 1:
-    def stop():
-        while not glob.glob(stop_after):
-            time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=stop, daemon=True).start()
-result = run_trial(spec, parallel=DataParallel.current(shard=True),
-                   checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
-if rank == 0:
-    open(out, "w").write(result.model_dump_json())
-dist.destroy_process_group()
-"""
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    assert_same_trial(sharded, single)
 
 
 def sharded_ranks(s: dict, world: int, out: Path, policy: dict | None = None,
                   stop_after: str = "") -> list[int]:
     """Run the trial on `world` sharded gloo ranks; their exit codes."""
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
-                               repr(s), str(out), json.dumps(policy) if policy else "",
-                               stop_after]) for r in range(world)]
-    return [p.wait(timeout=240) for p in ranks]
+    return run_ranks(s, world, out, shard=True, policy=policy, stop_after=stop_after)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -112,7 +60,7 @@ def test_sharded_ranks_train_what_one_process_trains(arch, tmp_path):
     assert sharded_ranks(s, 2, tmp_path / "rank0.json") == [0, 0]
     sharded = json.loads((tmp_path / "rank0.json").read_text())
     assert sharded["workers"] == 2
-    assert_same_trial(sharded, single)
+    assert_same_sharded_trial(sharded, single)
 
 
 @pytest.mark.slow  # three runs of 2 ranks: ~20 s on an idle 2-core host, ~70 s loaded
@@ -167,7 +115,7 @@ def test_ray_train_sharded_workers_train_what_one_process_trains(module_ray_clus
                               storage_path=str(tmp_path / "ray_train"), run_name="t-0",
                               shard=True), timeout=600)
     assert two["workers"] == 2
-    assert_same_trial(two, single)
+    assert_same_sharded_trial(two, single)
 
 
 # ---- the spec's switch, and what admission prices

@@ -1,0 +1,83 @@
+"""Gloo ranks for the data-parallel and sharded tests (imported as a plain module: pytest
+puts tests/ on sys.path): W processes with torch.distributed, each running `run_trial` as a
+Ray Train worker does, without Ray's start-up. The reference against which the tests hold
+Ray Train runs and one-process runs; the service itself only ever starts ranks through Ray
+Train (workers/ray_train.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+RTOL = 1e-4
+
+# one rank; rank 1 may SIGTERM itself once `stop_after` (a glob) matches a file (a
+# preemption notice reaching one worker)
+RANK_SCRIPT = """
+import glob, json, os, signal, sys, threading, time
+import torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+spec, out, shard = eval(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
+policy, stop_after = sys.argv[7], sys.argv[8]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=world)
+from hptransfer.workers.checkpoints import CheckpointPolicy
+from hptransfer.workers.data_parallel import DataParallel
+from hptransfer.workers.trainer import run_trial
+if stop_after and rank == 1:
+    def stop():
+        while not glob.glob(stop_after):
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=stop, daemon=True).start()
+result = run_trial(spec, parallel=DataParallel.current(shard=shard),
+                   checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
+if rank == 0:
+    open(out, "w").write(result.model_dump_json())
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_ranks(spec: dict, world: int, out: Path, *, shard: bool = False,
+              policy: dict | None = None, stop_after: str = "") -> list[int]:
+    """Train the trial on `world` gloo ranks (rank 0 writes its result to `out`); their exit
+    codes."""
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
+                               repr(spec), str(out), "1" if shard else "0",
+                               json.dumps(policy) if policy else "", stop_after])
+             for r in range(world)]
+    return [p.wait(timeout=240) for p in ranks]
+
+
+def on_ranks(spec: dict, world: int, out: Path, *, shard: bool = False) -> dict:
+    """Rank 0's result of the trial on `world` gloo ranks that all exit cleanly."""
+    assert run_ranks(spec, world, out, shard=shard) == [0] * world
+    return json.loads(out.read_text())
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= RTOL * abs(b)
+
+
+def assert_same_trial(parallel: dict, single) -> None:
+    """W ranks trained what one process trained: curve and final validation loss within
+    RTOL, the same steps, tokens and FLOPs."""
+    assert parallel["status"] == single.status == "completed", parallel.get("error")
+    assert close(parallel["final_val_loss"], single.final_val_loss)
+    assert len(parallel["curve"]) == len(single.curve)
+    for p, q in zip(parallel["curve"], single.curve, strict=True):
+        assert p["step"] == q["step"] and close(p["train_loss"], q["train_loss"])
+        if "val_loss" in q:
+            assert close(p["val_loss"], q["val_loss"])
+    assert (parallel["steps"], parallel["tokens"], parallel["flops"]) == (
+        single.steps, single.tokens, single.flops)
