@@ -46,3 +46,21 @@ def test_a_sweep_past_the_sweep_ceiling_fails_and_cancels_its_trials(hpt_home, r
     assert done["status"] == "failed"
     assert "HPT_MAX_SWEEP_HOURS=0.00222222" in done["error"]
     assert set(trials["status"]) == {"cancelled"}
+
+
+def test_a_pack_past_the_trial_ceiling_stops_every_member_failed_with_its_curve(tmp_path):
+    """Packed trials have the same ceiling: each member stops failed where the pack got."""
+    from hptransfer.workers.packed import run_trials
+
+    spec = dict(width=32, depth=1, head_dim=32, seq_len=32, batch_size=4,
+                budget={"steps": 5_000}, data={"source": "stdlib", "tokenizer": "byte"},
+                num_threads=1)
+    results = run_trials([{**spec, "lr": lr} for lr in (2**-9, 2**-7)],
+                         cache_dir=str(tmp_path), max_hours=1.0 / 3600)  # 1 second
+    for result in results:
+        assert result.status == "failed"
+        assert "HPT_MAX_TRIAL_HOURS=0.000277778" in result.error
+        assert 0 < result.steps < 5_000
+        steps = [p["step"] for p in result.curve]
+        assert steps[-1] == result.steps and len(steps) == len(set(steps))
+    assert results[0].steps == results[1].steps  # trained in lockstep

@@ -301,7 +301,8 @@ class RayRunner:
                 self._checkpoint(spec, trials[0]), settings.max_trial_hours)
         else:
             ref = self.run_pack.options(**options).remote(specs, ids, self.progress_board,
-                                                          cache, *guard)
+                                                          cache, *guard,
+                                                          max_hours=settings.max_trial_hours)
         for i, trial in enumerate(trials):
             self.in_flight[trial.id] = InFlight(trial, ref, task.cpus * task.workers,
                                                 task.gpus * task.workers,

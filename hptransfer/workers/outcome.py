@@ -62,6 +62,16 @@ class Progress:
                 return
             self.steps_done = step + 1
 
+    def stop_past_ceiling(self, plan: TrialPlan, step: int, max_hours: float) -> None:
+        """Stop failed at `step` (0-based, done) for training past the server's wall-time
+        ceiling, the curve ending where it got."""
+        self.status = "failed"
+        self.error = (f"stopped after step {step + 1} of {plan.total_steps}: trained past "
+                      f"the server's HPT_MAX_TRIAL_HOURS={max_hours:g}")
+        point = plan.point(step, self.train_loss)
+        if not self.curve or self.curve[-1]["step"] != point["step"]:  # not twice a step
+            self.curve.append(point)
+
 
 def trial_result(plan: TrialPlan, progress: Progress, *, table: ParamTable,
                  train_time: float, started: float, notes: list[str],

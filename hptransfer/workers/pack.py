@@ -69,8 +69,10 @@ class Pack:
 
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
                  cache_dir: str | None, data: TokenDataset | None = None,
-                 on_stop: Callable[[int, TrialResult], None] | None = None):
+                 on_stop: Callable[[int, TrialResult], None] | None = None,
+                 max_hours: float | None = None):
         spec = specs[0]
+        self.max_hours = max_hours  # the server's wall-time ceiling, as run_trial's
         prepare_process(spec)
         self.spec, self.reporter, self.on_stop = spec, reporter, on_stop
         self.started = time.perf_counter()
@@ -126,12 +128,20 @@ class Pack:
                 self._sync(step, pending_steps, torch.stack(pending_losses).tolist(),
                            time.perf_counter() - t_train)
                 pending_steps, pending_losses = [], []
+                if t < plan.total_steps and self._past_ceiling():
+                    for i in self.rows:
+                        self.members[i].progress.stop_past_ceiling(self.members[i].plan, step,
+                                                                   self.max_hours)
                 self._compact()
                 if not self.rows:
                     break
                 alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
         end = time.perf_counter() - t_train
         return [m.result or self._result(m, m.train_time or end) for m in self.members]
+
+    def _past_ceiling(self) -> bool:
+        return (self.max_hours is not None
+                and time.perf_counter() - self.started > self.max_hours * 3600.0)
 
     def _result(self, m: _Member, train_time: float) -> TrialResult:
         return trial_result(m.plan, m.progress, table=m.table, train_time=train_time,

@@ -63,6 +63,7 @@ def run_trials(
     on_result: Callable[[int, TrialResult], None] | None = None,
     roots: Sequence[str] | None = None,
     data_hash: str | None = None,
+    max_hours: float | None = None,
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
@@ -78,7 +79,8 @@ def run_trials(
     when their group has trained (the last group's come with the return only).
     Raises ValueError if the specs are not packable; training problems never raise (every
     member's result then says failed, as run_trial's would). `roots`, `data_hash`: a
-    sweep's data guard (plan.load_trial_data).
+    sweep's data guard (plan.load_trial_data). `max_hours`: the server's wall-time ceiling
+    (HPT_MAX_TRIAL_HOURS): members still training past it stop failed, as in run_trial.
     """
     started = time.perf_counter()
     specs = [s if isinstance(s, TrialSpec) else TrialSpec.model_validate(s) for s in specs]
@@ -96,7 +98,7 @@ def run_trials(
     fits = k if budget >= need.pack_peak(k) else max(1, int(budget // need.pack_peak(1)))
     why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
-    packing = _Packing(specs, data, plan.device, reporter, on_result, why)
+    packing = _Packing(specs, data, plan.device, reporter, on_result, why, max_hours)
     return packing.train(split_evenly(list(range(k)), fits))
 
 
@@ -140,8 +142,10 @@ class _Packing:
 
     def __init__(self, specs: list[TrialSpec], data: TokenDataset, device: torch.device,
                  reporter: PackedReporter | None,
-                 on_result: Callable[[int, TrialResult], None] | None, why: list[str]):
+                 on_result: Callable[[int, TrialResult], None] | None, why: list[str],
+                 max_hours: float | None = None):
         self.specs, self.data, self.device = specs, data, device
+        self.max_hours = max_hours
         self.on_result, self.why = on_result, why  # why: the reasons packs were split
         self.relay = _Relay(reporter)
         self.results: dict[int, TrialResult] = {}
@@ -176,7 +180,8 @@ class _Packing:
         pack = None
         try:
             pack = Pack(specs, self.relay.for_group(group), None, data=self.data,
-                        on_stop=lambda row, result: self.stopped(group[row], result))
+                        on_stop=lambda row, result: self.stopped(group[row], result),
+                        max_hours=self.max_hours)
             return pack.train(), False
         except Exception as exc:
             curves = [m.progress.curve for m in pack.members] if pack else [None] * len(specs)

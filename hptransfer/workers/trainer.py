@@ -215,10 +215,7 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
             if checkpoints is not None and leads:
                 checkpoints.mark_reached(done)
             if max_hours is not None and _past(started, max_hours, parallel, device):
-                progress.status = "failed"
-                progress.error = (f"stopped after step {done} of {plan.total_steps}: "
-                                  f"trained past the server's HPT_MAX_TRIAL_HOURS={max_hours:g}")
-                progress.curve.append(plan.point(step, progress.train_loss))  # where it got
+                progress.stop_past_ceiling(plan, step, max_hours)
                 break
             if plan.is_curve_step(done) or plan.is_eval_step(done):
                 record(step, evaluating=plan.is_eval_step(done))
