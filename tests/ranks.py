@@ -37,6 +37,10 @@ result = run_trial(spec, parallel=DataParallel.current(shard=shard),
                    checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
 if rank == 0:
     open(out, "w").write(result.model_dump_json())
+# every rank done before any tears its group down (a rank leaving early can abort another's
+# gloo threads still closing the last collectives: "terminate called", SIGABRT at exit);
+# Ray Train's report() is that meeting point for its workers
+dist.barrier()
 dist.destroy_process_group()
 """
 

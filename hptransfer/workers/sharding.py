@@ -38,7 +38,6 @@ from torch import nn
 from .device import autocast, to_device
 
 if TYPE_CHECKING:
-    from .data_parallel import DataParallel
     from .plan import TrialPlan
 
 
@@ -116,14 +115,14 @@ def _sharded_dim(p: torch.Tensor) -> int | None:
 
 
 @torch.no_grad()
-def evaluate_sharded(model: nn.Module, plan: TrialPlan, parallel: DataParallel) -> float:
+def evaluate_sharded(model: nn.Module, plan: TrialPlan, rank: int, world: int) -> float:
     """trainer.evaluate for a sharded model: the mean loss over the fixed validation set,
-    every rank its rows of each pass; every rank gets the mean."""
+    every rank (`rank` of `world`) its rows of each pass; every rank gets the mean."""
     device = plan.device
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, targets
-    for x, y in plan.data.val_batches(plan.pass_size * parallel.world, plan.spec.seq_len):
+    for x, y in plan.data.val_batches(plan.pass_size * world, plan.spec.seq_len):
         n = x.shape[0]  # the last pass may hold fewer windows than ranks: some get none
-        rows = slice(n * parallel.rank // parallel.world, n * (parallel.rank + 1) // parallel.world)
+        rows = slice(n * rank // world, n * (rank + 1) // world)
         # a rank with none still runs the pass (it is collective), on one window it ignores
         own = rows.stop > rows.start
         xs, ys = to_device(x[rows if own else slice(0, 1)], device), to_device(y[rows], device)

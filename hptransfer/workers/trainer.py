@@ -155,7 +155,8 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
         if evaluating:
             if sharded:  # a sharded forward all-gathers on every rank: all evaluate
                 built.model.eval()
-                progress.val_loss = evaluate_sharded(built.model, plan, parallel)
+                progress.val_loss = evaluate_sharded(built.model, plan, parallel.rank,
+                                                    parallel.world)
                 built.model.train()
             elif leads:
                 built.model.eval()
