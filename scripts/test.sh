@@ -37,5 +37,5 @@ fi
 workers=${HPT_TEST_WORKERS:-2}
 seed=${HPT_TEST_SEED:-$((RANDOM * 32768 + RANDOM))}
 echo "test order: --randomly-seed=$seed (HPT_TEST_SEED=$seed replays it)"
-exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=25 \
+exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider --durations=60 \
   -n "$workers" --dist loadfile --no-loadscope-reorder --randomly-seed="$seed" "$@"
