@@ -329,7 +329,7 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
     spec["grid"]["seeds"] = [0]
     first_try = tmp_path / "first-try"
 
-    def split_then_die(specs, trial_ids, progress, cache_dir, *guard):
+    def split_then_die(specs, trial_ids, progress, cache_dir, *guard, max_hours=None):
         """The real worker function on its first call, with the pack's memory estimate made
         to fit two members of four, and the worker process dying at the second group's first
         step; on later calls the real worker function as it is."""
@@ -339,7 +339,8 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
         from hptransfer.workers import packed, remote
 
         if first_try.exists():
-            return execute_trials(specs, trial_ids, progress, cache_dir, *guard)
+            return execute_trials(specs, trial_ids, progress, cache_dir, *guard,
+                                  max_hours=max_hours)
         first_try.touch()
         packed.free_memory = lambda *args: 1.0  # 0.8 to use at 0.3 a member: groups of 2
         packed.trial_memory = lambda *a, **kw: SimpleNamespace(pack_peak=lambda k: 0.3 * k)
@@ -355,7 +356,8 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
             return report_or_die
 
         remote.progress_channel = dying_channel
-        return execute_trials(specs, trial_ids, progress, cache_dir, *guard)
+        return execute_trials(specs, trial_ids, progress, cache_dir, *guard,
+                              max_hours=max_hours)
 
     coordinator = Coordinator(get_settings())
     coordinator.start()
