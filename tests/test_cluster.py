@@ -240,8 +240,8 @@ def test_a_study_mixing_packed_and_two_worker_shapes_spans_both_nodes(cluster, t
     assert fits is not None
     rows = _store(cluster).trials(sweep_id, limit=None)
     _check_in_mlflow(cluster, sweep_id, rows)  # rank 0's run, one per trial
-    # finished trials leave no checkpoints behind
-    assert not list((Path(cluster["HPT_HOME"]) / "checkpoints").rglob("*.ckpt"))
+    # its finished trials leave no checkpoints behind
+    assert not list((Path(cluster["HPT_HOME"]) / "checkpoints" / sweep_id).rglob("*.ckpt"))
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):

@@ -366,3 +366,24 @@ def test_a_cancelled_optuna_sweep_goes_to_the_resync_pass(store):
     d.sweep_stopped(gridded)
     d._take_stopped()
     assert d.recovery.optuna_sweeps_to_resync == {searched}
+
+
+def test_a_retry_with_a_checkpoint_runs_alone_and_others_may_pack(store):
+    """A retried trial whose earlier attempt checkpointed must resume from it, so the
+    dispatcher leases it alone (a pack starts every member at step 0); a fresh trial, or a
+    retry with nothing to resume (a pack's member), may pack."""
+    from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
+
+    sweep_id = grid_sweep(store, checkpoint={"every_steps": 5})
+    spec = load_spec(store.get_sweep(sweep_id).spec)
+    runner = RayRunner(context_of(store), should_prune=lambda *a: False,
+                       after_stored=lambda *a: None)
+    import dataclasses
+
+    fresh, retried, checkpointed = store.trials(sweep_id, limit=None)[:3]
+    retried, checkpointed = (dataclasses.replace(t, attempts=1) for t in (retried, checkpointed))
+    saved = TrialCheckpoints(CheckpointPolicy(**runner._checkpoint(spec, checkpointed)), [])
+    assert saved.save(5, {"step": 5})
+    assert not runner.may_resume(spec, fresh)
+    assert not runner.may_resume(spec, retried)
+    assert runner.may_resume(spec, checkpointed)

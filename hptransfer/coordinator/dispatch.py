@@ -315,8 +315,11 @@ class Dispatcher:
             pending = self.store.leasable(sweep_id,
                                           limit=min(MAX_PACK_PEEK, slots * MAX_PACK))
         where = measured_packs(spec)
-        planned = plan_packs(pending, slots, lambda t: pack_size(spec, t.spec),
-                             lambda t, n: pack_cost(n, t.spec, where))
+        # a retry with a checkpoint runs alone, resuming there (a pack starts at step 0)
+        alone = [t for t in pending if self.ray_runner.may_resume(spec, t)]
+        planned = [[t] for t in alone] + plan_packs(
+            [t for t in pending if t not in alone], slots, lambda t: pack_size(spec, t.spec),
+            lambda t, n: pack_cost(n, t.spec, where))
         try:
             for pack in planned[:free]:
                 got = self._lease_pending(len(pack), sweep_id=sweep_id,

@@ -42,7 +42,7 @@ from hptransfer.spec import SweepSpec
 from hptransfer.spec.sections import TaskResources
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.store.store import TrialRecord
-from hptransfer.workers.checkpoints import CheckpointPolicy
+from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
 from hptransfer.workers.ray_train import execute_trial_on_workers
 from hptransfer.workers.remote import execute_trial, execute_trials
 
@@ -308,6 +308,18 @@ class RayRunner:
                                                 task.gpus * task.workers,
                                                 member=i if len(trials) > 1 else None,
                                                 drains_before=self._drains_sent)
+
+    def may_resume(self, spec: SweepSpec, trial: TrialRecord) -> bool:
+        """Whether a retried trial has a checkpoint to resume from (so it must run alone:
+        packs start at step 0)."""
+        if not trial.attempts:
+            return False
+        try:
+            policy = CheckpointPolicy(**self._checkpoint(spec, trial))
+            return TrialCheckpoints(policy, []).exists()
+        except Exception as exc:  # noqa: BLE001 - an unreadable store: run it alone anyway
+            log.warning("checkpoint store unreadable for trial %s: %s", trial.id, exc)
+            return True
 
     def _checkpoint(self, spec: SweepSpec, trial: TrialRecord) -> dict[str, Any]:
         """The trial's checkpoint policy, as the worker takes it."""

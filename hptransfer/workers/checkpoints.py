@@ -68,6 +68,10 @@ class TrialCheckpoints:
         self._reached_at = 0.0
         self._dir_made = False
 
+    def exists(self) -> bool:
+        """Whether the trial has a complete checkpoint (a digest file) to resume from."""
+        return bool(self._steps())
+
     # ---- when
     def due(self, done: int) -> bool:
         """Whether to checkpoint after `done` optimizer steps (asked at sync steps only)."""
