@@ -135,13 +135,15 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     from hptransfer.client import read_spec_file
     from hptransfer.config import check_worker_settings
+
+    check_worker_settings()
+    raw = read_spec_file(a.spec)  # a missing or broken file is refused before torch loads
     from hptransfer.spec.errors import spec_error
     from hptransfer.spec.trial import TrialSpec
     from hptransfer.workers.trainer import run_trial
 
-    check_worker_settings()
     try:
-        spec = TrialSpec.model_validate(read_spec_file(a.spec))
+        spec = TrialSpec.model_validate(raw)
     except ValidationError as exc:  # each field named, with "did you mean", as a sweep's
         raise ValueError(f"{a.spec} is not a valid TrialSpec: {spec_error(exc, TrialSpec)}"
                          ) from None
@@ -198,8 +200,9 @@ def is_loopback(host: str) -> bool:
 
 @command("serve")
 def cmd_serve(a: argparse.Namespace) -> int:
-    from hptransfer.api.server import serve_forever
+    # the settings and the port are checked before the app is imported (torch, Ray: seconds)
     from hptransfer.config import get_settings, token_strength_problem
+    from hptransfer.sockets import listen
 
     settings = get_settings()
     host, port = a.host or settings.host, a.port or settings.port
@@ -214,18 +217,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
                   "--insecure to serve unauthenticated anyway.", file=sys.stderr)
             return 2
         print(f"warning: serving on {host} without HPT_API_TOKEN (--insecure)", file=sys.stderr)
-    serve_forever(settings, host, port, a.log_level)
+    sock = listen(host, port)
+    from hptransfer.api.server import serve_forever
+
+    serve_forever(settings, host, port, a.log_level, sock=sock)
     return 0
 
 
 @command("doctor")
 def cmd_doctor(a: argparse.Namespace) -> int:
+    from hptransfer.config import client_url, get_settings
+
+    settings = get_settings()  # a bad setting is refused before Ray and the store load
     import ray
 
-    from hptransfer.config import client_url, get_settings
     from hptransfer.coordinator.health import check_api, run_checks
 
-    settings = get_settings()
     ours = not ray.is_initialized()  # a connection doctor opened itself, closed again below
     try:
         checks = run_checks(settings, deep=not a.quick)
@@ -327,9 +334,9 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     import os
     import subprocess
 
-    from hptransfer.api.server import listen
     from hptransfer.config import get_settings
     from hptransfer.redaction import mask_url
+    from hptransfer.sockets import listen
     from hptransfer.tracking.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()

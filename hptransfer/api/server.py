@@ -14,6 +14,7 @@ import uvicorn
 
 from hptransfer.config import Settings
 from hptransfer.redaction import redact_logs
+from hptransfer.sockets import CannotListen, free_port, listen
 
 from .app import create_app
 from .edge import EdgeLimits, edge_protocol
@@ -24,6 +25,7 @@ from .edge import EdgeLimits, edge_protocol
 # rather than left to uvicorn's "auto", so a missing package fails loudly, not slowly.
 # The httptools protocol comes with the head's size, count and time limits (edge.py).
 SERVER_OPTIONS = {"loop": "uvloop"}
+__all__ = ["CannotListen", "free_port", "listen", "serve_forever", "serve_in_thread"]
 
 
 def server_options(settings: Settings) -> dict:
@@ -35,24 +37,23 @@ def server_options(settings: Settings) -> dict:
     return {**SERVER_OPTIONS, "http": edge_protocol(limits)}
 
 
-class CannotListen(ValueError):
-    """The address to serve on cannot be bound (a port in use, say)."""
-
-
-def serve_forever(settings: Settings, host: str, port: int, log_level: str = "info") -> None:
+def serve_forever(settings: Settings, host: str, port: int, log_level: str = "info",
+                  sock: socket.socket | None = None) -> None:
     """`hpt serve`: the API in the main thread until SIGTERM or SIGINT, then a clean stop.
 
     The dispatcher stops (trials in flight stay `running` in the app database and the next
     start re-queues them), Ray shuts down (with an in-process cluster, every process of it)
     and "shutdown complete" is logged. Ray is started first because `ray.init` installs a
     SIGTERM handler that raises SystemExit: uvicorn's own handlers, installed after it, must
-    be the ones in force while serving.
+    be the ones in force while serving. `sock`: the socket `listen(host, port)` gave, where
+    the caller bound it already.
     """
     import ray
 
     from hptransfer.coordinator.dispatch import init_ray
 
-    sock = listen(host, port)  # before Ray, whose processes pick free ports as they start
+    if sock is None:  # before Ray, whose processes pick free ports as they start
+        sock = listen(host, port)
     print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)",
           flush=True)
     init_ray(settings)
@@ -69,24 +70,6 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
         if ray.is_initialized():
             ray.shutdown()
         print("hpt serve: shutdown complete", file=sys.stderr, flush=True)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """The API's listening socket, bound now: a port freed by a stopped server stays free
-    only until some other process binds it, and starting Ray starts several that bind
-    ports of their own (a restart on the same port once found Ray's metrics agent on it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except (OSError, OverflowError) as exc:  # in use, no such address, out of range
-        why = getattr(exc, "strerror", None) or str(exc)
-        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
