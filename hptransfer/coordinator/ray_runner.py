@@ -300,9 +300,10 @@ class RayRunner:
                 specs[0], ids[0], self.progress_board, cache, *guard,
                 self._checkpoint(spec, trials[0]), settings.max_trial_hours)
         else:
-            ref = self.run_pack.options(**options).remote(specs, ids, self.progress_board,
-                                                          cache, *guard,
-                                                          max_hours=settings.max_trial_hours)
+            # each member's policy (positional after the guard, as execute_trial's)
+            ref = self.run_pack.options(**options).remote(
+                specs, ids, self.progress_board, cache, *guard,
+                [self._checkpoint(spec, t) for t in trials], max_hours=settings.max_trial_hours)
         for i, trial in enumerate(trials):
             self.in_flight[trial.id] = InFlight(trial, ref, task.cpus * task.workers,
                                                 task.gpus * task.workers,
@@ -311,7 +312,7 @@ class RayRunner:
 
     def may_resume(self, spec: SweepSpec, trial: TrialRecord) -> bool:
         """Whether a retried trial has a checkpoint to resume from (so it must run alone:
-        packs start at step 0)."""
+        packs start at step 0, and write checkpoints in run_trial's format)."""
         if not trial.attempts:
             return False
         try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -282,9 +282,11 @@ def apply_init(model: nn.Module, table: ParamTable, generator: torch.Generator) 
             # as_constructed: the module's constructor already set the documented init
 
 
-def optimizer_groups(model: nn.Module, table: ParamTable) -> list[dict]:
-    """AdamW param groups carrying the table's lr / weight_decay / eps as plain numbers."""
-    params = dict(model.named_parameters())
+def optimizer_groups(model: nn.Module | Mapping[str, torch.Tensor],
+                     table: ParamTable) -> list[dict]:
+    """AdamW param groups carrying the table's lr / weight_decay / eps as plain numbers.
+    `model`: a model, or its parameters by name (a packed member's, workers/pack.py)."""
+    params = dict(model) if isinstance(model, Mapping) else dict(model.named_parameters())
     return [
         {
             "params": [params[n] for n in g.params],

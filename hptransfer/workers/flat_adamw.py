@@ -106,6 +106,18 @@ class FlatAdamW:
         return {"groups": [{"steps": f.steps, "exp_avg": f.exp_avg.clone(),
                             "exp_avg_sq": f.exp_avg_sq.clone()} for f in self._flat]}
 
+    def set_moments(self, steps: int, exp_avg: list[torch.Tensor],
+                    exp_avg_sq: list[torch.Tensor]) -> None:
+        """The state after `steps` steps with these moments, one per parameter in the
+        groups' order (a packed member's, to checkpoint it in this optimizer's format)."""
+        views = [(m, v) for f in self._flat
+                 for m, v in zip(f.exp_avg_views, f.exp_avg_sq_views, strict=True)]
+        for (m, v), saved_m, saved_v in zip(views, exp_avg, exp_avg_sq, strict=True):
+            m.copy_(saved_m)
+            v.copy_(saved_v)
+        for f in self._flat:
+            f.steps = steps
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["groups"]
         if len(saved) != len(self._flat) or any(

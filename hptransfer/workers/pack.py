@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,12 +36,16 @@ from hptransfer.data import TokenDataset
 from hptransfer.models import ParamTable
 from hptransfer.models.build import BuiltModel, build_from_config
 from hptransfer.models.ngpt import NGPT, unit
+from hptransfer.models.parameterization import optimizer_groups
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
+from .checkpoints import CheckpointPolicy, TrialCheckpoints
 from .compiling import Compiled, eager_if_backward_fails
 from .device import autocast, reading_back_is_free, to_device
+from .flat_adamw import FlatAdamW
 from .outcome import Progress, trial_result
 from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
+from .preemption import Preempted, preemption
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes the pack's specs
 PackedReporter = Callable[[int, dict[str, Any]], bool | None]
@@ -55,6 +59,8 @@ class _Member:
     progress: Progress
     train_time: float = 0.0
     result: TrialResult | None = None  # final once the member stopped before the pack's end
+    checkpoints: TrialCheckpoints | None = None  # its own, as run_trial's alone
+    notes: list[str] = field(default_factory=list)  # its own (checkpoint warnings)
 
 
 # Compaction shrinks the stacks (K) that the compiled model's parameters are views of; torch
@@ -70,7 +76,8 @@ class Pack:
     def __init__(self, specs: list[TrialSpec], reporter: PackedReporter | None,
                  cache_dir: str | None, data: TokenDataset | None = None,
                  on_stop: Callable[[int, TrialResult], None] | None = None,
-                 max_hours: float | None = None):
+                 max_hours: float | None = None,
+                 policies: Sequence[CheckpointPolicy | None] | None = None):
         spec = specs[0]
         self.max_hours = max_hours  # the server's wall-time ceiling, as run_trial's
         prepare_process(spec)
@@ -80,12 +87,16 @@ class Pack:
         self.notes: list[str] = [f"trained packed: {len(specs)} trials in one batched model"]
         built = []
         self.members: list[_Member] = []
-        for s in specs:
+        for k, s in enumerate(specs):
             plan = plan_trial(s, data)
             # built on the CPU exactly as run_trial builds it (same init for the same seed)
             b = build_from_config(plan.cfg, s.parameterization_obj(), seed=s.seed)
             built.append(b)
-            self.members.append(_Member(s, plan, b.table, Progress()))
+            member = _Member(s, plan, b.table, Progress())
+            policy = policies[k] if policies is not None else None
+            if policy is not None:  # each member checkpoints as it would alone
+                member.checkpoints = TrialCheckpoints(policy, member.notes)
+            self.members.append(member)
         # the shape's plan: device, batches, steps, curve and eval points are the members'
         self.plan = self.members[0].plan
         self.device = self.plan.device
@@ -108,23 +119,30 @@ class Pack:
         pending_steps: list[int] = []
         pending_losses: list[torch.Tensor] = []
         t_train = time.perf_counter()
-        for step in range(plan.total_steps):
-            xs, ys = zip(*(self.data.train_batch(step, plan.batch_size, spec.seq_len,
-                                                 self.members[i].spec.seed)
-                           for i in self.rows), strict=True)
-            x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
-            losses = eager_if_backward_fails(self.loss_fn, self._gradients, x, y)
-            if self.initial is None:
-                self.initial = losses.detach().double().clone()
-            t = step + 1
-            with torch.no_grad():
-                alive = self.update_fn(
-                    self.gather_grads(), losses, alive, self.initial,
-                    self.factors[step, self._row_idx], self.bias1[step], self.bias2_sqrt[step],
-                )
-            pending_steps.append(step)
-            pending_losses.append(losses.detach())
-            if plan.is_sync_step(t):
+        with preemption() as preempted:
+            for step in range(plan.total_steps):
+                xs, ys = zip(*(self.data.train_batch(step, plan.batch_size, spec.seq_len,
+                                                     self.members[i].spec.seed)
+                               for i in self.rows), strict=True)
+                x, y = to_device(torch.stack(xs), device), to_device(torch.stack(ys), device)
+                losses = eager_if_backward_fails(self.loss_fn, self._gradients, x, y)
+                if self.initial is None:
+                    self.initial = losses.detach().double().clone()
+                t = step + 1
+                with torch.no_grad():
+                    alive = self.update_fn(
+                        self.gather_grads(), losses, alive, self.initial,
+                        self.factors[step, self._row_idx], self.bias1[step],
+                        self.bias2_sqrt[step],
+                    )
+                pending_steps.append(step)
+                pending_losses.append(losses.detach())
+                # as run_trial: a step-count checkpoint or a SIGTERM makes a sync step
+                stopping = preempted()
+                if not (plan.is_sync_step(t) or stopping or any(
+                        self.members[i].checkpoints is not None
+                        and self.members[i].checkpoints.step_is_due(t) for i in self.rows)):
+                    continue
                 self._sync(step, pending_steps, torch.stack(pending_losses).tolist(),
                            time.perf_counter() - t_train)
                 pending_steps, pending_losses = [], []
@@ -135,9 +153,54 @@ class Pack:
                 self._compact()
                 if not self.rows:
                     break
+                if t < plan.total_steps:  # the last step's state is the result's
+                    self._checkpoint(t, stopping)
+                    if stopping:
+                        raise Preempted(f"stopped by SIGTERM after step {t}, checkpointed")
                 alive = torch.ones(len(self.rows), dtype=torch.bool, device=device)
         end = time.perf_counter() - t_train
+        for m in self.members:  # finished (any way but an exception): as run_trial's
+            if m.checkpoints is not None:
+                m.checkpoints.finish()
         return [m.result or self._result(m, m.train_time or end) for m in self.members]
+
+    def _checkpoint(self, done: int, stopping: bool) -> None:
+        """After `done` steps, for each member still training where its policy says so (or
+        on SIGTERM): its checkpoint, in run_trial's format, so that its retry resumes alone
+        (the dispatcher leases a trial with a checkpoint alone) from there."""
+        for r, i in enumerate(self.rows):
+            checkpoints = self.members[i].checkpoints
+            if checkpoints is not None and (checkpoints.due(done) or stopping):
+                checkpoints.save(done, self.member_state(r, done))
+
+    def member_state(self, row: int, done: int) -> dict[str, Any]:
+        """The checkpoint of the member in stacked `row` after `done` steps, exactly what
+        run_trial writes for that trial alone (trainer._state): the lone model's state dict
+        (same keys), the lone optimizer's (FlatAdamW on the CPU, fused AdamW on CUDA) with
+        the member's AdamW moments, its progress and the RNG."""
+        from .trainer import _state, lone_optimizer  # trainer imports this module
+
+        m = self.members[self.rows[row]]
+        # cloned: a view would save the whole (K, P) buffer it is part of
+        weights = {n: self._block(self.flat, n)[row].detach().clone() for n in self.names}
+        model_state = self.template.state_dict()  # the buffers, and the lone model's keys
+        model_state.update(weights)
+        params = {n: nn.Parameter(w.clone()) for n, w in weights.items()}
+        opt = lone_optimizer(optimizer_groups(params, m.table),
+                             (self.spec.beta1, self.spec.beta2), self.device)
+        exp_avg = [self._block(self.exp_avg, n)[row] for n in self.names]
+        exp_avg_sq = [self._block(self.exp_avg_sq, n)[row] for n in self.names]
+        if isinstance(opt, FlatAdamW):
+            opt.set_moments(done, exp_avg, exp_avg_sq)
+        else:  # torch.optim.AdamW: each parameter's state as its step() leaves it
+            fused = any(g.get("fused") for g in opt.param_groups)
+            for p, avg, avg_sq in zip(params.values(), exp_avg, exp_avg_sq, strict=True):
+                opt.state[p] = {
+                    "step": torch.tensor(float(done), dtype=torch.float32,
+                                         device=p.device if fused else None),
+                    "exp_avg": avg.clone(), "exp_avg_sq": avg_sq.clone()}
+        return _state(done, self.template, opt, m.progress,
+                      weights=(model_state, opt.state_dict()))
 
     def _past_ceiling(self) -> bool:
         return (self.max_hours is not None
@@ -145,7 +208,7 @@ class Pack:
 
     def _result(self, m: _Member, train_time: float) -> TrialResult:
         return trial_result(m.plan, m.progress, table=m.table, train_time=train_time,
-                            started=self.started, notes=list(self.notes))
+                            started=self.started, notes=[*self.notes, *m.notes])
 
     def _sync(self, step: int, steps: list[int], losses: list[list[float]],
               elapsed: float) -> None:
@@ -154,6 +217,10 @@ class Pack:
         for r, i in enumerate(self.rows):
             self.members[i].progress.absorb(self.members[i].plan, steps, [row[r] for row in losses])
         self._compact()  # diverged members are not evaluated
+        if done < self.plan.total_steps:  # before the reporter, which may end the process
+            for i in self.rows:
+                if self.members[i].checkpoints is not None:
+                    self.members[i].checkpoints.mark_reached(done)
         running = list(self.rows)
         points = {i: self.members[i].plan.point(step, self.members[i].progress.train_loss)
                   for i in running if self.plan.is_curve_step(done)}
@@ -174,6 +241,8 @@ class Pack:
         for r, m in enumerate(self.members):
             if not m.progress.running and not m.train_time:
                 m.train_time = elapsed
+                if m.checkpoints is not None:  # final: as run_trial's, they go
+                    m.checkpoints.finish()
                 if self.on_stop is not None and done < self.plan.total_steps:
                     # stopped early (diverged, pruned): final now, handed over while the
                     # others train on, so a pack that dies later does not take it along

@@ -18,6 +18,7 @@ import torch
 from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
+from .checkpoints import CheckpointPolicy
 from .memory import free_memory, is_out_of_memory, trial_memory
 from .outcome import failed_result
 from .pack import Pack, PackedReporter
@@ -64,6 +65,7 @@ def run_trials(
     roots: Sequence[str] | None = None,
     data_hash: str | None = None,
     max_hours: float | None = None,
+    checkpoints: Sequence[CheckpointPolicy | None] | None = None,
 ) -> list[TrialResult]:
     """Train K specs of one shape together; one TrialResult per spec, in order.
 
@@ -81,6 +83,9 @@ def run_trials(
     member's result then says failed, as run_trial's would). `roots`, `data_hash`: a
     sweep's data guard (plan.load_trial_data). `max_hours`: the server's wall-time ceiling
     (HPT_MAX_TRIAL_HOURS): members still training past it stop failed, as in run_trial.
+    `checkpoints`: each member's checkpoint policy (or None), as run_trial's: a member
+    checkpoints in run_trial's format, so that a retry resumes it alone (a pack itself
+    always starts at step 0; a pack halved for memory trains again from there).
     """
     started = time.perf_counter()
     specs = [s if isinstance(s, TrialSpec) else TrialSpec.model_validate(s) for s in specs]
@@ -98,7 +103,8 @@ def run_trials(
     fits = k if budget >= need.pack_peak(k) else max(1, int(budget // need.pack_peak(1)))
     why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
-    packing = _Packing(specs, data, plan.device, reporter, on_result, why, max_hours)
+    packing = _Packing(specs, data, plan.device, reporter, on_result, why, max_hours,
+                       checkpoints)
     return packing.train(split_evenly(list(range(k)), fits))
 
 
@@ -143,8 +149,10 @@ class _Packing:
     def __init__(self, specs: list[TrialSpec], data: TokenDataset, device: torch.device,
                  reporter: PackedReporter | None,
                  on_result: Callable[[int, TrialResult], None] | None, why: list[str],
-                 max_hours: float | None = None):
+                 max_hours: float | None = None,
+                 policies: Sequence[CheckpointPolicy | None] | None = None):
         self.specs, self.data, self.device = specs, data, device
+        self.policies = policies
         self.max_hours = max_hours
         self.on_result, self.why = on_result, why  # why: the reasons packs were split
         self.relay = _Relay(reporter)
@@ -181,7 +189,9 @@ class _Packing:
         try:
             pack = Pack(specs, self.relay.for_group(group), None, data=self.data,
                         on_stop=lambda row, result: self.stopped(group[row], result),
-                        max_hours=self.max_hours)
+                        max_hours=self.max_hours,
+                        policies=None if self.policies is None
+                        else [self.policies[i] for i in group])
             return pack.train(), False
         except Exception as exc:
             curves = [m.progress.curve for m in pack.members] if pack else [None] * len(specs)

@@ -77,10 +77,10 @@ def execute_trial(
 def execute_trials(
     specs: list[dict[str, Any]], trial_ids: list[str], progress: Any | None,
     cache_dir: str | None, roots: list[str] | None = None, data_hash: str | None = None,
-    max_hours: float | None = None,
+    checkpoints: list[dict[str, Any] | None] | None = None, max_hours: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One result per spec, in order (members of one shape, trained packed; `max_hours` as
-    execute_trial's). A pack split
+    """One result per spec, in order (members of one shape, trained packed; `checkpoints`:
+    each member's policy, `max_hours` as execute_trial's). A pack split
     for memory delivers each group's results to `progress` as the group finishes, so they
     outlive this task should it die training a later group."""
     report = progress_channel(progress)
@@ -96,5 +96,7 @@ def execute_trials(
 
     results = run_trials(specs, reporter=lambda i, m: report(trial_ids[i], m),
                          cache_dir=cache_dir, on_result=deliver if progress else None,
-                         roots=roots, data_hash=data_hash, max_hours=max_hours)
+                         roots=roots, data_hash=data_hash, max_hours=max_hours,
+                         checkpoints=None if checkpoints is None else
+                         [CheckpointPolicy(**c) if c else None for c in checkpoints])
     return [result_payload(r) for r in results]

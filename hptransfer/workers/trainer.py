@@ -111,10 +111,7 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                                             progress, notes)
         model: Any = trained  # eager: torch.compile around FSDP's hooks is not tried
     else:
-        groups = optimizer_groups(built.model, built.table)
-        # fused on CUDA; on the CPU foreach's arithmetic on one buffer per group
-        opt = (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
-               else FlatAdamW(groups, betas=betas))
+        opt = lone_optimizer(optimizer_groups(built.model, built.table), betas, device)
         resume, retrained = _resume(checkpoints, built.model, opt, progress, notes)
         # the optimizer first: FlatAdamW re-points the parameters, DDP then registers them
         trained = built.model if parallel is None else parallel.wrap(built.model, device)
@@ -245,6 +242,15 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                         train_time=time.perf_counter() - t_train, started=started,
                         notes=notes, resumed_from=resume or None, retrained=retrained,
                         workers=1 if parallel is None else parallel.world)
+
+
+def lone_optimizer(groups: list[dict[str, Any]], betas: tuple[float, float],
+                   device: torch.device) -> Any:
+    """A trial's AdamW alone on one device (a packed member's checkpoint is written in its
+    format, pack.py): fused on CUDA; on the CPU foreach's arithmetic on one buffer per
+    group."""
+    return (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
+            else FlatAdamW(groups, betas=betas))
 
 
 def _past(started: float, max_hours: float, parallel: DataParallel | None,
