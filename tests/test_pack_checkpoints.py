@@ -176,3 +176,63 @@ def test_a_finished_pack_leaves_no_checkpoints(tmp_path):
                          checkpoints=policies(root)[:2])
     assert [r.status for r in results] == ["completed", "completed"]
     assert not any((root / "sweep").glob("trial*"))
+
+
+def test_the_dispatcher_gives_a_pack_its_members_policies_and_retries_them_alone(hpt_home):
+    """The coordinator's pack task gets each member's policy (RayRunner._checkpoint, the
+    lone path's); a pack killed after a checkpoint leaves each member one that the
+    dispatcher sees (leased alone: may_resume) and run_trial resumes from."""
+    import copy
+    import dataclasses
+    import inspect
+
+    from conftest import TINY_SPEC
+
+    from hptransfer.config import get_settings
+    from hptransfer.coordinator.dispatch_context import DispatchContext
+    from hptransfer.coordinator.plan import plan_sweep
+    from hptransfer.coordinator.ray_runner import RayRunner
+    from hptransfer.spec import load_spec
+    from hptransfer.store.store import Store
+    from hptransfer.workers.remote import execute_trials
+
+    store = Store(get_settings().database_url)
+    store.migrate()
+    try:
+        spec = load_spec({**copy.deepcopy(TINY_SPEC), "checkpoint": {"every_steps": 4}})
+        sweep_id = store.create_sweep("packed", spec.model_dump(mode="json"), "packed",
+                                      "grid", plan_sweep(spec))
+        runner = RayRunner(DispatchContext(store, get_settings(), None, "me", 0.01),
+                           should_prune=lambda *a: False, after_stored=lambda *a: None)
+        calls = []
+
+        class PackTask:  # stands in for ray.remote(execute_trials)
+            def options(self, **options):
+                return self
+
+            def remote(self, *args, **kwargs):
+                calls.append(inspect.signature(execute_trials).bind(*args, **kwargs))
+                return object()
+
+        runner.run_pack = PackTask()
+        # the two stable LRs (2^-4 may diverge in 10 steps: a final member has none)
+        trials = [t for t in store.trials(sweep_id, limit=None) if t.spec["lr"] <= 2**-6]
+        assert len(trials) == 2
+        runner.submit(spec, trials)
+        task = calls[0].arguments
+        assert task["checkpoints"] == [runner._checkpoint(spec, t) for t in trials]
+        policies_given = [CheckpointPolicy(**c) for c in task["checkpoints"]]
+
+        def dies_after_step_6(i: int, metrics: dict) -> None:
+            if metrics["step"] >= 6:
+                raise Killed
+
+        with pytest.raises(Killed):  # what the task runs, with what it was given
+            run_trials(task["specs"], reporter=dies_after_step_6,
+                       cache_dir=task["cache_dir"], checkpoints=policies_given)
+        for t, s, p in zip(trials, task["specs"], policies_given, strict=True):
+            assert runner.may_resume(spec, dataclasses.replace(t, attempts=1))
+            resumed = run_trial(s, cache_dir=task["cache_dir"], checkpoints=p)
+            assert resumed.status == "completed" and resumed.resumed_from_step == 4
+    finally:
+        store.close()
