@@ -236,3 +236,36 @@ def test_the_dispatcher_gives_a_pack_its_members_policies_and_retries_them_alone
             assert resumed.status == "completed" and resumed.resumed_from_step == 4
     finally:
         store.close()
+
+
+def test_with_torch_adamw_the_checkpoint_is_torch_adamw_s(tmp_path, monkeypatch):
+    """Where the lone trial steps torch.optim.AdamW (fused, on CUDA), a member's checkpoint
+    holds that optimizer's state dict: checked here on the CPU with fused AdamW standing in,
+    loaded strictly into a lone one, each parameter's moments the FlatAdamW checkpoint's."""
+    from hptransfer.workers import trainer
+    from hptransfer.workers.pack import Pack
+
+    members = [TrialSpec.model_validate({**s, "budget": {"steps": 5}}) for s in specs()[:2]]
+    spec = members[1]  # with weight decay
+    pack = Pack(members, None, str(tmp_path / "cache"))
+    pack.train()
+    flat_state = pack.member_state(1, 5)
+    monkeypatch.setattr(trainer, "lone_optimizer", lambda groups, betas, device:
+                        torch.optim.AdamW(groups, betas=betas, fused=True))
+    state = pack.member_state(1, 5)
+    plan = plan_trial(spec, load_trial_data(spec, str(tmp_path / "cache")))
+    built = build_from_config(plan.cfg, spec.parameterization_obj(), seed=spec.seed)
+    built.model.load_state_dict(state["model"])
+    opt = torch.optim.AdamW(optimizer_groups(built.model, built.table),
+                            betas=(spec.beta1, spec.beta2), fused=True)
+    opt.load_state_dict(state["optimizer"])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    flat = FlatAdamW(optimizer_groups(built.model, built.table), (spec.beta1, spec.beta2))
+    flat.load_state_dict(flat_state["optimizer"])
+    assert len(opt.state) == len(params)
+    for p, m, v in zip(params, [m for f in flat._flat for m in f.exp_avg_views],
+                       [v for f in flat._flat for v in f.exp_avg_sq_views], strict=True):
+        assert float(opt.state[p]["step"]) == 5
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v)
+    assert any(float(opt.state[p]["exp_avg"].abs().max()) > 0 for p in params)
