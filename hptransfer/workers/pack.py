@@ -181,11 +181,14 @@ class Pack:
         from .trainer import _state, lone_optimizer  # trainer imports this module
 
         m = self.members[self.rows[row]]
-        # cloned: a view would save the whole (K, P) buffer it is part of
-        weights = {n: self._block(self.flat, n)[row].detach().clone() for n in self.names}
+        # copied to the host: a view would save the whole (K, P) buffer it is part of, and
+        # the device has no room planned for a member's copy (torch.load maps to the CPU
+        # anyway, and the lone optimizer's load moves its state to its parameters' device)
+        weights = {n: self._block(self.flat, n)[row].detach().to("cpu", copy=True)
+                   for n in self.names}
         model_state = self.template.state_dict()  # the buffers, and the lone model's keys
         model_state.update(weights)
-        params = {n: nn.Parameter(w.clone()) for n, w in weights.items()}
+        params = {n: nn.Parameter(w) for n, w in weights.items()}  # the optimizer's only
         opt = lone_optimizer(optimizer_groups(params, m.table),
                              (self.spec.beta1, self.spec.beta2), self.device)
         exp_avg = [self._block(self.exp_avg, n)[row] for n in self.names]
@@ -198,7 +201,8 @@ class Pack:
                 opt.state[p] = {
                     "step": torch.tensor(float(done), dtype=torch.float32,
                                          device=p.device if fused else None),
-                    "exp_avg": avg.clone(), "exp_avg_sq": avg_sq.clone()}
+                    "exp_avg": avg.to("cpu", copy=True),
+                    "exp_avg_sq": avg_sq.to("cpu", copy=True)}
         return _state(done, self.template, opt, m.progress,
                       weights=(model_state, opt.state_dict()))
 
