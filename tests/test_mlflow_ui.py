@@ -54,7 +54,7 @@ def test_runs_page_of_a_mirrored_sweep_in_headless_chromium(tmp_path: Path) -> N
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "mlflow ui did not start"
-            time.sleep(0.5)
+            time.sleep(0.1)
         # MLflow's GenAI job runner (huey consumers) is off: only the UI's own processes
         tree = [" ".join(p.cmdline()) for p in psutil.Process(ui.pid).children(recursive=True)]
         assert tree and not [c for c in tree if "huey" in c or "jobs._job_runner" in c], tree
