@@ -137,16 +137,16 @@ def cmd_train(a: argparse.Namespace) -> int:
     from hptransfer.config import check_worker_settings
 
     check_worker_settings()
-    raw = read_spec_file(a.spec)  # a missing or broken file is refused before torch loads
+    raw = read_spec_file(a.spec)  # a missing, broken or invalid spec is refused before torch
     from hptransfer.spec.errors import spec_error
     from hptransfer.spec.trial import TrialSpec
-    from hptransfer.workers.trainer import run_trial
 
     try:
         spec = TrialSpec.model_validate(raw)
     except ValidationError as exc:  # each field named, with "did you mean", as a sweep's
         raise ValueError(f"{a.spec} is not a valid TrialSpec: {spec_error(exc, TrialSpec)}"
                          ) from None
+    from hptransfer.workers.trainer import run_trial
 
     def report(m: dict) -> None:
         if not a.json:
