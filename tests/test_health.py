@@ -264,7 +264,7 @@ def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
             pass
         assert proc.poll() is None, log.read_text()[-3000:]
         assert time.time() < deadline, "hpt serve did not start"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _ray_processes(server: psutil.Process) -> list[psutil.Process]:
@@ -317,7 +317,7 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
         while httpx.get(f"{url}/sweeps/{sweep['id']}", timeout=10).json()["counts"].get(
                 "running", 0) == 0:
             assert time.time() < deadline, "no trial started"
-            time.sleep(0.5)
+            time.sleep(0.1)
         ray_procs = _ray_processes(psutil.Process(proc.pid))
         assert any("raylet" in " ".join(p.cmdline()) for p in ray_procs)
         proc.send_signal(sig)
@@ -327,7 +327,7 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
         # a loaded machine may take a few seconds to reap them; a survivor stays
         deadline = time.time() + 30
         while (survivors := [p for p in ray_procs if _alive(p)]) and time.time() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert not survivors, [" ".join(p.cmdline())[:200] for p in survivors]
         if sig != signal.SIGTERM:
             return
@@ -338,7 +338,7 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
         while (s := httpx.get(f"{url}/sweeps/{sweep['id']}", timeout=10).json())[
                 "status"] in ("pending", "running"):
             assert time.time() < deadline, s
-            time.sleep(1)
+            time.sleep(0.2)
         assert s["status"] == "completed" and s["done"] == s["total"] == 2, s
     finally:
         if proc.poll() is None:
