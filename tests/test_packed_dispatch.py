@@ -324,9 +324,9 @@ def test_a_split_pack_keeps_the_results_of_a_group_trained_before_its_worker_die
             time.sleep(drain_s)
             return super().drain()
 
-    # 10 steps: a point reported each step, each waiting behind a slow drain (30 took 3x as
-    # long); at step 1 the second group's first member reports (and dies) before the last,
-    # which diverges there, could hand its result over
+    # 10 steps: a point is reported each step, and with drain_s each report waits behind a
+    # slow drain; at step 1 the second group's first member reports (and dies) before the
+    # last, which diverges there, could hand its result over
     spec = packed_spec(tiny_spec, "split-then-lost", 4, steps=10)
     spec.update(max_concurrent=1, retries=1)
     spec["grid"]["seeds"] = [0]
