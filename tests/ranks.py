@@ -7,15 +7,25 @@ Train (workers/ray_train.py)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 RTOL = 1e-4
 
+# Ray Train's controller polls its workers every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), so
+# it sees a run's end, or a killed worker, up to 2 s late (3-4 s on a loaded 2-core host);
+# the tests' runs are polled every 0.25 s. A poll slower than that is waited on, not failed
+# (Ray Train fails a worker after 10 minutes of them).
+TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
+
 # one rank; rank 1 may SIGTERM itself once `stop_after` (a glob) matches a file (a
-# preemption notice reaching one worker)
+# preemption notice reaching one worker). A list of specs: the group trains them one after
+# another (one start-up for several trials), and rank 0 writes the list of their results.
 RANK_SCRIPT = """
 import glob, json, os, signal, sys, threading, time
 import torch.distributed as dist
@@ -33,10 +43,12 @@ if stop_after and rank == 1:
             time.sleep(0.002)
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=stop, daemon=True).start()
-result = run_trial(spec, parallel=DataParallel.current(shard=shard),
-                   checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
+results = [run_trial(one, parallel=DataParallel.current(shard=shard),
+                     checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
+           for one in (spec if isinstance(spec, list) else [spec])]
 if rank == 0:
-    open(out, "w").write(result.model_dump_json())
+    dumped = [r.model_dump_json() for r in results]
+    open(out, "w").write(f"[{','.join(dumped)}]" if isinstance(spec, list) else dumped[0])
 # every rank done before any tears its group down (a rank leaving early can abort another's
 # gloo threads still closing the last collectives: "terminate called", SIGABRT at exit);
 # Ray Train's report() is that meeting point for its workers
@@ -51,10 +63,10 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run_ranks(spec: dict, world: int, out: Path, *, shard: bool = False,
+def run_ranks(spec: dict | list[dict], world: int, out: Path, *, shard: bool = False,
               policy: dict | None = None, stop_after: str = "") -> list[int]:
-    """Train the trial on `world` gloo ranks (rank 0 writes its result to `out`); their exit
-    codes."""
+    """Train the trial (or each of a list, in turn) on `world` gloo ranks (rank 0 writes its
+    result, or the list of them, to `out`); their exit codes."""
     port = free_port()
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
                                repr(spec), str(out), "1" if shard else "0",
@@ -66,6 +78,14 @@ def run_ranks(spec: dict, world: int, out: Path, *, shard: bool = False,
 def on_ranks(spec: dict, world: int, out: Path, *, shard: bool = False) -> dict:
     """Rank 0's result of the trial on `world` gloo ranks that all exit cleanly."""
     assert run_ranks(spec, world, out, shard=shard) == [0] * world
+    return json.loads(out.read_text())
+
+
+def on_ranks_each(specs: list[dict], world: int, out: Path, *,
+                  shard: bool = False) -> list[dict]:
+    """Rank 0's results of the trials, trained one after another by one group of `world`
+    gloo ranks (one start-up of the ranks, not one per trial)."""
+    assert run_ranks(specs, world, out, shard=shard) == [0] * world
     return json.loads(out.read_text())
 
 
@@ -85,3 +105,28 @@ def assert_same_trial(parallel: dict, single) -> None:
             assert close(p["val_loss"], q["val_loss"])
     assert (parallel["steps"], parallel["tokens"], parallel["flops"]) == (
         single.steps, single.tokens, single.flops)
+
+
+def polling_quickly() -> Callable[..., dict[str, Any]]:
+    """workers/ray_train.py's execute_trial_on_workers, for a Ray task (the dispatcher's
+    way), with Ray Train's controller polling every TRAIN_POLL_S: set in the task's
+    environment, which Ray Train hands on to its controller, and put back after (the Ray
+    worker process runs other tasks later). A closure: Ray ships it by value (a Ray worker
+    cannot import this module, which is not on its path); its name is the task's, as the
+    dispatcher's is."""
+    env, interval = TRAIN_POLL_ENV, TRAIN_POLL_S
+
+    def execute_trial_on_workers(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        from hptransfer.workers import ray_train
+
+        before = os.environ.get(env)
+        os.environ[env] = interval
+        try:
+            return ray_train.execute_trial_on_workers(*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[env]
+            else:
+                os.environ[env] = before
+
+    return execute_trial_on_workers
