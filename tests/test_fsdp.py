@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ranks import assert_same_trial, run_ranks
+from ranks import assert_same_trial, on_ranks_each, polling_quickly, run_ranks
 
 from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
 from hptransfer.workers.trainer import run_trial
@@ -53,25 +53,38 @@ def sharded_ranks(s: dict, world: int, out: Path, policy: dict | None = None,
     return run_ranks(s, world, out, shard=True, policy=policy, stop_after=stop_after)
 
 
+# the preempted trial (no micro-batches: every rank's pass is its whole share)
+PREEMPTED = spec(micro_batch_size=None, budget={"steps": 20}, eval_every=10)
+
+
+@pytest.fixture(scope="module")
+def on_sharded_ranks(tmp_path_factory) -> dict[str, dict]:
+    """Rank 0's results of each arch's trial and of PREEMPTED, never stopped: one group of 2
+    sharded gloo ranks trains them one after another (the ranks' start-up costs more than
+    these trials do)."""
+    names = [*sorted(ARCHS), "preempted"]
+    specs = [*(spec(**ARCHS[arch]) for arch in sorted(ARCHS)), PREEMPTED]
+    out = tmp_path_factory.mktemp("sharded_ranks") / "rank0.json"
+    return dict(zip(names, on_ranks_each(specs, 2, out, shard=True), strict=True))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_sharded_ranks_train_what_one_process_trains(arch, tmp_path):
-    s = spec(**ARCHS[arch])
-    single = run_trial(s)
-    assert sharded_ranks(s, 2, tmp_path / "rank0.json") == [0, 0]
-    sharded = json.loads((tmp_path / "rank0.json").read_text())
+def test_sharded_ranks_train_what_one_process_trains(arch, on_sharded_ranks):
+    single = run_trial(spec(**ARCHS[arch]))
+    sharded = on_sharded_ranks[arch]
     assert sharded["workers"] == 2
     assert_same_sharded_trial(sharded, single)
 
 
-@pytest.mark.slow  # three runs of 2 ranks: ~20 s on an idle 2-core host, ~70 s loaded
-def test_a_preempted_sharded_trial_resumes_to_the_uninterrupted_numbers(tmp_path):
+@pytest.mark.slow  # two runs of 2 ranks (and the module's uninterrupted one)
+def test_a_preempted_sharded_trial_resumes_to_the_uninterrupted_numbers(tmp_path,
+                                                                       on_sharded_ranks):
     """SIGTERM reaches rank 1 after the first checkpoint: every rank stops at the same step,
     the shards are gathered into one checkpoint (the one-process layout of the model's
     state), every rank exits; the next run scatters it back and ends with the uninterrupted
     sharded run's curve and validation loss, to the bit."""
-    s = spec(micro_batch_size=None, budget={"steps": 20}, eval_every=10)
-    assert sharded_ranks(s, 2, tmp_path / "whole.json") == [0, 0]
-    whole = json.loads((tmp_path / "whole.json").read_text())
+    s = PREEMPTED
+    whole = on_sharded_ranks["preempted"]  # the same trial on 2 sharded ranks, never stopped
     policy = CheckpointPolicy(url=str(tmp_path / "ckpt"), key="sweep/trial", every_steps=5,
                               keep_final=True).to_dict()
     folder = tmp_path / "ckpt" / "sweep" / "trial"
@@ -104,12 +117,10 @@ def test_a_preempted_sharded_trial_resumes_to_the_uninterrupted_numbers(tmp_path
 @pytest.mark.slow
 def test_ray_train_sharded_workers_train_what_one_process_trains(module_ray_cluster,
                                                                 tmp_path):
-    from hptransfer.workers.ray_train import execute_trial_on_workers
-
     ray = module_ray_cluster
     s = spec()
     single = run_trial(s, cache_dir=str(tmp_path / "cache"))
-    task = ray.remote(execute_trial_on_workers).options(num_cpus=0, max_retries=0)
+    task = ray.remote(polling_quickly()).options(num_cpus=0, max_retries=0)
     two = ray.get(task.remote(s, "trial", None, str(tmp_path / "cache"), None, None,
                               workers=2, cpus=0.5, gpus=0.0, checkpoint=None,
                               storage_path=str(tmp_path / "ray_train"), run_name="t-0",
