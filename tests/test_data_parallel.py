@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ranks import assert_same_trial, on_ranks
+from ranks import assert_same_trial, on_ranks, on_ranks_each, polling_quickly
 
 from hptransfer.workers.checkpoints import CheckpointPolicy
 from hptransfer.workers.trainer import run_trial
@@ -30,12 +30,27 @@ def spec(**kw) -> dict:
     return {**base, **kw}
 
 
+# the killed Train worker's trial: long enough that the kill (once `reached`, rewritten at
+# most once a second, is past step 50) lands well before its last step
+RESUMED = spec(budget={"steps": 240}, eval_every=60)
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(tmp_path_factory) -> dict[str, dict]:
+    """Rank 0's results of each arch's trial and of RESUMED, never stopped: one group of 2
+    gloo ranks trains them one after another (the ranks' start-up costs more than these
+    trials do)."""
+    names = [*sorted(ARCHS), "resumed"]
+    specs = [*(spec(**ARCHS[arch]) for arch in sorted(ARCHS)), RESUMED]
+    out = tmp_path_factory.mktemp("two_ranks") / "rank0.json"
+    return dict(zip(names, on_ranks_each(specs, 2, out), strict=True))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_two_ranks_train_what_one_process_trains(arch, tmp_path):
+def test_two_ranks_train_what_one_process_trains(arch, on_two_ranks):
     """An odd split too: 10 sequences over 2 ranks in micro-batches of 2 (5 = 2 + 2 + 1)."""
-    s = spec(**ARCHS[arch])
-    single = run_trial(s)
-    parallel = on_ranks(s, 2, tmp_path / "rank0.json")
+    single = run_trial(spec(**ARCHS[arch]))
+    parallel = on_two_ranks[arch]
     assert parallel["workers"] == 2
     assert_same_trial(parallel, single)
 
@@ -55,9 +70,7 @@ def ray_cluster(module_ray_cluster):
 
 def on_train_workers(ray, s: dict, workers: int, tmp_path: Path, *, checkpoint=None,
                      run_name: str = "trial-0"):
-    from hptransfer.workers.ray_train import execute_trial_on_workers
-
-    task = ray.remote(execute_trial_on_workers).options(num_cpus=0, max_retries=0)
+    task = ray.remote(polling_quickly()).options(num_cpus=0, max_retries=0)
     return task.remote(s, "trial", None, str(tmp_path / "cache"), None, None,
                        # half a CPU each: a task an earlier test left on this process's
                        # 2-CPU cluster must not keep the group from starting
@@ -81,17 +94,17 @@ def train_worker_pids() -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluster,
-                                                                     tmp_path):
+def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluster, tmp_path,
+                                                                     on_two_ranks):
     """SIGKILL of one Train worker after the first checkpoint: the attempt comes back lost;
     the retry resumes from the latest checkpoint, trains fewer than checkpoint_every steps
     again, and ends with the uninterrupted 2-worker run's numbers, to the bit."""
     from hptransfer.contracts.status import LOST
 
-    s = spec(budget={"steps": 400}, eval_every=100)
+    s = RESUMED
     policy = CheckpointPolicy(url=str(tmp_path / "ckpt"), key="sweep/trial",
                               every_steps=40, every_minutes=None).to_dict()
-    whole = on_ranks(s, 2, tmp_path / "whole.json")  # the same 2 gloo ranks, never stopped
+    whole = on_two_ranks["resumed"]  # the same trial on 2 gloo ranks, never stopped
     reached = tmp_path / "ckpt" / "sweep" / "trial" / "reached"
     first = on_train_workers(ray_cluster, s, 2, tmp_path, checkpoint=policy, run_name="a0")
     deadline = time.monotonic() + 300
