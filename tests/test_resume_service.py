@@ -6,6 +6,7 @@ the CPU run is deterministic)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -43,8 +44,17 @@ def reached(root: Path, sweep_id: str) -> int:
     return int(marks[0].read_text() or 0) if marks else 0
 
 
+_uninterrupted: dict[str, Any] = {}
+
+
 def uninterrupted(trial_spec: dict[str, Any]) -> Any:
-    return run_trial(trial_spec)
+    """The trial trained in this process, never stopped. The tests' trials share one spec
+    (their sweeps differ only in name), so it is trained once for the module; the CPU run
+    is deterministic, so a cached result is the one a new run would give."""
+    key = json.dumps(trial_spec, sort_keys=True)
+    if key not in _uninterrupted:
+        _uninterrupted[key] = run_trial(trial_spec)
+    return _uninterrupted[key]
 
 
 def assert_resumed(done, killed_at: int, whole, preempted: bool = False) -> None:
