@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     import ray
     from ray.cluster_utils import Cluster
     from hptransfer.config import get_settings
@@ -57,6 +57,11 @@ SCRIPT = textwrap.dedent(
     print("RESULT " + json.dumps({"status": t.status, "attempts": t.attempts, "error": t.error,
                                   "sweep": store.get_sweep(sweep["id"]).to_dict(),
                                   "mlflow_uri": get_settings().mlflow_uri}, default=str))
+    ray.shutdown()
+    cluster.shutdown()
+    # Ray is down: skip the interpreter's teardown (seconds of gRPC's and torch's finalizers)
+    sys.stdout.flush()
+    os._exit(0)
     """
 )
 
@@ -76,7 +81,9 @@ def run_in_child(script: str, spec: dict, tmp_path, timeout: float, **extra_env:
 
 def test_node_death_is_retried(tmp_path, tiny_spec):
     tiny_spec["grid"]["lrs"] = [2**-6]
-    tiny_spec["budget"] = {"steps": 1500, "batch_size": 4}  # seconds left after step 1
+    # the node is removed once a step is reported (step ~15-40): ~770 steps are left, seconds
+    # of training (2.5-5 ms a step on 2 cores), against the removal's ~0.1 s
+    tiny_spec["budget"] = {"steps": 800, "batch_size": 4}
     tiny_spec["retries"] = 1
     # Ray's GCS declares a silent node dead after a few missed health checks (3 s apart by
     # default, 5 misses); checked twice a second here, it notices in ~1.5 s, not ~15 s
@@ -97,7 +104,7 @@ def test_node_death_is_retried(tmp_path, tiny_spec):
 
 OOM_SCRIPT = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     import ray
     from hptransfer.config import get_settings
     from hptransfer.coordinator.service import Coordinator
@@ -114,6 +121,9 @@ OOM_SCRIPT = textwrap.dedent(
     t = coordinator.store.trials(sweep["id"], limit=None)[0]
     print("RESULT " + json.dumps({"status": t.status, "attempts": t.attempts,
                                   "error": t.error}))
+    ray.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # as SCRIPT does
     """
 )
 
