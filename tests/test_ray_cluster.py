@@ -59,7 +59,7 @@ def ray_head():
                 break
         assert proc.poll() is None, "ray start --head exited"
         assert time.time() < deadline, "ray head did not come up"
-        time.sleep(0.5)
+        time.sleep(0.2)
     yield f"127.0.0.1:{port}"
     _kill(proc, marker=temp_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
@@ -86,11 +86,11 @@ def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
                 except RuntimeError:
                     assert server.poll() is None, (tmp_path / "serve.log").read_text()
                     assert time.time() < deadline, "hpt serve did not start"
-                    time.sleep(0.5)
+                    time.sleep(0.2)
             # joined the head's GCS, not a cluster of its own
             assert health["ray_address"].endswith(":" + ray_head.split(":")[1])
             s = c.submit(tiny_spec)
-            done = c.wait(s["id"], poll=0.5, timeout=300, progress=False)
+            done = c.wait(s["id"], poll=0.25, timeout=300, progress=False)
             df = c.trials(s["id"])
         assert done["status"] == "completed"
         assert set(df["status"]) <= {"completed", "diverged"}
@@ -101,18 +101,22 @@ def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
 
 
 THREAD_SCRIPT = """
-import threading, time, ray
+import os, sys, threading, time, ray
 from hptransfer.config import get_settings
 from hptransfer.coordinator.dispatch import init_ray
 
 # a short-lived thread starts the cluster (a server thread's start-up, TestClient's portal)
 t = threading.Thread(target=init_ray, args=(get_settings(),))
 t.start(); t.join()
-time.sleep(3)  # the starting thread is gone; Ray kills what a dead thread started
+# the starting thread is gone; Ray kills what a dead thread started (PR_SET_PDEATHSIG: at
+# once; such a GCS dies well within the second, and the process with it after Ray's 60 s)
+time.sleep(1)
 gcs = [p for p in ray._private.worker._global_node.all_processes["gcs_server"]]
 assert all(p.process.poll() is None for p in gcs), "GCS died with its starting thread"
 print("OK", ray.get(ray.remote(lambda: 41 + 1).remote()))
 ray.shutdown()
+sys.stdout.flush()
+os._exit(0)  # Ray is down: not seconds more of the interpreter's teardown (gRPC, torch)
 """
 
 
