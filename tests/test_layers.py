@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hptransfer"
 
 # ground floor first; a top-level module counts as a unit of its own
 FLOORS: list[set[str]] = [
-    {"contracts", "redaction", "backoff", "jsonsafe", "models"},
+    {"contracts", "redaction", "backoff", "jsonsafe", "models", "sockets"},
     {"config"},
     {"analysis", "spec"},
     {"data", "store", "client"},

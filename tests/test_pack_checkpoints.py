@@ -242,7 +242,7 @@ def test_with_torch_adamw_the_checkpoint_is_torch_adamw_s(tmp_path, monkeypatch)
     """Where the lone trial steps torch.optim.AdamW (fused, on CUDA), a member's checkpoint
     holds that optimizer's state dict: checked here on the CPU with fused AdamW standing in,
     loaded strictly into a lone one, each parameter's moments the FlatAdamW checkpoint's."""
-    from hptransfer.workers import trainer
+    from hptransfer.workers import pack as pack_module
     from hptransfer.workers.pack import Pack
 
     members = [TrialSpec.model_validate({**s, "budget": {"steps": 5}}) for s in specs()[:2]]
@@ -250,7 +250,7 @@ def test_with_torch_adamw_the_checkpoint_is_torch_adamw_s(tmp_path, monkeypatch)
     pack = Pack(members, None, str(tmp_path / "cache"))
     pack.train()
     flat_state = pack.member_state(1, 5)
-    monkeypatch.setattr(trainer, "lone_optimizer", lambda groups, betas, device:
+    monkeypatch.setattr(pack_module, "lone_optimizer", lambda groups, betas, device:
                         torch.optim.AdamW(groups, betas=betas, fused=True))
     state = pack.member_state(1, 5)
     plan = plan_trial(spec, load_trial_data(spec, str(tmp_path / "cache")))

@@ -46,6 +46,7 @@ from .flat_adamw import FlatAdamW
 from .outcome import Progress, trial_result
 from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
 from .preemption import Preempted, preemption
+from .trial_state import lone_optimizer, trial_state
 
 # reporter(member, metrics) -> True stops that member (pruned); member indexes the pack's specs
 PackedReporter = Callable[[int, dict[str, Any]], bool | None]
@@ -175,11 +176,9 @@ class Pack:
 
     def member_state(self, row: int, done: int) -> dict[str, Any]:
         """The checkpoint of the member in stacked `row` after `done` steps, exactly what
-        run_trial writes for that trial alone (trainer._state): the lone model's state dict
+        run_trial writes for that trial alone (trial_state.trial_state): the lone model's state dict
         (same keys), the lone optimizer's (FlatAdamW on the CPU, fused AdamW on CUDA) with
         the member's AdamW moments, its progress and the RNG."""
-        from .trainer import _state, lone_optimizer  # trainer imports this module
-
         m = self.members[self.rows[row]]
         # copied to the host: a view would save the whole (K, P) buffer it is part of, and
         # the device has no room planned for a member's copy (torch.load maps to the CPU
@@ -203,7 +202,7 @@ class Pack:
                                          device=p.device if fused else None),
                     "exp_avg": avg.to("cpu", copy=True),
                     "exp_avg_sq": avg_sq.to("cpu", copy=True)}
-        return _state(done, self.template, opt, m.progress,
+        return trial_state(done, self.template, opt, m.progress,
                       weights=(model_state, opt.state_dict()))
 
     def _past_ceiling(self) -> bool:

@@ -34,7 +34,6 @@ from .checkpoints import CheckpointPolicy, TrialCheckpoints
 from .compiling import Compiled, eager_if_backward_fails
 from .data_parallel import DataParallel
 from .device import autocast, reading_back_is_free, to_device
-from .flat_adamw import FlatAdamW
 from .outcome import Progress, failed_result, trial_result
 from .plan import TrialPlan, load_trial_data, plan_trial, prepare_process
 from .preemption import Preempted, preemption
@@ -50,6 +49,7 @@ from .sharding import (
 )
 from .sharding import micro_batches as sharded_micro_batches
 from .subnormals import subnormals_flushed
+from .trial_state import lone_optimizer, resume_checkpoint, resume_from, trial_state
 
 # reporter(metrics) -> True asks the trainer to stop (pruned); metrics has step, tokens,
 # train_loss, lr and, at evaluation points, val_loss
@@ -112,7 +112,7 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
         model: Any = trained  # eager: torch.compile around FSDP's hooks is not tried
     else:
         opt = lone_optimizer(optimizer_groups(built.model, built.table), betas, device)
-        resume, retrained = _resume(checkpoints, built.model, opt, progress, notes)
+        resume, retrained = resume_checkpoint(checkpoints, built.model, opt, progress, notes)
         # the optimizer first: FlatAdamW re-points the parameters, DDP then registers them
         trained = built.model if parallel is None else parallel.wrap(built.model, device)
         model = Compiled(trained, device, notes, "model", work_flops=plan.training_flops)
@@ -225,11 +225,11 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                 if due[0] or stopping:
                     weights = gather_state(built.model, opt)
                     if leads:
-                        checkpoints.save(done, _state(done, built.model, opt, progress,
+                        checkpoints.save(done, trial_state(done, built.model, opt, progress,
                                                       weights))
             elif checkpoints is not None and leads:
                 if checkpoints.due(done) or stopping:
-                    checkpoints.save(done, _state(done, built.model, opt, progress))
+                    checkpoints.save(done, trial_state(done, built.model, opt, progress))
             if stopping:
                 raise Preempted(f"stopped by SIGTERM after step {done}, checkpointed")
 
@@ -242,15 +242,6 @@ def _train(plan: TrialPlan, reporter: Reporter | None, progress: Progress, start
                         train_time=time.perf_counter() - t_train, started=started,
                         notes=notes, resumed_from=resume or None, retrained=retrained,
                         workers=1 if parallel is None else parallel.world)
-
-
-def lone_optimizer(groups: list[dict[str, Any]], betas: tuple[float, float],
-                   device: torch.device) -> Any:
-    """A trial's AdamW alone on one device (a packed member's checkpoint is written in its
-    format, pack.py): fused on CUDA; on the CPU foreach's arithmetic on one buffer per
-    group."""
-    return (torch.optim.AdamW(groups, betas=betas, fused=True) if device.type == "cuda"
-            else FlatAdamW(groups, betas=betas))
 
 
 def _past(started: float, max_hours: float, parallel: DataParallel | None,
@@ -273,58 +264,10 @@ def _no_sync(model: torch.nn.Module, skip: bool) -> contextlib.AbstractContextMa
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def _state(done: int, model: torch.nn.Module, opt: Any, progress: Progress,
-           weights: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Everything the loop needs to go on after `done` steps exactly as if never stopped:
-    the data position is the step (a batch depends only on seed and step). `weights`: the
-    model's and optimizer's full state dicts where they are gathered (a sharded trial)."""
-    model_state, opt_state = weights or (model.state_dict(), opt.state_dict())
-    return {
-        "steps_done": done,
-        "model": model_state,
-        "optimizer": opt_state,
-        "progress": {"steps_done": progress.steps_done, "initial_loss": progress.initial_loss,
-                     "train_loss": progress.train_loss, "val_loss": progress.val_loss,
-                     "curve": progress.curve},
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def _resume(checkpoints: TrialCheckpoints | None, model: torch.nn.Module, opt: Any,
-            progress: Progress, notes: list[str]) -> tuple[int, int]:
-    """Load the latest complete checkpoint into the model, optimizer and progress: the
-    steps it had done (0: start from scratch), and how many steps past it an earlier
-    attempt had got to (trained again now)."""
-    found = checkpoints.latest() if checkpoints is not None else None
-    if found is None:
-        return 0, 0
-    done, state = found
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    return _resume_from(done, state, checkpoints.reached(), progress, notes)
-
-
-def _resume_from(done: int, state: dict[str, Any], reached: int, progress: Progress,
-                 notes: list[str]) -> tuple[int, int]:
-    """The progress and RNG states of a checkpoint after `done` steps restored."""
-    saved = state["progress"]
-    progress.steps_done, progress.initial_loss = saved["steps_done"], saved["initial_loss"]
-    progress.train_loss, progress.val_loss = saved["train_loss"], saved["val_loss"]
-    progress.curve = list(saved["curve"])
-    torch.set_rng_state(state["rng"])
-    if state["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    retrained = max(0, reached - done)
-    notes.append(f"resumed from the checkpoint after step {done} (an earlier attempt had "
-                 f"reached step {done + retrained})")
-    return done, retrained
-
-
 def _resume_sharded(checkpoints: TrialCheckpoints | None, parallel: DataParallel,
                     model: torch.nn.Module, opt: Any, progress: Progress,
                     notes: list[str]) -> tuple[int, int]:
-    """_resume for a sharded model: rank 0 reads the latest checkpoint and scatters its
+    """resume_checkpoint for a sharded model: rank 0 reads the latest checkpoint and scatters its
     weights and optimizer state to the shards; every rank takes the rest of it."""
     found = checkpoints.latest() if checkpoints is not None and parallel.leads else None
     state = found[1] if found is not None else {}
@@ -335,7 +278,7 @@ def _resume_sharded(checkpoints: TrialCheckpoints | None, parallel: DataParallel
     if rest is None:
         return 0, 0
     scatter_state(model, opt, state.get("model", {}), state.get("optimizer", {}))
-    return _resume_from(rest["steps_done"], rest, rest["reached"], progress, notes)
+    return resume_from(rest["steps_done"], rest, rest["reached"], progress, notes)
 
 
 @torch.no_grad()
