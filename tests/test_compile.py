@@ -19,7 +19,7 @@ from test_packed import CASES, specs_for
 from hptransfer.models.build import build_from_config
 from hptransfer.spec.trial import Budget, TrialSpec
 from hptransfer.workers.compiling import CPU_COMPILE_MIN_FLOPS, Compiled, compile_wanted
-from hptransfer.workers.pack import STACK_SIZE_MAY_CHANGE, Pack
+from hptransfer.workers.pack import Pack, stack_size_may_change
 from hptransfer.workers.plan import load_trial_data, plan_trial
 
 CUDA = torch.device("cuda")  # only decides that `Compiled` compiles; the tensors stay on the CPU
@@ -121,7 +121,7 @@ def test_a_shrinking_pack_compiles_its_model_once_more_not_once_per_size():
             pack.members[stopped].progress.status = "pruned"
             pack._compact()
         rows = pack.rows
-        with STACK_SIZE_MAY_CHANGE:
+        with stack_size_may_change():
             got = losses(xs[rows], ys[rows])
         torch.testing.assert_close(got, pack._losses(xs[rows], ys[rows]), rtol=1e-6, atol=0)
     assert pack.rows == [1, 3]

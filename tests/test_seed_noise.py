@@ -15,12 +15,21 @@ import pytest
 from scipy import stats
 
 from hptransfer.analysis import compare_fits, fit_power_law, optimal_lr
-from hptransfer.analysis.noise import bracket_rise, pooled_sd, vertex_ci
+from hptransfer.analysis.noise import bracket_rise, pooled_sd, t_quantile, vertex_ci
 from hptransfer.analysis.powerlaw import PowerLawFit
 from hptransfer.analysis.staged import transfer_check
 from hptransfer.analysis.study_report import study_fit_report
 
 CURVATURE = 0.05  # loss rise per octave² from the optimum
+
+
+@pytest.mark.parametrize("ci", [0.5, 0.9, 0.95, 0.99])
+def test_the_t_quantile_is_student_t_s(ci):
+    """Every CI's t factor against scipy.stats' Student t (the analysis takes the inverse CDF
+    from scipy.special, lighter to import): fractional degrees of freedom (Welch) included."""
+    dof = np.array([1.0, 1.5, 2.0, 3.7, 10.0, 250.0])
+    assert np.allclose(t_quantile(ci, dof), stats.t.ppf(0.5 + ci / 2, dof), rtol=1e-10)
+    assert np.isnan(t_quantile(ci, np.array([0.0, 0.5]))).all()  # no CI below one dof
 
 
 def _tolerance(n: int, level: float = 0.95) -> float:

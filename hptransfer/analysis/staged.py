@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from .errors import NotEnoughData
-from .noise import ETA_CI_LOG2
+from .noise import ETA_CI_LOG2, t_quantile
 from .optimal_lr import OptimalLRResult, optimal_lr, per_budget
 from .savings import SavingsResult, compare_fits, flop_savings
 from .serialize import analysis_dict, with_none
@@ -99,7 +98,7 @@ def shift_interval(check: tuple[float, float, float], base: tuple[float, float, 
     up = (max(c_hi - c, 0.0), max(b - b_lo, 0.0))
     if dofs is None or not all(math.isfinite(d) and d >= 1 for d in dofs):
         return shift - math.hypot(*down), shift + math.hypot(*up)
-    t = [float(stats.t.ppf(0.5 + ci / 2, d)) for d in dofs]
+    t = [float(t_quantile(ci, d)) for d in dofs]
 
     def half(widths: tuple[float, float]) -> float:
         se = [w / ti for w, ti in zip(widths, t, strict=True)]
@@ -109,7 +108,7 @@ def shift_interval(check: tuple[float, float, float], base: tuple[float, float, 
         if var == 0:
             return 0.0
         dof = var**2 / sum(x**4 / d for x, d in zip(se, dofs, strict=True))
-        return float(stats.t.ppf(0.5 + ci / 2, dof)) * math.sqrt(var)
+        return float(t_quantile(ci, dof)) * math.sqrt(var)
 
     return shift - half(down), shift + half(up)
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
 from hptransfer.jsonsafe import frame_records
 
 from .errors import NotEnoughData
+from .noise import t_quantile
 from .optimal_lr import OptimalLRResult, optimal_lr
 from .serialize import analysis_dict, with_none
 
@@ -73,7 +73,7 @@ def fit_slope(
     if dof <= 0:
         return SlopeFit(slope, nan, nan, nan, max(dof, 0), n, n_levels, resid)
     stderr = float(np.sqrt(np.sum(resid * resid) / dof / sxx))
-    half = float(stats.t.ppf(0.5 + ci / 2.0, dof)) * stderr
+    half = float(t_quantile(ci, dof)) * stderr
     return SlopeFit(slope, stderr, slope - half, slope + half, dof, n, n_levels, resid)
 
 

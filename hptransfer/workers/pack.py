@@ -22,6 +22,7 @@ update exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -67,8 +68,12 @@ class _Member:
 # Compaction shrinks the stacks (K) that the compiled model's parameters are views of; torch
 # compiles parameters for their exact shapes, so each smaller K compiled the model anew (a
 # pack of 5 losing 3 members one by one: 4 compiles, CPU, ad hoc). Traced as any input, the
-# first change of K makes it dynamic and later compactions reuse that graph.
-STACK_SIZE_MAY_CHANGE = torch._dynamo.config.patch(force_parameter_static_shapes=False)
+# first change of K makes it dynamic and later compactions reuse that graph. Built at first
+# use: torch._dynamo takes ~1.2 s to import, paid by every process importing this module
+# (the coordinator's, each Ray worker's) though only a pack's training needs it.
+@functools.cache
+def stack_size_may_change() -> Any:
+    return torch._dynamo.config.patch(force_parameter_static_shapes=False)
 
 
 class Pack:
@@ -259,7 +264,7 @@ class Pack:
             p.grad = None
         losses = torch.zeros(len(self.rows), device=self.device)
         for xc, yc, weight in self.plan.micro_batches(x, y, dim=1):
-            with STACK_SIZE_MAY_CHANGE:
+            with stack_size_may_change():
                 part = self.loss_fn(xc, yc)
             if weight != 1.0:
                 part = part * weight
