@@ -77,16 +77,18 @@ WRITING = ("SELECT pid, backend_xid::text, state, left(regexp_replace(query, '\\
            "AND backend_xid IS NOT NULL AND pid <> pg_backend_pid() "
            "AND application_name NOT LIKE 'hpt-chaos%'")
 LRS = [2**-10, 2**-9, 2**-8, 2**-7]
+LIVE = ("pending", "running")  # a sweep not yet ended
 
 
-def sweep_spec(trials: int, steps: int) -> dict[str, Any]:
-    """`trials` (a multiple of 4) small CPU trials, 4 LRs x seeds: one shape, one trial per
-    Ray task (so a fault takes down one trial, not a pack of them)."""
+def sweep_spec(trials: int, steps: int, first_seed: int = 0) -> dict[str, Any]:
+    """`trials` (a multiple of 4) small CPU trials, 4 LRs x seeds from `first_seed`: one shape,
+    one trial per Ray task (so a fault takes down one trial, not a pack of them)."""
     seeds = trials // len(LRS)
     return {
-        "name": "chaos",
+        "name": "chaos" if first_seed == 0 else f"chaos-from-seed-{first_seed}",
         "arms": [{"arch": "gpt", "parameterization": "completep"}],
-        "grid": {"widths": [32], "depths": [1], "lrs": LRS, "seeds": list(range(seeds))},
+        "grid": {"widths": [32], "depths": [1], "lrs": LRS,
+                 "seeds": list(range(first_seed, first_seed + seeds))},
         "fixed": {"head_dim": 32, "seq_len": 32, "base_width": 32, "base_depth": 1,
                   # an evaluation every 50 steps: at every 5 they were 43 % of a trial's CPU
                   "device": "cpu", "eval_every": 50},
@@ -382,8 +384,15 @@ def storm(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {}
     try:
         s.up()
-        with s.client() as c:
-            sweep_id = c.submit(sweep_spec(trials, args.steps))["id"]
+        sweeps: list[str] = []
+
+        def submit() -> str:  # seeds of its own: its trials are not an earlier sweep's
+            spec = sweep_spec(trials, args.steps, first_seed=len(sweeps) * trials // len(LRS))
+            with s.client() as c:
+                sweeps.append(c.submit(spec)["id"])
+            return sweeps[-1]
+
+        sweep_id = submit()
         s.say(f"sweep {sweep_id}: {trials} trials; events: {' '.join(kinds)}")
         mlflow_down = False
 
@@ -398,16 +407,25 @@ def storm(args: argparse.Namespace) -> int:
         last = 0
         for i, kind in enumerate(kinds):
             # spread over the sweep: fault i once i / (faults + 1) of it completed, and on a
-            # sweep making progress (a trial more completed since the last fault)
-            goal = max(last + 1, (i + 1) * trials // (len(kinds) + 1))
+            # sweep making progress (a trial more completed since the last fault); in a sweep
+            # submitted for the events left, at each trial completed
+            goal = (max(last + 1, (i + 1) * trials // (len(kinds) + 1)) if len(sweeps) == 1
+                    else last + 1)
             deadline = time.monotonic() + args.fault_wait
             while True:
-                n, status = _retry(lambda: _completed(s, sweep_id))
+                n, status = _retry(lambda one=sweep_id: _completed(s, one))
                 second_half(n)
-                if n >= goal or status != "running" or time.monotonic() > deadline:
+                if status == "completed" and not args.mlflow_down_second_half:
+                    # the sweep ended before the storm (its trials trained faster than the
+                    # restores took): another keeps the deployment busy; every sweep is checked
+                    sweep_id, goal, last = submit(), 1, 0
+                    s.say(f"sweep {sweep_id}: {trials} more trials for the "
+                          f"{len(kinds) - i} events left")
+                    continue
+                if n >= goal or status not in LIVE or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
-            if status != "running":
+            if status not in LIVE:
                 failures.append(f"the sweep ended ({status}) after {i} of {len(kinds)} "
                                 f"events: give it more --trials")
                 break
@@ -436,10 +454,12 @@ def storm(args: argparse.Namespace) -> int:
             n, status = _retry(lambda: _completed(s, sweep_id))
             second_half(n if status == "running" else trials)
             time.sleep(0.5)
+        finals = {}
         with s.client() as c:
-            final = _retry(lambda: c.wait(sweep_id, poll=1.0, timeout=args.timeout,
-                                          progress=False))
-        s.say(f"sweep {final['status']}")
+            for one in sweeps:
+                finals[one] = _retry(lambda one=one: c.wait(one, poll=1.0, timeout=args.timeout,
+                                                            progress=False))
+                s.say(f"sweep {one} {finals[one]['status']}")
         if mlflow_down:  # results kept while it was down, mirrored now it is back
             backlog = s.store().mirror_backlog(sweep_id)
             summary["backlog"] = backlog
@@ -447,7 +467,12 @@ def storm(args: argparse.Namespace) -> int:
             if not backlog:
                 failures.append("nothing waited for the MLflow server while it was down")
             s.up()
-        summary.update(check(s, sweep_id, trials, final, failures))
+        checked = [check(s, one, trials, final, failures) for one, final in finals.items()]
+        summary.update(
+            completed=sum(c["completed"] for c in checked), trials=trials * len(sweeps),
+            attempts_max=max(c["attempts_max"] for c in checked),
+            runs_per_trial="/".join(sorted({k for c in checked
+                                            for k in c["runs_per_trial"].split("/")})))
     except Exception as e:  # a failed restart or a hung sweep is a finding, not a crash
         failures.append(f"{type(e).__name__}: {e}")
     finally:
@@ -485,7 +510,7 @@ def storm(args: argparse.Namespace) -> int:
     wall = time.monotonic() - started
     by_kind = ", ".join(f"{k} {done_kinds[k]}" for k in KINDS)
     line = (f"chaos: faults={sum(done_kinds.values())} ({by_kind}) "
-            f"trials={summary.get('completed', '?')}/{trials} completed "
+            f"trials={summary.get('completed', '?')}/{summary.get('trials', trials)} completed "
             f"attempts_max={summary.get('attempts_max', '?')} "
             f"finished_runs_per_trial={summary.get('runs_per_trial', '?')} "
             f"cluster_up_max={max(s.up_seconds, default=0):.1f}s "
