@@ -1,8 +1,9 @@
 """The whole deployment under faults (issue 52): benchmarks/chaos.py brings up
-scripts/cluster_up.sh's topology, runs one sweep over REST and kill -9s a random component
-(coordinator, Ray worker node, mlflow server, PostgreSQL's postmaster) several times while
-it runs, each followed by cluster_up.sh alone. Every trial must complete exactly once, with
-one FINISHED MLflow run each, and cluster_down.sh must leave no process behind.
+scripts/cluster_up.sh's topology, runs a sweep over REST (another when it ends first) and
+kill -9s a random component (coordinator, Ray worker node, mlflow server, PostgreSQL's
+postmaster) several times while it runs, each followed by cluster_up.sh alone. Every trial
+must complete exactly once, with one FINISHED MLflow run each, and cluster_down.sh must leave
+no process behind.
 
 Slow: 10 faults (the first four one of each kind, in a seeded order) and two restarts of
 PostgreSQL inside a write of the coordinator over trials of 600 steps (~1.2 s of CPU each; a
