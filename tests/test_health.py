@@ -331,7 +331,14 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
         assert not survivors, [" ".join(p.cmdline())[:200] for p in survivors]
         if sig != signal.SIGTERM:
             return
-        # the trials it had in flight were left for the next start, which finishes them
+        # the trials it had in flight were left for the next start (still `running`, not
+        # failed or cancelled), which finishes them
+        from hptransfer.store.store import Store
+
+        store = Store(f"sqlite:///{hpt_home}/hpt.db")
+        left = [t.status for t in store.trials(sweep["id"], limit=None)]
+        store.close()
+        assert "running" in left and set(left) <= {"running", "pending", "completed"}, left
         proc = serve()
         _wait_health(url, proc, log)
         deadline = time.time() + 400
