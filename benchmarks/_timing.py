@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hptransfer.spec.trial import Budget, TrialResult, TrialSpec
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.packed import run_trials
+from hptransfer.workers.trainer import run_trial
 
 T = TypeVar("T")
 

@@ -50,8 +50,9 @@ from hptransfer.models.flops import flops_per_token
 from hptransfer.spec.trial import TrialResult, TrialSpec
 from hptransfer.workers.memory import trial_memory
 from hptransfer.workers.outcome import peak_flops
+from hptransfer.workers.packed import run_trials
 from hptransfer.workers.plan import autocasts, load_trial_data, resolve_device
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trainer import run_trial
 
 CPU_DEFAULTS = {"widths": [64, 128], "pack_width": 64, "batch": 4, "seq_len": 128}
 CUDA_DEFAULTS = {"widths": [256, 1024, 2048], "pack_width": 256, "batch": 32, "seq_len": 512}

@@ -24,7 +24,7 @@ import json, resource, sys
 import torch
 from hptransfer.data import load_dataset
 from hptransfer.workers.memory import trial_memory
-from hptransfer.workers.trainer import run_trials
+from hptransfer.workers.packed import run_trials
 from hptransfer.spec.trial import TrialSpec
 
 width, depth, batch, seq, k, threads, cache = sys.argv[1:8]

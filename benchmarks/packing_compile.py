@@ -31,7 +31,8 @@ from _timing import alternating
 from packing import grid
 
 from hptransfer.spec.trial import TrialSpec
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.packed import run_trials
+from hptransfer.workers.trainer import run_trial
 
 
 def specs_for(width: int, k: int, steps: int, threads: int) -> list[TrialSpec]:

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hptransfer.workers.plan as plan_module
 from hptransfer.spec.trial import TrialSpec
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.packed import run_trials
+from hptransfer.workers.trainer import run_trial
 
 # the code paths bf16 can reach: rotary (real arithmetic in bf16), x0 mixing and value
 # embeddings, ALiBi + biases + GELU, nGPT's normalisations

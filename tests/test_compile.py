@@ -300,7 +300,8 @@ def _backward_fails():
 
 
 def _eager_result(specs: list[TrialSpec], tmp_path, monkeypatch):  # noqa: ANN001
-    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.packed import run_trials
+    from hptransfer.workers.trainer import run_trial
 
     with monkeypatch.context() as m:
         m.setenv("HPT_COMPILE", "0")
@@ -313,7 +314,8 @@ def test_a_backward_graph_that_fails_to_compile_runs_eager_with_a_note(k, monkey
                                                                         tmp_path):
     """AOTAutograd compiles the backward graph at the first .backward(), outside Compiled's
     call: its failure ended the trial (or every member of a pack) failed, not eager."""
-    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.packed import run_trials
+    from hptransfer.workers.trainer import run_trial
 
     specs = [TrialSpec(**{**TINY_RUN, "seed": i}) for i in range(k)]
     eager = _eager_result(specs, tmp_path, monkeypatch)
@@ -332,7 +334,8 @@ def test_a_later_graph_that_fails_to_compile_runs_eager(monkeypatch, tmp_path):
     not; and a pack's smaller graph after it drops a pruned member does not: eager, not
     failed."""
     from hptransfer.workers import pack
-    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.packed import run_trials
+    from hptransfer.workers.trainer import run_trial
 
     graphs = []
 

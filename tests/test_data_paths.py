@@ -226,7 +226,8 @@ def test_the_worker_refuses_a_source_that_left_the_roots_after_submit(client, ro
 
 
 def test_the_worker_refuses_data_that_changed_since_submit(client, root, tiny_spec):
-    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.packed import run_trials
+    from hptransfer.workers.trainer import run_trial
 
     write_shard(root / "shards" / "a.bin")
     trial = _submitted_trial(client, tiny_spec, str(root / "shards"))

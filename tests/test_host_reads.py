@@ -19,8 +19,9 @@ from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers import pack as pack_trainer
 from hptransfer.workers import trainer
+from hptransfer.workers.packed import run_trials
 from hptransfer.workers.plan import load_trial_data, plan_trial
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trainer import run_trial
 
 # 200 steps: a curve point every 4 steps, so most steps are not sync steps
 SPEC = dict(width=32, depth=2, head_dim=16, batch_size=2, seq_len=16, base_width=32,

@@ -19,8 +19,9 @@ from hptransfer.workers import checkpoints as checkpoints_module
 from hptransfer.workers import plan as plan_module
 from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
 from hptransfer.workers.flat_adamw import FlatAdamW
+from hptransfer.workers.packed import run_trials
 from hptransfer.workers.plan import load_trial_data, plan_trial
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.trainer import run_trial
 
 BASE = dict(width=32, depth=2, head_dim=16, seq_len=32, batch_size=8, budget={"steps": 48},
             data={"source": "stdlib", "tokenizer": "byte"}, eval_every=16, num_threads=1)
@@ -91,6 +92,32 @@ def test_a_killed_pack_resumes_each_member_alone(tmp_path, alone):
         assert_resumes_as_alone(resumed, alone[i], 36)
         assert resumed.retrained_tokens == (40 - 36) * 8 * 32
         assert not (root / "sweep" / f"trial{i}").exists()  # finished alone: deleted
+
+
+def test_a_pack_out_of_memory_goes_on_alone_from_each_members_checkpoint(tmp_path, alone):
+    """Checkpoints every 12 steps; the pack fails to allocate at step 40 (raised from the
+    reporter: the pack's path for any allocation failure): each member goes on alone from
+    step 36 in the same call, re-training 4 steps, not the 40 a halved pack retrains from
+    step 0; the reporter hears each step once, and the result is the lone run's."""
+    cache, root = str(tmp_path / "cache"), tmp_path / "ckpt"
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    failed = []
+
+    def reporter(i: int, metrics: dict) -> None:
+        seen[i].append(metrics["step"])
+        if metrics["step"] == 40 and not failed:
+            failed.append(i)
+            raise torch.OutOfMemoryError("can't allocate memory (injected)")
+
+    results = run_trials(specs(), reporter=reporter, cache_dir=cache,
+                         checkpoints=policies(root))
+    assert failed == [0]
+    for i, result in enumerate(results):
+        assert_resumes_as_alone(result, alone[i], 36)
+        assert result.retrained_tokens == (40 - 36) * 8 * 32
+        assert any("a pack of 3 ran out of memory" in n and "went on alone from its "
+                   "checkpoint" in n for n in result.notes), result.notes
+        assert seen[i] == list(range(1, 49))  # each step once, the re-trained ones not again
 
 
 def test_sigterm_checkpoints_the_pack_then_each_member_resumes_there(tmp_path, alone,

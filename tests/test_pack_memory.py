@@ -20,8 +20,8 @@ from hptransfer.workers.memory import (
     trial_memory,
 )
 from hptransfer.workers.pack import Pack
-from hptransfer.workers.packed import split_evenly
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.packed import run_trials, split_evenly
+from hptransfer.workers.trainer import run_trial
 
 
 def test_the_packed_state_estimate_counts_the_packs_own_buffers():
@@ -125,7 +125,8 @@ def test_a_pack_larger_than_its_memory_limit_trains_in_turn_as_smaller_packs(tmp
 
 _OUT_OF_MEMORY = textwrap.dedent("""
     import json, resource, sys
-    from hptransfer.workers.trainer import run_trial, run_trials
+    from hptransfer.workers.packed import run_trials
+    from hptransfer.workers.trainer import run_trial
     from hptransfer.spec.trial import TrialSpec
 
     def status(key):

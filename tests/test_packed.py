@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hptransfer.spec.trial import TrialSpec
-from hptransfer.workers.trainer import run_trial, run_trials
+from hptransfer.workers.packed import run_trials
+from hptransfer.workers.trainer import run_trial
 
 # tiny and off the base shape (m_N = m_L = 2) so every width/depth multiplier is exercised
 TINY = dict(width=64, depth=2, head_dim=32, base_width=32, base_depth=1, batch_size=4,

@@ -100,7 +100,7 @@ def test_failed_trial_reports_error(tmp_path):
 
 def test_a_trial_that_fails_midway_keeps_the_curve_it_reported(tmp_path):
     """MLflow showed those points live: the app DB, which owns the result, holds them too."""
-    from hptransfer.workers.trainer import run_trials
+    from hptransfer.workers.packed import run_trials
 
     seen = []
 

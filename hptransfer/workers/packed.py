@@ -18,12 +18,13 @@ import torch
 from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
-from .checkpoints import CheckpointPolicy
+from .checkpoints import CheckpointPolicy, TrialCheckpoints
 from .memory import free_memory, is_out_of_memory, trial_memory
 from .outcome import failed_result
 from .pack import Pack, PackedReporter
 from .plan import load_trial_data, plan_trial, prepare_process
 from .subnormals import subnormals_flushed
+from .trainer import run_trial
 
 __all__ = ["PACKABLE_FIELDS", "PackedReporter", "check_packable", "run_trials", "split_evenly"]
 
@@ -75,7 +76,9 @@ def run_trials(
     after another; a pack that still runs out of memory is halved and trained again (its
     members from the start; the reporter sees each step of a member once). A split pack's
     members say so in their notes; their results are a smaller pack's, i.e. still
-    run_trial's for each spec alone. `on_result(i, result)` hears each member's final result
+    run_trial's for each spec alone; a member with a checkpoint when its pack ran out of
+    memory goes on alone from it (run_trial's resume), re-training at most one checkpoint
+    interval. `on_result(i, result)` hears each member's final result
     once, as soon as it is final, so that a caller can keep it should the process die later:
     a member that stopped early (diverged, pruned) when it stopped, a split pack's members
     when their group has trained (the last group's come with the return only).
@@ -85,7 +88,7 @@ def run_trials(
     (HPT_MAX_TRIAL_HOURS): members still training past it stop failed, as in run_trial.
     `checkpoints`: each member's checkpoint policy (or None), as run_trial's: a member
     checkpoints in run_trial's format, so that a retry resumes it alone (a pack itself
-    always starts at step 0; a pack halved for memory trains again from there).
+    always starts at step 0).
     """
     started = time.perf_counter()
     specs = [s if isinstance(s, TrialSpec) else TrialSpec.model_validate(s) for s in specs]
@@ -104,7 +107,7 @@ def run_trials(
     why = [] if fits == k else [f"estimated {need.pack_peak(1) / 1e9:.3g} GB per member, "
                                 f"{budget / 1e9:.3g} GB to use"]
     packing = _Packing(specs, data, plan.device, reporter, on_result, why, max_hours,
-                       checkpoints)
+                       checkpoints, (cache_dir, roots, data_hash))
     return packing.train(split_evenly(list(range(k)), fits))
 
 
@@ -150,9 +153,13 @@ class _Packing:
                  reporter: PackedReporter | None,
                  on_result: Callable[[int, TrialResult], None] | None, why: list[str],
                  max_hours: float | None = None,
-                 policies: Sequence[CheckpointPolicy | None] | None = None):
+                 policies: Sequence[CheckpointPolicy | None] | None = None,
+                 data_source: tuple[str | None, Sequence[str] | None, str | None] = (
+                     None, None, None)):
         self.specs, self.data, self.device = specs, data, device
         self.policies = policies
+        self.data_source = data_source  # run_trial's cache_dir, roots, data_hash
+        self.alone: set[int] = set()  # members to go on alone from their checkpoint
         self.max_hours = max_hours
         self.on_result, self.why = on_result, why  # why: the reasons packs were split
         self.relay = _Relay(reporter)
@@ -163,14 +170,17 @@ class _Packing:
         k = len(self.specs)
         while queue:
             group = queue.pop(0)
-            out, oom = self.train_pack(group)
+            out, oom = (self.train_alone(group[0]) if group[0] in self.alone
+                        else self.train_pack(group))
             if oom and len(group) > 1:
                 queue[:0] = self.halved(group, out[0])
                 continue
             out = [self.early.get(i, r) for i, r in zip(group, out, strict=True)]
             if len(group) < k:  # final now: the note says only what this member's group was
-                note = (f"a pack of {k} did not fit in memory together; this member trained "
-                        f"in a pack of {len(group)} ({'; '.join(self.why)})")
+                how = ("went on alone from its checkpoint" if group[0] in self.alone
+                       else f"trained in a pack of {len(group)}")
+                note = (f"a pack of {k} did not fit in memory together; this member {how} "
+                        f"({'; '.join(self.why)})")
                 for r in out:
                     r.notes.append(note)
             self.results.update(zip(group, out, strict=True))
@@ -179,6 +189,16 @@ class _Packing:
                     if i not in self.early:
                         self.on_result(i, result)
         return [self.results[i] for i in range(k)]
+
+    def train_alone(self, i: int) -> tuple[list[TrialResult], bool]:
+        """Member `i` trained alone by run_trial, which resumes it from its latest checkpoint
+        (the member's own, written by the pack that ran out of memory)."""
+        report = self.relay.for_group([i])
+        cache_dir, roots, data_hash = self.data_source
+        result = run_trial(self.specs[i], lambda metrics: report(0, metrics), cache_dir,
+                           roots, data_hash, checkpoints=self.policies[i],
+                           max_hours=self.max_hours)
+        return [result], False
 
     def train_pack(self, group: list[int]) -> tuple[list[TrialResult], bool]:
         """Train the members in `group` as one pack; (results, whether it ran out of memory,
@@ -215,4 +235,14 @@ class _Packing:
             torch.cuda.empty_cache()
         again = [i for i in group if i not in self.early]  # those that stopped are final
         self.results.update((i, self.early[i]) for i in group if i in self.early)
-        return split_evenly(again, (len(again) + 1) // 2) if again else []
+        # a member that checkpointed goes on alone from there (re-training at most an
+        # interval, not the steps since 0): alone it needs the least memory there is
+        resumable = [i for i in again if self._checkpointed(i)]
+        self.alone.update(resumable)
+        again = [i for i in again if i not in self.alone]
+        halves = split_evenly(again, (len(again) + 1) // 2) if again else []
+        return [[i] for i in resumable] + halves
+
+    def _checkpointed(self, i: int) -> bool:
+        policy = None if self.policies is None else self.policies[i]
+        return policy is not None and TrialCheckpoints(policy, []).exists()

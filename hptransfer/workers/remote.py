@@ -20,7 +20,8 @@ from typing import Any
 from hptransfer.spec.trial import TrialResult
 
 from .checkpoints import CheckpointPolicy
-from .trainer import run_trial, run_trials
+from .packed import run_trials
+from .trainer import run_trial
 
 log = logging.getLogger(__name__)
 _REPORT_TIMEOUT_S = 5.0

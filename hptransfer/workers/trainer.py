@@ -1,8 +1,7 @@
 """run_trial: train one model for one TrialSpec and return a TrialResult, read top to bottom:
 the run plan (process settings, data, plan.py), the model and optimizer, the training loop
 (step, clipping, schedule, progress and pruning, evaluations), the final evaluation and the
-result. run_trials, the packed variant for K specs of one shape, lives in packed.py and is
-re-exported here.
+result. run_trials, the packed variant for K specs of one shape, lives in packed.py.
 
 Pure torch + the data layer: no database, no HTTP, no MLflow. The coordinator observes
 progress through the `reporter` callback (MLflow logging, Optuna pruning).
@@ -55,7 +54,7 @@ from .trial_state import lone_optimizer, resume_checkpoint, resume_from, trial_s
 # train_loss, lr and, at evaluation points, val_loss
 Reporter = Callable[[dict[str, Any]], bool | None]
 
-__all__ = ["Reporter", "evaluate", "run_trial", "run_trials"]
+__all__ = ["Reporter", "evaluate", "run_trial"]
 
 
 @subnormals_flushed()
@@ -314,5 +313,3 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> None:
         return  # torch's clamp(factor, max=1.0) is 1.0; a NaN factor scales, as in torch
     torch._foreach_mul_(grads, factor)
 
-
-from .packed import run_trials  # noqa: E402  (packed.py builds on this module's pieces)
