@@ -34,6 +34,9 @@ HEAD_CPUS=${HPT_HEAD_CPUS:-1}
 WORKER_CPUS=${HPT_WORKER_CPUS:-1}
 OBJECT_STORE_BYTES=${HPT_RAY_OBJECT_STORE_BYTES:-200000000}  # small: 2 cores, 3 raylets
 MLFLOW_WORKERS=${HPT_MLFLOW_WORKERS:-1}
+# 0: the Ray head without its dashboard (a web UI, and a dozen Python processes on the head
+# that nothing here uses: tests turn it off)
+RAY_DASHBOARD=${HPT_RAY_DASHBOARD:-1}
 TIMEOUT=${HPT_CLUSTER_TIMEOUT:-180}
 
 die() { echo "cluster_up: error: $*" >&2; exit 1; }
@@ -135,7 +138,7 @@ wait_for() {  # wait_for NAME DESCRIPTION CHECK...: poll CHECK until it succeeds
     fi
     [ $SECONDS -lt $deadline ] || { tail -n 30 "$DIR/logs/$name.log" >&2 || true
       die "$name: no $what after ${TIMEOUT}s (log: $DIR/logs/$name.log)"; }
-    sleep 1
+    sleep 0.2  # the checks are cheap (grep, curl): a ready component is seen at once
   done
 }
 clear_node() {  # clear_node NAME: what a killed Ray node left behind (found by its temp dir)
@@ -143,7 +146,13 @@ clear_node() {  # clear_node NAME: what a killed Ray node left behind (found by 
   pids=$(pgrep -f -- "$RAY_TMP/$1/" || true)
   [ -z "$pids" ] || { say "clearing leftovers of $1"; kill -KILL $pids 2>/dev/null || true; }
 }
-http_ok() { "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1"; }
+http_ok() {  # an answer with a 2xx status (curl where there is one: no Python start per poll)
+  if command -v curl >/dev/null 2>&1; then
+    curl -fsS -o /dev/null --max-time 5 "$1"
+  else
+    "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1"
+  fi
+}
 log_has() { grep -q "$2" "$DIR/logs/$1.log"; }
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -218,12 +227,17 @@ fi
 # Token authentication with this cluster's own token; every node on loopback only.
 unset RAY_ADDRESS
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN
+case $RAY_DASHBOARD in
+  1) RAY_DASHBOARD=true ;;
+  0) RAY_DASHBOARD=false ;;
+  *) die "HPT_RAY_DASHBOARD is 1 (the Ray dashboard, the default) or 0 (none), not $RAY_DASHBOARD" ;;
+esac
 if alive ray-head; then
   say "ray-head already running"
 else
   clear_node ray-head
   start_bg ray-head "$BIN/ray" start --head --node-ip-address=127.0.0.1 --port="$RAY_PORT" \
-    --num-cpus="$HEAD_CPUS" \
+    --num-cpus="$HEAD_CPUS" --include-dashboard="$RAY_DASHBOARD" \
     --num-gpus=0 --dashboard-host=127.0.0.1 --dashboard-port="$RAY_DASHBOARD_PORT" \
     --ray-client-server-port="$RAY_CLIENT_PORT" \
     --dashboard-agent-listen-port="$RAY_AGENT_PORT_HEAD" \
@@ -243,7 +257,7 @@ join_ray() {  # join_ray NAME AGENT_PORT ARGS...: start a Ray node, wait until i
       --temp-dir="$RAY_TMP/$name" --disable-usage-stats --block "$@"
     deadline=$((SECONDS + TIMEOUT))
     while alive "$name" && ! log_has "$name" "Ray runtime started" && [ $SECONDS -lt $deadline ]
-    do sleep 1; done
+    do sleep 0.2; done
     # Ray gives a new raylet a fixed 30 s to register with the GCS, and the node exits when
     # it misses that; a loaded host can make it miss, so such a node starts once more
     if [ "$attempt" = 1 ] && ! alive "$name" && log_has "$name" "timed out during startup"
@@ -258,10 +272,17 @@ join_ray() {  # join_ray NAME AGENT_PORT ARGS...: start a Ray node, wait until i
   WAIT_UNTIL=$deadline wait_for "$name" "a Ray node joined to the head" \
     log_has "$name" "Ray runtime started"
 }
+# both nodes at once (each in a subshell of its own: a failure says so and ends that one)
 join_ray ray-worker "$RAY_AGENT_PORT_WORKER" --num-cpus="$WORKER_CPUS" \
-  --resources='{"hpt_worker": 1}'
+  --resources='{"hpt_worker": 1}' &
+worker_join=$!
 # the coordinator's own raylet: no CPUs, so no trial lands beside the API
-join_ray ray-coordinator "$RAY_AGENT_PORT_COORD" --num-cpus=0 --num-gpus=0
+join_ray ray-coordinator "$RAY_AGENT_PORT_COORD" --num-cpus=0 --num-gpus=0 &
+coordinator_join=$!
+joined=0
+wait "$worker_join" || joined=1
+wait "$coordinator_join" || joined=1
+[ $joined = 0 ] || exit 1
 [ $WITHOUT_MLFLOW = 1 ] ||
   wait_for mlflow "an answer on /health" http_ok "http://127.0.0.1:$MLFLOW_PORT/health"
 
@@ -281,7 +302,7 @@ cat <<EOF
 hptransfer local cluster up in $DIR
   API (token in $DIR/env)   http://127.0.0.1:$API_PORT   (/docs, /dashboards, /health)
   MLflow server             http://127.0.0.1:$MLFLOW_PORT
-  Ray dashboard             http://127.0.0.1:$RAY_DASHBOARD_PORT   (head 127.0.0.1:$RAY_PORT)
+  Ray dashboard             $([ "$RAY_DASHBOARD" = true ] && echo "http://127.0.0.1:$RAY_DASHBOARD_PORT" || echo "off (HPT_RAY_DASHBOARD=0)")   (head 127.0.0.1:$RAY_PORT)
   PostgreSQL                postgresql://hpt:***@127.0.0.1:$PG_PORT/{hpt,optuna,mlflow}
   logs                      $DIR/logs/
 use it:   source $DIR/env && hpt doctor && hpt submit examples/cpu_small.yaml --wait

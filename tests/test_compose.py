@@ -28,6 +28,7 @@ WHEEL = "docker-compose==1.29.2"
 LOCAL_ONLY = {
     "--node-ip-address", "--num-cpus", "--num-gpus", "--dashboard-port", "--temp-dir",
     "--ray-client-server-port", "--dashboard-agent-listen-port", "--object-store-memory",
+    "--include-dashboard",  # HPT_RAY_DASHBOARD=0 turns it off (tests); on by default, as here
 }
 
 
