@@ -70,7 +70,7 @@ def test_kills_of_every_component_and_restarts_mid_write_lose_nothing_and_repeat
     # a sweep that ends before the storm is followed by another (each checked): short trials
     # keep the events close together, and their number follows the restores' time
     proc, got = _storm("--faults", str(faults), "--pg-restarts-mid-write", "2", "--seed", seed,
-                       "--steps", "600")
+                       "--steps", "600", "--no-ray-dashboard")
     _ended_clean(proc, got)
     assert got["faults"] == str(faults)
     kinds = dict(re.findall(r"(coordinator|ray-worker|mlflow|postgres) (\d+)", proc.stdout))
