@@ -80,7 +80,8 @@ LRS = [2**-10, 2**-9, 2**-8, 2**-7]
 LIVE = ("pending", "running")  # a sweep not yet ended
 
 
-def sweep_spec(trials: int, steps: int, first_seed: int = 0) -> dict[str, Any]:
+def sweep_spec(trials: int, steps: int, first_seed: int = 0,
+               max_concurrent: int = 2) -> dict[str, Any]:
     """`trials` (a multiple of 4) small CPU trials, 4 LRs x seeds from `first_seed`: one shape,
     one trial per Ray task (so a fault takes down one trial, not a pack of them)."""
     seeds = trials // len(LRS)
@@ -95,7 +96,7 @@ def sweep_spec(trials: int, steps: int, first_seed: int = 0) -> dict[str, Any]:
         "budget": {"steps": steps, "batch_size": 4},
         "data": {"source": "stdlib", "val_tokens": 1024, "max_corpus_bytes": 400000},
         "resources": {"pack": 1},
-        "max_concurrent": 2,
+        "max_concurrent": max_concurrent,
         # a trial may be hit by several faults (a worker host dying fails its task)
         "retries": 10,
     }
@@ -389,7 +390,8 @@ def storm(args: argparse.Namespace) -> int:
         sweeps: list[str] = []
 
         def submit() -> str:  # seeds of its own: its trials are not an earlier sweep's
-            spec = sweep_spec(trials, args.steps, first_seed=len(sweeps) * trials // len(LRS))
+            spec = sweep_spec(trials, args.steps, first_seed=len(sweeps) * trials // len(LRS),
+                              max_concurrent=args.max_concurrent)
             with s.client() as c:
                 sweeps.append(c.submit(spec)["id"])
             return sweeps[-1]
@@ -615,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="trials of the sweep (default 3 x faults + 4: it lasts through them)")
     p.add_argument("--steps", type=int, default=2000,
                    help="training steps per trial (2000: ~4 s of CPU)")
+    p.add_argument("--max-concurrent", type=int, default=2,
+                   help="trials in flight (2: one on each worker node; 1: half the CPU, "
+                        "as the storm's length, not its trials, sets what it trains)")
     p.add_argument("--jitter", type=float, default=2.0,
                    help="a random pause of up to this many seconds before each fault")
     p.add_argument("--fault-wait", type=float, default=60.0,
