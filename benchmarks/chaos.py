@@ -15,12 +15,14 @@ injected, one kind drawn at random (`--seed`) each time, the first four one of e
 Each fault is followed at once by `cluster_up.sh`, which must bring the component back on
 its own. Fault i waits until i / (faults + 1) of the sweep completed (so the faults spread
 over it) and a trial more than at the last fault (so each lands on a sweep that makes
-progress), plus a random moment. At the end it checks, with no manual step in between: the
-sweep and every trial completed, each trial exactly once (one completed attempt; `attempts`
-equals its attempt rows); exactly one FINISHED MLflow run per trial on the MLflow server
-(read with mlflow's client), the sweep's own run FINISHED and no run left RUNNING; and no
-process of the deployment left after `cluster_down.sh`. It prints one summary line and
-exits 1 when a check failed.
+progress), plus a random moment. A sweep that ends while events are left (its trials trained
+faster than the restores took) is followed by another with seeds of its own, each event then
+after a trial more of it. At the end it checks, for every sweep and with no manual step in
+between: the sweep and every trial completed, each trial exactly once (one completed
+attempt; `attempts` equals its attempt rows); exactly one FINISHED MLflow run per trial on
+the MLflow server (read with mlflow's client), the sweep's own run FINISHED and no run left
+RUNNING; and no process of the deployment left after `cluster_down.sh`. It prints one
+summary line and exits 1 when a check failed.
 
 `--mlflow-down-second-half`: the MLflow server is stopped once half the trials completed
 and stays down until the sweep has ended (`cluster_up.sh --without mlflow` restores the
