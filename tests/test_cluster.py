@@ -162,9 +162,10 @@ def test_grid_and_optuna_sweeps_run_across_the_cluster(cluster, tiny_spec):
     head = _raylet_node_id(cluster, "ray-head")
     assert worker and head and worker != head
     # one trial per task, one CPU each, two at a time: the second task cannot fit on the
-    # node (1 CPU each) running the first, so both nodes train
+    # node (1 CPU each) running the first, so both nodes train; 400 steps (~1.4 s of CPU):
+    # at 40 a loaded host once finished the first before Ray placed the second, on the head
     apart = {"resources": {"cpus": 1, "pack": 1}}
-    grid = {**_grid_spec(tiny_spec, "cluster-grid", 40, [2**-10, 2**-9, 2**-8, 2**-7]),
+    grid = {**_grid_spec(tiny_spec, "cluster-grid", 400, [2**-10, 2**-9, 2**-8, 2**-7]),
             **apart}
     optuna = {**_grid_spec(tiny_spec, "cluster-optuna", 10, [2**-10, 2**-6]),
               "search": {"method": "optuna", "sampler": "tpe", "n_trials": 3}}
