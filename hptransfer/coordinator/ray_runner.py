@@ -42,7 +42,7 @@ from hptransfer.spec import SweepSpec
 from hptransfer.spec.sections import TaskResources
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.store.store import TrialRecord
-from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
+from hptransfer.workers.checkpoints import CheckpointPolicy
 from hptransfer.workers.ray_train import execute_trial_on_workers
 from hptransfer.workers.remote import execute_trial, execute_trials
 
@@ -317,7 +317,7 @@ class RayRunner:
             return False
         try:
             policy = CheckpointPolicy(**self._checkpoint(spec, trial))
-            return TrialCheckpoints(policy, []).exists()
+            return policy.has_checkpoint()
         except Exception as exc:  # noqa: BLE001 - an unreadable store: run it alone anyway
             log.warning("checkpoint store unreadable for trial %s: %s", trial.id, exc)
             return True

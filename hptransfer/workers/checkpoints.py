@@ -45,6 +45,11 @@ class CheckpointPolicy:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def has_checkpoint(self) -> bool:
+        """Whether the trial has a complete checkpoint to resume from (raises when the store
+        cannot be read: the caller decides what that means)."""
+        return TrialCheckpoints(self, []).exists()
+
 
 def open_root(url: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem and base path of a store URL (a bare path is a local directory)."""

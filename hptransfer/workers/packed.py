@@ -18,7 +18,7 @@ import torch
 from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
-from .checkpoints import CheckpointPolicy, TrialCheckpoints
+from .checkpoints import CheckpointPolicy
 from .memory import free_memory, is_out_of_memory, trial_memory
 from .outcome import failed_result
 from .pack import Pack, PackedReporter
@@ -245,4 +245,7 @@ class _Packing:
 
     def _checkpointed(self, i: int) -> bool:
         policy = None if self.policies is None else self.policies[i]
-        return policy is not None and TrialCheckpoints(policy, []).exists()
+        try:
+            return policy is not None and policy.has_checkpoint()
+        except Exception:  # noqa: BLE001 - an unreadable store: train it again in a pack
+            return False
