@@ -82,7 +82,8 @@ class Dispatcher:
             self.context,
             should_prune=lambda trial_id, points: self.optuna_bridge.should_prune(trial_id,
                                                                                  points),
-            after_stored=self._outcome_stored)
+            after_stored=self._outcome_stored,
+            verdict_step=lambda trial_id: self.optuna_bridge.verdict_step(trial_id))
         self.optuna_asker = OptunaAsker(self.context, optuna_bridge, self.recovery)
         self.study_advancer = StudyAdvancer(self.context, self.ray_runner, optuna_bridge,
                                             self.recovery)

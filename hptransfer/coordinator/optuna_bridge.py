@@ -124,6 +124,11 @@ class OptunaBridge:
         except OptunaUnavailable:
             return False
 
+    def verdict_step(self, trial_id: str) -> int | None:
+        """Where the trial waits for the pruner's first verdict (OptunaSearch.verdict_step);
+        kept in memory, so it never calls the storage."""
+        return self.search.verdict_step(trial_id)
+
     def forget(self, trial_id: str) -> None:
         """The trial is no longer live: nothing left to prune."""
         self.search.forget(trial_id)

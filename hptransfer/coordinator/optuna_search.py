@@ -397,6 +397,15 @@ class OptunaSearch:
             decide_from = total if protected else decision_step(spec, search.prune_after)
             self._live[trial_id] = _Live(trial, study, decide_from, total)
 
+    def verdict_step(self, trial_id: str) -> int | None:
+        """The step at which the trial's worker waits for the pruner's first verdict (the
+        progress board's gate); None when the pruner can never stop it."""
+        live = self._live.get(trial_id)
+        if live is None or live.decide_from >= live.total \
+                or self._search[live.study.study_name].pruner == "none":
+            return None
+        return live.decide_from
+
     def should_prune(self, trial_id: str, step: int, val_loss: float) -> bool:
         live = self._live.get(trial_id)
         if live is None or not math.isfinite(val_loss):

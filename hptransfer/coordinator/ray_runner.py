@@ -198,6 +198,8 @@ def count_fitting(task: TaskResources, cpus: float, gpus: float) -> int:
 
 # should_prune(trial_id, new points) -> whether Optuna's pruner stops the trial
 ShouldPrune = Callable[[str, list[dict[str, Any]]], bool]
+# verdict_step(trial_id) -> the step at which the trial waits for the pruner's verdict, if any
+VerdictStep = Callable[[str], int | None]
 # after_stored(trial, stored status, result): the follow-ups of a durably stored outcome
 AfterStored = Callable[[TrialRecord, str, dict | None], None]
 
@@ -206,9 +208,10 @@ class RayRunner:
     """Runs leased trials as Ray tasks and brings their outcomes home to the app database."""
 
     def __init__(self, context: DispatchContext, should_prune: ShouldPrune,
-                 after_stored: AfterStored) -> None:
+                 after_stored: AfterStored, verdict_step: VerdictStep | None = None) -> None:
         self.context = context
         self.should_prune, self.after_stored = should_prune, after_stored
+        self.verdict_step = verdict_step
         self.in_flight: dict[str, InFlight] = {}
         self.progress_board = None  # the ProgressBoard actor, once started
         self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
@@ -284,6 +287,7 @@ class RayRunner:
         # the worker checks the data again: still inside the roots, still what was submitted
         guard = ([str(r) for r in settings.data_roots], trials[0].data_hash)
         options: dict[str, Any] = {"num_cpus": task.cpus, "max_retries": 0}
+        self._gate_pruning(trials)
         if task.gpus:
             options["num_gpus"] = task.gpus
         if task.spans:
@@ -329,6 +333,17 @@ class RayRunner:
             url=self.context.settings.checkpoint_root, key=f"{trial.sweep_id}/{trial.id}",
             every_steps=c.every_steps, every_minutes=c.every_minutes,
             keep_final=c.keep_final, max_sweep_bytes=c.max_sweep_gb * 1e9).to_dict()
+
+    def _gate_pruning(self, trials: list[TrialRecord]) -> None:
+        """Tell the board where each Optuna trial waits for the pruner's verdict; sent before
+        the task starts, so the board has it before the worker's first report."""
+        if self.verdict_step is None:
+            return
+        for trial in trials:
+            if trial.optuna_trial_number is not None:
+                step = self.verdict_step(trial.id)
+                if step is not None:
+                    self.progress_board.gate.remote(trial.id, step)
 
     def cancel_stopped_sweeps(self) -> None:
         """Cancel the tasks in flight of every sweep a request stopped."""

@@ -2,9 +2,10 @@
 (run_trials), plus a progress side channel.
 
 `progress` is any object with a Ray-actor-like `report.remote(trial_id, metrics)` returning
-an ObjectRef of bool (stop requested). The side channel must never hang or kill a trial:
-if it fails or is slow, training carries on and only live metrics are lost (the final
-result still carries the whole curve). A pack's members report under their own trial ids;
+an ObjectRef of bool (stop requested) or None (ask `verdict.remote(trial_id)` for the
+pruner's verdict: hptransfer.coordinator.progress). The side channel must never hang or
+kill a trial: if it fails or is slow, training carries on and only live metrics are lost
+(the final result still carries the whole curve). A pack's members report under their own trial ids;
 a pack split for memory hands each group's results over as that group finishes
 (`ProgressBoard.deliver`).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +27,16 @@ from .trainer import run_trial
 
 log = logging.getLogger(__name__)
 _REPORT_TIMEOUT_S = 5.0
+# a trial gated for pruning waits this long at most for the coordinator to judge its point
+# (a coordinator restarting or stalled must not hold training up for long)
+_VERDICT_WAIT_S = 20.0
+_VERDICT_POLL_S = 0.05
 
 
 def progress_channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bool]:
-    """report(trial_id, metrics) -> stop requested; after one failure it stops reporting."""
+    """report(trial_id, metrics) -> stop requested; after one failure it stops reporting.
+    A point the board answers None (the trial's pruning gate) waits up to _VERDICT_WAIT_S for
+    the pruner's verdict; a verdict that does not come in time is taken as "train on"."""
     import ray
 
     ok = progress is not None
@@ -38,8 +46,15 @@ def progress_channel(progress: Any | None) -> Callable[[str, dict[str, Any]], bo
         if not ok:
             return False
         try:
-            ref = progress.report.remote(trial_id, metrics)
-            return bool(ray.get(ref, timeout=_REPORT_TIMEOUT_S))
+            stop = ray.get(progress.report.remote(trial_id, metrics), timeout=_REPORT_TIMEOUT_S)
+            deadline = time.monotonic() + _VERDICT_WAIT_S
+            while stop is None and time.monotonic() < deadline:
+                time.sleep(_VERDICT_POLL_S)
+                stop = ray.get(progress.verdict.remote(trial_id), timeout=_REPORT_TIMEOUT_S)
+            if stop is None:
+                log.warning("no pruning verdict for trial %s after %.0f s: training on",
+                            trial_id, _VERDICT_WAIT_S)
+            return bool(stop)
         except Exception as exc:  # dead or slow actor: keep training, stop reporting
             log.warning("progress channel failed for trial %s: %s", trial_id, exc)
             ok = False
