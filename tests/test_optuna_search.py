@@ -182,8 +182,7 @@ def reference_grid(module_hpt_home, module_ray_cluster) -> pd.DataFrame:
 # the hard case: at 64 x 1 its loss dips twice (grid: 2^-7 at 3.16, 2^-4 at 3.36), and its
 # search's first batch lands three LRs within 0.004 of each other, the best of them in the
 # shallower dip; before rival basins got refined (analysis/basins.py) the search called
-# 2^-4.19 a reliable η*, which trained to 3.51. Four searches at once instead of two lag
-# the pruner's stops on two cores, and pack 1's pruning check below then fails.
+# 2^-4.19 a reliable η*, which trained to 3.51.
 SEARCHES = [(1, "sp"), (8, "completep")]
 
 
