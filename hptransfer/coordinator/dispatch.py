@@ -183,6 +183,7 @@ class Dispatcher:
         recovery.resync_optuna_sweeps()
         recovery.settle_follow_ups()
         collected = self.ray_runner.collect()
+        self.ray_runner.remove_orphaned_placement_groups()
         started = self._fill()
         return bool(collected or started)
 

@@ -47,12 +47,16 @@ from hptransfer.workers.ray_train import execute_trial_on_workers
 from hptransfer.workers.remote import execute_trial, execute_trials
 
 from .dispatch_context import DispatchContext, log
+from .placement_groups import remove_orphaned_placement_groups
 from .progress import ProgressBoard
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
 # how long a failed pack task's members wait for the progress board to answer (results
 # its members delivered before the task ended) before they are recorded lost
 BOARD_GRACE_S = 30.0
+# how long after a trial on several workers ended its Train run's controller may still be
+# dying (a force-cancelled driver's owned actors are killed after it)
+ORPHAN_WATCH_S = 60.0
 
 
 def init_ray(settings: Settings) -> None:
@@ -130,6 +134,7 @@ class InFlight:
     # RayRunner._board_heard_since)
     ended_after_drain: int | None = None
     ended_at: float = 0.0
+    spans: bool = False  # a Ray Train run on several workers (placement_groups.py)
 
 
 class ClusterCapacity:
@@ -220,6 +225,9 @@ class RayRunner:
         self.run_trial = None  # execute_trial as a Ray remote function, once started
         self.run_pack = None  # execute_trials, likewise
         self.run_on_workers = None  # execute_trial_on_workers (Ray Train), likewise
+        # until when to look for placement groups a Train run that ended left behind
+        self._orphans_until = 0.0
+        self._orphans_seen_at = 0.0
 
     def start(self) -> None:
         init_ray(self.context.settings)
@@ -312,7 +320,8 @@ class RayRunner:
             self.in_flight[trial.id] = InFlight(trial, ref, task.cpus * task.workers,
                                                 task.gpus * task.workers,
                                                 member=i if len(trials) > 1 else None,
-                                                drains_before=self._drains_sent)
+                                                drains_before=self._drains_sent,
+                                                spans=task.spans)
 
     def may_resume(self, spec: SweepSpec, trial: TrialRecord) -> bool:
         """Whether a retried trial has a checkpoint to resume from (so it must run alone:
@@ -387,6 +396,14 @@ class RayRunner:
             if f.trial.optuna_trial_number is not None and self.should_prune(trial_id, points):
                 self.progress_board.request_stop.remote(trial_id)
 
+    def remove_orphaned_placement_groups(self) -> None:
+        """For a while after a trial on several workers ended, once a second: remove the
+        placement groups its Train run's dead controller left (placement_groups.py)."""
+        now = time.monotonic()
+        if now < self._orphans_until and now - self._orphans_seen_at >= 1.0:
+            self._orphans_seen_at = now
+            remove_orphaned_placement_groups()
+
     def drain_pending(self) -> bool:
         """Whether a drain of the progress board is still unanswered."""
         return self._drain is not None
@@ -441,6 +458,8 @@ class RayRunner:
                 log.warning("trial %s's %s result was not stored: it is no longer running "
                             "under this coordinator's lease", trial_id, status)
         del self.in_flight[trial_id]  # durably written: the slot is free
+        if f.spans:  # its controller may die after this: look for its group a while
+            self._orphans_until = time.monotonic() + ORPHAN_WATCH_S
         self.progress_board.forget.remote(trial_id)
         self.after_stored(f.trial, status, out.result)
 
