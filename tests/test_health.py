@@ -310,7 +310,10 @@ def test_serve_shuts_down_cleanly_and_leaves_trials_for_restart(sig, hpt_home, t
     proc = serve()
     try:
         _wait_health(url, proc, log)
-        spec = {**tiny_spec, "budget": {"steps": 400, "batch_size": 4}}
+        # the signal lands within a second of the first trial's dispatch, before its worker
+        # has imported torch (the dispatcher stops with both trials at step 0); 100 steps
+        # (~3 s of training alone on a loaded 2-core host) keep them from finishing first
+        spec = {**tiny_spec, "budget": {"steps": 100, "batch_size": 4}}
         spec["grid"] = {**spec["grid"], "lrs": [2**-8, 2**-6]}
         sweep = httpx.post(f"{url}/sweeps", json=spec, timeout=60).json()
         deadline = time.time() + 180
