@@ -277,7 +277,9 @@ def _ray_workers(title: str) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
                                                                  tiny_spec):
-    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)
+    # the kill lands within the pack's first 8-16 steps (the dispatcher's view, 2-core host
+    # under load); at 80 steps the pack once finished before the test saw it train
+    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=200)
     spec.update(max_concurrent=1, retries=1)
     spec["grid"]["seeds"] = [0]
     coordinator = Coordinator(get_settings())
@@ -413,7 +415,8 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
 
 def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
         hpt_home, ray_cluster, tiny_spec):
-    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=400)
+    # the first coordinator stops within the pack's first 8-12 steps (see the killed pack)
+    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=200)
     spec.update(max_concurrent=1)
     spec["grid"]["seeds"] = [0]
     first = Coordinator(get_settings())
