@@ -7,10 +7,9 @@ Train (workers/ray_train.py)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,38 +22,50 @@ RTOL = 1e-4
 # (Ray Train fails a worker after 10 minutes of them).
 TRAIN_POLL_ENV, TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25"
 
-# one rank; rank 1 may SIGTERM itself once `stop_after` (a glob) matches a file (a
-# preemption notice reaching one worker). A list of specs: the group trains them one after
-# another (one start-up for several trials), and rank 0 writes the list of their results.
-RANK_SCRIPT = """
-import glob, json, os, signal, sys, threading, time
-import torch.distributed as dist
-rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-spec, out, shard = eval(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
-policy, stop_after = sys.argv[7], sys.argv[8]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=world)
-from hptransfer.workers.checkpoints import CheckpointPolicy
-from hptransfer.workers.data_parallel import DataParallel
-from hptransfer.workers.trainer import run_trial
-if stop_after and rank == 1:
-    def stop():
-        while not glob.glob(stop_after):
-            time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=stop, daemon=True).start()
-results = [run_trial(one, parallel=DataParallel.current(shard=shard),
-                     checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
-           for one in (spec if isinstance(spec, list) else [spec])]
-if rank == 0:
-    dumped = [r.model_dump_json() for r in results]
-    open(out, "w").write(f"[{','.join(dumped)}]" if isinstance(spec, list) else dumped[0])
-# every rank done before any tears its group down (a rank leaving early can abort another's
-# gloo threads still closing the last collectives: "terminate called", SIGABRT at exit);
-# Ray Train's report() is that meeting point for its workers
-dist.barrier()
-dist.destroy_process_group()
-"""
+# The ranks are forks of one server process that has imported torch and the trainer (a fresh
+# interpreter spends ~2.5 CPU-s on those imports, more than these trials train): the server
+# starts with the first group, and every rank of every later group is a fork of it. Nothing
+# of torch runs in the server (no threads to fork), and each rank sets up its own gloo group.
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload(["torch.distributed", "hptransfer.workers.checkpoints",
+                               "hptransfer.workers.data_parallel",
+                               "hptransfer.workers.trainer"])
+
+
+def _rank(rank: int, world: int, port: str, spec: dict | list[dict], out: str, shard: bool,
+          policy: str, stop_after: str) -> None:
+    """One rank; rank 1 may SIGTERM itself once `stop_after` (a glob) matches a file (a
+    preemption notice reaching one worker). A list of specs: the group trains them one after
+    another (one start-up for several trials), and rank 0 writes the list of their results."""
+    import glob
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from hptransfer.workers.checkpoints import CheckpointPolicy
+    from hptransfer.workers.data_parallel import DataParallel
+    from hptransfer.workers.trainer import run_trial
+    if stop_after and rank == 1:
+        def stop() -> None:
+            while not glob.glob(stop_after):
+                time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=stop, daemon=True).start()
+    results = [run_trial(one, parallel=DataParallel.current(shard=shard),
+                         checkpoints=CheckpointPolicy(**json.loads(policy)) if policy else None)
+               for one in (spec if isinstance(spec, list) else [spec])]
+    if rank == 0:
+        dumped = [r.model_dump_json() for r in results]
+        Path(out).write_text(f"[{','.join(dumped)}]" if isinstance(spec, list) else dumped[0])
+    # every rank done before any tears its group down (a rank leaving early can abort
+    # another's gloo threads still closing the last collectives: "terminate called", SIGABRT
+    # at exit); Ray Train's report() is that meeting point for its workers
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def free_port() -> str:
@@ -66,13 +77,21 @@ def free_port() -> str:
 def run_ranks(spec: dict | list[dict], world: int, out: Path, *, shard: bool = False,
               policy: dict | None = None, stop_after: str = "") -> list[int]:
     """Train the trial (or each of a list, in turn) on `world` gloo ranks (rank 0 writes its
-    result, or the list of them, to `out`); their exit codes."""
+    result, or the list of them, to `out`); their exit codes (-15: ended by SIGTERM)."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(world), port,
-                               repr(spec), str(out), "1" if shard else "0",
-                               json.dumps(policy) if policy else "", stop_after])
+    ranks = [_RANKS.Process(target=_rank, args=(r, world, port, spec, str(out), shard,
+                                                json.dumps(policy) if policy else "",
+                                                stop_after))
              for r in range(world)]
-    return [p.wait(timeout=240) for p in ranks]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=240)
+    if any(p.exitcode is None for p in ranks):
+        for p in ranks:
+            p.kill()
+        raise TimeoutError(f"gloo ranks still running after 240 s: {ranks}")
+    return [p.exitcode for p in ranks]
 
 
 def on_ranks(spec: dict, world: int, out: Path, *, shard: bool = False) -> dict:
