@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from hptransfer.cli import main
 
@@ -99,7 +100,9 @@ def test_demo_end_to_end(hpt_home, ray_cluster, tiny_spec, tmp_path, capsys):
     assert "Optimal LR per shape" in text  # the fit report
     index = Path(out_dir) / "index.html"
     assert index.exists() and "plotly" in index.read_text()[:200_000].lower()
-    assert (hpt_home / "mlflow.db").exists()
+    # the sweep's experiment in the home's MLflow store, beside MLflow's Default
+    experiments = MlflowClient(f"sqlite:///{hpt_home / 'mlflow.db'}").search_experiments()
+    assert len(experiments) == 2, [e.name for e in experiments]
 
 
 def test_client_commands_start_without_torch():

@@ -93,18 +93,10 @@ def result(status: str, lr: float, points: list[dict[str, Any]],
     }
 
 
-@pytest.fixture(scope="module")
-def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Creating MLflow's schema takes seconds on two cores; migrate once, copy per test.
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
 @pytest.fixture
-def mlflow_uri(tmp_path: Path, template_db: Path) -> str:
+def mlflow_uri(tmp_path: Path, mlflow_template: Path) -> str:
     db = tmp_path / "mlflow.db"
-    shutil.copy(template_db, db)
+    shutil.copy(mlflow_template, db)  # conftest's: MLflow's schema, made once
     return f"sqlite:///{db}"
 
 
