@@ -310,7 +310,8 @@ def test_optuna_storage_on_postgresql_is_used_again_after_a_read_only_spell(
         caplog.set_level(logging.INFO, logger="hptransfer.coordinator.dispatch")
         searched = dict(tiny_spec, name="optuna-read-only", max_concurrent=1, reuse=False,
                         search={"method": "optuna", "sampler": "tpe", "n_trials": 3},
-                        resources={"cpus": 1, "pack": 1}, budget={"steps": 300, "batch_size": 4})
+                        resources={"cpus": 1, "pack": 1}, budget={"steps": 100, "batch_size": 4})
+        # the spell starts while the first of 3 trials trains: its tell, or a later one, meets it
         coordinator.start()
         try:
             sweep_id = coordinator.submit(searched)["id"]
@@ -651,7 +652,9 @@ def test_an_optuna_storage_outage_holds_up_only_the_optuna_sweeps(
     searched = dict(tiny_spec, name="optuna-outage", max_concurrent=1, reuse=False,
                     search={"method": "optuna", "sampler": "tpe", "n_trials": 3},
                     resources={"cpus": 1, "pack": 1},
-                    budget={"steps": 300, "batch_size": 4})  # seconds: outlives the chattr
+                    budget={"steps": 150, "batch_size": 4})
+    # the first trial is seen training at step 5-20 (measured at a load of 12 on 2 cores): 150
+    # steps outlive the chattr that follows within a poll
     gridded = dict(tiny_spec, name="grid-during-outage", reuse=False)
     caplog.set_level(logging.INFO, logger="hptransfer.coordinator.dispatch")
     storage = [Path(settings.home) / "optuna.db"]
