@@ -33,7 +33,7 @@ _RANKS.set_forkserver_preload(["torch.distributed", "hptransfer.workers.checkpoi
 
 
 def _rank(rank: int, world: int, port: str, spec: dict | list[dict], out: str, shard: bool,
-          policy: str, stop_after: str) -> None:
+          policy: str, stop_after: str, environ: dict[str, str]) -> None:
     """One rank; rank 1 may SIGTERM itself once `stop_after` (a glob) matches a file (a
     preemption notice reaching one worker). A list of specs: the group trains them one after
     another (one start-up for several trials), and rank 0 writes the list of their results."""
@@ -44,7 +44,8 @@ def _rank(rank: int, world: int, port: str, spec: dict | list[dict], out: str, s
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    os.environ.clear()  # the caller's environment now, as a subprocess it started would have
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from hptransfer.workers.checkpoints import CheckpointPolicy
     from hptransfer.workers.data_parallel import DataParallel
@@ -81,7 +82,7 @@ def run_ranks(spec: dict | list[dict], world: int, out: Path, *, shard: bool = F
     port = free_port()
     ranks = [_RANKS.Process(target=_rank, args=(r, world, port, spec, str(out), shard,
                                                 json.dumps(policy) if policy else "",
-                                                stop_after))
+                                                stop_after, dict(os.environ)))
              for r in range(world)]
     for p in ranks:
         p.start()
