@@ -264,6 +264,24 @@ def test_a_packs_members_flops_decide_its_cpu_compile(monkeypatch, mode):
     assert pack.plan.training_flops < CPU_COMPILE_MIN_FLOPS < 2 * pack.plan.training_flops
 
 
+def test_a_packs_lr_table_is_each_schedules_factors_step_for_step():
+    """Pack builds its (steps, K) LR table from Schedule.factors in one pass (a table of half
+    a million steps, as the large members above have, took seconds step by step): the very
+    floats `factor` gives each step, with warmup or without (nGPT), past the run's end too."""
+    from hptransfer.spec.trial import Schedule
+
+    for schedule in [Schedule(decay=d, **kw) for d in ("cosine", "linear", "wsd", "constant")
+                     for kw in ({}, dict(warmup_fraction=0.3, wsd_decay_fraction=0.5,
+                                         min_lr_ratio=0.1))]:
+        for total, warmup, steps in ((1, True, None), (7, True, None), (400, True, None),
+                                     (400, False, None), (400, True, 410), (61, True, 3)):
+            want = [schedule.factor(i, total, warmup) for i in range(steps or total)]
+            assert schedule.factors(total, warmup, steps) == want, (schedule, total, steps)
+    pack = Pack(specs_for(CASES["ngpt"]), None, None)  # nGPT: no warmup
+    assert pack.factors.tolist() == torch.tensor(
+        [[m.plan.factor(i) for m in pack.members] for i in range(pack.plan.total_steps)]).tolist()
+
+
 def test_an_unknown_hpt_compile_is_an_error_naming_the_choices(monkeypatch):
     monkeypatch.setenv("HPT_COMPILE", "yes")
     with pytest.raises(ValueError, match=r"HPT_COMPILE='yes': use one of 0, 1, all"):

@@ -320,7 +320,7 @@ class Pack:
             torch.arange(len(self.segments), device=device),
             torch.tensor([stop - start for start, stop in self.segments], device=device))
         self.factors = torch.tensor(  # (steps, K): each member's own LR schedule
-            [[m.plan.factor(step) for m in self.members] for step in range(steps)],
+            list(zip(*(m.plan.factors(steps) for m in self.members), strict=True)),
             device=device,
         )
         # AdamW bias corrections of every step, on the device: a host scalar made into a device

@@ -108,6 +108,10 @@ class TrialPlan:
         """LR multiplier of optimizer step `step` (0-based): the spec's schedule."""
         return self.spec.schedule.factor(step, self.total_steps, warmup=self.warmup)
 
+    def factors(self, steps: int) -> list[float]:
+        """`factor(step)` of steps 0 .. `steps` - 1, in one pass (Schedule.factors)."""
+        return self.spec.schedule.factors(self.total_steps, warmup=self.warmup, steps=steps)
+
     def is_curve_step(self, done: int) -> bool:
         return done % self.curve_every == 0 or done == self.total_steps
 
