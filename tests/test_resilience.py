@@ -1,5 +1,6 @@
-"""Failure handling with real processes, no mocks: a coordinator killed and restarted, a Ray
-worker killed mid-trial, and a Python exception inside training.
+"""Failure handling with real processes, no mocks: a Ray worker killed mid-trial, what a
+coordinator killed between two writes left behind, and a Python exception inside training
+(a coordinator process killed and restarted: test_resume_service.py).
 
 Processes are only ever killed by id and only if this test started them: the `hpt serve`
 subprocess with everything below it, or a Ray worker below this pytest process. Other Ray
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -169,95 +169,8 @@ def trial_runs(mlflow_uri: str, experiment_id: str) -> dict[str, list[Any]]:
 
 # ------------------------------------------------------------------ coordinator killed
 
-
-N_RESTART_TRIALS = 4
-
-
-@pytest.mark.slow
-def test_coordinator_killed_mid_sweep_resumes_without_rerunning(hpt_home, servers, tiny_spec):
-    tiny_spec.update(name="coordinator-restart", max_concurrent=1, retries=1, reuse=False)
-    # all well-behaved; the kill lands as soon as one has completed while the next runs:
-    # the new coordinator takes over one running and (with 4) two pending
-    tiny_spec["grid"]["lrs"] = [2.0**-k for k in range(7, 7 + N_RESTART_TRIALS)]
-    tiny_spec["budget"] = {"steps": 300, "batch_size": 4}  # 1-2 s each on one core
-    tiny_spec["fixed"]["eval_every"] = 100
-    # one trial per task, so some finish while another runs (packs: test_packed_dispatch.py)
-    tiny_spec["resources"] = {"cpus": 1, "gpus": 0, "pack": 1}
-    first = servers(hpt_home)
-    with Client(first.url) as c:
-        sweep_id = c.submit(tiny_spec)["id"]
-    store = Store(f"sqlite:///{hpt_home}/hpt.db")
-
-    def mid_sweep() -> bool:
-        status = [t.status for t in store.trials(sweep_id, limit=None)]
-        return status.count("completed") >= 1 and status.count("running") == 1
-
-    wait_for(mid_sweep, 180, lambda: f"a completed and a running trial:\n{first.log_tail()}")
-    first.kill()
-    killed_at = datetime.now(UTC)
-
-    before = {t.id: t for t in store.trials(sweep_id, limit=None)}
-    done = {tid: t for tid, t in before.items() if t.status == "completed"}
-    running = [t for t in before.values() if t.status == "running"]
-    assert len(running) == 1, {t.id: t.status for t in before.values()}
-    orphan = running[0]
-    assert orphan.attempts == 1 and orphan.lease_owner
-    assert {t.status for t in before.values()} <= {"completed", "running", "pending"}
-
-    second = servers(hpt_home, port=first.port)  # same home, same port
-    with Client(second.url) as c:
-        final = c.wait(sweep_id, poll=0.3, timeout=240, progress=False)
-    # MLflow mirrors the app DB shortly after: wait until it has caught up
-    wait_for(lambda: store.mirror_backlog(sweep_id) == 0, 60, "the MLflow mirror",
-             poll=0.2)
-    after = {t.id: t for t in store.trials(sweep_id, limit=None)}
-    store_attempts = {tid: store.attempts(tid) for tid in after}
-    experiment_id = store.get_sweep(sweep_id).mlflow_experiment_id
-    store.close()
-
-    assert final["status"] == "completed", second.log_tail()
-    assert final["counts"]["completed"] == N_RESTART_TRIALS == final["total"]
-    # no trial duplicated: the same rows, one per planned grid point
-    assert set(after) == set(before)
-    assert sorted(t.idx for t in after.values()) == list(range(N_RESTART_TRIALS))
-    assert len({t.content_hash for t in after.values()}) == N_RESTART_TRIALS
-    assert all(t.status == "completed" and t.error is None for t in after.values())
-
-    # trials completed before the kill were never re-run: same row, same result
-    for tid, old in done.items():
-        new = after[tid]
-        for key in ("finished_at", "started_at", "final_val_loss", "wall_time_s", "result",
-                    "worker_node", "lease_owner", "attempts"):
-            assert getattr(new, key) == getattr(old, key), (tid, key)
-        assert new.attempts == 1
-
-    # the orphan went back to pending, its interrupted attempt recorded but not charged to
-    # its retries (requeue_orphans), then ran once under the new coordinator: attempts is 2,
-    # as its attempt rows (and MLflow's runs) show
-    new = after[orphan.id]
-    assert new.attempts == 2 == len(store_attempts[orphan.id]) and new.max_attempts == 2
-    assert new.started_at > killed_at and new.finished_at > killed_at
-    assert new.lease_owner != orphan.lease_owner
-    assert new.final_val_loss is not None and new.result["status"] == "completed"
-    # trials that were still pending ran once, under the new coordinator
-    for tid, old in before.items():
-        if old.status == "pending":
-            assert after[tid].attempts == 1 and after[tid].started_at > killed_at
-
-    # MLflow: exactly one completed run per trial; the pre-kill trials have no second run
-    runs = trial_runs(f"sqlite:///{hpt_home}/mlflow.db", experiment_id)
-    assert set(runs) == set(after)
-    for tid, trial_runs_ in runs.items():
-        completed = [r for r in trial_runs_ if r.data.tags.get("hpt.status") == "completed"]
-        assert len(completed) == 1, (tid, [r.data.tags.get("hpt.status") for r in trial_runs_])
-        assert completed[0].info.status == "FINISHED"
-        assert completed[0].info.run_id == after[tid].mlflow_run_id
-        if tid in done:
-            assert len(trial_runs_) == 1
-    # the attempt the dead coordinator left behind is closed, not shown running forever
-    interrupted = [r for r in runs[orphan.id]
-                   if r.info.run_id != after[orphan.id].mlflow_run_id]
-    assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
+# `hpt serve` killed mid-sweep and started again on the same home: test_resume_service.py
+# (one module fixture kills a coordinator twice, for a plain sweep and a checkpointed one).
 
 
 # ------------------------------------------------------------------ worker killed
