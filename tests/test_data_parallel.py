@@ -195,10 +195,14 @@ def test_a_trial_whose_workers_no_cluster_holds_says_what_it_needs():
 
 def test_cancelling_a_sweep_stops_its_train_workers(hpt_home, ray_cluster):
     """Cancel reaches a trial on several workers as it does a one-process trial: its Ray
-    Train workers end (they are owned by the cancelled task) and the trial is cancelled."""
+    Train workers end (they are owned by the cancelled task), the trial is cancelled, and
+    the run's placement group goes with them: its dead controller's group used to keep the
+    cluster's CPUs (no state API for Ray Train's cleaner without a dashboard), and every
+    later trial in this Ray session waited for them."""
     import copy
 
     from conftest import TINY_SPEC
+    from mlflow.tracking import MlflowClient
     from waiting import wait_for
 
     from hptransfer.api.server import serve_in_thread
@@ -215,8 +219,18 @@ def test_cancelling_a_sweep_stops_its_train_workers(hpt_home, ray_cluster):
         sweep = c.submit(spec)
         wait_for(lambda: set(train_worker_pids()) - before, 180, "the trial's Train workers",
                  poll=0.25)
+        # cancelled while it trains (its live metrics mirrored), not while its group forms:
+        # the run's placement group was left behind only then
+        mlflow = MlflowClient(get_settings().mlflow_uri)
+        wait_for(lambda: any(r.data.metrics for r in mlflow.search_runs(
+                     [e.experiment_id for e in mlflow.search_experiments()])),
+                 120, "the trial's live metrics in MLflow", poll=0.5)
         c.cancel(sweep["id"])
         wait_for(lambda: (c.trials(sweep["id"])["status"] == "cancelled").all(), 60,
                  "the trial cancelled")
         wait_for(lambda: not set(train_worker_pids()) - before, 60,
                  "its Train workers gone", poll=0.25)
+        import ray
+
+        wait_for(lambda: ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"],
+                 30, lambda: f"the cluster's CPUs back: {ray.available_resources()}", poll=0.25)

@@ -93,7 +93,7 @@ def execute_trial_on_workers(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     per_worker = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    trainer = TorchTrainer(
+    trainer = _trainer_class(TorchTrainer)(
         train_worker,
         train_loop_config={"spec": spec, "trial_id": trial_id, "progress": progress,
                            "cache_dir": cache_dir, "roots": roots, "data_hash": data_hash,
@@ -122,6 +122,21 @@ def execute_trial_on_workers(
         out = json.loads(Path(folder, RESULT_FILE).read_text())
     _forget_run(f"{storage_path}/{run_name}")
     return out
+
+
+def _trainer_class(torch_trainer: type) -> type:
+    """TorchTrainer without Ray Train's placement group cleaner. The cleaner, a detached
+    actor per run, asks Ray's state API whether the run's controller lives; a cluster without
+    a dashboard (the embedded default) has none, so it never cleans anything up, and every
+    run's shutdown waits up to 12 s for it to stop. The coordinator removes the group of a
+    run whose controller died itself (hptransfer.coordinator.placement_groups)."""
+
+    class Trainer(torch_trainer):
+        def _create_default_callbacks(self) -> list:
+            return [c for c in super()._create_default_callbacks()
+                    if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return Trainer
 
 
 def _forget_run(path: str) -> None:
