@@ -10,6 +10,8 @@ short runs stay eager, so that a graph break or a compile failure shows up witho
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -264,10 +266,26 @@ def test_a_packs_members_flops_decide_its_cpu_compile(monkeypatch, mode):
     assert pack.plan.training_flops < CPU_COMPILE_MIN_FLOPS < 2 * pack.plan.training_flops
 
 
+def _schedule_reference(schedule, step: int, total: int, warmup: bool) -> float:
+    """The LR multiplier written from its definition: linear warmup to 1, then the decay
+    over the rest of the run (WSD: flat, then linear over its last fraction)."""
+    warm = round(schedule.warmup_fraction * total) if warmup else 0
+    if step < warm:
+        return (step + 1) / warm
+    p = min((step - warm) / max(total - warm, 1), 1.0)
+    lo, tail = schedule.min_lr_ratio, schedule.wsd_decay_fraction
+    return {"constant": 1.0,
+            "cosine": lo + (1 - lo) * (1 + math.cos(math.pi * p)) / 2,
+            "linear": 1 - (1 - lo) * p,
+            "wsd": 1.0 if p <= 1 - tail else 1 - (1 - lo) * (p - (1 - tail)) / tail,
+            }[schedule.decay]
+
+
 def test_a_packs_lr_table_is_each_schedules_factors_step_for_step():
     """Pack builds its (steps, K) LR table from Schedule.factors in one pass (a table of half
-    a million steps, as the large members above have, took seconds step by step): the very
-    floats `factor` gives each step, with warmup or without (nGPT), past the run's end too."""
+    a million steps, as the large members above have, took seconds step by step): each
+    step's multiplier as defined, with warmup or without (nGPT), past the run's end too,
+    and `factor` of any one step the same float."""
     from hptransfer.spec.trial import Schedule
 
     for schedule in [Schedule(decay=d, **kw) for d in ("cosine", "linear", "wsd", "constant")
@@ -275,8 +293,11 @@ def test_a_packs_lr_table_is_each_schedules_factors_step_for_step():
                                          min_lr_ratio=0.1))]:
         for total, warmup, steps in ((1, True, None), (7, True, None), (400, True, None),
                                      (400, False, None), (400, True, 410), (61, True, 3)):
-            want = [schedule.factor(i, total, warmup) for i in range(steps or total)]
-            assert schedule.factors(total, warmup, steps) == want, (schedule, total, steps)
+            table = schedule.factors(total, warmup, stop=steps)
+            want = [_schedule_reference(schedule, i, total, warmup)
+                    for i in range(steps or total)]
+            assert table == pytest.approx(want, rel=1e-12, abs=1e-15), (schedule, total)
+            assert [schedule.factor(i, total, warmup) for i in range(len(table))] == table
     pack = Pack(specs_for(CASES["ngpt"]), None, None)  # nGPT: no warmup
     assert pack.factors.tolist() == torch.tensor(
         [[m.plan.factor(i) for m in pack.members] for i in range(pack.plan.total_steps)]).tolist()

@@ -96,32 +96,17 @@ class Schedule(BaseModel):
 
     def factor(self, step: int, total: int, warmup: bool = True) -> float:
         """LR multiplier for optimizer step `step` (0-based) of `total`."""
-        warm = self.warmup_steps(total) if warmup else 0
-        if step < warm:
-            return (step + 1) / warm
-        if self.decay == "constant":
-            return 1.0
-        span = max(total - warm, 1)
-        progress = min((step - warm) / span, 1.0)
-        lo = self.min_lr_ratio
-        if self.decay == "cosine":
-            return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
-        if self.decay == "linear":
-            return 1.0 - (1 - lo) * progress
-        # wsd: stable, then linear decay over the last wsd_decay_fraction of the run
-        decay_start = 1.0 - self.wsd_decay_fraction
-        if progress <= decay_start:
-            return 1.0
-        return 1.0 - (1 - lo) * (progress - decay_start) / self.wsd_decay_fraction
+        return self.factors(total, warmup, start=step, stop=step + 1)[0]
 
-    def factors(self, total: int, warmup: bool = True, steps: int | None = None) -> list[float]:
-        """`factor(step, total, warmup)` of steps 0 .. `steps` - 1 (default: the run's
-        `total`), in one pass: the same float operations, so the same values, without a
-        method call per step (a pack's table of every step and member took seconds)."""
-        steps = total if steps is None else steps
+    def factors(self, total: int, warmup: bool = True, start: int = 0,
+                stop: int | None = None) -> list[float]:
+        """`factor(step, total, warmup)` of steps `start` .. `stop` - 1 (default: to the
+        run's `total`) in one pass: a pack's table of every step and member, made with a
+        call per step, took seconds."""
+        stop = total if stop is None else stop
         warm = self.warmup_steps(total) if warmup else 0
-        out = [(step + 1) / warm for step in range(min(warm, steps))]
-        rest = range(len(out), steps)
+        out = [(step + 1) / warm for step in range(start, min(warm, stop))]
+        rest = range(max(start, warm), stop)
         if self.decay == "constant":
             return out + [1.0] * len(rest)
         span = max(total - warm, 1)
@@ -131,6 +116,7 @@ class Schedule(BaseModel):
             return out + [lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * p)) for p in progress]
         if self.decay == "linear":
             return out + [1.0 - (1 - lo) * p for p in progress]
+        # wsd: stable, then linear decay over the last wsd_decay_fraction of the run
         decay_start, fraction = 1.0 - self.wsd_decay_fraction, self.wsd_decay_fraction
         return out + [1.0 if p <= decay_start else 1.0 - (1 - lo) * (p - decay_start) / fraction
                       for p in progress]

@@ -110,7 +110,7 @@ class TrialPlan:
 
     def factors(self, steps: int) -> list[float]:
         """`factor(step)` of steps 0 .. `steps` - 1, in one pass (Schedule.factors)."""
-        return self.spec.schedule.factors(self.total_steps, warmup=self.warmup, steps=steps)
+        return self.spec.schedule.factors(self.total_steps, warmup=self.warmup, stop=steps)
 
     def is_curve_step(self, done: int) -> bool:
         return done % self.curve_every == 0 or done == self.total_steps
