@@ -16,13 +16,14 @@ Each fault is followed at once by `cluster_up.sh`, which must bring the componen
 its own. Fault i waits until i / (faults + 1) of the sweep completed (so the faults spread
 over it) and a trial more than at the last fault (so each lands on a sweep that makes
 progress), plus a random moment. A sweep that ends while events are left (its trials trained
-faster than the restores took) is followed by another with seeds of its own, each event then
-after a trial more of it. At the end it checks, for every sweep and with no manual step in
-between: the sweep and every trial completed, each trial exactly once (one completed
-attempt; `attempts` equals its attempt rows); exactly one FINISHED MLflow run per trial on
-the MLflow server (read with mlflow's client), the sweep's own run FINISHED and no run left
-RUNNING; and no process of the deployment left after `cluster_down.sh`. It prints one
-summary line and exits 1 when a check failed.
+faster than the restores took) is followed by another with seeds of its own, of a trial per
+event left and one more (whole seeds of the LR grid), each event then after a trial more of it.
+At the end it checks, for every sweep and with no manual step in between: the sweep and
+every trial completed, each trial exactly once (one completed attempt; `attempts` equals its
+attempt rows); exactly one FINISHED MLflow run per trial on the MLflow server (read with
+mlflow's client), the sweep's own run FINISHED and no run left RUNNING; and no process of the
+deployment left after `cluster_down.sh`. It prints one summary line and exits 1 when a check
+failed.
 
 `--mlflow-down-second-half`: the MLflow server is stopped once half the trials completed
 and stays down until the sweep has ended (`cluster_up.sh --without mlflow` restores the
@@ -389,16 +390,17 @@ def storm(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {}
     try:
         s.up()
-        sweeps: list[str] = []
+        sweeps: dict[str, int] = {}  # every sweep submitted: its trials
 
-        def submit() -> str:  # seeds of its own: its trials are not an earlier sweep's
-            spec = sweep_spec(trials, args.steps, first_seed=len(sweeps) * trials // len(LRS),
+        def submit(size: int) -> str:  # seeds of its own: its trials are not an earlier sweep's
+            spec = sweep_spec(size, args.steps, first_seed=sum(sweeps.values()) // len(LRS),
                               max_concurrent=args.max_concurrent)
             with s.client() as c:
-                sweeps.append(c.submit(spec)["id"])
-            return sweeps[-1]
+                one = c.submit(spec)["id"]
+            sweeps[one] = size
+            return one
 
-        sweep_id = submit()
+        sweep_id = submit(trials)
         s.say(f"sweep {sweep_id}: {trials} trials; events: {' '.join(kinds)}")
         mlflow_down = False
 
@@ -423,9 +425,14 @@ def storm(args: argparse.Namespace) -> int:
                 second_half(n)
                 if status == "completed" and not args.mlflow_down_second_half:
                     # the sweep ended before the storm (its trials trained faster than the
-                    # restores took): another keeps the deployment busy; every sweep is checked
-                    sweep_id, goal, last = submit(), 1, 0
-                    s.say(f"sweep {sweep_id}: {trials} more trials for the "
+                    # restores took): another keeps the deployment busy; every sweep is checked.
+                    # It holds a trial per event left and one more (so it outlasts them unless
+                    # the restores outlast its trials again: then another follows), not a
+                    # whole first sweep's worth: what is left of it after the last event
+                    # trains for nothing but the checks
+                    size = min(trials, len(LRS) * -(-(len(kinds) - i + 1) // len(LRS)))
+                    sweep_id, goal, last = submit(size), 1, 0
+                    s.say(f"sweep {sweep_id}: {size} more trials for the "
                           f"{len(kinds) - i} events left")
                     continue
                 if n >= goal or status not in LIVE or time.monotonic() > deadline:
@@ -463,7 +470,7 @@ def storm(args: argparse.Namespace) -> int:
         finals = {}
         with s.client() as c:
             for one in sweeps:
-                finals[one] = _retry(lambda one=one: c.wait(one, poll=1.0, timeout=args.timeout,
+                finals[one] = _retry(lambda one=one: c.wait(one, poll=0.2, timeout=args.timeout,
                                                             progress=False))
                 s.say(f"sweep {one} {finals[one]['status']}")
         if mlflow_down:  # results kept while it was down, mirrored now it is back
@@ -473,9 +480,9 @@ def storm(args: argparse.Namespace) -> int:
             if not backlog:
                 failures.append("nothing waited for the MLflow server while it was down")
             s.up()
-        checked = [check(s, one, trials, final, failures) for one, final in finals.items()]
+        checked = [check(s, one, sweeps[one], final, failures) for one, final in finals.items()]
         summary.update(
-            completed=sum(c["completed"] for c in checked), trials=trials * len(sweeps),
+            completed=sum(c["completed"] for c in checked), trials=sum(sweeps.values()),
             attempts_max=max(c["attempts_max"] for c in checked),
             runs_per_trial="/".join(sorted({k for c in checked
                                             for k in c["runs_per_trial"].split("/")})))
@@ -492,8 +499,11 @@ def storm(args: argparse.Namespace) -> int:
             s.script(DOWN)
         except Exception as e:
             failures.append(f"cluster_down.sh: {e}")
-        time.sleep(1)
-        left = s.ours()
+        # what cluster_down.sh stopped may take a moment to exit: a second, as before, but
+        # no longer than it takes
+        deadline = time.monotonic() + 1
+        while (left := s.ours()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if left:
             failures.append("processes left after cluster_down.sh: " + "; ".join(
                 f"{p.pid} {' '.join(_cmd(p))[:80]}" for p in left[:10]))
@@ -565,7 +575,7 @@ def check(s: Storm, sweep_id: str, trials: int, final: dict, failures: list[str]
         if time.monotonic() > deadline:
             failures.append(f"the MLflow mirror never caught up ({backlog} left)")
             break
-        time.sleep(1)
+        time.sleep(0.2)
     rows = store.trials(sweep_id, limit=None)
     if len(rows) != trials:
         failures.append(f"{len(rows)} trials stored, {trials} expected")
@@ -594,7 +604,7 @@ def check(s: Storm, sweep_id: str, trials: int, final: dict, failures: list[str]
         if time.monotonic() > deadline:
             failures.append(f"the sweep's MLflow run is {parent}")
             break
-        time.sleep(1)
+        time.sleep(0.2)
     running = [r.info.run_id for r in runs if r.info.status == "RUNNING"]
     if running:
         failures.append(f"{len(running)} MLflow runs left RUNNING")
