@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from _timing import alternating
 
+import hptransfer.models.config as model_config
 import hptransfer.models.layers as layers
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.workers.trainer import run_trial
@@ -79,13 +80,13 @@ def trial_spec(width: int, depth: int, steps: int, threads: int, head_dim: int) 
 
 
 def ms_per_step(spec: TrialSpec, cache: str, small: bool) -> float:
-    rule = layers.SMALL_HEAD_DIM
+    rule = model_config.SMALL_HEAD_DIM
     # fused: no head is small; explicit: every head up to this trial's is
-    layers.SMALL_HEAD_DIM = spec.head_dim if small else 0
+    model_config.SMALL_HEAD_DIM = spec.head_dim if small else 0
     try:
         result = run_trial(spec, cache_dir=cache)
     finally:
-        layers.SMALL_HEAD_DIM = rule
+        model_config.SMALL_HEAD_DIM = rule
     if result.status != "completed":
         raise RuntimeError(f"{result.status}: {result.error}")
     return spec.batch_size * spec.seq_len / result.tokens_per_s * 1e3

@@ -115,6 +115,29 @@ def test_client_commands_start_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+def test_the_coordinator_starts_without_torch():
+    # `hpt serve` never trains (the trainer runs in Ray workers): importing torch cost ~1.4 of
+    # its ~5 CPU-s to /health; the workers import it with the trainer, when a task runs
+    probe = "import sys; import hptransfer.api.server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_the_coordinators_ray_entries_take_what_the_worker_functions_take():
+    # Ray checks a task's arguments against its entry's signature and names the worker's
+    # process after it (ray::execute_trial): the light entries must be the functions' twins
+    import inspect
+
+    from hptransfer.workers import ray_train, remote, tasks
+
+    for entry, real in [(tasks.execute_trial, remote.execute_trial),
+                        (tasks.execute_trials, remote.execute_trials),
+                        (tasks.execute_trial_on_workers, ray_train.execute_trial_on_workers)]:
+        assert entry.__name__ == real.__name__
+        assert inspect.signature(entry) == inspect.signature(real), entry.__name__
+
+
 def test_every_name_of_the_models_package_loads():
     import hptransfer.models as models
 

@@ -232,7 +232,7 @@ def test_a_member_pruned_before_its_pack_ran_out_of_memory_keeps_its_result(tmp_
 def test_a_cpu_task_plans_for_its_share_of_the_host():
     import psutil
 
-    from hptransfer.workers.memory import free_memory
+    from hptransfer.workers.device import free_memory
 
     cpus, host = os.cpu_count() or 1, psutil.virtual_memory()
     whole = free_memory(torch.device("cpu"), cpus)  # a task with every CPU: all that is free

@@ -35,6 +35,7 @@ import numpy as np
 
 from hptransfer.spec import SweepSpec
 from hptransfer.spec.trial import TrialSpec, sequences_per_pass
+from hptransfer.workers.peaks import PEAK_BF16
 
 MIN_TRIALS = 8  # completed trials a store fit needs (3 coefficients, and some to spare)
 STORE_TRIALS = 500  # the most recent completed trials read for a fit
@@ -145,11 +146,9 @@ def from_store(store: Any, spec: SweepSpec, device: str) -> Throughput | None:
 
 def peak_throughput(gpu: str | None, mfu: float = DEFAULT_MFU) -> Throughput:
     """The GPU's peak bf16 FLOP/s at `mfu` (ASSUMED_GPU when `gpu` is unknown)."""
-    from hptransfer.workers.outcome import _PEAK_BF16
-
-    name = gpu if gpu in _PEAK_BF16 else ASSUMED_GPU
+    name = gpu if gpu in PEAK_BF16 else ASSUMED_GPU
     said = name if gpu == name else f"{name} (assumed: the cluster names no GPU type)"
-    peak = _PEAK_BF16[name]
+    peak = PEAK_BF16[name]
     return Throughput("gpu", "peak x MFU", f"nothing measured yet: {said} peak "
                       f"{peak / 1e12:.0f} TFLOP/s bf16 x MFU {mfu:g}", peak * mfu)
 

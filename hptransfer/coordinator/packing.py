@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from hptransfer.spec import SweepSpec
 from hptransfer.spec.trial import sequences_per_pass
-from hptransfer.workers.packed import PACKABLE_FIELDS, split_evenly
+from hptransfer.workers.packable import PACKABLE_FIELDS, split_evenly
 
 # `pack: auto` packs a shape whose work per forward pass is small enough for packing to have
 # paid where it was measured. That work is tokens per pass (micro-batch x seq_len) x width^2

@@ -43,8 +43,7 @@ from hptransfer.spec.sections import TaskResources
 from hptransfer.spec.trial import TrialSpec
 from hptransfer.store.store import TrialRecord
 from hptransfer.workers.checkpoints import CheckpointPolicy
-from hptransfer.workers.ray_train import execute_trial_on_workers
-from hptransfer.workers.remote import execute_trial, execute_trials
+from hptransfer.workers.tasks import execute_trial, execute_trial_on_workers, execute_trials
 
 from .dispatch_context import DispatchContext, log
 from .placement_groups import remove_orphaned_placement_groups

@@ -1,9 +1,15 @@
-"""TokenDataset: deterministic train batches and a fixed validation set over a TokenStream."""
+"""TokenDataset: deterministic train batches and a fixed validation set over a TokenStream.
+
+The data layer is numpy: torch is imported only where a batch becomes a tensor (in the trainer's
+process, which has it loaded already), so the coordinator loads a sweep's data at submit to
+check it and hash it without importing torch (~1-2 CPU-s of its start-up)."""
+
+from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hptransfer.spec.data import val_window_problem
 
@@ -12,7 +18,10 @@ from .errors import DataError
 from .stream import TokenStream
 from .tokenizer import Tokenizer
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+Batch = tuple["torch.Tensor", "torch.Tensor"]
 
 
 def _check_positive(**values: int) -> None:
@@ -141,5 +150,7 @@ class TokenDataset:
 
 
 def _as_tensor(tokens: np.ndarray) -> torch.Tensor:
+    import torch  # here, not at the top: see the module's docstring
+
     # astype copies into a fresh contiguous int64 array that torch can own.
     return torch.from_numpy(tokens.astype(np.int64))

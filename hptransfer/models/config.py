@@ -109,3 +109,23 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# Which attention path a shape takes (layers.py; here, torch-free, for the memory estimate the
+# coordinator prices trials with, workers/memory.py). Tiny heads on the CPU: at head_dim 8 and
+# 64 tokens, torch's fused CPU kernel is slower than the explicit T x T products
+# (layers._small_head_attention), which made a whole training step
+# (run_trial) 1.12-1.21x faster at the demo's shapes. From head_dim 16 or 128 tokens on, the
+# fused kernel was as fast or faster, and it keeps no T x T matrix for the backward
+# (benchmarks/attention.py measures both, the op alone and whole steps). On two threads the
+# fused kernel hardly speeds up and the explicit path does: 1.2-2.6x for the op alone up to
+# head_dim 64 and T 128 (0.53x at T 256). But a whole step at head_dim 32 (64x2, 128x2) gained
+# only 1.01-1.03x, too little for a rule that would change the path, and the rounding, with
+# the thread count, so the rule stays as it is.
+SMALL_HEAD_DIM = 8
+SMALL_HEAD_MAX_SEQ = 64
+
+
+def small_heads(head_dim: int, seq_len: int) -> bool:
+    """Whether heads of this size take the explicit small-head path on the CPU."""
+    return head_dim <= SMALL_HEAD_DIM and seq_len <= SMALL_HEAD_MAX_SEQ

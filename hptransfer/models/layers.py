@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import small_heads  # the rule, with its measurements
+
 
 def member_view(p: torch.Tensor, like: torch.Tensor, rank: int) -> torch.Tensor:
     """`p` (natural rank `rank`) ready to broadcast against `like`: a plain p as it is, a
@@ -296,24 +298,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         out = _sdpa(q.flatten(0, -4), k.flatten(0, -4), v.flatten(0, -4), bias, scale)
         return out.view(*q.shape[:-1], v.shape[-1])
     return _sdpa(q, k, v, bias, scale)
-
-
-# Tiny heads on the CPU: at head_dim 8 and 64 tokens, torch's fused CPU kernel is slower than
-# the explicit T x T products below, which made a whole training step
-# (run_trial) 1.12-1.21x faster at the demo's shapes. From head_dim 16 or 128 tokens on, the
-# fused kernel was as fast or faster, and it keeps no T x T matrix for the backward
-# (benchmarks/attention.py measures both, the op alone and whole steps). On two threads the
-# fused kernel hardly speeds up and the explicit path does: 1.2-2.6x for the op alone up to
-# head_dim 64 and T 128 (0.53x at T 256). But a whole step at head_dim 32 (64x2, 128x2) gained
-# only 1.01-1.03x, too little for a rule that would change the path, and the rounding, with
-# the thread count, so the rule stays as it is.
-SMALL_HEAD_DIM = 8
-SMALL_HEAD_MAX_SEQ = 64
-
-
-def small_heads(head_dim: int, seq_len: int) -> bool:
-    """Whether heads of this size take the explicit small-head path on the CPU."""
-    return head_dim <= SMALL_HEAD_DIM and seq_len <= SMALL_HEAD_MAX_SEQ
 
 
 def uses_small_head_path(q: torch.Tensor) -> bool:

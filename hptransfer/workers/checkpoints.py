@@ -12,6 +12,9 @@ a temporary name and renamed, then the digest likewise, so a writer killed at an
 either the previous checkpoint or a complete new one; a truncated or altered file fails its
 digest and the previous one is used (with a warning on the trial). `reached` says how far the
 killed attempt got, so the resumed one can say how many steps it trained again.
+
+torch is imported where a state is serialized (save, latest), in the trainer's process: the
+coordinator asks `CheckpointPolicy.has_checkpoint` (a listing) without loading it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from pyarrow import fs as pafs
 
 KEEP = 2  # the newest checkpoints kept per trial: the previous one backs up the latest
@@ -94,6 +96,8 @@ class TrialCheckpoints:
     def save(self, done: int, state: dict[str, Any]) -> bool:
         """Write the state after `done` steps; False (with a warning) if the sweep's disk
         bound would be passed. Older checkpoints beyond KEEP are deleted after it lands."""
+        import torch  # see the module's docstring
+
         buffer = io.BytesIO()
         torch.save(state, buffer)
         payload = buffer.getvalue()
@@ -135,6 +139,8 @@ class TrialCheckpoints:
     def latest(self) -> tuple[int, dict[str, Any]] | None:
         """The newest checkpoint whose payload matches its digest, as (steps done, state);
         each one skipped on the way leaves a warning. None when there is none."""
+        import torch  # see the module's docstring
+
         for done in self._steps():
             name = f"{self.dir}/step-{done:09d}"
             try:

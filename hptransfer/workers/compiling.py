@@ -106,7 +106,7 @@ class Compiled:
 
 def is_out_of_memory_anywhere(exc: BaseException) -> bool:
     """An allocation failure, raised as such or as the cause of a compiler's error."""
-    from .memory import is_out_of_memory
+    from .device import is_out_of_memory
 
     return any(c is not None and is_out_of_memory(c)
                for c in (exc, exc.__cause__, exc.__context__))

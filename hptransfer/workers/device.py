@@ -1,10 +1,13 @@
 """What a trainer does on its device: bf16 autocast where its plan says so, host-to-device
-copies that do not wait, and whether reading a value back costs a wait."""
+copies that do not wait, whether reading a value back costs a wait, how much memory the
+device has free, and whether an error was a failed allocation."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
+import psutil
 import torch
 
 
@@ -29,3 +32,24 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def free_memory(device: torch.device, threads: int | None = None) -> float:
+    """Bytes a new allocation could take on `device` now: the GPU's free memory plus what
+    torch's caching allocator holds unused. On the CPU the kernel's MemAvailable, but at
+    most this task's share of the host by its threads (Ray runs as many tasks on a node as
+    it has CPUs for, and each would otherwise plan for all the memory free at its start)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return float(free + cached)
+    host = psutil.virtual_memory()  # available: the kernel's MemAvailable on Linux
+    share = min(1.0, (threads or os.cpu_count() or 1) / (os.cpu_count() or 1))
+    return float(min(host.available, share * host.total))
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure (CUDA's OutOfMemoryError, or the CPU
+    allocator's RuntimeError), i.e. worth retrying with less in memory."""
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

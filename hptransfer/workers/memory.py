@@ -32,18 +32,20 @@ next one prefetched, 4 bytes a parameter each, and a unit's full gradient with t
 reduce-scatter's copy of it, 4 + 4: 16 x the largest unit's parameters (`worker_state_bytes`).
 The estimate is deliberately simple: it stops a width 2^16, depth 1024 trial at submit and
 a pack of 64 deep models from filling a GPU, not a tight fit.
+
+The estimate is torch-free (the coordinator prices trials with it at submit and admission
+without loading torch); what a device has free now, and whether an error was a failed
+allocation, are asked of torch: workers/device.py.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import psutil
-import torch
 
+from hptransfer.models.config import small_heads
 from hptransfer.models.flops import param_counts
-from hptransfer.models.layers import small_heads
 from hptransfer.spec.trial import TrialSpec, sequences_per_pass
 
 STATE_BYTES_PER_PARAM = 16
@@ -121,27 +123,6 @@ def worker_state_bytes(state_bytes: float, workers: int, shard: bool, params: fl
     return state_bytes / workers + FSDP_UNIT_BYTES_PER_PARAM * unit
 
 
-def free_memory(device: torch.device, threads: int | None = None) -> float:
-    """Bytes a new allocation could take on `device` now: the GPU's free memory plus what
-    torch's caching allocator holds unused. On the CPU the kernel's MemAvailable, but at
-    most this task's share of the host by its threads (Ray runs as many tasks on a node as
-    it has CPUs for, and each would otherwise plan for all the memory free at its start)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return float(free + cached)
-    host = psutil.virtual_memory()  # available: the kernel's MemAvailable on Linux
-    share = min(1.0, (threads or os.cpu_count() or 1) / (os.cpu_count() or 1))
-    return float(min(host.available, share * host.total))
-
-
 def host_memory() -> float:
     """Bytes of memory this host has in all."""
     return float(psutil.virtual_memory().total)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is an allocation failure (CUDA's OutOfMemoryError, or the CPU
-    allocator's RuntimeError), i.e. worth retrying with less in memory."""
-    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

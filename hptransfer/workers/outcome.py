@@ -16,21 +16,8 @@ import torch
 from hptransfer.models import ParamTable
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
+from .peaks import peak_of
 from .plan import TrialPlan
-
-# dense bf16 tensor-core peaks (FLOP/s) of common accelerators, for MFU; None = unknown.
-# Matched in the device's name longest key first: "L40" holds "L4", "H100 PCIe" "H100".
-_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-}
 
 
 @dataclass
@@ -155,8 +142,4 @@ def _import_path(filename: str) -> str:
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(_PEAK_BF16, key=len, reverse=True):
-        if key in name:
-            return _PEAK_BF16[key]
-    return None
+    return peak_of(torch.cuda.get_device_name(device))

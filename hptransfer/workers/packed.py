@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -19,42 +19,20 @@ from hptransfer.data import TokenDataset
 from hptransfer.spec.trial import TrialResult, TrialSpec
 
 from .checkpoints import CheckpointPolicy
-from .memory import free_memory, is_out_of_memory, trial_memory
+from .device import free_memory, is_out_of_memory
+from .memory import trial_memory
 from .outcome import failed_result
 from .pack import Pack, PackedReporter
+from .packable import PACKABLE_FIELDS, check_packable, split_evenly
 from .plan import load_trial_data, plan_trial, prepare_process
 from .subnormals import subnormals_flushed
 from .trainer import run_trial
 
 __all__ = ["PACKABLE_FIELDS", "PackedReporter", "check_packable", "run_trials", "split_evenly"]
 
-T = TypeVar("T")
-
 # a pack plans to use at most this share of the memory its device has free when it starts,
 # leaving room for what its estimate leaves out (the data, the compiler's workspace)
 MEMORY_HEADROOM = 0.8
-
-# the fields packed members may differ in; every other field defines the shared shape
-PACKABLE_FIELDS = frozenset(
-    {"lr", "sigma_base", "weight_decay", "eps", "seed", "schedule", "divergence_factor"}
-)
-
-
-def check_packable(specs: Sequence[TrialSpec]) -> None:
-    """Raise ValueError naming the first field (other than PACKABLE_FIELDS) that differs."""
-    if not specs:
-        raise ValueError("run_trials needs at least one spec")
-    first = specs[0].model_dump(exclude=set(PACKABLE_FIELDS))
-    for i, spec in enumerate(specs[1:], start=1):
-        other = spec.model_dump(exclude=set(PACKABLE_FIELDS))
-        for key, value in first.items():
-            if other[key] != value:
-                raise ValueError(
-                    f"specs 0 and {i} cannot be packed: field {key!r} differs ({value!r} vs "
-                    f"{other[key]!r}); packed members may differ only in "
-                    f"{', '.join(sorted(PACKABLE_FIELDS))}"
-                )
-
 
 @subnormals_flushed()
 def run_trials(
@@ -109,19 +87,6 @@ def run_trials(
     packing = _Packing(specs, data, plan.device, reporter, on_result, why, max_hours,
                        checkpoints, (cache_dir, roots, data_hash))
     return packing.train(split_evenly(list(range(k)), fits))
-
-
-def split_evenly(items: Sequence[T], cap: int) -> list[list[T]]:
-    """`items` in the fewest consecutive packs of at most `cap` whose sizes differ by at
-    most one."""
-    n = -(-len(items) // max(1, cap))
-    base, extra = divmod(len(items), n)
-    packs, start = [], 0
-    for i in range(n):
-        size = base + (i < extra)
-        packs.append(list(items[start:start + size]))
-        start += size
-    return packs
 
 
 class _Relay:
