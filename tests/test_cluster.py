@@ -431,10 +431,15 @@ def test_killed_postmaster_is_restarted_promptly(cluster, tiny_spec, leftover):
         while (health := c.health())["status"] != "ok":  # after the dispatcher's back-off
             assert time.time() < deadline, health
             time.sleep(1)
-        sweep_id = c.submit(_grid_spec(tiny_spec, f"after-pg-{leftover}", 5,
-                                       [2**-8, 2**-6]))["id"]
+        # LRs of this case's own: the same trials as another case's would be reused from
+        # its results, and nothing would be dispatched after the restart
+        lrs = {"zombie": [2**-8, 2**-6], "busy-backend": [2**-9, 2**-7],
+               "busy-backend-down": [2**-10, 2**-5]}[leftover]
+        sweep_id = c.submit(_grid_spec(tiny_spec, f"after-pg-{leftover}", 5, lrs))["id"]
         done = _wait(c, sweep_id, timeout=300)
+        trained = c.trials(sweep_id)
     assert done["status"] == "completed", done
+    assert len(trained) == 2 and not trained["reused"].any(), trained
 
 
 def _session(sid: int) -> list[psutil.Process]:
