@@ -277,9 +277,10 @@ def _ray_workers(title: str) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
                                                                  tiny_spec):
-    # the kill lands within the pack's first 8-16 steps (the dispatcher's view, 2-core host
-    # under load); at 80 steps the pack once finished before the test saw it train
-    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=200)
+    # 400 steps: the test must see all four members train (their points reach the
+    # dispatcher a tick or more after the fact) before the pack ends; at 200 a fresh-clone
+    # run on a loaded host missed it (at 80 too)
+    spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)
     spec.update(max_concurrent=1, retries=1)
     spec["grid"]["seeds"] = [0]
     coordinator = Coordinator(get_settings())
@@ -415,8 +416,8 @@ def test_optuna_packs_its_first_batch_and_asks_the_rest_one_by_one(hpt_home, ray
 
 def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
         hpt_home, ray_cluster, tiny_spec):
-    # the first coordinator stops within the pack's first 8-12 steps (see the killed pack)
-    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=200)
+    # 400 steps, as the killed pack above (seen training before it ends)
+    spec = packed_spec(tiny_spec, "pack-restart", 4, steps=400)
     spec.update(max_concurrent=1)
     spec["grid"]["seeds"] = [0]
     first = Coordinator(get_settings())
