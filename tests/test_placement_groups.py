@@ -1,8 +1,10 @@
-"""Placement groups left by a dead Ray Train controller are found and removed; no other
-group is touched (placement_groups.py)."""
+"""What a coordinator must not leave in Ray: placement groups left by a dead Ray Train
+controller are found and removed, no other group touched (placement_groups.py); a stopped
+coordinator's progress board ends with it."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 from ray.util.placement_group import (
     PlacementGroup,
@@ -12,10 +14,12 @@ from ray.util.placement_group import (
 )
 from waiting import wait_for
 
+from hptransfer.config import get_settings
 from hptransfer.coordinator.placement_groups import (
     orphaned_placement_groups,
     remove_orphaned_placement_groups,
 )
+from hptransfer.coordinator.service import Coordinator
 
 
 @ray.remote(num_cpus=0)
@@ -58,3 +62,15 @@ def test_only_a_dead_actors_group_is_an_orphan_and_removing_it_frees_its_cpus(ra
         ray.kill(alive)
         remove_placement_group(by_driver)
         remove_placement_group(PlacementGroup(PlacementGroupID(by_task)))
+
+
+def test_a_stopped_coordinators_progress_board_ends_with_it(hpt_home, ray_cluster):
+    """An actor lives as long as the process that made it: without this, each coordinator
+    started and stopped in one process (the tests, an embedded API) left an idle worker."""
+    coordinator = Coordinator(get_settings())
+    coordinator.start()
+    board = coordinator.dispatcher.ray_runner.progress_board
+    assert ray.get(board.drain.remote(), timeout=30) == ({}, {})
+    coordinator.stop()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(board.drain.remote(), timeout=30)

@@ -140,6 +140,7 @@ class Dispatcher:
         self._wake.set()
         if self._thread:
             self._thread.join(timeout)
+        self.ray_runner.stop()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

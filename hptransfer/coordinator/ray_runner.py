@@ -240,6 +240,19 @@ class RayRunner:
         self.run_pack = ray.remote(execute_trials)
         self.run_on_workers = ray.remote(execute_trial_on_workers)
 
+    def stop(self) -> None:
+        """End the progress board: an actor lives as long as the process that made it, so a
+        coordinator stopped inside a longer-lived process (the embedded API, a notebook, the
+        tests) would otherwise leave one behind per start, each an idle Ray worker. Tasks
+        still running report to it in vain and train on (progress_channel)."""
+        board, self.progress_board = self.progress_board, None
+        self._drain = None
+        if board is not None and ray.is_initialized():
+            try:
+                ray.kill(board)
+            except Exception as exc:  # Ray already going down: the board goes with it
+                log.warning("could not end the progress board: %s", exc)
+
     def capacity(self) -> ClusterCapacity:
         """What the cluster offers now (the one place that asks Ray; tests replace it)."""
         return ClusterCapacity(ray.cluster_resources(), ray.nodes)
