@@ -783,6 +783,61 @@ def test_a_progress_board_that_does_not_answer_holds_up_no_tick_and_is_heard_lat
         ray.kill(board)
 
 
+def test_an_idle_coordinator_calls_the_board_once_to_empty_it_then_not_every_tick(
+        hpt_home, ray_cluster, tiny_spec):
+    """With nothing in flight a tick drained the board anyway, five times a second for the
+    coordinator's whole life. Now one drain takes what a lost attempt may have left there,
+    and the board is not called again until a trial is submitted, even one that ends (lost)
+    before any drain answered while it ran."""
+    from types import SimpleNamespace
+
+    from hptransfer.coordinator.progress import ProgressBoard
+
+    class CountingBoard(ProgressBoard):
+        def drains(self) -> int:
+            return self._drains
+
+    coordinator = Coordinator(get_settings())
+    dispatcher = coordinator.dispatcher
+    dispatcher.start(background=False)
+    dispatcher.mirror = None
+    runner = dispatcher.ray_runner
+    board = ray.remote(num_cpus=0)(CountingBoard).remote()
+    runner.progress_board = board
+    tiny_spec.update(name="idle-board", reuse=False)
+    sweep_id = coordinator.submit(tiny_spec)["id"]
+    trials = coordinator.store.lease_pending(dispatcher.owner, 2, sweep_id=sweep_id)
+
+    class Started:  # Ray's side of a submission; this test needs only its bookkeeping
+        def options(self, **_options):
+            return SimpleNamespace(remote=lambda *args: "task-ref")
+
+    runner.run_trial = Started()
+
+    def drains_in_ticks(n: int) -> int:
+        before = ray.get(board.drains.remote())
+        for _ in range(n):
+            runner.relay_progress()
+            while runner.drain_pending():  # a drain slower than the poll: its answer taken
+                runner.relay_progress()
+        return ray.get(board.drains.remote()) - before
+
+    try:
+        ray.get(board.report.remote("lost", {"step": 7}))  # what a lost attempt left
+        assert drains_in_ticks(5) == 1
+        assert ray.get(board.drain.remote()) == ({}, {})  # that one drain took it
+        runner.submit(load_spec(tiny_spec), [trials[0]])
+        assert drains_in_ticks(3) == 3  # a trial runs: every tick
+        del dispatcher.in_flight[trials[0].id]
+        assert drains_in_ticks(5) == 1  # it ended: once more, then quiet
+        runner.submit(load_spec(tiny_spec), [trials[1]])
+        del dispatcher.in_flight[trials[1].id]  # ended before any tick drained
+        assert drains_in_ticks(5) == 1
+    finally:
+        ray.kill(board)
+        dispatcher.stop()
+
+
 def test_live_points_of_a_lost_attempt_never_reach_its_retry(hpt_home, ray_cluster, tiny_spec):
     """A drain answered late can hold the points of an attempt that was lost meanwhile and
     whose trial was leased and submitted again: they are not the retry's, so neither its

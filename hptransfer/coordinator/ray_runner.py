@@ -221,6 +221,8 @@ class RayRunner:
         self._drain: ray.ObjectRef | None = None  # the board's drain call in flight
         self._drains_sent = 0
         self._drains_heard = 0  # the latest drain answered (or failed): its number
+        self._drain_sent_idle = False  # the drain in flight was sent with no trial in flight
+        self._board_empty = False  # such a drain answered, and nothing was submitted since
         self.run_trial = None  # execute_trial as a Ray remote function, once started
         self.run_pack = None  # execute_trials, likewise
         self.run_on_workers = None  # execute_trial_on_workers (Ray Train), likewise
@@ -308,6 +310,7 @@ class RayRunner:
         guard = ([str(r) for r in settings.data_roots], trials[0].data_hash)
         options: dict[str, Any] = {"num_cpus": task.cpus, "max_retries": 0}
         self._gate_pruning(trials)
+        self._board_empty = self._drain_sent_idle = False
         if task.gpus:
             options["num_gpus"] = task.gpus
         if task.spans:
@@ -380,8 +383,11 @@ class RayRunner:
         # actor that is restarting (killed with its node or by Ray's OOM monitor) must not
         # hold up dispatching, nor a shutdown; its answer is taken on a later tick
         if self._drain is None:
+            if self._board_empty and not self.in_flight:
+                return  # nothing runs and nothing is left on the board: no call every tick
             self._drain = self.progress_board.drain.remote()
             self._drains_sent += 1
+            self._drain_sent_idle = not self.in_flight
         ready, _ = ray.wait([self._drain], timeout=self.context.poll_interval)
         if not ready:
             return
@@ -392,6 +398,8 @@ class RayRunner:
         except Exception as exc:  # live metrics are best effort; results still arrive
             log.warning("progress board unavailable: %s", exc)
             return
+        # sent with nothing in flight and answered: what a lost attempt left there is gone
+        self._board_empty = self._drain_sent_idle
         for trial_id, result in delivered.items():
             f = self.in_flight.get(trial_id)
             if f is not None and f.outcome is None and f.drains_before < self._drains_sent:
