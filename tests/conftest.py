@@ -47,13 +47,37 @@ def pytest_configure(config: pytest.Config) -> None:
             generate_and_save_token()
 
 
+RAY_FIXTURES = {"ray_cluster", "module_ray_cluster"}
+_ray_files: set[Any] = set()  # the files with a test that uses the session's Ray cluster
+_current_file: list[Any] = [None]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with a `slow` test first, each file's own order kept. Under pytest-xdist
-    (--dist loadfile --no-loadscope-reorder) the workers take files in this order, so the
-    long end-to-end files start early and the many quick files fill in around them; last,
-    they would leave one worker running a long file alone at the end."""
+    """Files that use the session's Ray cluster first, then the rest; in each part, files with
+    a `slow` test first, each file's own order kept. Under pytest-xdist (--dist loadfile
+    --no-loadscope-reorder) the workers take files in this order, so the long end-to-end files
+    start early and the many quick files fill in around them; last, they would leave one
+    worker running a long file alone at the end. Once a worker is past the Ray files it shuts
+    its cluster down (pytest_runtest_setup) rather than keep it idle for the rest of the run."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    _ray_files.update(item.path for item in items if RAY_FIXTURES & set(item.fixturenames))
+    items.sort(key=lambda item: (item.path not in _ray_files, item.path not in slow_files))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At the first test of a file that does not use the session's Ray cluster, shut down
+    any cluster this process runs (the session's, or one the service started in a test): an
+    idle cluster's daemons and workers burn ~4 CPU-s a minute. The file before it has torn
+    down its module fixtures by now; a later file that needs Ray starts it again."""
+    if item.path == _current_file[0]:
+        return
+    _current_file[0] = item.path
+    if item.path not in _ray_files:
+        import sys
+
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 def _local_ray():
