@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +74,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     _current_file[0] = item.path
     if item.path not in _ray_files:
-        import sys
-
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             ray.shutdown()
