@@ -119,17 +119,27 @@ def test_bootstrap_ci_contains_truth_and_is_reproducible() -> None:
     assert first["lr_ci_low"] == pytest.approx(2.0 ** first["log2_ci_low"])
 
 
-def _delta_method_half(df: pd.DataFrame, fit_lrs: list[float]) -> float:
+def _delta_method_half(df: pd.DataFrame, fit_lrs: list[float], paired: bool = False) -> float:
     """Independent reference for η*'s CI half-width: least squares of a parabola in log2(lr)
     through the fitted LRs' mean losses, its vertex's variance by the delta method from the
     seed variance pooled over those LRs (each over its seed count), times the t quantile
-    with the pooled degrees of freedom."""
+    with the pooled degrees of freedom. `paired`: every LR ran the same seeds, and the
+    variance is the residual of least squares on an effect per LR and one per seed."""
     by_lr = df.groupby("lr")["final_val_loss"]
     lrs = np.array(fit_lrs)
     mean, var, n = (by_lr.mean().loc[lrs].to_numpy(), by_lr.var(ddof=1).loc[lrs].to_numpy(),
                     by_lr.count().loc[lrs].to_numpy())
     dof = np.sum(n - 1)
     pooled = np.sum((n - 1) * var) / dof
+    if paired:
+        runs = df[df["lr"].isin(lrs)]
+        effects = pd.get_dummies(runs["lr"].astype(str)).join(
+            pd.get_dummies(runs["seed"].astype(str), prefix="s", drop_first=True))
+        design_runs = effects.to_numpy(dtype=float)
+        loss = runs["final_val_loss"].to_numpy()
+        resid = loss - design_runs @ np.linalg.lstsq(design_runs, loss, rcond=None)[0]
+        dof = len(runs) - design_runs.shape[1]
+        pooled = np.sum(resid**2) / dof
     x = np.log2(lrs)
     design = np.stack([np.ones_like(x), x, x**2], axis=1)
     solve = np.linalg.solve(design.T @ design, design.T)  # coefficients = solve @ mean
@@ -138,20 +148,26 @@ def _delta_method_half(df: pd.DataFrame, fit_lrs: list[float]) -> float:
     return float(stats.t.ppf(0.975, dof) * np.sqrt(np.sum(d_vertex**2 * pooled / n)))
 
 
+@pytest.mark.parametrize("paired", [True, False])
 @pytest.mark.parametrize("seeds", [2, 3])
-def test_eta_ci_has_the_delta_method_width_with_few_seeds(seeds: int) -> None:
+def test_eta_ci_has_the_delta_method_width_with_few_seeds(seeds: int, paired: bool) -> None:
     """With a well-curved bowl Fieller's interval is the delta method's: its half-width is
-    t(dof) x the vertex's standard error from the pooled seed variance. (The seed bootstrap
+    t(dof) x the vertex's standard error from the seed variance: what is left after each
+    seed's shift where every LR ran the same seeds, else pooled per LR. (The seed bootstrap
     it replaced was a z-interval from 1-2 degrees of freedom per LR: it covered the truth
     about 0.8 of the time at 95 % with 2 seeds.)"""
     ratios = []
     for rep in range(12):
         df = lr_sweep({("a", 256, 4): -8.4}, seeds=seeds, noise=0.01,
                       rng=np.random.default_rng(rep))
+        if not paired:  # each LR its own seeds
+            df["seed"] += 10 * np.log2(df["lr"]).round().astype(int) + 200
         row = optimal_lr(df).shapes.iloc[0]
         half = (row["log2_ci_high"] - row["log2_ci_low"]) / 2
         assert row["noise_dof"] == 5 * (seeds - 1)
-        ratios.append(half / _delta_method_half(df, row["fit_lrs"]))
+        assert row["seeds_paired"] == paired
+        assert row["eta_noise_dof"] == (4 * (seeds - 1) if paired else 5 * (seeds - 1))
+        ratios.append(half / _delta_method_half(df, row["fit_lrs"], paired))
     assert 0.95 < np.median(ratios) < 1.05, ratios
 
 

@@ -15,7 +15,13 @@ import pytest
 from scipy import stats
 
 from hptransfer.analysis import compare_fits, fit_power_law, optimal_lr
-from hptransfer.analysis.noise import bracket_rise, pooled_sd, t_quantile, vertex_ci
+from hptransfer.analysis.noise import (
+    bracket_rise,
+    paired_sd,
+    pooled_sd,
+    t_quantile,
+    vertex_ci,
+)
 from hptransfer.analysis.powerlaw import PowerLawFit
 from hptransfer.analysis.staged import transfer_check
 from hptransfer.analysis.study_report import study_fit_report
@@ -175,12 +181,13 @@ def test_a_flat_bracket_within_the_noise_is_not_reliable() -> None:
 
 def _exact_pairs(curvature: float, d: float) -> pd.DataFrame:
     """A bowl centred at 2^-8 over LRs 2^-10..2^-6, each LR's two seeds at its loss ± d
-    (their sd d·sqrt(2), pooled over 5 LRs: 5 degrees of freedom)."""
+    (their sd d·sqrt(2), pooled over 5 LRs: 5 degrees of freedom). Each LR runs its own two
+    seeds: none is shared, so the noise is pooled per LR, not paired."""
     return pd.DataFrame([
         {"trial_id": f"{x}{s}", "arm": "a", "width": 64, "depth": 2, "lr": 2.0**x,
-         "sigma_base": 0.02, "seed": s, "status": "completed",
+         "sigma_base": 0.02, "seed": 2 * i + s, "status": "completed",
          "final_val_loss": 3 + curvature * (x + 8) ** 2 + (d if s else -d)}
-        for x in np.arange(-10.0, -5.5, 1.0) for s in range(2)])
+        for i, x in enumerate(np.arange(-10.0, -5.5, 1.0)) for s in range(2)])
 
 
 def test_a_bracket_rising_less_than_the_noise_is_not_reliable_at_any_width() -> None:
@@ -196,6 +203,75 @@ def test_a_bracket_rising_less_than_the_noise_is_not_reliable_at_any_width() -> 
     assert not flat["reliable"] and "flat within the seed noise" in flat["reason"]
     steep = optimal_lr(_exact_pairs(1.0 * d, d), max_ci_log2=100).shapes.iloc[0]
     assert steep["reliable"] and steep["reason"] is None
+
+
+def _shifted_bowls(n: int, seeds: int, shift: float, noise: float, rng: np.random.Generator,
+                   grid: np.ndarray) -> tuple[pd.DataFrame, np.ndarray]:
+    """n shapes whose seed s lifts the shape's whole curve by its own N(0, shift) (a seed's
+    init and data order, shared by its LRs) on top of N(0, noise) per run."""
+    rows, truth = _bowl_rows(n, seeds, noise, rng, grid)
+    lift = rng.normal(0, shift, (n, seeds))
+    for r in rows:
+        r["final_val_loss"] += lift[r["width"] - 64, r["seed"]]
+    return pd.DataFrame(rows), truth
+
+
+def test_a_seeds_shift_of_the_whole_curve_is_left_out_of_etas_ci() -> None:
+    """Seeds that lift a shape's whole curve by ~0.2 (20x the noise left): paired by seed,
+    η*'s CI covers the truth at its nominal rate with the noise left; with each LR's seeds
+    its own, the same losses give CIs many times wider."""
+    n, grid = 400, np.arange(-12.0, -4.5, 1.0)
+    df, truth = _shifted_bowls(n, 2, 0.2, 0.01, np.random.default_rng(11), grid)
+    shapes = optimal_lr(df).shapes.sort_values("width")
+    assert shapes["seeds_paired"].all()
+    assert (shapes["eta_noise_dof"] == 4).all()  # (5 fitted LRs - 1)(2 seeds - 1)
+    assert (shapes["noise_dof"] == 5).all()  # the point's loss noise is still all of it
+    assert np.median(shapes["eta_noise_sd"]) == pytest.approx(0.01, rel=0.25)
+    assert np.median(shapes["noise_sd"]) > 8 * np.median(shapes["eta_noise_sd"])
+    lo, hi = shapes["log2_ci_low"].to_numpy(), shapes["log2_ci_high"].to_numpy()
+    coverage = np.mean((lo <= truth) & (truth <= hi))
+    assert abs(coverage - 0.95) <= _tolerance(n), coverage
+    paired_half = np.median(shapes["ci_half_log2"])
+    assert paired_half < 0.5 and shapes["reliable"].mean() > 0.9
+
+    unpaired = df.assign(seed=df["seed"] + 2 * np.log2(df["lr"]).round().astype(int) + 40)
+    alone = optimal_lr(unpaired).shapes
+    assert not alone["seeds_paired"].any()
+    assert (alone["eta_noise_sd"] == alone["noise_sd"]).all()
+    assert np.median(alone["ci_half_log2"]) > 4 * paired_half
+
+
+def test_paired_sd_is_the_two_way_models_residual_sd() -> None:
+    """Against least squares on dummy columns (an LR effect per LR, a seed effect per seed):
+    the residual sum of squares over n - L - S + 1 degrees of freedom."""
+    rng = np.random.default_rng(5)
+    for n_l, n_s in [(2, 2), (5, 2), (3, 4)]:
+        col = np.repeat(np.arange(n_l) * 7, n_s)
+        seed = np.tile(np.arange(n_s) + 3, n_l)
+        loss = rng.normal(3, 0.1, n_l * n_s) + 0.5 * seed
+        design = np.column_stack([col == c for c in np.unique(col)]
+                                 + [seed == s for s in np.unique(seed)[1:]]).astype(float)
+        fitted = design @ np.linalg.lstsq(design, loss, rcond=None)[0]
+        dof = n_l * n_s - n_l - n_s + 1
+        sd, got_dof = paired_sd(loss[::-1], col[::-1], seed[::-1])  # any order of runs
+        assert got_dof == dof
+        assert sd == pytest.approx(math.sqrt(np.sum((loss - fitted) ** 2) / dof), rel=1e-9)
+    # a seed missing at one LR, one seed, one LR: not paired
+    assert paired_sd(loss[:-1], col[:-1], seed[:-1]) == (pytest.approx(np.nan, nan_ok=True), 0)
+    assert paired_sd(np.ones(3), np.arange(3), np.zeros(3))[1] == 0
+    assert paired_sd(np.ones(3), np.zeros(3), np.arange(3))[1] == 0
+
+
+def test_a_seed_missing_at_a_fitted_lr_falls_back_to_the_pooled_noise() -> None:
+    df, _ = _shifted_bowls(1, 3, 0.2, 0.01, np.random.default_rng(3),
+                           np.arange(-12.0, -4.5, 1.0))
+    full = optimal_lr(df).shapes.iloc[0]
+    assert full["seeds_paired"]
+    best = np.log2(full["best_lr"])
+    gap = df[~(np.isclose(np.log2(df["lr"]), best + 1) & (df["seed"] == 2))]
+    row = optimal_lr(gap).shapes.iloc[0]
+    assert not row["seeds_paired"]
+    assert row["eta_noise_sd"] == row["noise_sd"] and row["eta_noise_dof"] == row["noise_dof"]
 
 
 def test_vertex_ci_is_the_set_fiellers_inequality_admits() -> None:

@@ -841,7 +841,7 @@ def test_the_transfer_checks_shift_ci_counts_the_base_eta_uncertainty():
             assert row["shift_ci_high"] == pytest.approx(check["log2_ci_high"] - b)
         else:  # wider than the check's own CI on both sides, by the base's half-widths
             assert tune["log2_ci_high"] - tune["log2_ci_low"] > 0.01
-            dofs = (check["noise_dof"], tune["noise_dof"])
+            dofs = (check["eta_noise_dof"], tune["eta_noise_dof"])
 
             def half(widths, dofs=dofs):  # SEs in quadrature, Welch-Satterthwaite t
                 se = [w / stats.t.ppf(0.975, d) for w, d in zip(widths, dofs, strict=True)]

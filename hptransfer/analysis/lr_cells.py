@@ -31,6 +31,10 @@ class Cells:
     point_means: dict[str, np.ndarray]
     ok_ids_by_cell: tuple[np.ndarray, np.ndarray, np.ndarray]
     ok_ids_by_shape: list[np.ndarray]
+    # each completed trial's cell, seed and loss: the losses paired by seed across LRs
+    ok_cell: np.ndarray
+    ok_seed: np.ndarray
+    ok_loss: np.ndarray
     n_shapes: int
     n_cols: int
 
@@ -105,6 +109,9 @@ def build_cells(frame: pd.DataFrame, keys: tuple[str, ...]) -> Cells:
         point_means=point_means,
         ok_ids_by_cell=(ids, start, n_ok),
         ok_ids_by_shape=ok_ids,
+        ok_cell=cell[ok],
+        ok_seed=frame["seed"].to_numpy(dtype=float)[order][ok],
+        ok_loss=loss[ok],
         n_shapes=n_shapes,
         n_cols=int(cell_col.max()) + 1,
     )

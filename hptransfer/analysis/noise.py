@@ -9,6 +9,10 @@ points of a fit, is the loss noise another seed (or another host's kernels) woul
   freedom. It is unbounded when the curvature is within the noise (a flat bracket).
 - whether the bracket is informative (`bracket_rise`): the losses on each side of the best
   LR must rise above it by more than the noise of that difference.
+- both from the noise of the bracket's LRs paired by seed (`paired_sd`) where every LR of
+  the bracket ran the same seeds: a seed fixes the init and the data order at every LR, so
+  it moves a shape's whole curve up or down together, which moves neither the vertex nor a
+  rise; only what is left after that shift is the vertex's noise.
 - a floor for the compute fits' residual bootstraps (`log_noise_floor`): the frontier, the
   savings and N:L draw at least the measured seed noise, not only one curve's residuals.
 
@@ -41,6 +45,28 @@ def pooled_sd(std: np.ndarray, n: np.ndarray, mask: np.ndarray | None = None,
     with np.errstate(invalid="ignore", divide="ignore"):
         sd = np.sqrt((dof_i * var).sum(axis=axis) / dof)
     return np.where(dof > 0, sd, np.nan), dof
+
+
+def paired_sd(loss: np.ndarray, col: np.ndarray, seed: np.ndarray) -> tuple[float, float]:
+    """The noise of a bracket whose LRs all ran the same seeds (each run: its loss, its LR's
+    column `col` and its `seed`): the residual standard deviation of the additive model
+    loss = LR effect + seed effect, from the LR x seed table's interaction, and its degrees of
+    freedom (L - 1)(S - 1). (NaN, 0) unless every LR has each seed exactly once, with
+    L >= 2 LRs and S >= 2 seeds: the caller then pools the seeds' spread per LR (`pooled_sd`),
+    which holds whatever the seeds share."""
+    cols, col_idx = np.unique(col, return_inverse=True)
+    seeds, seed_idx = np.unique(seed, return_inverse=True)
+    n_l, n_s = len(cols), len(seeds)
+    if n_l < 2 or n_s < 2 or len(loss) != n_l * n_s:
+        return float("nan"), 0.0
+    table = np.full((n_l, n_s), np.nan)
+    table[col_idx, seed_idx] = loss
+    if not np.isfinite(table).all():  # a seed missing at an LR, or one run twice
+        return float("nan"), 0.0
+    resid = (table - table.mean(axis=1, keepdims=True) - table.mean(axis=0, keepdims=True)
+             + table.mean())
+    dof = float((n_l - 1) * (n_s - 1))
+    return float(np.sqrt(np.sum(resid**2) / dof)), dof
 
 
 def t_quantile(ci: float, dof: np.ndarray) -> np.ndarray:

@@ -24,7 +24,15 @@ from hptransfer.jsonsafe import frame_records
 from .basins import RIVAL_TOLERANCE, rival_basins
 from .errors import NotEnoughData
 from .lr_cells import POINT_COLUMNS, Cells, build_cells, matrix
-from .noise import ETA_CI_LOG2, bracket_rise, coefficient_cov, pooled_sd, t_quantile, vertex_ci
+from .noise import (
+    ETA_CI_LOG2,
+    bracket_rise,
+    coefficient_cov,
+    paired_sd,
+    pooled_sd,
+    t_quantile,
+    vertex_ci,
+)
 from .parabola import ParabolaFits, fit_parabolas
 from .serialize import analysis_dict
 from .trials import CORE_COLUMNS, IGNORED, OK, Trials, prepare_trials
@@ -152,7 +160,8 @@ def _empty_result(
 _SHAPE_COLUMNS = (
     "n_lrs", "n_completed", "n_diverged", "n_seeds", "best_lr", "best_loss", "lr_opt",
     "log2_lr_opt", "lr_ci_low", "lr_ci_high", "log2_ci_low", "log2_ci_high", "ci_half_log2",
-    "noise_sd", "noise_dof", "bracket_rise", "bracket_noise", "loss_at_opt",
+    "noise_sd", "noise_dof", "eta_noise_sd", "eta_noise_dof", "seeds_paired", "bracket_rise",
+    "bracket_noise", "loss_at_opt",
     "curvature", "n_fit_points", "edge", "clamped", "concave", "rival_lr", "sound",
     "informative", "reliable", "reason",
     "warnings", "fit_lrs", "residuals", *POINT_COLUMNS, "best_trial_ids", "trial_ids",
@@ -266,10 +275,16 @@ def _fit_sweep(cells: Cells, neighbours: int) -> _Sweep:
 @dataclass
 class _Noise:
     """Per shape: the seed noise of its fitted LRs, η*'s CI from it, and whether η* is
-    informative (`why`: the reason it is not, for a sound fit; None when it is)."""
+    informative (`why`: the reason it is not, for a sound fit; None when it is). `sd`, `dof`:
+    the loss noise of one point (the seeds' spread per LR, pooled); `eta_sd`, `eta_dof`: the
+    noise η*'s CI and the bracket's rises are judged by, the same or, where `paired`, the
+    spread left once each seed's shift of the whole curve is taken out."""
 
     sd: np.ndarray
     dof: np.ndarray
+    eta_sd: np.ndarray
+    eta_dof: np.ndarray
+    paired: np.ndarray
     log2_ci: np.ndarray  # rows low, high; NaN without a CI, ±inf when unbounded
     half: np.ndarray
     rise: np.ndarray
@@ -279,16 +294,19 @@ class _Noise:
 
 
 def _noise_ci(sweep: _Sweep, ci: float, max_ci_log2: float) -> _Noise:
-    """η*'s CI from the seed noise pooled over each shape's fitted LRs (Fieller's interval
-    for the vertex of the OLS quadratic, t with the pooled degrees of freedom)."""
+    """η*'s CI from the seed noise of each shape's fitted LRs (Fieller's interval for the
+    vertex of the OLS quadratic, t with the noise's degrees of freedom): paired by seed where
+    every fitted LR ran the same seeds, else pooled per LR."""
     fits = sweep.fits
     # the noise of the LRs the parabola is fitted on (far LRs near divergence spread more)
     sd, dof = pooled_sd(sweep.std, sweep.n_ok, fits.window, axis=1)
-    t = t_quantile(ci, dof)
+    eta_sd, eta_dof, paired = _paired_noise(sweep.cells, fits.window)
+    eta_sd, eta_dof = np.where(paired, eta_sd, sd), np.where(paired, eta_dof, dof)
+    t = t_quantile(ci, eta_dof)
     window = fits.window & fits.fit_ok[:, None]
     dx = np.where(window, sweep.x - fits.x_best[:, None], 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        var = np.where(window, sd[:, None] ** 2 / np.maximum(sweep.n_ok, 1), 0.0)
+        var = np.where(window, eta_sd[:, None] ** 2 / np.maximum(sweep.n_ok, 1), 0.0)
     cov = coefficient_cov(dx, window, var)
     lo, hi = vertex_ci(fits.coef[:, 1], fits.coef[:, 2], cov, t)
     has = fits.fit_ok & ~fits.concave
@@ -297,14 +315,34 @@ def _noise_ci(sweep: _Sweep, ci: float, max_ci_log2: float) -> _Noise:
         half = (log2_ci[1] - log2_ci[0]) / 2.0
     rise, rise_noise, rises = bracket_rise(
         np.where(np.isfinite(sweep.x), sweep.x, np.inf), sweep.means, sweep.n_ok, window,
-        fits.best, sd, t)
+        fits.best, eta_sd, t)
     informative = np.isfinite(half) & (half <= max_ci_log2) & rises
     why: list[str | None] = []
     for s in range(sweep.cells.n_shapes):
         why.append(None if informative[s] or not has[s] else _uninformative(
-            float(dof[s]), log2_ci[:, s], float(half[s]), float(rise[s]),
+            float(eta_dof[s]), log2_ci[:, s], float(half[s]), float(rise[s]),
             float(rise_noise[s]), bool(rises[s]), ci, max_ci_log2))
-    return _Noise(sd, dof, log2_ci, half, rise, rise_noise, informative, why)
+    return _Noise(sd, dof, eta_sd, eta_dof, paired, log2_ci, half, rise, rise_noise,
+                  informative, why)
+
+
+def _paired_noise(cells: Cells, window: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per shape: `noise.paired_sd` of the completed runs at its fitted LRs, its degrees of
+    freedom, and whether it applies (every fitted LR ran the same seeds, 2 or more)."""
+    sd = np.full(cells.n_shapes, np.nan)
+    dof = np.zeros(cells.n_shapes)
+    sid, col = cells.cell_sid[cells.ok_cell], cells.cell_col[cells.ok_cell]
+    in_window = window[sid, col]
+    order = np.argsort(sid[in_window], kind="stable")
+    runs_sid = sid[in_window][order]
+    bounds = np.searchsorted(runs_sid, np.arange(cells.n_shapes + 1))
+    runs_col = col[in_window][order]
+    runs_seed, runs_loss = cells.ok_seed[in_window][order], cells.ok_loss[in_window][order]
+    for s in np.flatnonzero(np.diff(bounds) >= 4):
+        part = slice(bounds[s], bounds[s + 1])
+        sd[s], dof[s] = paired_sd(runs_loss[part], runs_col[part], runs_seed[part])
+    return sd, dof, dof > 0
 
 
 def _uninformative(dof: float, log2_ci: np.ndarray, half: float, rise: float,
@@ -391,6 +429,9 @@ def _shape_table(sweep: _Sweep, flags: _Flags, noise: _Noise) -> pd.DataFrame:
     shapes["ci_half_log2"] = noise.half
     shapes["noise_sd"] = noise.sd
     shapes["noise_dof"] = noise.dof.astype(int)
+    shapes["eta_noise_sd"] = noise.eta_sd
+    shapes["eta_noise_dof"] = noise.eta_dof.astype(int)
+    shapes["seeds_paired"] = noise.paired
     shapes["bracket_rise"] = np.where(np.isfinite(noise.rise), noise.rise, np.nan)
     shapes["bracket_noise"] = noise.rise_noise
     shapes["loss_at_opt"] = fits.loss_opt

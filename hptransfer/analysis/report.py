@@ -229,7 +229,8 @@ _TEXT_COLUMNS: dict[str, list[str]] = {
         "lr_ci_low",
         "lr_ci_high",
         "ci_half_log2",
-        "noise_sd",
+        "eta_noise_sd",
+        "seeds_paired",
         "edge",
         "reliable",
     ],
@@ -470,7 +471,8 @@ def headline(report: FitReport) -> dict[str, Any]:
                 "sigma_base": r["sigma_base"], "lr": r["lr_opt"], "log2_lr": r["log2_lr_opt"],
                 "log2_ci_low": r["log2_ci_low"], "log2_ci_high": r["log2_ci_high"],
                 "no_ci": _no_ci(r["log2_ci_low"], r["log2_ci_high"], "η*"),
-                "noise_sd": r["noise_sd"], "reliable": bool(r["reliable"]),
+                "noise_sd": r["noise_sd"], "eta_noise_sd": r["eta_noise_sd"],
+                "seeds_paired": bool(r["seeds_paired"]), "reliable": bool(r["reliable"]),
                 "reason": _why(r), "stage": "tune"})
     if report.transfer_check is not None:
         for _, r in report.transfer_check.table.iterrows():

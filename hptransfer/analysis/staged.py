@@ -169,7 +169,7 @@ def transfer_check(
             at_check = (math.log2(lr_c), float(c["log2_ci_low"]), float(c["log2_ci_high"]))
             at_base = (math.log2(lr_t), float(b0["log2_ci_low"]), float(b0["log2_ci_high"]))
             low, high = shift_interval(at_check, at_base,
-                                       (float(c["noise_dof"]), float(b0["noise_dof"])), ci)
+                                       (float(c["eta_noise_dof"]), float(b0["eta_noise_dof"])), ci)
             row.update(lr_check=lr_c, shift_log2=at_check[0] - at_base[0],
                        shift_ci_low=low, shift_ci_high=high, shift_ci_half=(high - low) / 2)
             if not math.isnan(at_check[1]) and math.isnan(at_base[1]):

@@ -47,7 +47,7 @@ def eta_check(row: pd.Series | dict[str, Any], width: float) -> TargetCheck:
     if not bool(row["sound"]):
         return TargetCheck(item, False, half, "the fit is not sound: " + (
             "; ".join(row.get("warnings") or []) or str(row.get("reason") or "no η*")))
-    if _f(row["noise_dof"]) < 1:
+    if _f(row["eta_noise_dof"]) < 1:
         return TargetCheck(item, False, half, "one seed per LR: no noise measured, no CI")
     if not rise > noise:
         return TargetCheck(item, False, half, f"bracket flat within the noise (rises "

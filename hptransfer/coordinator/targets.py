@@ -207,7 +207,7 @@ def _spread(row: pd.Series, width: float) -> float:
     """How far a fit is from its share of a shift's target: its CI half-width, infinite
     without a CI or with a flat bracket."""
     half = float(row["ci_half_log2"])
-    if float(row["noise_dof"]) < 1 or not float(row["bracket_rise"]) > float(
+    if float(row["eta_noise_dof"]) < 1 or not float(row["bracket_rise"]) > float(
             row["bracket_noise"]) or not math.isfinite(half):
         return math.inf
     return half / width
@@ -230,7 +230,7 @@ def _refine(spec: SweepSpec, row: pd.Series, rows: pd.DataFrame, width: float, s
         return None  # η* beyond the LRs tried: the edge extensions' job, not seeds'
     arm, w, d = str(row["arm"]), int(row["width"]), int(row["depth"])
     sigma, v = float(row["sigma_base"]), float(row["log2_lr_opt"])
-    half, dof = float(row["ci_half_log2"]), float(row["noise_dof"])
+    half, dof = float(row["ci_half_log2"]), float(row["eta_noise_dof"])
     rise, noise = float(row["bracket_rise"]), float(row["bracket_noise"])
     done = rows[rows["status"] == TrialStatus.COMPLETED]
     fit_lrs = sorted(float(x) for x in (row["fit_lrs"] or []))
