@@ -276,14 +276,14 @@ def test_a_flop_cap_spent_first_stops_the_adding():
 
 
 def test_eta_between_lrs_far_apart_gets_an_lr_in_the_gap():
-    d = study_dict(tune={"target": {"eta_ci_log2": 0.2}, "max_extra_trials": 100})
+    d = study_dict(tune={"target": {"eta_ci_log2": 0.1}, "max_extra_trials": 100})
     d["grid"]["lrs"] = [2.0**k for k in (-12, -10, -8, -6, -4)]  # two octaves apart
     d["grid"]["seeds"] = [0, 1]
     spec = load_spec(d)
     tune = plan_sweep(spec)
     step = next_step(spec, initial_state(spec, len(tune)),
                      frame_of(tune, noisy_bowl(-8.9, 0.01, 0.01)))
-    # a curved bowl (the bracket rises above the noise), CI wider than ±0.2, η* between
+    # a curved bowl (the bracket rises above the noise), CI wider than ±0.1, η* between
     # 2^-10 and 2^-8: one LR in the middle, at both seeds, per arm
     assert sorted((p.arm, p.seed, math.log2(p.lr)) for p in step.trials) == [
         (arm, seed, -9.0) for arm in ("gpt/completep", "gpt/sp") for seed in (0, 1)]
