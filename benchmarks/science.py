@@ -305,7 +305,7 @@ def depth_experiment(args: argparse.Namespace, client: Client | None) -> None:
             for _, r in sub.iterrows():
                 key = (label, r["depth"])
                 ci = (r.get("log2_ci_low", math.nan), r.get("log2_ci_high", math.nan))
-                if not np.all(np.isfinite(ci)) and r.get("noise_dof", 0) >= 1:
+                if not np.all(np.isfinite(ci)) and r.get("eta_noise_dof", 0) >= 1:
                     # JSON has no inf: over REST an unbounded Fieller CI (curvature within
                     # the noise) arrives as null, like a missing one; with seed noise
                     # measured (dof >= 1) a missing CI is an unbounded one
@@ -325,7 +325,8 @@ def depth_experiment(args: argparse.Namespace, client: Client | None) -> None:
                     "best loss": f"{argmin.loc[key, 'final_val_loss']:.4f}" if has else "—",
                     "diverged": int(n_div.get(key, 0)),
                     "reliable": "yes" if bool(r["reliable"]) else "no",
-                    "_log2": r["log2_lr_opt"], "_ci": ci, "_dof": r.get("noise_dof", math.nan),
+                    "_log2": r["log2_lr_opt"], "_ci": ci,
+                    "_dof": r.get("eta_noise_dof", math.nan),
                     "_argmin": grid_lr,
                     "_reason": r["reason"] if isinstance(r["reason"], str) else "",
                 })
