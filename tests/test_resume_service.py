@@ -43,7 +43,10 @@ BATCH_TOKENS = 4 * 32  # the tiny spec's batch x seq_len
 
 
 def checkpointed(spec: dict[str, Any], name: str) -> dict[str, Any]:
-    spec = one_trial_spec(spec, name, steps=600, retries=1)
+    # long enough that `reached` (rewritten once a second) shows the trial past its first
+    # checkpoint while it still runs on an idle host too: 600 steps (~1.2 s there) could
+    # end within a second of the first mark, and the test waited for a trial already done
+    spec = one_trial_spec(spec, name, steps=1800, retries=1)
     spec["checkpoint"] = {"every_steps": EVERY}
     return spec
 
