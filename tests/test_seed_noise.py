@@ -242,10 +242,13 @@ def test_a_seeds_shift_of_the_whole_curve_is_left_out_of_etas_ci() -> None:
 
 
 def test_paired_sd_is_the_two_way_models_residual_sd() -> None:
-    """Against least squares on dummy columns (an LR effect per LR, a seed effect per seed):
-    the residual sum of squares over n - L - S + 1 degrees of freedom."""
+    """Against least squares on dummy columns (an LR effect per LR, a seed effect per seed),
+    group by group: the residual sum of squares over n - L - S + 1 degrees of freedom. The
+    groups are computed together, in any order of runs, and a group that is not a full
+    LR x seed table gets none."""
     rng = np.random.default_rng(5)
-    for n_l, n_s in [(2, 2), (5, 2), (3, 4)]:
+    runs, expected = [], []
+    for g, (n_l, n_s) in enumerate([(2, 2), (5, 2), (3, 4)]):
         col = np.repeat(np.arange(n_l) * 7, n_s)
         seed = np.tile(np.arange(n_s) + 3, n_l)
         loss = rng.normal(3, 0.1, n_l * n_s) + 0.5 * seed
@@ -253,13 +256,20 @@ def test_paired_sd_is_the_two_way_models_residual_sd() -> None:
                                  + [seed == s for s in np.unique(seed)[1:]]).astype(float)
         fitted = design @ np.linalg.lstsq(design, loss, rcond=None)[0]
         dof = n_l * n_s - n_l - n_s + 1
-        sd, got_dof = paired_sd(loss[::-1], col[::-1], seed[::-1])  # any order of runs
-        assert got_dof == dof
-        assert sd == pytest.approx(math.sqrt(np.sum((loss - fitted) ** 2) / dof), rel=1e-9)
-    # a seed missing at one LR, one seed, one LR: not paired
-    assert paired_sd(loss[:-1], col[:-1], seed[:-1]) == (pytest.approx(np.nan, nan_ok=True), 0)
-    assert paired_sd(np.ones(3), np.arange(3), np.zeros(3))[1] == 0
-    assert paired_sd(np.ones(3), np.zeros(3), np.arange(3))[1] == 0
+        expected.append((math.sqrt(np.sum((loss - fitted) ** 2) / dof), dof))
+        runs += [(x, c, s, g) for x, c, s in zip(loss, col, seed, strict=True)]
+    # not tables: a seed missing at one LR; one seed; one LR; a seed twice at one LR
+    runs += [(3.0, 0, 0, 3), (3.1, 0, 1, 3), (3.2, 1, 0, 3)]
+    runs += [(3.0, c, 0, 4) for c in range(3)]
+    runs += [(3.0, 0, s, 5) for s in range(3)]
+    runs += [(3.0, 0, 0, 6), (3.1, 0, 0, 6), (3.2, 1, 1, 6), (3.3, 1, 0, 6)]
+    runs = [runs[k] for k in rng.permutation(len(runs))]
+    loss, col, seed, group = (np.array(v) for v in zip(*runs, strict=True))
+    sd, dof = paired_sd(loss, col, seed, group, 8)
+    for g, (want_sd, want_dof) in enumerate(expected):
+        assert dof[g] == want_dof
+        assert sd[g] == pytest.approx(want_sd, rel=1e-9)
+    assert (dof[3:] == 0).all() and np.isnan(sd[3:]).all()  # group 7: no runs at all
 
 
 def test_a_seed_missing_at_a_fitted_lr_falls_back_to_the_pooled_noise() -> None:

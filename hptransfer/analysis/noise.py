@@ -47,26 +47,43 @@ def pooled_sd(std: np.ndarray, n: np.ndarray, mask: np.ndarray | None = None,
     return np.where(dof > 0, sd, np.nan), dof
 
 
-def paired_sd(loss: np.ndarray, col: np.ndarray, seed: np.ndarray) -> tuple[float, float]:
-    """The noise of a bracket whose LRs all ran the same seeds (each run: its loss, its LR's
-    column `col` and its `seed`): the residual standard deviation of the additive model
-    loss = LR effect + seed effect, from the LR x seed table's interaction, and its degrees of
-    freedom (L - 1)(S - 1). (NaN, 0) unless every LR has each seed exactly once, with
-    L >= 2 LRs and S >= 2 seeds: the caller then pools the seeds' spread per LR (`pooled_sd`),
-    which holds whatever the seeds share."""
-    cols, col_idx = np.unique(col, return_inverse=True)
-    seeds, seed_idx = np.unique(seed, return_inverse=True)
-    n_l, n_s = len(cols), len(seeds)
-    if n_l < 2 or n_s < 2 or len(loss) != n_l * n_s:
-        return float("nan"), 0.0
-    table = np.full((n_l, n_s), np.nan)
-    table[col_idx, seed_idx] = loss
-    if not np.isfinite(table).all():  # a seed missing at an LR, or one run twice
-        return float("nan"), 0.0
-    resid = (table - table.mean(axis=1, keepdims=True) - table.mean(axis=0, keepdims=True)
-             + table.mean())
-    dof = float((n_l - 1) * (n_s - 1))
-    return float(np.sqrt(np.sum(resid**2) / dof)), dof
+def paired_sd(loss: np.ndarray, col: np.ndarray, seed: np.ndarray, group: np.ndarray,
+              n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group (a shape's bracket): the noise of its LRs when they all ran the same seeds
+    (each run: its loss, its LR's column `col`, its `seed` and its `group`): the residual
+    standard deviation of the additive model loss = LR effect + seed effect, from the
+    LR x seed table's interaction, and its degrees of freedom (L - 1)(S - 1). (NaN, 0) for a
+    group unless every LR has each seed exactly once, with L >= 2 LRs and S >= 2 seeds: the
+    caller then pools the seeds' spread per LR (`pooled_sd`), which holds whatever the seeds
+    share."""
+    group = np.asarray(group, dtype=np.int64)
+    if group.size == 0:
+        return np.full(n_groups, np.nan), np.zeros(n_groups)
+    _, cell = np.unique(np.stack([group, np.asarray(col, dtype=float)]), axis=1,
+                        return_inverse=True)
+    _, block = np.unique(np.stack([group, np.asarray(seed, dtype=float)]), axis=1,
+                         return_inverse=True)
+    cell, block = cell.ravel(), block.ravel()
+    n_runs = np.bincount(group, minlength=n_groups)
+    n_l = np.bincount(group[np.unique(cell, return_index=True)[1]], minlength=n_groups)
+    n_s = np.bincount(group[np.unique(block, return_index=True)[1]], minlength=n_groups)
+    # a seed run twice at one LR: that group is not an LR x seed table
+    _, first, counts = np.unique(np.stack([cell, block]), axis=1, return_index=True,
+                                 return_counts=True)
+    repeated = np.bincount(group[first[counts > 1]], minlength=n_groups) > 0
+    table = (n_runs == n_l * n_s) & (n_l >= 2) & (n_s >= 2) & ~repeated
+    loss = np.asarray(loss, dtype=float)
+
+    def mean_by(index: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (np.bincount(index, weights=loss) / np.bincount(index))[index]
+
+    resid = loss - mean_by(cell) - mean_by(block) + mean_by(group)
+    dof = np.where(table, (n_l - 1.0) * (n_s - 1.0), 0.0)
+    ss = np.bincount(group, weights=resid**2, minlength=n_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sd = np.where(table, np.sqrt(ss / dof), np.nan)
+    return sd, dof
 
 
 def t_quantile(ci: float, dof: np.ndarray) -> np.ndarray:

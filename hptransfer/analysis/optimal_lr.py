@@ -330,18 +330,10 @@ def _paired_noise(cells: Cells, window: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per shape: `noise.paired_sd` of the completed runs at its fitted LRs, its degrees of
     freedom, and whether it applies (every fitted LR ran the same seeds, 2 or more)."""
-    sd = np.full(cells.n_shapes, np.nan)
-    dof = np.zeros(cells.n_shapes)
     sid, col = cells.cell_sid[cells.ok_cell], cells.cell_col[cells.ok_cell]
-    in_window = window[sid, col]
-    order = np.argsort(sid[in_window], kind="stable")
-    runs_sid = sid[in_window][order]
-    bounds = np.searchsorted(runs_sid, np.arange(cells.n_shapes + 1))
-    runs_col = col[in_window][order]
-    runs_seed, runs_loss = cells.ok_seed[in_window][order], cells.ok_loss[in_window][order]
-    for s in np.flatnonzero(np.diff(bounds) >= 4):
-        part = slice(bounds[s], bounds[s + 1])
-        sd[s], dof[s] = paired_sd(runs_loss[part], runs_col[part], runs_seed[part])
+    fitted = window[sid, col]
+    sd, dof = paired_sd(cells.ok_loss[fitted], col[fitted], cells.ok_seed[fitted],
+                        sid[fitted], cells.n_shapes)
     return sd, dof, dof > 0
 
 
