@@ -64,14 +64,16 @@ def paired_sd(loss: np.ndarray, col: np.ndarray, seed: np.ndarray, group: np.nda
     _, block = np.unique(np.stack([group, np.asarray(seed, dtype=float)]), axis=1,
                          return_inverse=True)
     cell, block = cell.ravel(), block.ravel()
+
+    def distinct(index: np.ndarray) -> np.ndarray:  # per group, how many values it holds
+        return np.bincount(group[np.unique(index, axis=-1, return_index=True)[1]],
+                           minlength=n_groups)
+
     n_runs = np.bincount(group, minlength=n_groups)
-    n_l = np.bincount(group[np.unique(cell, return_index=True)[1]], minlength=n_groups)
-    n_s = np.bincount(group[np.unique(block, return_index=True)[1]], minlength=n_groups)
-    # a seed run twice at one LR: that group is not an LR x seed table
-    _, first, counts = np.unique(np.stack([cell, block]), axis=1, return_index=True,
-                                 return_counts=True)
-    repeated = np.bincount(group[first[counts > 1]], minlength=n_groups) > 0
-    table = (n_runs == n_l * n_s) & (n_l >= 2) & (n_s >= 2) & ~repeated
+    n_l, n_s = distinct(cell), distinct(block)
+    # every (LR, seed) pair once: no seed missing at an LR, none run twice
+    table = ((distinct(np.stack([cell, block])) == n_runs) & (n_runs == n_l * n_s)
+             & (n_l >= 2) & (n_s >= 2))
     loss = np.asarray(loss, dtype=float)
 
     def mean_by(index: np.ndarray) -> np.ndarray:
