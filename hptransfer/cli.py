@@ -82,18 +82,24 @@ def _parameterization(a: argparse.Namespace) -> Parameterization:
 
 @command("params")
 def cmd_params(a: argparse.Namespace) -> int:
+    from hptransfer.models.parameterization import check_pairing
+
+    # checked before torch is imported: a bad flag answers in a blink, not after ~1.5 CPU-s
+    cfg, p = _model_config(a), _parameterization(a)
+    check_pairing(cfg, p)
     from hptransfer.models.build import table_for
 
-    table = table_for(_model_config(a), _parameterization(a))
+    table = table_for(cfg, p)
     print(json.dumps(table.to_dict(), indent=2) if a.json else table.format_text())
     return 0
 
 
 @command("flops")
 def cmd_flops(a: argparse.Namespace) -> int:
+    cfg = _model_config(a, seq_len=a.seq_len)  # checked before flops imports torch
     from hptransfer.models.flops import flops_report, format_flops_report
 
-    report = flops_report(_model_config(a, seq_len=a.seq_len), a.seq_len)
+    report = flops_report(cfg, a.seq_len)
     print(json.dumps(report, indent=2) if a.json else format_flops_report(report))
     return 0
 

@@ -36,11 +36,32 @@ def test_params_json_worked_case():
 def test_params_text_and_bad_pairs():
     out = run("params", "--param", "depth_mup", "--width", "512", "--depth", "8")
     assert out.returncode == 0 and "hidden_weight" in out.stdout and "m_L=4" in out.stdout
-    bad = run("params", "--arch", "ngpt", "--param", "mup")
-    assert bad.returncode == 2
-    assert "use parameterization 'ngpt'" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run("params", "--width", "100")
-    assert bad.returncode == 2 and "divisible by head_dim" in bad.stderr
+
+
+def test_model_commands_refuse_bad_flags_before_loading_torch():
+    # a typo answers at once, not after importing torch (~1.5 CPU-s): the pairing and the
+    # shape are checked first; one process, each command's code and message as `hpt` prints
+    probe = """
+import contextlib, io, json, sys
+from hptransfer.cli import main
+seen = []
+for argv in (["params", "--arch", "ngpt", "--param", "mup"], ["params", "--width", "100"],
+             ["flops", "--width", "100"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    seen.append([code, err.getvalue()])
+print(json.dumps({"seen": seen, "torch": "torch" in sys.modules}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    (pair_code, pair), (width_code, width), (flops_code, flops) = result["seen"]
+    assert pair_code == 2 and "use parameterization 'ngpt'" in pair and "Traceback" not in pair
+    assert width_code == 2 and "divisible by head_dim" in width
+    assert flops_code == 2 and flops.startswith("hpt flops: error:") and "head_dim" in flops
+    assert result["torch"] is False
 
 
 def test_flops_json_matches_library():
