@@ -97,6 +97,18 @@ def test_a_checkpoint_without_its_digest_does_not_count(tmp_path):
     assert store.latest() == (12, {"x": 1})
 
 
+def test_a_checkpoint_moves_the_reached_mark_up_to_its_step(tmp_path):
+    """`reached` is rewritten at most once a second, so a checkpoint saved within that second
+    of the last mark would be ahead of it: a retry resuming there then counted no re-trained
+    steps, and the step the attempt was seen at was before the one it resumed from."""
+    store = TrialCheckpoints(policy(tmp_path), [])
+    store.mark_reached(10, force=True)
+    store.mark_reached(11)  # within the second: not written
+    assert store.reached() == 10
+    store.save(12, {"x": 1})
+    assert store.reached() == 12
+
+
 def test_only_the_newest_two_are_kept_and_the_disk_bound_holds(tmp_path):
     warnings: list[str] = []
     store = TrialCheckpoints(policy(tmp_path, max_sweep_bytes=4000.0), warnings)

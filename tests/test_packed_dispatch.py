@@ -274,6 +274,12 @@ def _ray_workers(title: str) -> list[psutil.Process]:
     return found
 
 
+# LRs that all train to the end: at 2^0 the tiny model diverges by step ~50 and leaves the
+# pack early, so "all four members training" held only for a tick or two (a loaded host's
+# run missed it and waited out its 120 s)
+STEADY_LRS = [2**-9, 2**-6, 2**-4, 2**-3]
+
+
 @pytest.mark.slow
 def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_cluster,
                                                                  tiny_spec):
@@ -282,7 +288,7 @@ def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_clu
     # run on a loaded host missed it (at 80 too)
     spec = packed_spec(tiny_spec, "pack-killed", 4, steps=400)
     spec.update(max_concurrent=1, retries=1)
-    spec["grid"]["seeds"] = [0]
+    spec["grid"].update(seeds=[0], lrs=STEADY_LRS)
     coordinator = Coordinator(get_settings())
     dispatcher = coordinator.dispatcher
     busy = {p.pid for p in _ray_workers("ray::execute_trials")}
@@ -301,7 +307,7 @@ def test_a_killed_pack_retries_every_member_as_its_own_attempt(hpt_home, ray_clu
     rows = coordinator.store.trials(sweep_id, limit=None)
     assert len(rows) == 4
     for r in rows:
-        assert r.attempts == 2 and r.status in ("completed", "diverged"), r.status
+        assert r.attempts == 2 and r.status == "completed", r.status
         attempts = coordinator.store.attempts(r.id)
         assert [a.status for a in attempts] == ["failed", r.status]
         assert attempts[0].error.startswith("WorkerCrashedError"), attempts[0].error
@@ -419,7 +425,7 @@ def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
     # 400 steps, as the killed pack above (seen training before it ends)
     spec = packed_spec(tiny_spec, "pack-restart", 4, steps=400)
     spec.update(max_concurrent=1)
-    spec["grid"]["seeds"] = [0]
+    spec["grid"].update(seeds=[0], lrs=STEADY_LRS)
     first = Coordinator(get_settings())
     first.start()
     sweep_id = first.submit(spec)["id"]
@@ -437,6 +443,6 @@ def test_a_restarted_coordinator_requeues_every_member_of_a_running_pack(
         second.stop()
     for r in second.store.trials(sweep_id, limit=None):
         # the interrupted attempt counts as one (its MLflow run), not against the retries
-        assert r.attempts == 2 and r.status in ("completed", "diverged"), r
+        assert r.attempts == 2 and r.status == "completed", r
         assert [a.status for a in second.store.attempts(r.id)] == ["cancelled", r.status]
         assert any(n.startswith(PACKED + "4 ") for n in r.result["notes"])

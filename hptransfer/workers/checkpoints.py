@@ -108,7 +108,10 @@ class TrialCheckpoints:
                 f"{bound / 1e9:g} GB (checkpoint.max_sweep_gb)")
             self._last_saved_at = time.monotonic()
             return False
-        self._ensure_dir()
+        # the mark (rewritten at most once a second) never lags a checkpoint: a retry from
+        # one ahead of it would count no re-trained steps; written first, since the attempt
+        # got to `done` whether or not the checkpoint lands
+        self.mark_reached(done, force=True)
         name = f"{self.dir}/step-{done:09d}"
         digest = f"{len(payload)} {hashlib.sha256(payload).hexdigest()}\n".encode()
         self._write_atomically(f"{name}.ckpt", payload)
