@@ -46,6 +46,12 @@ def packed_spec(spec: dict[str, Any], name: str, pack: Any, steps: int = 10) -> 
     return spec
 
 
+# For the tests that catch every member of a pack while it trains: LRs that all train to the
+# end. At 2^0 the tiny model diverges by step ~50 and leaves its pack early, so "all members
+# training" held only for a tick or two (a loaded host's run missed it, waiting out 120 s).
+STEADY_LRS = [2**-9, 2**-6, 2**-4, 2**-3]
+
+
 # ---- planning (no Ray) -------------------------------------------------------------------
 
 def _trial(i: int, width: int, lr: float) -> SimpleNamespace:
@@ -246,7 +252,9 @@ def test_cancelling_a_packed_sweep_cancels_every_member(hpt_home, ray_cluster, t
     dispatcher = coordinator.dispatcher
     coordinator.start()
     try:
-        sweep_id = coordinator.submit(packed_spec(tiny_spec, "pack-cancel", 4, steps=5000))["id"]
+        spec = packed_spec(tiny_spec, "pack-cancel", 4, steps=5000)
+        spec["grid"]["lrs"] = STEADY_LRS
+        sweep_id = coordinator.submit(spec)["id"]
         wait_for(lambda: len(dispatcher.in_flight) == 8 and all(
             f.last_step > 0 for f in dispatcher.in_flight.values()), 120,
             "both packs to be training")
@@ -272,12 +280,6 @@ def _ray_workers(title: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
-
-
-# LRs that all train to the end: at 2^0 the tiny model diverges by step ~50 and leaves the
-# pack early, so "all four members training" held only for a tick or two (a loaded host's
-# run missed it and waited out its 120 s)
-STEADY_LRS = [2**-9, 2**-6, 2**-4, 2**-3]
 
 
 @pytest.mark.slow
