@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hptransfer.workers import checkpoints
 from hptransfer.workers.checkpoints import CheckpointPolicy, TrialCheckpoints
 from hptransfer.workers.trainer import run_trial
 
@@ -50,8 +51,6 @@ def policy(root: Path, **kw) -> CheckpointPolicy:
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_resumed_run_ends_as_the_uninterrupted_one(arch, tmp_path, monkeypatch):
-    from hptransfer.workers import checkpoints
-
     monkeypatch.setattr(checkpoints, "REACHED_EVERY_S", 0.0)  # these runs take under 1 s
     s = spec(**ARCHS[arch])
     whole = run_trial(s, cache_dir=str(tmp_path / "cache"))
@@ -97,13 +96,14 @@ def test_a_checkpoint_without_its_digest_does_not_count(tmp_path):
     assert store.latest() == (12, {"x": 1})
 
 
-def test_a_checkpoint_moves_the_reached_mark_up_to_its_step(tmp_path):
+def test_a_checkpoint_moves_the_reached_mark_up_to_its_step(tmp_path, monkeypatch):
     """`reached` is rewritten at most once a second, so a checkpoint saved within that second
     of the last mark would be ahead of it: a retry resuming there then counted no re-trained
     steps, and the step the attempt was seen at was before the one it resumed from."""
+    monkeypatch.setattr(checkpoints, "REACHED_EVERY_S", 3600.0)  # however slow the host
     store = TrialCheckpoints(policy(tmp_path), [])
     store.mark_reached(10, force=True)
-    store.mark_reached(11)  # within the second: not written
+    store.mark_reached(11)  # within the interval: not written
     assert store.reached() == 10
     store.save(12, {"x": 1})
     assert store.reached() == 12

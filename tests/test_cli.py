@@ -33,7 +33,7 @@ def test_params_json_worked_case():
                for g in table["groups"])
 
 
-def test_params_text_and_bad_pairs():
+def test_params_text():
     out = run("params", "--param", "depth_mup", "--width", "512", "--depth", "8")
     assert out.returncode == 0 and "hidden_weight" in out.stdout and "m_L=4" in out.stdout
 
