@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -718,6 +719,16 @@ def test_compute_optimal_frontier_matches_brute_force(compute: float) -> None:
     )
     assert float(n_opt) == pytest.approx(math.exp(brute.x), rel=1e-5)
     assert float(n_opt * d_opt) * 6 == pytest.approx(compute, rel=1e-12)
+
+
+def test_an_allocation_past_floats_range_is_infinite_without_a_warning() -> None:
+    """A bootstrap refit with A near 0 (the demo's SP arm: α at its bound, A ~ 1e-11) puts
+    D_opt past float's range; the demo's report printed numpy's overflow warning for it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        n_opt, d_opt = compute_optimal_allocation(4e12, A=1e-300, B=9.0, alpha=0.001, beta=0.11)
+    assert float(d_opt) == math.inf
+    assert float(n_opt) == 0.0
 
 
 def test_a_frame_with_several_budgets_per_shape_fits_each_budget_as_a_point() -> None:

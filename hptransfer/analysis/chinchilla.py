@@ -99,8 +99,11 @@ def compute_optimal_allocation(
     c6 = np.asarray(compute, dtype=float) / 6.0
     s = alpha + beta
     log_g = (np.log(alpha * A) - np.log(beta * B)) / s
-    n_opt = np.exp(log_g + beta / s * np.log(c6))
-    d_opt = np.exp(alpha / s * np.log(c6) - log_g)
+    # A refit with α or A near 0 puts the optimum past float's range: inf (or 0) is its
+    # value there, and the CIs take it as such, so numpy's overflow warning is noise.
+    with np.errstate(over="ignore", under="ignore"):
+        n_opt = np.exp(log_g + beta / s * np.log(c6))
+        d_opt = np.exp(alpha / s * np.log(c6) - log_g)
     return n_opt, d_opt
 
 
