@@ -179,3 +179,16 @@ def test_vertex_ci_without_a_t_quantile_is_unknown() -> None:
     cov = np.diag([0.0, 1e-4, 1e-4])[None]
     lo, hi = vertex_ci(np.array([0.02]), np.array([0.05]), cov, np.array([math.nan]))
     assert math.isnan(lo[0]) and math.isnan(hi[0])
+
+
+def test_an_unsound_eta_says_why_in_its_warnings_not_as_a_noise_reason() -> None:
+    """Best LR at the grid's lowest: η* is not reliable because it is off the edge, not
+    because of the noise, and its reason does not say the latter (the warnings say why)."""
+    rng = np.random.default_rng(2)
+    df = pd.DataFrame([_row("tune", 64, 2, k, s, 3 + 0.05 * (k + 14) ** 2
+                            + 0.01 * rng.standard_normal())
+                       for s in range(2) for k in range(-12, -6)])
+    fit = optimal_lr(df).shapes.iloc[0]
+    assert not fit["sound"] and not fit["reliable"] and fit["edge"] == "low"
+    assert fit["reason"] is None
+    assert any("lowest tested" in w for w in fit["warnings"])
