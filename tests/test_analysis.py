@@ -1095,6 +1095,44 @@ def test_band_reaching_the_tested_edge_is_not_reliable() -> None:
     assert not row["reliable"] and any("band reaches" in w for w in row["warnings"])
 
 
+def _aspect_rows(shapes: list[tuple[int, int]], loss_of_u) -> list[dict]:
+    """Two seeds per shape at ±0.001 of `loss_of_u(u)`, u = log(N:L) - log 8, every shape
+    ~50k params: the noise is measured, so N:L has a CI, and only the rules decide."""
+    return [{"arm": "sp", "width": w, "depth": d, "lr": 1e-3, "seed": s,
+             "params_non_embedding": 50_000.0,
+             "final_val_loss": loss_of_u(math.log(w / d) - math.log(8)) + 0.001 * (2 * s - 1)}
+            for w, d in shapes for s in range(2)]
+
+
+def test_four_aspect_ratios_are_not_reliable_five_are() -> None:
+    """A bowl at N:L = 8 whose 1 % band lies inside the tested range: with 4 ratios the cubic
+    has no residual to check it by, so only the fifth ratio makes it reliable."""
+    def bowl(u: float) -> float:
+        return 3.0 + 0.05 * u**2
+
+    four = [(16, 16), (32, 4), (48, 2), (64, 1)]
+    row = optimal_aspect_ratio(trial_frame(_aspect_rows(four, bowl))).to_frame().iloc[0]
+    assert row["edge"] is None and row["nl_opt"] == pytest.approx(8.0, rel=0.02)
+    assert 1.0 < row["nl_within_low"] and row["nl_within_high"] < 64.0
+    assert np.isfinite(row["nl_ci_low"]) and np.isfinite(row["nl_ci_high"])
+    assert not row["reliable"]
+    assert any("4 aspect ratios" in w for w in row["warnings"])
+    five = optimal_aspect_ratio(trial_frame(_aspect_rows(four + [(24, 7)], bowl)))
+    assert five.to_frame().iloc[0]["reliable"]
+
+
+def test_a_band_reaching_one_edge_only_is_not_reliable() -> None:
+    """Loss rises steeply deeper than N:L = 8 and gently wider (0.01 u² - 0.002 u³): the 1 %
+    band ends inside on the deep side and runs into the widest shape on the other."""
+    shapes = [(16, 16), (24, 7), (32, 4), (48, 2), (64, 1)]
+    rows = _aspect_rows(shapes, lambda u: 3.0 + 0.01 * u**2 - 0.002 * u**3)
+    row = optimal_aspect_ratio(trial_frame(rows)).to_frame().iloc[0]
+    assert row["edge"] is None and row["nl_opt"] == pytest.approx(8.0, rel=0.05)
+    assert row["nl_within_low"] > 1.5 and row["nl_within_high"] == pytest.approx(64.0)
+    assert np.isfinite(row["nl_ci_low"]) and np.isfinite(row["nl_ci_high"])
+    assert not row["reliable"] and any("band reaches" in w for w in row["warnings"])
+
+
 @pytest.mark.parametrize("shallowest, advice", [(1, "no wider shape exists"),
                                                 (2, "run wider (larger N:L) shapes")])
 def test_an_optimum_at_the_widest_shape_says_whether_a_wider_one_exists(shallowest: int,

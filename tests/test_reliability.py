@@ -227,6 +227,58 @@ def test_savings_headline_with_unusable_ci_is_not_reliable() -> None:
     assert any("headline savings' CI is not usable" in w for w in comp.warnings)
 
 
+def _narrow(E: float, rising: bool = True) -> np.ndarray:
+    """Refits whose E spreads by ±0.01 (the arm's falling where the reference's rise, so
+    the i-th pair's savings differ): a CI far narrower than the savings."""
+    spread = np.linspace(E - 0.01, E + 0.01, 41)
+    return spread if rising else spread[::-1]
+
+
+def test_savings_whose_ci_lies_below_zero_are_reliable() -> None:
+    """The arm costs more (A 25 against 20 at b 0.5: savings 1 - 1.25² = -56 %): a CI
+    wholly below 0 knows which arm is cheaper as well as one above it."""
+    arm = _fit(1.15, 25.0, 0.5, _narrow(1.15, rising=False), (1.35, 2.4))
+    ref = _fit(1.15, 20.0, 0.5, _narrow(1.15), (1.35, 2.4))
+    comp = compare_fits(arm, ref, arm="a", reference="r", n_grid=5)
+    head = comp.headline()
+    assert head["savings"] == pytest.approx(1 - 1.25**2)
+    assert head["ci_high"] < 0 and comp.reliable and comp.table["reliable"].all()
+    assert comp.table["note"].isna().all()
+
+
+def test_savings_of_an_unreliable_fit_are_never_reliable() -> None:
+    arm = _fit(1.15, 25.0, 0.5, _narrow(1.15, rising=False), (1.35, 2.4))
+    ref = _fit(1.15, 20.0, 0.5, _narrow(1.15), (1.35, 2.4))
+    arm.reliable = False
+    comp = compare_fits(arm, ref, arm="a", reference="r", n_grid=5)
+    assert comp.headline()["ci_high"] < 0  # the CI alone would do
+    assert not comp.reliable and not comp.table["reliable"].any()
+    assert "at least one of the two power-law fits is unreliable" in comp.warnings
+
+
+def test_the_headline_rows_ci_decides_not_any_rows() -> None:
+    """Arm (E 1.0) and reference (E 1.2) cost the same at loss 1.875, the middle of 5 rows:
+    C_arm/C_ref = (k (L - 1.2) / (L - 1.0))² with k = 0.875 / 0.675. The end rows' CIs
+    exclude 0; the headline's holds it, so the comparison is not reliable."""
+    k = 0.875 / 0.675
+    arm = _fit(1.0, 20.0 * k, 0.5, _narrow(1.0, rising=False), (1.35, 2.4))
+    ref = _fit(1.2, 20.0, 0.5, _narrow(1.2), (1.35, 2.4))
+    comp = compare_fits(arm, ref, arm="a", reference="r", n_grid=5)
+    t = comp.table
+    assert t["loss"].iloc[2] == pytest.approx(1.875)
+    assert t["savings"].iloc[2] == pytest.approx(0.0, abs=1e-12)
+    assert t["savings"].iloc[0] == pytest.approx(1 - (k * 0.15 / 0.35) ** 2)
+    assert t["reliable"].iloc[0] and not t["reliable"].iloc[2]
+    assert not comp.reliable and not comp.headline()["reliable"]
+
+
+def test_a_ci_from_fewer_than_ten_distinct_refits_is_hidden() -> None:
+    col = np.repeat(np.linspace(0.1, 0.3, 5), 40)
+    why, hide = row_ci_problem(col, 0.2, 0.1, 0.3, 0.95)
+    assert hide and why == "only 5 distinct bootstrap values"
+    assert row_ci_problem(np.linspace(0.1, 0.3, 10), 0.2, 0.1, 0.3, 0.95) == (None, False)
+
+
 def test_savings_frame_of_a_comparison_without_rows() -> None:
     from hptransfer.analysis.savings import SavingsResult
 

@@ -481,3 +481,30 @@ def test_the_report_says_which_targets_were_met_and_what_each_spent():
     plain = study_fit_report(frame_of(done, loss), bootstrap=0)
     plain.targets = study_targets(copy.deepcopy(steps[0].state) | {"targets": {}})
     assert "Targets" not in plain.format_text()
+
+
+def test_seeds_added_shrink_the_ci_as_one_over_the_root_of_the_seeds():
+    """`_more(n, r)`: a half-width r times the target needs n·r² seeds in all (SE ∝
+    1/sqrt(seeds)), at least 1 more and at most n more (doubling) in one round."""
+    from hptransfer.coordinator.targets import _more
+
+    assert _more(10, 1.2) == 5  # ceil(14.4) - 10
+    assert _more(4, 1.1) == 1  # ceil(4.84) - 4
+    assert _more(2, 3.0) == 2  # 18 - 2, held to doubling
+    assert _more(5, 0.5) == 1  # met already: still one, the round's least
+    assert _more(3, math.inf) == 3
+
+
+def test_a_round_with_one_target_item_met_and_another_not_is_not_met():
+    from hptransfer.analysis.targets import TargetCheck
+    from hptransfer.coordinator.targets import _spend
+
+    book = {"max_extra_trials": 10, "spent": 0, "rounds": 0, "final": False}
+    checks = [TargetCheck("gpt/sp", True, 0.2, "met"),
+              TargetCheck("gpt/mup", False, 0.9, "CI ±0.90 octave > ±0.5")]
+    assert _spend(None, book, checks, []) == []  # nothing to add: final, but not met
+    assert book["final"] and book["outcome"] != "met"
+    assert [i["met"] for i in book["items"]] == [True, False]
+    book = {"max_extra_trials": 10, "spent": 0, "rounds": 0, "final": False}
+    _spend(None, book, checks[:1], [])
+    assert book["outcome"] == "met"
