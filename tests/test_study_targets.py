@@ -508,3 +508,20 @@ def test_a_round_with_one_target_item_met_and_another_not_is_not_met():
     book = {"max_extra_trials": 10, "spent": 0, "rounds": 0, "final": False}
     _spend(None, book, checks[:1], [])
     assert book["outcome"] == "met"
+
+
+def test_savings_seeds_are_counted_at_the_ladders_least_sampled_shape():
+    """The ladder's CI is as wide as its least-seeded shape allows: 2 seeds at one shape, 4
+    at another, a CI twice the target's half-width: n = 2, so 2·2² - 2 more (held to 2)."""
+    from hptransfer.contracts.status import TrialStatus
+    from hptransfer.coordinator.targets import _seeds_for_savings
+
+    ladder = pd.DataFrame(
+        [{"arm": "gpt/sp", "width": 64, "depth": 2, "lr": 0.01, "seed": s,
+          "status": TrialStatus.COMPLETED} for s in range(2)]
+        + [{"arm": "gpt/sp", "width": 128, "depth": 2, "lr": 0.01, "seed": s,
+            "status": TrialStatus.COMPLETED} for s in range(4)])
+    head = {"ci_low": -0.1, "ci_high": 0.3, "savings": 0.1}  # half-width 0.2 = 2 x |0.1|
+    assert _seeds_for_savings(ladder, "gpt/sp", head) == 2
+    one = ladder[(ladder["width"] == 128) | (ladder["seed"] == 0)]
+    assert _seeds_for_savings(one, "gpt/sp", head) == 1  # a shape at one seed: measure it
