@@ -78,6 +78,17 @@ def test_the_seed_noise_is_the_least_noise_the_joint_bootstrap_draws() -> None:
         assert not noisy[arm].reliable and noisy[arm].seed_noise == 0.02
 
 
+def test_each_arm_is_judged_on_its_own_losses() -> None:
+    """Arm a has flattened onto the shared E (1.5 + 30 C^-0.5 is 1.5 + 1e-8 at 1e19), arm b
+    is still 0.5 above it: only a's curve "has not bent", b's fit stays reliable."""
+    c = np.logspace(15, 19, 7)
+    fits = fit_power_laws_shared_e({"a": (c, 1.5 + 30 * c**-0.5), "b": (c, 1.5 + 40 * c**-0.1)},
+                                   bootstrap=100, seed=0)
+    assert fits["a"].E == pytest.approx(1.5) and fits["b"].E == fits["a"].E
+    assert not fits["a"].reliable and any("has not bent" in w for w in fits["a"].warnings)
+    assert fits["b"].reliable, fits["b"].warnings
+
+
 def test_an_arm_with_too_few_points_gets_a_reason_and_the_others_fit() -> None:
     pts = _points(0.0)
     pts["short"] = (COMPUTE[:2], pts["sp"][1][:2])

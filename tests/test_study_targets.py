@@ -267,6 +267,14 @@ def test_a_flop_cap_spent_first_stops_the_adding():
             f"{book['rounds']} round(s); FLOP cap spent") in report.format_text()
     assert "[stopped by max_extra_flops]" in report.format_text()
     assert report.to_dict()["targets"][0]["stopped_by"] == "max_extra_flops"
+    # a cap of exactly 7 trials (summed in the order the ledger sums them) admits the 7th
+    exact = 0.0
+    for _ in range(7):
+        exact += one
+    stages["tune"] = {**TUNE_TARGET, "max_extra_flops": exact}
+    steps, done = run_rounds(load_spec(study_dict(**stages)), loss, stop_at="transfer")
+    assert len([p for p in done if p.reason]) == 7
+    assert steps[-1].state["targets"]["tune"]["spent_flops"] == exact
     # a cap below one trial: nothing is added, and it says why
     stages["tune"] = {**TUNE_TARGET, "max_extra_flops": 0.5 * one}
     steps, done = run_rounds(load_spec(study_dict(**stages)), loss, stop_at="transfer")
