@@ -23,6 +23,18 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1, each socket held until all are bound: ports
+    asked for one at a time can repeat, since a released port may be handed out again
+    (`cluster_up.sh` once gave Ray's GCS and its dashboard one port, and Ray refused)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -66,21 +66,27 @@ DIR=$(cd "$DIR" && pwd)
 
 # ---------------------------------------------------------------- state: ports and secrets
 # Chosen once and kept, so a restarted component comes back where the others expect it.
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# all at once (hptransfer.sockets.free_ports): ports asked for one by one can repeat
+free_ports() { "$PY" -c 'import sys; from hptransfer.sockets import free_ports
+print(*free_ports(int(sys.argv[1])))' "$1"; }
 secret() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
 # every value shell-quoted (printf %q): these files are sourced, and a chosen token or a
 # clone path may hold spaces or $(...)
 keep() { printf '%s=%q\n' "$1" "$2"; }
 if [ ! -f "$DIR/state" ]; then
   umask 077
+  ports=$(free_ports 9) || die "cannot pick free ports with $PY"
+  read -r p_pg p_mlflow p_ray p_dash p_client p_head p_worker p_coord p_api <<< "$ports"
   {
-    keep PG_PORT "$(free_port)"
-    keep MLFLOW_PORT "$(free_port)"
-    keep RAY_PORT "$(free_port)"
-    keep RAY_DASHBOARD_PORT "$(free_port)"
-    keep RAY_CLIENT_PORT "$(free_port)"
-    for n in HEAD WORKER COORD; do keep "RAY_AGENT_PORT_$n" "$(free_port)"; done
-    keep API_PORT "$(free_port)"
+    keep PG_PORT "$p_pg"
+    keep MLFLOW_PORT "$p_mlflow"
+    keep RAY_PORT "$p_ray"
+    keep RAY_DASHBOARD_PORT "$p_dash"
+    keep RAY_CLIENT_PORT "$p_client"
+    keep RAY_AGENT_PORT_HEAD "$p_head"
+    keep RAY_AGENT_PORT_WORKER "$p_worker"
+    keep RAY_AGENT_PORT_COORD "$p_coord"
+    keep API_PORT "$p_api"
     keep PG_PASSWORD "$(secret)"
     keep API_TOKEN "${HPT_API_TOKEN:-$(secret)}"
     keep RAY_TOKEN "$("$PY" -c 'import secrets; print(secrets.token_hex(32))')"
