@@ -51,8 +51,14 @@ def test_a_coordinator_killed_mid_extension_finishes_the_round_once(hpt_home, se
         added = [t.status for t in store.trials(sweep_id, limit=None) if t.reason]
         return "running" in added
 
-    wait_for(mid_extension, 180, lambda: f"an added trial running:\n{first.log_tail()}",
-             poll=0.05)
+    def where() -> str:  # what the study had reached, for a timeout's message
+        rows = [(t.idx, t.status, t.attempts, bool(t.reason))
+                for t in store.trials(sweep_id, limit=None)]
+        study = store.get_sweep(sweep_id).study
+        return (f"an added trial running; trials (idx, status, attempts, added): {rows}; "
+                f"targets: {study.get('targets')}\n{first.log_tail()}")
+
+    wait_for(mid_extension, 180, where, poll=0.05)
     first.kill()
     before = {t.id: t for t in store.trials(sweep_id, limit=None)}
     added_before = {t.id: t for t in before.values() if t.reason}
