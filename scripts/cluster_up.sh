@@ -75,18 +75,12 @@ secret() { "$PY" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
 keep() { printf '%s=%q\n' "$1" "$2"; }
 if [ ! -f "$DIR/state" ]; then
   umask 077
-  ports=$(free_ports 9) || die "cannot pick free ports with $PY"
-  read -r p_pg p_mlflow p_ray p_dash p_client p_head p_worker p_coord p_api <<< "$ports"
+  names=(PG_PORT MLFLOW_PORT RAY_PORT RAY_DASHBOARD_PORT RAY_CLIENT_PORT
+         RAY_AGENT_PORT_HEAD RAY_AGENT_PORT_WORKER RAY_AGENT_PORT_COORD API_PORT)
+  ports=$(free_ports "${#names[@]}") || die "cannot pick free ports with $PY"
+  read -r -a ports <<< "$ports"
   {
-    keep PG_PORT "$p_pg"
-    keep MLFLOW_PORT "$p_mlflow"
-    keep RAY_PORT "$p_ray"
-    keep RAY_DASHBOARD_PORT "$p_dash"
-    keep RAY_CLIENT_PORT "$p_client"
-    keep RAY_AGENT_PORT_HEAD "$p_head"
-    keep RAY_AGENT_PORT_WORKER "$p_worker"
-    keep RAY_AGENT_PORT_COORD "$p_coord"
-    keep API_PORT "$p_api"
+    for i in "${!names[@]}"; do keep "${names[$i]}" "${ports[$i]}"; done
     keep PG_PASSWORD "$(secret)"
     keep API_TOKEN "${HPT_API_TOKEN:-$(secret)}"
     keep RAY_TOKEN "$("$PY" -c 'import secrets; print(secrets.token_hex(32))')"

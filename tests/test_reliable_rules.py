@@ -39,11 +39,12 @@ def _study(rng: np.random.Generator, noise: float = 0.004) -> pd.DataFrame:
 
 def test_a_shift_whose_combined_ci_is_too_wide_is_not_reliable_though_both_etas_are() -> None:
     df = _study(np.random.default_rng(3))
-    wide = transfer_check(df).table.iloc[0]
+    default = transfer_check(df)
+    wide = default.table.iloc[0]
     assert wide["reliable"], wide["reason"]
     half = float(wide["shift_ci_half"])
-    base = transfer_check(df).base_fit.shapes.iloc[0]
-    check = transfer_check(df).check_fit.shapes.iloc[0]
+    base = default.base_fit.shapes.iloc[0]
+    check = default.check_fit.shapes.iloc[0]
     assert check["eta_noise_dof"] == 8 and base["eta_noise_dof"] == 12
     widest_eta = max(base["ci_half_log2"], check["ci_half_log2"])
     assert widest_eta < half  # the shift's CI adds the two
