@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from hptransfer.sockets import free_port
 
 RTOL = 1e-4
 
@@ -69,17 +70,11 @@ def _rank(rank: int, world: int, port: str, spec: dict | list[dict], out: str, s
     dist.destroy_process_group()
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_ranks(spec: dict | list[dict], world: int, out: Path, *, shard: bool = False,
               policy: dict | None = None, stop_after: str = "") -> list[int]:
     """Train the trial (or each of a list, in turn) on `world` gloo ranks (rank 0 writes its
     result, or the list of them, to `out`); their exit codes (-15: ended by SIGTERM)."""
-    port = free_port()
+    port = str(free_port())
     ranks = [_RANKS.Process(target=_rank, args=(r, world, port, spec, str(out), shard,
                                                 json.dumps(policy) if policy else "",
                                                 stop_after, dict(os.environ)))

@@ -19,15 +19,10 @@ from pathlib import Path
 import pytest
 
 from hptransfer.client import Client
+from hptransfer.sockets import free_port
 
 RAY = Path(sys.executable).with_name("ray")
 HPT = Path(sys.executable).with_name("hpt")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill(proc: subprocess.Popen, marker: str | None = None) -> None:
@@ -43,7 +38,7 @@ def _kill(proc: subprocess.Popen, marker: str | None = None) -> None:
 @pytest.fixture
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="/tmp/hptray")  # short: unix socket paths are limited
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
@@ -67,7 +62,7 @@ def ray_head():
 
 @pytest.mark.slow
 def test_coordinator_joins_existing_cluster(ray_head, tmp_path, tiny_spec):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_ADDRESS": ray_head, "HPT_HOME": str(tmp_path / "hpt"),
            "OMP_NUM_THREADS": "1"}
     for var in ("HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "HPT_API_TOKEN"):

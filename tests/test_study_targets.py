@@ -533,3 +533,61 @@ def test_savings_seeds_are_counted_at_the_ladders_least_sampled_shape():
     assert _seeds_for_savings(ladder, "gpt/sp", head) == 2
     one = ladder[(ladder["width"] == 128) | (ladder["seed"] == 0)]
     assert _seeds_for_savings(one, "gpt/sp", head) == 1  # a shape at one seed: measure it
+
+
+def test_a_trial_kept_out_by_the_flop_cap_ends_the_round():
+    """Trials are taken in turn across groups (each number some before any all); the first
+    one the FLOP cap keeps out ends the round, so a cheaper trial later in the turn order
+    does not jump ahead of it. Costs here are the trials' FLOPs as the spec prices them."""
+    from types import SimpleNamespace
+
+    from hptransfer.analysis.targets import TargetCheck
+    from hptransfer.coordinator.plan import PlannedTrial
+    from hptransfer.coordinator.targets import _Group, _spend
+
+    def trial(name: str, flops: float) -> PlannedTrial:
+        return PlannedTrial("gpt/sp", flops, 32, 1, 0.01, 1.0, 0, name, "tune")
+
+    spec = SimpleNamespace(trial_flops=lambda cost: cost)
+    book = {"stage": "tune", "target": "eta_ci_log2", "max_extra_trials": 10,
+            "max_extra_flops": 5.0, "spent": 0, "spent_flops": 0.0, "rounds": 0,
+            "final": False}
+    unmet = [TargetCheck("gpt/sp", False, 0.9, "CI ±0.90 octave > ±0.5")]
+    groups = [_Group("cheap", [trial("a0", 1.0), trial("a1", 1.0)]),
+              _Group("dear", [trial("b0", 10.0)])]
+    # turn order a0, b0, a1: b0 would pass the cap (1 + 10 > 5), so a1 waits too
+    picked = _spend(spec, book, unmet, groups)
+    assert [p.content_hash for p in picked] == ["a0"]
+    assert book["spent"] == 1 and book["spent_flops"] == 1.0 and not book["final"]
+    assert picked[0].reason.startswith("target stages.tune.eta_ci_log2 round 1: cheap")
+
+
+def test_a_check_target_sizes_a_sides_seeds_to_its_share_of_the_shifts_width():
+    """The shift's CI adds its base's and its check's halves (about equal when both are
+    measured alike), so a side that must narrow gets seeds for width/√2, not the whole
+    width: a check η* at ±0.105 octave against a ±0.1 target needs (0.105·√2/0.1)² ≈ 2.2
+    times its 4 seeds (held to doubling: +4), where the whole width would ask for +1."""
+    def loss(p) -> float:  # a tight base (32x1), a noisier check shape
+        rng = np.random.default_rng(zlib.crc32(p.content_hash.encode()))
+        sd = 0.0005 if (p.width, p.depth) == (32, 1) else 0.014
+        return 3.0 + 0.05 * (math.log2(p.lr) + 8.3) ** 2 + sd * rng.standard_normal()
+
+    d = study_dict(transfer={"shapes": [{"width": 64, "depth": 2}]},
+                   check={"target": {"shift_ci_log2": 0.1}, "max_extra_trials": 200})
+    d["grid"]["seeds"] = [0, 1, 2, 3]
+    steps, done = run_rounds(load_spec(d), loss)
+    first = next(s for s in steps if any(p.reason for p in s.trials))
+    added = [p for p in first.trials if p.reason]
+    assert {(p.arm, p.stage, p.width, p.depth) for p in added} == {("gpt/sp", "check", 64, 2)}
+    before = frame_of([p for p in done if p not in first.trials], loss)
+    at = before[(before["arm"] == "gpt/sp") & (before["stage"] == "check")]
+    n = at["seed"].nunique()
+    from hptransfer.analysis.staged import transfer_check
+
+    half = float(transfer_check(before, bootstrap=0, max_ci_log2=0.1).check_fit.shapes
+                 .set_index("arm").loc["gpt/sp", "ci_half_log2"])
+    assert n == 4 and 0.1 < half < 0.1 * math.sqrt(2)  # the frame this test is about
+    want = min(max(math.ceil(n * (half * math.sqrt(2) / 0.1) ** 2) - n, 1), n)
+    assert want == 4 and {p.seed for p in added} == {4, 5, 6, 7}
+    assert len(added) == 4 * 3 and "+4 seed(s) [4, 5, 6, 7] at its 3 fitted LRs" in (
+        added[0].reason)
