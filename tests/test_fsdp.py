@@ -191,3 +191,19 @@ def test_a_sharded_worker_holds_a_wth_of_the_state_plus_its_gathered_units():
     expected = 16 * total / 4 + 16 * unit + activations
     assert s.worker_memory_bytes == pytest.approx(expected, rel=1e-3)
     assert s.worker_memory_bytes < d.worker_memory_bytes
+
+
+# ---- a rank's passes, without ranks
+
+def test_every_rank_takes_the_passes_its_largest_share_needs():
+    """A pass is collective: every rank runs as many as the rank with the most rows needs,
+    none of them over the micro-batch size."""
+    from hptransfer.workers.sharding import passes_per_step
+
+    # (batch, micro-batch size, ranks): the largest share's rows -> its passes
+    assert passes_per_step(5, 2, 2) == 2  # 3 rows and 2: the 3 take two passes
+    assert passes_per_step(9, 2, 2) == 3  # 5 rows and 4
+    assert passes_per_step(3, 1, 2) == 2  # 2 rows and 1: the 1 runs an empty pass too
+    assert passes_per_step(9, 2, 4) == 2  # 3, 2, 2, 2
+    assert passes_per_step(8, 2, 4) == 1  # 2 each
+    assert passes_per_step(7, 4, 3) == 1  # 3, 2, 2

@@ -15,7 +15,10 @@ from fastapi.testclient import TestClient
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
 from hptransfer.coordinator.admission import stage_costs
+from hptransfer.coordinator.calibration import DDP_EFFICIENCY
+from hptransfer.coordinator.packing import measured_packs, pack_gain
 from hptransfer.coordinator.plan import ShapeKey, plan_sweep, trial_at
+from hptransfer.coordinator.pricing import TASK_GAP_S, cost_message, may_exceed
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec import load_spec
 
@@ -209,3 +212,152 @@ def test_cli_and_client_plan_through_a_server(hpt_home, capsys):
     for stage in ("tune", "transfer", "check", "aspect_ratio", "total"):
         assert any(line.startswith(stage) for line in out.splitlines()), stage
     assert "wall time:" in out and "8 GPUs" in out
+
+
+# ---- the wall-time replay, device-hours and the submit bound, by hand
+
+
+def gpu_lrs(**resources) -> dict:
+    """Four LRs of one GPU shape (one arm, one seed): four trials of equal FLOPs, each
+    alone on its task unless `resources` says otherwise."""
+    return {"name": "gpu-lrs", "arms": [{"arch": "gpt", "parameterization": "mup"}],
+            "grid": {"widths": [512], "depths": [4], "lrs": [2**-10, 2**-9, 2**-8, 2**-7],
+                     "seeds": [0]},
+            "fixed": {"head_dim": 64, "seq_len": 512, "base_width": 512, "base_depth": 4,
+                      "device": "auto"},
+            "budget": {"steps": 1000, "batch_size": 32},
+            "data": {"source": "stdlib", "tokenizer": "bpe"},
+            "resources": {"cpus": 4, "gpus": 1, "pack": 1, **resources},
+            "max_concurrent": 8}
+
+
+def dry_run(client, spec: dict, **params) -> dict:
+    r = client.post("/sweeps", json=spec, params={"dry_run": "true", **params})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def one_trial_seconds(spec: dict, plan: dict, workers: int = 1) -> float:
+    """A trial's FLOPs at the plan's stated rate (a GPU's peak x MFU: nothing per step or
+    per trial on top), its workers each at DDP_EFFICIENCY of one process."""
+    (flops,) = {analytic_flops(p.trial) for p in plan_sweep(load_spec(spec))}
+    rate = plan["throughput"]["flops_per_s"]
+    assert plan["throughput"]["overhead_s"] == plan["throughput"]["layer_pass_s"] == 0.0
+    return flops / (rate * (workers * DDP_EFFICIENCY if workers > 1 else 1.0))
+
+
+@pytest.mark.parametrize(("gpus", "cpus", "concurrent", "waves"), [
+    (8, 64, 8, 1),  # room for all four
+    (8, 64, 3, 2),  # max_concurrent 3: three, then one
+    (8, 64, 1, 4),  # max_concurrent 1
+    (2, 64, 8, 2),  # two GPUs
+    (8, 8, 8, 2),  # 8 CPUs, 4 a task
+    (1, 64, 8, 4),  # one at a time
+])
+def test_wall_time_runs_tasks_in_waves_of_free_gpus_cpus_and_max_concurrent(
+        client, gpus, cpus, concurrent, waves):
+    spec = {**gpu_lrs(), "max_concurrent": concurrent}
+    plan = dry_run(client, spec, gpus=gpus, cpus=cpus)
+    seconds = one_trial_seconds(spec, plan)
+    assert [(r["trials"], r["tasks"]) for r in plan["rounds"]] == [(4, 4)]
+    # each task holds its slot for its trial's time and the dispatcher's gap after it (the
+    # tick, the lease, Ray's task start: a tenth of a second at the least)
+    assert plan["total"]["wall_s"] == pytest.approx(waves * (seconds + TASK_GAP_S),
+                                                    rel=1e-9)
+    assert plan["total"]["wall_s"] >= waves * (seconds + 0.1)
+    (row,) = plan["stages"]
+    assert row["device_hours"] == pytest.approx(4 * seconds / 3600, rel=1e-9)
+    assert row["tokens"] == 4 * 1000 * 32 * 512  # trials x steps x batch x seq_len
+    assert row["peak_memory_per_worker_gb"] > 0
+
+
+def test_data_parallel_trials_hold_all_their_workers_gpus(client):
+    """Two workers a trial: each trial holds two GPUs for its time (at DDP_EFFICIENCY
+    per worker), so four GPUs run two trials at a time, and one GPU none."""
+    spec = gpu_lrs(workers=2)
+    plan = dry_run(client, spec, gpus=4, cpus=64)
+    seconds = one_trial_seconds(spec, plan, workers=2)
+    assert plan["total"]["wall_s"] == pytest.approx(2 * (seconds + TASK_GAP_S), rel=1e-9)
+    assert plan["total"]["device_hours"] == pytest.approx(4 * seconds * 2 / 3600, rel=1e-9)
+    assert plan["stages"][0]["workers_per_trial"] == [2]
+    alone = dry_run(client, spec, gpus=1, cpus=64)
+    assert alone["total"]["wall_s"] is None
+    (warning,) = alone["warnings"]
+    assert "a task needs 8 CPUs and 2 GPUs, the cluster has 64 CPUs and 1 GPUs" in warning
+
+
+def test_a_trial_needing_more_gpus_than_the_cluster_has_gets_no_wall_time(client):
+    plan = dry_run(client, gpu_lrs(gpus=2), gpus=1, cpus=64)
+    assert plan["total"]["wall_s"] is None and plan["rounds"][0]["wall_s"] is None
+    assert "1 GPUs" in plan["warnings"][0] and "none: the trials cannot run" in plan["text"]
+
+
+def test_a_pack_is_priced_at_its_members_time_over_the_measured_gain(client):
+    """On one GPU the four LRs (a shape packing gains at) form one pack, whose time is
+    theirs alone over the gain measured for the shape; with four GPUs each runs alone."""
+    spec = gpu_lrs(pack="auto")
+    plan = dry_run(client, spec, gpus=1, cpus=64)
+    seconds = one_trial_seconds(spec, plan)
+    gain = pack_gain({"batch_size": 32, "seq_len": 512, "width": 512},
+                     measured_packs(load_spec(spec)))
+    assert 1 < gain < 4
+    assert [(r["trials"], r["tasks"]) for r in plan["rounds"]] == [(4, 1)]
+    assert plan["total"]["device_hours"] == pytest.approx(4 * seconds / gain / 3600,
+                                                          rel=1e-9)
+    assert plan["total"]["wall_s"] == pytest.approx(4 * seconds / gain + TASK_GAP_S,
+                                                    rel=1e-9)
+    spread = dry_run(client, spec, gpus=4, cpus=64)
+    assert [(r["trials"], r["tasks"]) for r in spread["rounds"]] == [(4, 4)]
+    assert spread["total"]["wall_s"] == pytest.approx(seconds + TASK_GAP_S, rel=1e-9)
+
+
+def test_a_study_s_wall_time_adds_its_rounds_and_planned_leaves_out_extensions(client):
+    spec = {**example("gpu_study.yaml"), "resources": {"cpus": 4, "gpus": 0.5}}
+    plan = dry_run(client, spec, gpus=8, cpus=128)
+    rounds = plan["rounds"]
+    assert [r["round"] for r in rounds] == [
+        "tune", "tune extension 1", "tune extension 2", "transfer + check + aspect_ratio",
+        "check extension 1"]
+    walls = [r["wall_s"] for r in rounds]
+    assert plan["total"]["wall_s"] == pytest.approx(math.fsum(walls), rel=1e-12)
+    planned = math.fsum(r["wall_s"] for r in rounds if "extension" not in r["round"])
+    assert plan["total"]["wall_s_planned"] == pytest.approx(planned, rel=1e-12)
+    assert plan["total"]["wall_s_planned"] < plan["total"]["wall_s"]
+
+
+def test_each_stage_s_peak_memory_is_its_largest_trial_s_per_worker(client):
+    spec = example("gpu_study.yaml")
+    plan = dry_run(client, spec, gpus=8, cpus=128)
+    peaks: dict[str, float] = {}
+    for c in stage_costs(load_spec(spec)):
+        peaks[c.stage] = max(peaks.get(c.stage, 0.0), c.worker_memory_bytes)
+    rows = {row["stage"]: row for row in plan["stages"]}
+    assert {s: r["peak_memory_per_worker_gb"] * 1e9 for s, r in rows.items()} == \
+        pytest.approx(peaks, rel=1e-12)
+    assert plan["total"]["peak_memory_per_worker_gb"] * 1e9 == pytest.approx(
+        max(peaks.values()), rel=1e-12)
+
+
+@pytest.mark.parametrize(("seconds", "said"), [
+    (90.0, "90 s"), (600.0, "10.0 min"), (3 * 3600.0, "3.0 h"), (4 * 86400.0, "4.0 days")])
+def test_the_cost_message_says_the_wall_time_in_its_unit(seconds, said):
+    plan = {"unit": "GPU-hours", "throughput": {"detail": "peak"},
+            "total": {"device_hours": 2.0, "wall_s": seconds, "trials": 3, "flops": 1e18}}
+    assert f"~{said} of wall time" in cost_message(plan, 1.0)
+
+
+def test_the_submit_bound_takes_every_trial_at_the_fastest_rate_on_a_whole_device():
+    """`may_exceed` decides whether a submit is priced: a bound that needs no calibration,
+    each trial at FASTEST_FLOPS plus MIN_TRIAL_S, on at least one whole device (a half-GPU
+    trial's real price is not halved by sharing: it runs at half the rate)."""
+    spec = load_spec(gpu_lrs(gpus=0.5))
+    costs = stage_costs(spec)
+    flops = [analytic_flops(p.trial) for p in plan_sweep(spec)]
+    bound = math.fsum(f / 2.5e15 + 0.01 for f in flops) * 1.0 / 3600
+    assert may_exceed(spec, costs, 0.99 * bound)
+    assert not may_exceed(spec, costs, 1.01 * bound)
+    tiny = load_spec({**gpu_lrs(gpus=0.5), "budget": {"steps": 1, "batch_size": 1}})
+    tiny_bound = math.fsum(analytic_flops(p.trial) / 2.5e15 + 0.01
+                           for p in plan_sweep(tiny)) / 3600  # MIN_TRIAL_S: nearly all
+    assert may_exceed(tiny, stage_costs(tiny), 0.99 * tiny_bound)
+    assert not may_exceed(tiny, stage_costs(tiny), 1.01 * tiny_bound)

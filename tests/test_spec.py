@@ -492,6 +492,28 @@ def test_optuna_shapes_and_trial_for():
         trial_for(spec, shapes[0], -1.0)
 
 
+def test_trial_for_refuses_each_axis_outside_the_grid_and_names_it():
+    d = with_("search", {"method": "optuna", "n_trials": 3},
+              with_("grid.lrs", {"log2_min": -12, "log2_max": -4, "step": 1}))
+    spec = load_spec(d)
+    inside = ShapeKey("gpt/sp", 64, 2, 0.02, 0)
+    assert trial_for(spec, inside, 1e-3).sigma_base == 0.02
+    for axis, value in (("width", 96), ("depth", 3), ("sigma_base", 0.5), ("seed", 7)):
+        with pytest.raises(ValueError, match=f"not a shape.*unknown {axis}"):
+            trial_for(spec, inside._replace(**{axis: value}), 1e-3)
+
+
+def test_the_spec_hash_ignores_the_order_of_free_form_keys():
+    """Tags are a free-form mapping (their order is kept when the spec is read): a spec
+    written with its tags in another order is the same sweep."""
+    a = load_spec({**base(), "tags": {"team": "x", "paper": "completep"}})
+    b = load_spec({**base(), "tags": {"paper": "completep", "team": "x"}})
+    assert list(a.tags) != list(b.tags)  # really read in another order
+    assert spec_hash(a) == spec_hash(b)
+    assert spec_hash(a) != spec_hash(load_spec({**base(), "tags": {"team": "y",
+                                                                  "paper": "completep"}}))
+
+
 # ---- loading ------------------------------------------------------------------------
 
 
