@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 # torch-free: the client commands (submit, status, fits, ...) start without importing torch
@@ -109,14 +110,16 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
     from hptransfer.coordcheck import format_table, run_coordcheck, save_plot
 
     p = _parameterization(a)
-    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
+    sizes = a.sizes
+    plot = a.plot or str(_default_coordcheck_plot(a, p))
+    if Path(plot).is_dir():  # found before the check runs, not after
+        raise ValueError(f"--plot {plot} is a directory; give the PNG file's path")
     result = run_coordcheck(
         axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=sizes,
         fixed=a.fixed, steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len,
         seed=a.seed, head_dim=a.head_dim, base_width=a.base_width, base_depth=a.base_depth,
         sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a), data=a.data,
     )
-    plot = a.plot or str(_default_coordcheck_plot(a, p))
     save_plot(result, plot)
     if a.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -225,8 +228,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"warning: serving on {host} without HPT_API_TOKEN (--insecure)", file=sys.stderr)
     sock = listen(host, port)
     from hptransfer.api.server import serve_forever
+    from hptransfer.coordinator.ray_join import RayUnreachable
 
-    serve_forever(settings, host, port, a.log_level, sock=sock)
+    try:
+        serve_forever(settings, host, port, a.log_level, sock=sock)
+    except RayUnreachable as exc:
+        print(f"hpt serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -297,7 +305,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
 @command("status")
 def cmd_status(a: argparse.Namespace) -> int:
     with _client(a) as c:
-        sweeps = [c.get(a.id)] if a.id else c.list_all()
+        sweeps = [c.get(a.id)] if a.id is not None else c.list_all()
         if a.json:
             print(json.dumps(sweeps, indent=2, default=str))
         for s in [] if a.json else sweeps:
@@ -315,8 +323,14 @@ def cmd_trials(a: argparse.Namespace) -> int:
     if a.csv:
         df.drop(columns=[k for k in ("spec", "result") if k in df.columns]).to_csv(
             sys.stdout, index=False)
+    elif not len(df):
+        print("no trials")
     else:
-        print(df[cols].to_string(index=False) if len(df) else "no trials")
+        if "error" in df.columns and df["error"].notna().any():  # its first line: what failed
+            df = df.assign(error=df["error"].map(
+                lambda e: e.splitlines()[0][:120] if isinstance(e, str) and e else ""))
+            cols.append("error")
+        print(df[cols].to_string(index=False))
     return 0
 
 
@@ -346,6 +360,15 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     from hptransfer.tracking.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()
+    if not is_loopback(a.host):
+        if not a.insecure:
+            print(f"hpt mlflow-ui: refusing to serve on {a.host or 'every interface'}: the "
+                  "MLflow UI has no login, so anyone who can reach it could read and delete "
+                  "runs. Put it behind an authenticating proxy, or pass --insecure to serve "
+                  "it anyway.", file=sys.stderr)
+            return 2
+        print(f"warning: the MLflow UI on {a.host} without a login (--insecure)",
+              file=sys.stderr)
     listen(a.host, a.port).close()  # a port in use is one line here; MLflow's exits 0
     cmd = ui_command(settings.mlflow_uri, a.host, a.port)
     print(f"MLflow UI on {ui_url(f'http://{a.host}:{a.port}')} for {mask_url(settings.mlflow_uri)}")
@@ -374,6 +397,28 @@ def port_number(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
     return port
+
+
+def size_list(text: str) -> list[int]:
+    """Comma-separated positive integers (argparse type)."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive "
+                                         "integers (e.g. 32,64,128)")
+    return sizes
+
+
+def log_level(text: str) -> str:
+    """One of uvicorn's log levels (argparse type; uvicorn is imported by `hpt serve` only)."""
+    from uvicorn.config import LOG_LEVELS
+
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level: use one of "
+                                         f"{', '.join(LOG_LEVELS)}")
+    return text.lower()
 
 
 _Commands = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
@@ -407,7 +452,8 @@ def _add_model_commands(sub: _Commands) -> None:
     _add_param_args(p)
     p.set_defaults(lr=1e-3)
     p.add_argument("--axis", default="depth", choices=["width", "depth"])
-    p.add_argument("--sizes", default=None, help="comma-separated widths or depths")
+    p.add_argument("--sizes", default=None, type=size_list,
+                   help="comma-separated widths or depths")
     p.add_argument("--fixed", type=int, default=None, help="the other dimension")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=8)
@@ -433,7 +479,8 @@ def _add_server_commands(sub: _Commands) -> None:
     p = sub.add_parser("serve", help="API + dispatcher + Ray + MLflow tracking")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=port_number, default=None)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=log_level,
+                   help="uvicorn's: critical, error, warning, info, debug or trace")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without HPT_API_TOKEN (unauthenticated)")
 
@@ -505,6 +552,8 @@ def _add_local_tools(sub: _Commands) -> None:
     p = sub.add_parser("mlflow-ui", help="the MLflow UI on the local tracking store")
     p.add_argument("--host", default=UI_HOST)
     p.add_argument("--port", type=port_number, default=UI_PORT)
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host (the UI has no login)")
 
     p = sub.add_parser("demo", help="a small real study on the CPU, end to end")
     p.add_argument("--spec", default=None, help="sweep spec (default examples/cpu_study.yaml)")

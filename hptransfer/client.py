@@ -15,7 +15,14 @@ import yaml
 from hptransfer.config import client_token, client_url, token_problem
 from hptransfer.contracts.status import ACTIVE, SweepStatus
 from hptransfer.redaction import mask_url, redact
-from hptransfer.spec.text import load_yaml, looks_like_path, non_finite_paths
+from hptransfer.spec.text import (
+    MAX_NESTING,
+    NESTED_TOO_DEEPLY,
+    load_yaml,
+    looks_like_path,
+    nesting_depth,
+    non_finite_paths,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 SUBMIT_RETRIES = 2  # a submit is sent again after no answer (its Idempotency-Key dedups)
@@ -286,6 +293,11 @@ def _not_a_file(text: str) -> str | None:
 
 
 def _as_dict(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, bytes | bytearray):  # a file's bytes: its text, not their repr
+        try:
+            spec = bytes(spec).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("the spec's bytes are not UTF-8 text") from None
     if hasattr(spec, "model_dump"):
         data = spec.model_dump(mode="json")
     elif isinstance(spec, dict):
@@ -300,6 +312,8 @@ def _as_dict(spec: Any) -> dict[str, Any]:
                 raise ValueError(f"{text[:300]} is {kind}; give a spec file (YAML/JSON)")
             raise ValueError(f"no such file: {text[:300]} (nor is it a spec's YAML/JSON text)")
         data = _parse(str(spec), "the spec text")
+    if nesting_depth(data) > MAX_NESTING:  # json.dumps would recurse out of stack
+        raise ValueError(NESTED_TOO_DEEPLY)
     # JSON cannot carry them: the request could not be sent to be refused by field
     if bad := non_finite_paths(data):
         raise ValueError(f"{', '.join(bad)}: Infinity or NaN is not a value a spec field "

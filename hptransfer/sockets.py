@@ -1,5 +1,6 @@
-"""The API's and the MLflow UI's listening socket: socket-only, so `hpt serve` and
-`hpt mlflow-ui` can refuse a port in use before they import the app (torch, Ray: seconds)."""
+"""Sockets without the app: the API's and the MLflow UI's listening socket (so `hpt serve`
+and `hpt mlflow-ui` refuse a port in use before they import torch and Ray), free ports,
+and whether anything listens at an address before a client waits on it."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def no_listener(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing accepts a connection at `address` ("host:port", "[v6]:port", or either
+    after "scheme://"), or None when something does or `address` names no port (Ray's
+    "auto", say): Ray's client retries an address nobody listens at for minutes."""
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, OverflowError) as exc:  # refused, no route, timed out, no such host
+        return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__

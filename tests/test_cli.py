@@ -105,6 +105,25 @@ def test_coordcheck_plot_defaults_to_the_dashboards_folder(hpt_home):
     assert png.exists() and str(png) in out.stdout
 
 
+def test_coordcheck_writes_its_plot_where_it_says(tmp_path):
+    """`--plot NAME` said "plot written to NAME" while matplotlib wrote NAME.png, and a
+    directory was written beside (DIR.png) after the check had run."""
+    plain = tmp_path / "myplot"
+    out = run("coordcheck", "--axis", "width", "--sizes", "32,64", "--head-dim", "32",
+              "--steps", "2", "--data", "random", "--plot", str(plain))
+    assert out.returncode == 0, out.stderr
+    assert f"plot written to {plain}\n" in out.stdout
+    assert plain.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["myplot"]
+    out = run("coordcheck", "--sizes", "32,64", "--plot", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"--plot {tmp_path} is a directory; give the PNG file's path" in out.stderr
+    for sizes in ("abc", "32,,64", "0,4", ""):
+        out = run("coordcheck", "--sizes", sizes)
+        assert out.returncode == 2, (sizes, out.stderr)
+        assert f"argument --sizes: {sizes!r} is not a comma-separated list" in out.stderr
+
+
 def test_client_commands_without_server_fail_cleanly():
     out = run("status", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2

@@ -62,6 +62,8 @@ def test_a_bad_spec_file_or_url_is_one_line_naming_it(tmp_path):
         assert "Traceback" not in out.stderr
     out = run("train", str(tmp_path / "broken.yaml"))
     assert out.returncode == 2 and "is not valid YAML/JSON" in out.stderr, out.stderr
+    out = run("status", "", "--url", "http://127.0.0.1:9")  # not every sweep: no id at all
+    assert out.returncode == 2 and "no sweep with id ''" in out.stderr, out.stderr
     out = run("status", "--url", "http://[::1")
     assert out.returncode == 2 and "invalid server URL" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -93,6 +95,9 @@ def test_the_client_reads_a_spec_as_the_server_does(tmp_path):
         _as_dict(str(tmp_path / "inf.yaml"))
     out = run("submit", "examples/cpu_smal", "--url", "http://127.0.0.1:9")
     assert out.returncode == 2 and "no such file: examples/cpu_smal" in out.stderr, out.stderr
+    assert _as_dict(yaml.safe_dump(spec).encode()) == spec  # bytes: their text, not b'...'
+    with pytest.raises(ValueError, match="the spec's bytes are not UTF-8 text"):
+        _as_dict(b"name: \xff")
     (tmp_path / "word.yaml").write_text("hello\n")  # a file that is there, holding no mapping
     with pytest.raises(ValueError, match="word.yaml: a sweep spec must be a mapping"):
         _as_dict(str(tmp_path / "word.yaml"))
@@ -125,6 +130,64 @@ def test_yaml_only_as_json_carries_it_on_both_sides(tmp_path):
     # aliases within reason are YAML's own reuse, and stay
     reused = yaml.safe_dump(TINY_SPEC).replace("name:", "base: &b {steps: 2}\nname:", 1)
     assert _as_dict(reused)["base"] == {"steps": 2}
+
+
+def test_a_spec_nested_past_any_field_is_one_line_on_every_side(tmp_path):
+    """A list 1000 deep ("[[[...]]]") or a YAML block list 3000 deep ended `hpt plan`,
+    `submit` and `train` in a RecursionError traceback (the parsers recurse once a level),
+    and a dict 3000 deep passed to the client in one from its JSON encoder."""
+    from hptransfer.client import _as_dict
+    from hptransfer.spec import SpecError, load_spec
+
+    (tmp_path / "deep.json").write_text("[" * 1000 + "]" * 1000)
+    (tmp_path / "deep.yaml").write_text("\n".join(" " * i + "-" for i in range(3000)))
+    (tmp_path / "33.json").write_text('{"a": ' * 33 + "1" + "}" * 33)
+    for name in ("deep.json", "deep.yaml", "33.json"):
+        for command in (["plan", "--url", "http://127.0.0.1:9"],
+                        ["submit", "--url", "http://127.0.0.1:9"], ["train"]):
+            out = run(*command, str(tmp_path / name))
+            assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+            assert f"{name}: the spec nests mappings or lists more than 32 levels deep" in (
+                out.stderr), out.stderr
+    deep: dict = {}
+    inner = deep
+    for _ in range(3000):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(ValueError, match="more than 32 levels deep"):
+        _as_dict({**TINY_SPEC, "tags": deep})
+    (tmp_path / "objects.json").write_text('{"a": ' * 3000 + "1" + "}" * 3000)
+    for source in (deep, (tmp_path / "deep.json").read_text(), tmp_path / "objects.json",
+                   (tmp_path / "objects.json").read_text(), (tmp_path / "deep.yaml").read_text()):
+        with pytest.raises(SpecError, match="more than 32 levels deep"):
+            load_spec(source)
+    # 32 levels are still a spec's to give (here in its free-form tags, refused by type)
+    tags: dict = {"x": 1}
+    for _ in range(30):
+        tags = {"a": tags}
+    with pytest.raises(SpecError) as exc:
+        load_spec({**TINY_SPEC, "tags": tags})
+    assert "levels deep" not in str(exc.value)
+
+
+def test_a_number_past_pythons_digit_limit_is_named_without_its_internals(tmp_path):
+    """It said "use sys.set_int_max_str_digits() to increase the limit": Python's advice to
+    a programmer, not what a spec's author can do."""
+    from hptransfer.spec import SpecError, load_spec
+
+    digits = "9" * (sys.get_int_max_str_digits() + 1)
+    (tmp_path / "big.yaml").write_text(f"name: {digits}\n")
+    (tmp_path / "big.json").write_text(f'{{"name": {digits}}}')
+    says = (f"a number in the spec has more than {sys.get_int_max_str_digits()} digits; no spec "
+            "field takes one that large")
+    for name in ("big.yaml", "big.json"):
+        out = run("plan", str(tmp_path / name), "--url", "http://127.0.0.1:9")
+        assert out.returncode == 2 and f"{name}: {says}" in out.stderr, out.stderr
+        assert "set_int_max_str_digits" not in out.stderr
+        with pytest.raises(SpecError, match=says):
+            load_spec((tmp_path / name).read_text())
+        with pytest.raises(SpecError, match=says):
+            load_spec(tmp_path / name)
 
 
 def test_what_the_cli_says_of_a_directory_a_token_and_a_failed_trial(tmp_path):
@@ -307,6 +370,26 @@ def test_ctrl_c_ends_a_wait_mid_request():
     assert accepted.is_set() and time.monotonic() - start < 30
 
 
+def test_the_trials_table_shows_a_failed_trials_error(server):
+    """A failed sweep's status sends the user to `hpt trials ID --status failed`, whose
+    table had no error column: the one thing they came for."""
+    from hptransfer.store.store import Store
+
+    url, settings = server
+    with Client(url) as c:
+        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": "why-failed"})["id"]
+    store = Store(settings.database_url)
+    (trial,) = store.lease_pending("me", 1, sweep_id=sweep_id)
+    store.finish_trial(trial.id, "failed", error="DataError: the data changed\nTraceback ...")
+    store.close()
+    out = run("trials", sweep_id, "--status", "failed", "--url", url)
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()
+    assert header.split()[-1] == "error" and row.endswith("DataError: the data changed")
+    out = run("trials", sweep_id, "--status", "pending", "--url", url)
+    assert out.returncode == 0 and "error" not in out.stdout.splitlines()[0], out.stdout
+
+
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
     from hptransfer.contracts.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
     from hptransfer.store.store import Store
@@ -373,6 +456,36 @@ def test_serving_on_a_port_in_use_is_one_line_and_exit_2():
     assert out.returncode == 2 and "'70000' is not a port number (1-65535)" in out.stderr
 
 
+def test_a_ray_address_nobody_listens_at_is_one_line_at_once(tmp_path):
+    """With RAY_ADDRESS at a closed port `hpt serve` printed its banner and hung in ray.init's
+    retries (SIGTERM did not stop it; `hpt doctor` the same, past 400 s): now serve exits 2
+    and doctor fails its ray check, each naming the address, within seconds."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # a port nothing listens at
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "hpt"), "RAY_ADDRESS": address}
+    with socket.create_server(("127.0.0.1", 0)) as free:
+        port = str(free.getsockname()[1])
+    started = time.monotonic()
+    out = run("serve", "--port", port, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"hpt serve: no Ray cluster answers at RAY_ADDRESS={address} (Connection refused)" in (
+        out.stderr)
+    assert " on http" not in out.stdout  # no banner for an API that never served
+    out = run("doctor", "--quick", env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"FAIL  ray        {address} unreachable" in out.stdout, out.stdout
+    assert "no Ray cluster answers" in out.stdout
+    assert time.monotonic() - started < 100  # the retries alone took minutes
+
+
+def test_a_log_level_uvicorn_lacks_is_refused_before_anything_starts():
+    out = run("serve", "--log-level", "bogus")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert ("'bogus' is not a log level: use one of critical, error, warning, info, debug, "
+            "trace") in out.stderr
+
+
 def test_refusals_come_before_the_heavy_imports(tmp_path):
     """A port in use, a bad database URL, an invalid trial spec and an unreachable server are
     refused without loading torch, Ray or pandas (each took 4-7 s of CPU when it did)."""
@@ -396,6 +509,25 @@ def test_refusals_come_before_the_heavy_imports(tmp_path):
                                                                                "pandas"})
     finally:
         busy.close()
+
+
+def test_the_mlflow_ui_off_loopback_needs_insecure(tmp_path):
+    """`hpt mlflow-ui --host ""` served MLflow (no login: runs can be read and deleted) on
+    every interface with no word; `hpt serve` refuses that without a token."""
+    env = {**os.environ, "HPT_HOME": str(tmp_path / "home")}
+    for host, shown in (("", "every interface"), ("0.0.0.0", "0.0.0.0"),
+                        ("example.org", "example.org")):
+        out = run("mlflow-ui", "--host", host, "--port", "8999", env=env)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"hpt mlflow-ui: refusing to serve on {shown}: the MLflow UI has no login" in (
+            out.stderr)
+        assert "MLflow UI on" not in out.stdout
+    # with --insecure it goes on (to the port check here: a port in use)
+    with socket.create_server(("0.0.0.0", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        out = run("mlflow-ui", "--host", "0.0.0.0", "--port", port, "--insecure", env=env)
+    assert "warning: the MLflow UI on 0.0.0.0 without a login (--insecure)" in out.stderr
+    assert out.returncode == 2 and f"cannot listen on 0.0.0.0:{port}" in out.stderr, out.stderr
 
 
 def test_a_bad_worker_setting_is_refused_up_front(tmp_path):

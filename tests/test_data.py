@@ -409,16 +409,21 @@ def test_shard_layout_errors(tmp_path: Path) -> None:
         load_dataset(shard_spec(raw, shard_format="modded"))
 
 
-def test_shard_spec_errors(arange_shard: Path) -> None:
-    with pytest.raises(DataError, match="vocab_size is required"):
+def test_shard_spec_errors(arange_shard: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="vocab_size is required .*: set data.vocab_size "):
         load_dataset(DataSpec(source=str(arange_shard), val_tokens=100))
+    # outside the data roots: said first, not "set vocab_size" and then that
+    with pytest.raises(DataError, match="not inside the server's data roots"):
+        load_dataset(DataSpec(source=str(arange_shard), val_tokens=100),
+                     roots=[tmp_path / "elsewhere"])
     with pytest.raises(DataError, match="applies only to source='stdlib'"):
         load_dataset(shard_spec(arange_shard, tokenizer="bpe"))
 
 
 def test_token_id_above_vocab_caught_by_sample(tmp_path: Path) -> None:
     path = write_raw(tmp_path / "s.bin", np.arange(50_000) % 80)
-    with pytest.raises(DataError, match="token id 64 >= vocab_size=64 .*at token 64"):
+    with pytest.raises(DataError, match="token id 64 >= vocab_size=64 .*at token 64.*set "
+                                        "data.vocab_size .* or check data.shard_format"):
         load_dataset(shard_spec(path, vocab_size=64))
     assert load_dataset(shard_spec(path, vocab_size=80)).vocab_size == 80
 
@@ -436,7 +441,8 @@ def test_stray_token_id_caught_by_full_check_and_batches(tmp_path: Path) -> None
         ds.verify_tokens()
     with pytest.raises(DataError, match="token id 999"):
         load_dataset(spec, full_check=True)
-    with pytest.raises(DataError, match="validation set contains token id 998"):
+    with pytest.raises(DataError, match="validation set contains token id 998 .*set "
+                                        "data.vocab_size"):
         list(ds.val_batches(4, 32))
 
 

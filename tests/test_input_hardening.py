@@ -324,6 +324,25 @@ def test_case7_recursive_glob_outside_roots_is_refused_without_walking(client, t
     assert "not inside the server's data roots" in r.json()["error"]
 
 
+def test_a_plan_refuses_the_data_a_submit_would(client, hpt_home, tiny_spec, tmp_path):
+    """`POST /sweeps?dry_run=true` (`hpt plan`) priced a spec whose data the submit then
+    refused: a source outside the data roots, a pattern matching nothing."""
+    root = hpt_home / "data"
+    write_shard(root / "ok" / "a.bin")
+    for source, says in (("/etc/passwd", "not inside the server's data roots"),
+                         (str(root / ".." / ".." / "etc" / "*.bin"), "not inside"),
+                         (str(root / "**" / "*.zzz"), "matched no files"),
+                         (str(tmp_path / "outside" / "*.bin"), "not inside")):
+        r = client.post("/sweeps", json=shard_spec(tiny_spec, source),
+                        params={"dry_run": "true"})
+        assert r.status_code == 422 and fields(r) == ["data.source"], (source, r.text)
+        assert says in r.json()["error"], (source, r.text)
+    r = client.post("/sweeps", json=shard_spec(tiny_spec, str(root / "ok" / "*.bin")),
+                    params={"dry_run": "true"})
+    assert r.status_code == 200 and r.json()["total"]["trials"] == 3, r.text
+    assert nothing_stored(client)
+
+
 def test_bounded_glob_matches_like_glob_and_stops_at_its_caps(tmp_path, monkeypatch):
     from hptransfer.data import paths as data_paths
 
@@ -405,11 +424,23 @@ def test_json_too_deep_or_too_long_to_read_says_so(client, body):
     assert nothing_stored(client)
 
 
+def test_a_body_not_in_utf8_is_called_that(client):
+    """It was answered "nested too deeply, or an integer of more than 4300 digits"."""
+    r = client.post("/sweeps", content=b'{"name": "\xff\xfe"}',
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == "the body is not UTF-8 text; send the JSON encoded as UTF-8"
+    assert nothing_stored(client)
+
+
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_non_finite_sigma_query_is_called_that(client, tiny_spec, value):
     sweep_id = client.post("/sweeps", json=tiny_spec).json()["id"]
     r = client.get(f"/sweeps/{sweep_id}/trials", params={"sigma_base": value})
     assert r.status_code == 422 and "sigma_base: Input should be a finite number" in r.text
+    for name in ("cpus", "gpus"):  # a plan's cluster: "less than or equal to 1000000" before
+        r = client.post("/sweeps", json=tiny_spec, params={"dry_run": "true", name: value})
+        assert r.status_code == 422 and f"{name}: Input should be a finite number" in r.text
 
 
 # ---- NUL characters and repeated keys: refused up front, on either database ---------------

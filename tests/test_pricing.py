@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,21 @@ def example(name: str) -> dict:
     return yaml.safe_load((EXAMPLES / name).read_text())
 
 
+@pytest.fixture(scope="module")
+def bpe_cache(tmp_path_factory) -> Path:
+    """The stdlib corpus's BPE tokenizer and tokens, made once: a plan checks its data as a
+    submit does (~3 s to train the tokenizer in a new home)."""
+    from hptransfer.data import load_dataset
+    from hptransfer.spec.data import DataSpec
+
+    cache = tmp_path_factory.mktemp("bpe-cache")
+    load_dataset(DataSpec(source="stdlib", tokenizer="bpe"), cache_dir=cache)
+    return cache
+
+
 @pytest.fixture
-def client(hpt_home):
+def client(hpt_home, bpe_cache):
+    shutil.copytree(bpe_cache, hpt_home / "cache", dirs_exist_ok=True)
     with TestClient(create_app(get_settings(), dispatch=False),
                     raise_server_exceptions=False) as c:
         yield c

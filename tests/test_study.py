@@ -71,6 +71,11 @@ def bowl(centre_log2: float):
      "stages.check.log2_offsets"),
     ({"check": {"shapes": [{"width": 32, "depth": 2}], "log2_offsets": [-1, 1, 2]}},
      "stages.check.log2_offsets"),
+    # distinct numbers, one LR once planned (at 1e-6 octave): the same trial three times
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "log2_offsets": [-1e-300, 0, 1e-300]}},
+     "stages.check.log2_offsets"),
+    ({"check": {"shapes": [{"width": 32, "depth": 2}], "log2_offsets": [-1, 0, 0.0009]}},
+     "stages.check.log2_offsets"),
     ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}]}}, "stages.aspect_ratio.shapes"),
     ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}, {"width": 64, "depth": 2},
                                   {"width": 96, "depth": 3}, {"width": 128, "depth": 4}]}},
@@ -97,6 +102,12 @@ def test_bad_stage_specs_name_the_field(stages, field):
     with pytest.raises(SpecError) as exc:
         load_spec(study_dict(**stages))
     assert field in [e["field"] for e in exc.value.errors], exc.value.errors
+
+
+def test_check_offsets_a_thousandth_of_an_octave_apart_are_accepted():
+    spec = load_spec(study_dict(check={"shapes": [{"width": 32, "depth": 2}],
+                                       "log2_offsets": [-0.001, 0, 0.001]}))
+    assert spec.stages.check.log2_offsets == [-0.001, 0.0, 0.001]
 
 
 def test_a_study_tunes_at_the_base_shape():

@@ -110,9 +110,26 @@ def test_every_cap_counts_in_the_worst_case():
     after = {(s.stage, s.width, s.depth): s.trials for s in stage_shapes(spec)}
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {
         ("tune", 32, 1): 40, ("check", 64, 2): 30}
+    # the targets push it past the cap: the error names the larger cap, and the parts
     with pytest.raises(SpecError) as exc:
         load_spec(study_dict(**stages), max_trials=base.trial_count() + 69)
-    assert exc.value.errors[0]["field"] == "grid"
+    (err,) = exc.value.errors
+    grid = len(plan_sweep(base))  # the tune stage's trials, planned
+    assert err["field"] == "stages.tune.max_extra_trials"
+    assert err["message"] == (
+        f"the study may plan {base.trial_count() + 70} trials ({grid} in the grid, "
+        f"{base.trial_count() - grid} in its later stages and extension rounds, 40 that "
+        "stages.tune.max_extra_trials may add, 30 that stages.check.max_extra_trials may "
+        f"add), more than the cap of {base.trial_count() + 69}; lower "
+        "stages.tune.max_extra_trials or raise HPT_MAX_TRIALS")
+    # the stages alone past it: "stages"; the grid alone: "grid"
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**stages), max_trials=base.trial_count() - 1)
+    assert [e["field"] for e in exc.value.errors] == ["stages"]
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**stages), max_trials=grid - 1)
+    assert [e["field"] for e in exc.value.errors] == ["grid"]
+    assert exc.value.errors[0]["message"].startswith(f"grid has {grid} trials, more than")
 
 
 def trial_flops(p) -> float:

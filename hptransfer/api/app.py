@@ -124,6 +124,7 @@ def _freeze_long_lived() -> None:
 _FASTAPI_UNPARSED_BODY = "There was an error parsing the body"
 _UNPARSED_BODY = ("the body is JSON this server cannot read: nested too deeply, or an integer "
                   "of more than 4300 digits; a sweep spec needs neither")
+_NOT_UTF8_BODY = "the body is not UTF-8 text; send the JSON encoded as UTF-8"
 
 
 def _detail(err: dict) -> str:
@@ -160,7 +161,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             return response
         detail = str(exc.detail)
         if exc.status_code == 400 and detail == _FASTAPI_UNPARSED_BODY:
-            detail = _UNPARSED_BODY  # its cause (exc.__cause__) is not shown: say what it can be
+            # its cause (exc.__cause__) is not shown: say what it is, or what it can be
+            detail = (_NOT_UTF8_BODY if isinstance(exc.__cause__, UnicodeDecodeError)
+                      else _UNPARSED_BODY)
         response = error_response(exc.status_code, detail)
         response.headers.update(exc.headers or {})
         return response

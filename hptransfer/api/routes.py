@@ -103,12 +103,14 @@ def submit_sweep(
                                    "time per stage; nothing is queued or stored")] = False,
     confirm_cost: Annotated[bool, Query(description="queue a sweep whose estimate exceeds "
                                         "HPT_MAX_SWEEP_DEVICE_HOURS")] = False,
-    cpus: Annotated[float | None, Query(gt=0, le=1e6, description="dry_run: plan for a "
-                                        "cluster of this many CPUs (default: this one's)")
-                    ] = None,
-    gpus: Annotated[float | None, Query(ge=0, le=1e6, description="dry_run: plan for a "
-                                        "cluster of this many GPUs (default: this one's)")
-                    ] = None,
+    cpus: Annotated[float | None, Query(
+        gt=0, le=1e6, allow_inf_nan=False,
+        description="dry_run: plan for a cluster of this many CPUs (default: this one's)")
+    ] = None,
+    gpus: Annotated[float | None, Query(
+        ge=0, le=1e6, allow_inf_nan=False,
+        description="dry_run: plan for a cluster of this many GPUs (default: this one's)")
+    ] = None,
     calibrate: Annotated[bool, Query(description="dry_run: measure the throughput again "
                                      "(a CPU micro-run) instead of the cached one")] = False,
 ) -> Any:

@@ -215,8 +215,8 @@ class Health(BaseModel):
 
 # What each error status means; its body is always an ErrorResponse (guards.error_response)
 ERROR_MEANINGS: dict[int, str] = {
-    400: "The URL holds a NUL character, the JSON body cannot be read (nested too deeply, "
-         "an integer of over 4300 digits), or the database cannot store a value",
+    400: "The URL holds a NUL character, the JSON body cannot be read (not UTF-8, nested "
+         "too deeply, an integer of over 4300 digits), or the database cannot store a value",
     401: "Missing or wrong bearer token (HPT_API_TOKEN is set on the server)",
     404: "No sweep with this id",
     413: "The request body is over the server's limit (HPT_MAX_REQUEST_BYTES)",

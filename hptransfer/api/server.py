@@ -54,9 +54,9 @@ def serve_forever(settings: Settings, host: str, port: int, log_level: str = "in
 
     if sock is None:  # before Ray, whose processes pick free ports as they start
         sock = listen(host, port)
+    init_ray(settings)
     print(f"hptransfer API on http://{host}:{port}  (docs at /docs, dashboards at /dashboards)",
           flush=True)
-    init_ray(settings)
     # uvicorn puts these back after a signal-initiated stop and re-raises the signal into
     # them: they only note it, so the clean-up below runs.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -59,6 +59,6 @@ def save_plot(result: CoordCheckResult, path: str | Path) -> Path:
     fig.colorbar(mappable, ax=list(axes[0]), label="step", fraction=0.02, pad=0.01)
     status = "passed" if verdict.passed else "failed"
     fig.suptitle(f"coord check: {r.label}, lr={r.lr:g} ({status})", fontsize=10)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, format="png")  # at `path` as given: no suffix added
     plt.close(fig)
     return path

@@ -375,9 +375,11 @@ def _ray_checks(settings: Settings, deep: bool, connect: bool) -> list[Check]:
         if not settings.ray_address:
             return [Check("ray", True, "no RAY_ADDRESS: `hpt serve` starts an in-process "
                           "cluster on this machine"), *_local_checks(settings)]
+        from .ray_join import join_ray
+
         try:  # (importing hptransfer.coordinator prepared Ray's token auth)
-            ray.init(address=settings.ray_address, log_to_driver=False,
-                     configure_logging=False, logging_level="error")
+            join_ray(settings.ray_address, log_to_driver=False, configure_logging=False,
+                     logging_level="error")
         except Exception as exc:
             return [Check("ray", False, f"{settings.ray_address} unreachable ({_short(exc)})",
                           "start the Ray head, join this host with `ray start --address=HEAD:"

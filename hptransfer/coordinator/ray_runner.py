@@ -48,6 +48,7 @@ from hptransfer.workers.tasks import execute_trial, execute_trial_on_workers, ex
 from .dispatch_context import DispatchContext, log
 from .placement_groups import remove_orphaned_placement_groups
 from .progress import ProgressBoard
+from .ray_join import join_ray
 
 RETRYABLE = (WorkerCrashedError, NodeDiedError, OutOfMemoryError, ObjectLostError, RayActorError)
 # how long a failed pack task's members wait for the progress board to answer (results
@@ -99,7 +100,7 @@ def _init_ray(settings: Settings) -> None:
     if ray.is_initialized():
         return
     if settings.ray_address:
-        ray.init(address=settings.ray_address, ignore_reinit_error=True, log_to_driver=False)
+        join_ray(settings.ray_address, ignore_reinit_error=True, log_to_driver=False)
     else:
         # "local": always a fresh in-process cluster, never one a stale
         # /tmp/ray/ray_current_cluster file points at

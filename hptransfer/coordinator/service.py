@@ -116,6 +116,7 @@ class Coordinator:
         """The sweep's price (`pricing.price`) on this cluster, or on one of `cpus` and
         `gpus`; nothing is stored. `calibrate`: measure the throughput again."""
         spec = load_spec(source, max_trials=self.settings.max_trials)
+        self._data_hash(spec)  # submit's data checks: a plan refuses what a submit would
         plan = price(spec, self.settings, self.store, cluster_now(cpus, gpus), calibrate)
         plan["ceiling"] = self._ceiling(plan)
         return plan

@@ -36,5 +36,5 @@ def out_of_range_message(name: str, bad: tuple[int, int], vocab_size: int) -> st
     pos, token = bad
     return (
         f"{name} contains token id {token} >= vocab_size={vocab_size} (at token {pos}); set "
-        "DataSpec.vocab_size to the tokenizer's vocabulary size or check shard_format"
+        "data.vocab_size to the tokenizer's vocabulary size or check data.shard_format"
     )

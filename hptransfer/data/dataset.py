@@ -145,7 +145,7 @@ class TokenDataset:
         if tokens.size and int(tokens.max()) >= self.vocab_size:
             raise DataError(
                 f"{what} contains token id {int(tokens.max())} >= vocab_size={self.vocab_size}; "
-                "set DataSpec.vocab_size to the tokenizer's vocabulary size or check shard_format"
+                "set data.vocab_size to the tokenizer's vocabulary size or check data.shard_format"
             )
 
 

@@ -95,9 +95,12 @@ def _cached_tokens(path: Path, corpus: Corpus, tokenizer: Tokenizer) -> np.ndarr
 
 
 def _load_shards(spec: DataSpec, roots: Sequence[Path] | None) -> TokenDataset:
+    # where the shards are first: a source outside the data roots is refused as such, not
+    # sent to fix its vocab_size
+    shards = open_shards(spec.source, spec.shard_format, roots)
     if spec.vocab_size is None:
         raise DataError(
-            f"vocab_size is required for shard source {spec.source!r}: set DataSpec.vocab_size "
+            f"vocab_size is required for shard source {spec.source!r}: set data.vocab_size "
             "to the vocabulary the shards were tokenized with (e.g. 50257 for GPT-2)"
         )
     if spec.tokenizer != "byte":
@@ -105,7 +108,6 @@ def _load_shards(spec: DataSpec, roots: Sequence[Path] | None) -> TokenDataset:
             f"tokenizer={spec.tokenizer!r} applies only to source='stdlib'; shards are already "
             "tokenized, so leave tokenizer at its default"
         )
-    shards = open_shards(spec.source, spec.shard_format, roots)
     parts = [s.tokens() for s in shards]
     for shard, tokens in zip(shards, parts, strict=True):
         bad = first_out_of_range(tokens, spec.vocab_size, sample=True)

@@ -15,9 +15,13 @@ from typing import Any
 import yaml
 
 from hptransfer.spec.text import (
+    MAX_NESTING,
+    NESTED_TOO_DEEPLY,
     DuplicateKey,
     load_yaml,
     looks_like_path,
+    nesting_depth,
+    too_many_digits,
     unique_keys,
 )
 
@@ -28,7 +32,10 @@ def strict_json_loads(text: str | bytes) -> Any:
     """json.loads, but Infinity/-Infinity/NaN (which Python accepts, JSON does not) become
     values no spec field accepts, so they are refused with the field's path; and a repeated
     key is an error (DuplicateKey), as in a YAML spec."""
-    return json.loads(text, parse_constant=NonFiniteJSON, object_pairs_hook=unique_keys)
+    try:
+        return json.loads(text, parse_constant=NonFiniteJSON, object_pairs_hook=unique_keys)
+    except ValueError as exc:
+        raise too_many_digits(exc) or exc from None
 
 
 def nul_problems(data: Any, path: str = "") -> list[dict[str, str]]:
@@ -67,6 +74,8 @@ def read_spec_data(source: dict | str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise SpecError([error("", f"a sweep spec must be a mapping of fields, "
                                f"got {type(data).__name__}")])
+    if nesting_depth(data) > MAX_NESTING:
+        raise SpecError([error("", NESTED_TOO_DEEPLY)])
     if problems := nul_problems(data):
         raise SpecError(problems)
     return data
@@ -105,6 +114,10 @@ def _parse_json(text: str, where: str) -> Any:
         )]) from None
     except DuplicateKey as exc:
         raise SpecError([error("", f"invalid JSON{where}: {exc}")]) from None
+    except RecursionError:  # json's scanner recurses once a level
+        raise SpecError([error("", f"{NESTED_TOO_DEEPLY}{where}")]) from None
+    except ValueError as exc:  # too_many_digits
+        raise SpecError([error("", f"{exc}{where}")]) from None
 
 
 def _parse_yaml(text: str, where: str) -> Any:

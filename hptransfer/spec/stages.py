@@ -32,7 +32,7 @@ from pydantic import Field, field_validator, model_validator
 from hptransfer.spec.trial import Depth, TokensPerParam, Width
 
 from .errors import SpecError, error
-from .sections import SpecModel, StageName
+from .sections import MIN_LOG2_STEP, SpecModel, StageName
 
 STAGE_ORDER: tuple[str, ...] = get_args(StageName)
 MAX_STAGE_SHAPES = 64  # per stage: a study is a handful of shapes, not a grid
@@ -205,6 +205,11 @@ class CheckStage(_Targeted):
                 raise ValueError(f"offset {x:g} is outside [-8, 8] octaves")
         if len(set(v)) != len(v):
             raise ValueError("each offset once, please (a repeat trains the same trial twice)")
+        close = [(a, b) for a, b in pairwise(sorted(v)) if b - a < MIN_LOG2_STEP]
+        if close:  # LRs are planned at 1e-6 octave: closer offsets can train one LR twice
+            a, b = close[0]
+            raise ValueError(f"offsets {a:.12g} and {b:.12g} are less than {MIN_LOG2_STEP:g} "
+                             "octave apart; space the bracket's offsets further")
         if 0.0 not in v:
             raise ValueError("include 0 (the transferred η* itself) so the bracket is centred")
         if min(v) >= 0 or max(v) <= 0:
@@ -256,10 +261,6 @@ class Stages(SpecModel):
         """The most training FLOPs `stage`'s target may add (None: no FLOP cap)."""
         section = getattr(self, stage, None)
         return section.extra_flops_cap() if isinstance(section, _Targeted) else None
-
-    def extra_total(self) -> int:
-        """The most trials every target together may add."""
-        return sum(self.extra_cap(stage) for stage in STAGE_ORDER)
 
     def enabled(self) -> list[str]:
         """Stage names in the order they run."""

@@ -45,7 +45,7 @@ from .sections import (
     SweepBudget,
     TaskResources,
 )
-from .stages import Stages
+from .stages import STAGE_ORDER, Stages
 
 MAX_NAME_CHARS = 100
 MAX_DESCRIPTION_CHARS = 10_000
@@ -246,14 +246,21 @@ class SweepSpec(SpecModel):
         return problems
 
     def _size_problems(self, cap: int) -> list[dict[str, str]]:
-        total = self.trial_count()
+        grid, later, extra = self._trial_counts()
+        total = grid + later + sum(extra.values())
         if total <= cap:
             return []
-        return [error(
-            "grid",
-            f"grid has {total} trials, more than the cap of {cap}; "
-            "shrink the grid or raise HPT_MAX_TRIALS",
-        )]
+        if grid > cap or self.stages is None:
+            return [error("grid", f"grid has {grid} trials, more than the cap of {cap}; "
+                                  "shrink the grid or raise HPT_MAX_TRIALS")]
+        # the stages push it over: name what to shrink there, the largest target cap first
+        where = (f"stages.{max(extra, key=extra.__getitem__)}.max_extra_trials"
+                 if extra and grid + later <= cap else "stages")
+        parts = [f"{grid} in the grid", f"{later} in its later stages and extension rounds"]
+        parts += [f"{n} that stages.{stage}.max_extra_trials may add"
+                  for stage, n in extra.items()]
+        return [error(where, f"the study may plan {total} trials ({', '.join(parts)}), more "
+                             f"than the cap of {cap}; lower {where} or raise HPT_MAX_TRIALS")]
 
     def _build_problems(self) -> list[dict[str, str]]:
         # LR, sigma and seed only need to be positive (checked per field), so one TrialSpec
@@ -295,6 +302,13 @@ class SweepSpec(SpecModel):
     # ---- expansion helpers (used by plan.py) -------------------------------------------
 
     def trial_count(self) -> int:
+        """The most trials the sweep can plan (a study: at its worst case)."""
+        grid, later, extra = self._trial_counts()
+        return grid + later + sum(extra.values())
+
+    def _trial_counts(self) -> tuple[int, int, dict[str, int]]:
+        """(the grid's trials, the most a study's grid-edge extensions and later stages
+        can add, each stage target's cap: stage -> max_extra_trials)."""
         g = self.grid
         if self.search.method == "optuna":
             per_shape = self.search.n_trials or 0
@@ -303,7 +317,7 @@ class SweepSpec(SpecModel):
         tune = (len(self.arms) * len(g.widths) * len(g.depths) * len(g.sigma_bases)
                 * len(g.seeds) * per_shape)
         if self.stages is None:
-            return tune
+            return tune, 0, {}
         # the most a study can plan: grid-edge extensions and every later stage's shapes
         st = self.stages
         per_arm_seed = st.tune.extend * st.tune.extend_lrs * len(g.sigma_bases)
@@ -313,7 +327,8 @@ class SweepSpec(SpecModel):
             per_arm_seed += sum(len(st.lr_offsets(stage, shape)) + extension
                                 for shape in st.shapes_of(stage))
         # every target's cap, whole (one arm's, or one seed's, target may spend it all)
-        return tune + len(self.arms) * len(g.seeds) * per_arm_seed + st.extra_total()
+        extra = {stage: n for stage in STAGE_ORDER if (n := st.extra_cap(stage))}
+        return tune, len(self.arms) * len(g.seeds) * per_arm_seed, extra
 
     def arm(self, label: str) -> Arm:
         for arm in self.arms:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,25 @@ for _kind in NON_JSON_TAGS:
 # values in a spec once YAML's aliases are expanded (as JSON must expand them): 64 arms of
 # a few dozen fields and every grid axis at its bound are a few thousand
 MAX_EXPANDED_VALUES = 100_000
+# levels of mappings and lists in a spec: the deepest field (stages.transfer.shapes[0].width)
+# is four down; past this, Python's parsers and encoders recurse out of stack
+MAX_NESTING = 32
+NESTED_TOO_DEEPLY = (f"the spec nests mappings or lists more than {MAX_NESTING} levels deep; "
+                     "a sweep spec's fields are at most a few levels down")
+
+
+def nesting_depth(data: Any, cap: int = MAX_NESTING) -> int:
+    """How many levels of mappings and lists `data` holds, counted without recursion;
+    stops counting past `cap`."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack and deepest <= cap:
+        value, level = stack.pop()
+        if isinstance(value, dict | list | tuple):
+            deepest = max(deepest, level + 1)
+            stack.extend((child, level + 1)
+                         for child in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def expanded_size(data: Any, cap: int = MAX_EXPANDED_VALUES) -> int:
@@ -103,13 +123,30 @@ def expanded_size(data: Any, cap: int = MAX_EXPANDED_VALUES) -> int:
     return size(data)
 
 
+def too_many_digits(exc: ValueError) -> ValueError | None:
+    """The error to show for Python's limit on an integer's digits (its own words advise
+    sys.set_int_max_str_digits), or None for another ValueError."""
+    if "integer string conversion" not in str(exc):
+        return None
+    return ValueError(f"a number in the spec has more than {sys.get_int_max_str_digits()} "
+                      "digits; no spec field takes one that large")
+
+
 def load_yaml(text: str) -> Any:
     """`text` read strictly (StrictYAMLLoader); ValueError if its aliases expand past
-    MAX_EXPANDED_VALUES. YAML errors are the caller's to word."""
-    data = yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
-    if expanded_size(data) > MAX_EXPANDED_VALUES:
+    MAX_EXPANDED_VALUES or it nests past MAX_NESTING. YAML errors are the caller's to word."""
+    try:  # PyYAML's parser, and expanded_size, recurse once a level
+        data = yaml.load(text, Loader=StrictYAMLLoader)  # a SafeLoader: no arbitrary objects
+        size = expanded_size(data)
+    except RecursionError:
+        raise ValueError(NESTED_TOO_DEEPLY) from None
+    except ValueError as exc:
+        raise too_many_digits(exc) or exc from None
+    if size > MAX_EXPANDED_VALUES:
         raise ValueError(f"the spec's aliases (*name) expand to more than "
                          f"{MAX_EXPANDED_VALUES:,} values; write the parts out or use fewer")
+    if nesting_depth(data) > MAX_NESTING:  # walks the expansion: bounded just above
+        raise ValueError(NESTED_TOO_DEEPLY)
     return data
 
 
