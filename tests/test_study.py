@@ -131,7 +131,11 @@ def test_trial_cap_counts_every_stage():
     assert spec.trial_count() == 10 + 2 * (2 + 2 + 2 + 1 + 4)
     with pytest.raises(SpecError) as exc:
         load_spec(study_dict(), max_trials=27)
-    assert exc.value.errors[0]["field"] == "grid"
+    (err,) = exc.value.errors  # the later stages push it over: they are what to shrink
+    assert err["field"] == "stages" and err["message"] == (
+        "the study may plan 32 trials (10 in the grid, 22 in its later stages and extension "
+        "rounds), more than the cap of 27; shrink the later stages (their shapes, offsets or "
+        "extend) or raise HPT_MAX_TRIALS")
 
 
 # ------------------------------------------------------------------ planner

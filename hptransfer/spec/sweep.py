@@ -259,8 +259,10 @@ class SweepSpec(SpecModel):
         parts = [f"{grid} in the grid", f"{later} in its later stages and extension rounds"]
         parts += [f"{n} that stages.{stage}.max_extra_trials may add"
                   for stage, n in extra.items()]
+        fix = (f"lower {where}" if where != "stages"
+               else "shrink the later stages (their shapes, offsets or extend)")
         return [error(where, f"the study may plan {total} trials ({', '.join(parts)}), more "
-                             f"than the cap of {cap}; lower {where} or raise HPT_MAX_TRIALS")]
+                             f"than the cap of {cap}; {fix} or raise HPT_MAX_TRIALS")]
 
     def _build_problems(self) -> list[dict[str, str]]:
         # LR, sigma and seed only need to be positive (checked per field), so one TrialSpec
