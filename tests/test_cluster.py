@@ -248,11 +248,12 @@ def test_a_study_mixing_packed_and_two_worker_shapes_spans_both_nodes(cluster, t
 
 
 def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, tiny_spec):
-    # 4 LRs of one shape train as two packs of 2, one per CPU. Long enough (a pack takes
-    # 20-30 s here) that the sweep is still running when the worker has been restarted (the
-    # killed worker's pack waits for a CPU: the head's is busy with the other pack) and when
-    # the coordinator is killed
+    # 4 LRs of one shape train as two packs of 2, one per CPU (a pack takes 10-30 s here)
     spec = _grid_spec(tiny_spec, "cluster-faults", 2000, [2**-10, 2**-8, 2**-6, 2**-5])
+    # the coordinator is killed mid-trial of a sweep of its own, submitted once the worker is
+    # back: an idle host finished the first sweep while the worker rejoined, and a wait for
+    # its next running trial then waited 600 s for none
+    later = _grid_spec(tiny_spec, "cluster-faults-later", 2000, [2**-9, 2**-7])
     with _client(cluster) as c:
         sweep_id = c.submit(spec)["id"]
         # two running trials fill the head's and the worker's one CPU each (the dispatcher
@@ -260,17 +261,19 @@ def test_killed_worker_and_coordinator_lose_nothing_and_repeat_nothing(cluster, 
         _training(cluster, sweep_id, 2)
         _kill_group(cluster, "ray-worker")  # the worker host dies mid-trial
         _script(UP, env=cluster["script_env"])  # and comes back
-        _training(cluster, sweep_id, 1)
+        later_id = c.submit(later)["id"]
+        _training(cluster, later_id, 1)
         _kill_group(cluster, "coordinator")  # the coordinator dies mid-sweep
         _script(UP, env=cluster["script_env"])
     with _client(cluster) as c:
-        done = _wait(c, sweep_id)
-    assert done["status"] == "completed", done
-    rows = _store(cluster).trials(sweep_id, limit=None)
-    assert len(rows) == 4 and {r.status for r in rows} <= {"completed", "diverged"}
-    assert len({r.lr for r in rows}) == 4  # every grid point once
-    assert max(r.attempts for r in rows) >= 2  # something was really re-run
-    _check_in_mlflow(cluster, sweep_id, rows)
+        done = {sid: _wait(c, sid) for sid in (sweep_id, later_id)}
+    for sid, lrs in ((sweep_id, 4), (later_id, 2)):
+        assert done[sid]["status"] == "completed", done[sid]
+        rows = _store(cluster).trials(sid, limit=None)
+        assert len(rows) == lrs and {r.status for r in rows} <= {"completed", "diverged"}
+        assert len({r.lr for r in rows}) == lrs  # every grid point once
+        assert max(r.attempts for r in rows) >= 2  # something was really re-run
+        _check_in_mlflow(cluster, sid, rows)
 
 
 def _doctor(cluster, *args: str) -> subprocess.CompletedProcess:
