@@ -110,12 +110,11 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
     from hptransfer.coordcheck import format_table, run_coordcheck, save_plot
 
     p = _parameterization(a)
-    sizes = a.sizes
     plot = a.plot or str(_default_coordcheck_plot(a, p))
     if Path(plot).is_dir():  # found before the check runs, not after
         raise ValueError(f"--plot {plot} is a directory; give the PNG file's path")
     result = run_coordcheck(
-        axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=sizes,
+        axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=a.sizes,
         fixed=a.fixed, steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len,
         seed=a.seed, head_dim=a.head_dim, base_width=a.base_width, base_depth=a.base_depth,
         sigma=a.sigma, eps=a.eps, arch_options=_arch_options(a), data=a.data,
