@@ -370,18 +370,27 @@ def test_ctrl_c_ends_a_wait_mid_request():
     assert accepted.is_set() and time.monotonic() - start < 30
 
 
-def test_the_trials_table_shows_a_failed_trials_error(server):
-    """A failed sweep's status sends the user to `hpt trials ID --status failed`, whose
-    table had no error column: the one thing they came for."""
+def sweep_with_a_failed_trial(server, name: str, error: str) -> str:
+    """A new sweep of TINY_SPEC whose first trial failed with `error` (through the store:
+    the server's dispatcher is off)."""
     from hptransfer.store.store import Store
 
     url, settings = server
     with Client(url) as c:
-        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": "why-failed"})["id"]
+        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": name})["id"]
     store = Store(settings.database_url)
     (trial,) = store.lease_pending("me", 1, sweep_id=sweep_id)
-    store.finish_trial(trial.id, "failed", error="DataError: the data changed\nTraceback ...")
+    store.finish_trial(trial.id, "failed", error=error)
     store.close()
+    return sweep_id
+
+
+def test_the_trials_table_shows_a_failed_trials_error(server):
+    """A failed sweep's status sends the user to `hpt trials ID --status failed`, whose
+    table had no error column: the one thing they came for."""
+    url, _ = server
+    sweep_id = sweep_with_a_failed_trial(
+        server, "why-failed", "DataError: the data changed\nTraceback ...")
     out = run("trials", sweep_id, "--status", "failed", "--url", url)
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()
@@ -392,15 +401,10 @@ def test_the_trials_table_shows_a_failed_trials_error(server):
 
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):
     from hptransfer.contracts.records import TRIAL_COLUMNS, TRIAL_NUMERIC_COLUMNS
-    from hptransfer.store.store import Store
 
-    url, settings = server
+    url, _ = server
+    sweep_id = sweep_with_a_failed_trial(server, "frame", "boom")
     with Client(url) as c:
-        sweep_id = c.submit({**copy.deepcopy(TINY_SPEC), "name": "frame"})["id"]
-        store = Store(settings.database_url)
-        (trial,) = store.lease_pending("me", 1, sweep_id=sweep_id)
-        store.finish_trial(trial.id, "failed", error="boom")
-        store.close()
         full = c.trials(sweep_id)
         none = c.trials(sweep_id, status="diverged")
         failed = c.trials(sweep_id, status="failed")
