@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import event
 from test_study import _dispatcher_without_ray, frame_of, study_dict
 
+from hptransfer.analysis.staged import transfer_check
 from hptransfer.analysis.study_report import study_fit_report
 from hptransfer.config import get_settings
 from hptransfer.coordinator.admission import stage_shapes
@@ -28,14 +29,18 @@ from hptransfer.store.store import Store
 TUNE_TARGET = {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 40}
 
 
-def noisy_bowl(centre: float, curvature: float, sd: float, moved: float = 0.0):
+def noisy_bowl(centre: float, curvature: float, sd: float, moved: float = 0.0,
+               sd_elsewhere: float | None = None):
     """Loss of a trial: a parabola in log2(lr) plus seed noise that is a fixed function of
     the trial (its content hash), so a refit of the same trials sees the same losses;
-    `moved`: how far η* moved at shapes other than the base (32x1)."""
+    `moved`: how far η* moved at shapes other than the base (32x1); `sd_elsewhere`: their
+    noise, when not `sd`."""
     def loss(p) -> float:
         rng = np.random.default_rng(zlib.crc32(p.content_hash.encode()))
-        c = centre + (moved if (p.width, p.depth) != (32, 1) else 0.0)
-        return 3.0 + curvature * (math.log2(p.lr) - c) ** 2 + sd * rng.standard_normal()
+        base = (p.width, p.depth) == (32, 1)
+        c = centre + (0.0 if base else moved)
+        noise = sd if base or sd_elsewhere is None else sd_elsewhere
+        return 3.0 + curvature * (math.log2(p.lr) - c) ** 2 + noise * rng.standard_normal()
     return loss
 
 
@@ -584,10 +589,7 @@ def test_a_check_target_sizes_a_sides_seeds_to_its_share_of_the_shifts_width():
     measured alike), so a side that must narrow gets seeds for width/√2, not the whole
     width: a check η* at ±0.105 octave against a ±0.1 target needs (0.105·√2/0.1)² ≈ 2.2
     times its 4 seeds (held to doubling: +4), where the whole width would ask for +1."""
-    def loss(p) -> float:  # a tight base (32x1), a noisier check shape
-        rng = np.random.default_rng(zlib.crc32(p.content_hash.encode()))
-        sd = 0.0005 if (p.width, p.depth) == (32, 1) else 0.014
-        return 3.0 + 0.05 * (math.log2(p.lr) + 8.3) ** 2 + sd * rng.standard_normal()
+    loss = noisy_bowl(-8.3, 0.05, 0.0005, sd_elsewhere=0.014)  # a tight base, a noisier check
 
     d = study_dict(transfer={"shapes": [{"width": 64, "depth": 2}]},
                    check={"target": {"shift_ci_log2": 0.1}, "max_extra_trials": 200})
@@ -599,8 +601,6 @@ def test_a_check_target_sizes_a_sides_seeds_to_its_share_of_the_shifts_width():
     before = frame_of([p for p in done if p not in first.trials], loss)
     at = before[(before["arm"] == "gpt/sp") & (before["stage"] == "check")]
     n = at["seed"].nunique()
-    from hptransfer.analysis.staged import transfer_check
-
     half = float(transfer_check(before, bootstrap=0, max_ci_log2=0.1).check_fit.shapes
                  .set_index("arm").loc["gpt/sp", "ci_half_log2"])
     assert n == 4 and 0.1 < half < 0.1 * math.sqrt(2)  # the frame this test is about
