@@ -177,14 +177,14 @@ def test_scale_out_rules_pick_a_trials_workers_and_are_checked_with_their_field(
 
 
 def test_a_trial_whose_workers_no_cluster_holds_says_what_it_needs():
-    from hptransfer.coordinator.ray_runner import ClusterCapacity, count_fitting, never_fits
+    from hptransfer.coordinator.ray_runner import ClusterCapacity, never_fits
     from hptransfer.spec.sections import TaskResources
 
     four = TaskResources(workers=4, cpus=1.0, gpus=0.0)
     two_nodes = ClusterCapacity({"CPU": 4.0}, lambda: [
         {"Alive": True, "Resources": {"CPU": 2.0}}, {"Alive": True, "Resources": {"CPU": 2.0}}])
     assert never_fits(four, two_nodes) is None  # 4 workers over two 2-CPU nodes
-    assert count_fitting(four, 4.0, 0.0) == 1 and count_fitting(four, 3.0, 0.0) == 0
+    assert four.count_in(4.0, 0.0) == 1 and four.count_in(3.0, 0.0) == 0
     why = never_fits(TaskResources(workers=8, cpus=1.0, gpus=0.0), two_nodes)
     assert "8 workers x 1 CPUs" in why and "4 CPUs" in why
     why = never_fits(TaskResources(workers=2, cpus=3.0, gpus=0.0), two_nodes)

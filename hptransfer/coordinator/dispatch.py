@@ -45,11 +45,9 @@ from .ray_runner import (
     ClusterCapacity,
     InFlight,
     RayRunner,
-    count_fitting,
     init_ray,
     never_fits,
     task_of,
-    tasks_fitting,
 )
 from .recovery import RecoveryLedger
 from .study_advancer import StudyAdvancer
@@ -312,7 +310,7 @@ class Dispatcher:
             return leased + [[t] for t in got]
         # every task slot this sweep may fill at once, for balancing the packs
         cluster = capacity.resources
-        fits = tasks_fitting(spec, cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
+        fits = spec.resources.base.count_in(cluster.get("CPU", 0.0), cluster.get("GPU", 0.0))
         slots = min(spec.max_concurrent, max(1, fits))
         if pending is None:
             pending = self.store.leasable(sweep_id,
@@ -360,7 +358,7 @@ class Dispatcher:
             if why:
                 self.waiting[sweep_id] = why
                 continue
-            if count_fitting(task, room_cpu, room_gpu) < 1:
+            if task.count_in(room_cpu, room_gpu) < 1:
                 break  # plan order: the next trial waits for this one's workers
             got = self._lease_pending(1, sweep_id=sweep_id, ids=[trial.id])
             if got:

@@ -222,7 +222,9 @@ def price(spec: SweepSpec, settings: Any, store: Any, cluster: Cluster,
         for name, entries in rounds(spec, costs, worst):
             items = [_Item(c, _pack_spec(spec, c), per_trial[id(c)])
                      for c, n in entries for _ in range(n)]
-            slots = max(1, min(spec.max_concurrent, _fitting(spec, cluster)))
+            # the dispatcher's own count of packs that run at once (dispatch.py)
+            fitting = spec.resources.base.count_in(cluster.cpus, cluster.gpus)
+            slots = max(1, min(spec.max_concurrent, fitting))
             tasks = _tasks(spec, items, slots)
             wall, why = _makespan(tasks, spec.max_concurrent, cluster)
             before = total_wall[worst]
@@ -271,14 +273,6 @@ def _pack_spec(spec: SweepSpec, cost: TrialCost) -> dict[str, Any]:
     return {"arm": cost.arm, "width": cost.width, "depth": cost.depth,
             "tokens": cost.tokens, "batch_size": cost.batch_size, "seq_len": cost.seq_len,
             "micro_batch_size": cost.micro_batch_size}
-
-
-def _fitting(spec: SweepSpec, cluster: Cluster) -> int:
-    base = spec.resources.base
-    fits = math.floor(cluster.cpus / (base.cpus * base.workers) + 1e-9)
-    if base.gpus:
-        fits = min(fits, math.floor(cluster.gpus / (base.gpus * base.workers) + 1e-9))
-    return fits
 
 
 def _hours(seconds: float) -> str:

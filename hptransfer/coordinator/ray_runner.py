@@ -17,7 +17,6 @@ training.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -188,19 +187,6 @@ def never_fits(task: TaskResources, capacity: ClusterCapacity) -> str | None:
     return None
 
 
-def tasks_fitting(spec: SweepSpec, cpus: float, gpus: float) -> int:
-    """How many of the sweep's tasks with its base resources fit in these CPUs and GPUs."""
-    return count_fitting(spec.resources.base, cpus, gpus)
-
-
-def count_fitting(task: TaskResources, cpus: float, gpus: float) -> int:
-    """How many tasks of these resources (all their workers) fit in these CPUs and GPUs."""
-    fits = math.floor(cpus / (task.cpus * task.workers) + 1e-9)
-    if task.gpus:
-        fits = min(fits, math.floor(gpus / (task.gpus * task.workers) + 1e-9))
-    return fits
-
-
 # should_prune(trial_id, new points) -> whether Optuna's pruner stops the trial
 ShouldPrune = Callable[[str, list[dict[str, Any]]], bool]
 # verdict_step(trial_id) -> the step at which the trial waits for the pruner's verdict, if any
@@ -288,7 +274,7 @@ class RayRunner:
         if why:
             return 0, why
         used_cpu, used_gpu = self.used()
-        fits = tasks_fitting(spec, cluster.get("CPU", 0.0) - used_cpu,
+        fits = spec.resources.base.count_in(cluster.get("CPU", 0.0) - used_cpu,
                              cluster.get("GPU", 0.0) - used_gpu)
         if not self.in_flight:
             fits = max(fits, 1)  # larger than the cluster today: let Ray queue (or autoscale)

@@ -278,6 +278,13 @@ class TaskResources:
     def spans(self) -> bool:
         return self.workers > 1
 
+    def count_in(self, cpus: float, gpus: float) -> int:
+        """How many tasks of these resources (all their workers) fit in these CPUs and GPUs."""
+        fits = math.floor(cpus / (self.cpus * self.workers) + 1e-9)
+        if self.gpus:
+            fits = min(fits, math.floor(gpus / (self.gpus * self.workers) + 1e-9))
+        return fits
+
 
 class ScaleOut(SpecModel):
     """Trials this rule matches train data-parallel over `workers` Ray Train workers of
