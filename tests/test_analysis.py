@@ -654,10 +654,10 @@ def test_cubic_optimum_at_range_edge_is_flagged() -> None:
 
 def test_size_groups_within_tolerance_of_median() -> None:
     labels = group_by_size(np.array([100, 110, 95, 200, 212, 400, 90]), tolerance=0.15)
-    assert labels.tolist() == [0, 0, 0, 1, 1, 2, 0]
+    assert labels == [0, 0, 0, 1, 1, 2, 0]
     # the upper bound: 125 is 25 % above the median of 100, 114 is within 15 %
-    assert group_by_size(np.array([100, 100, 100, 125]), tolerance=0.15).tolist() == [0, 0, 0, 1]
-    assert group_by_size(np.array([100, 100, 100, 114]), tolerance=0.15).tolist() == [0, 0, 0, 0]
+    assert group_by_size(np.array([100, 100, 100, 125]), tolerance=0.15) == [0, 0, 0, 1]
+    assert group_by_size(np.array([100, 100, 100, 114]), tolerance=0.15) == [0, 0, 0, 0]
 
 
 def test_cubic_band_edges_are_the_last_grid_points_within_the_band() -> None:

@@ -33,8 +33,9 @@ def study_dict(**stages) -> dict:
     spec["stages"] = stages or {
         "transfer": {"shapes": [{"width": 32, "depth": 2}, {"width": 64, "depth": 2}]},
         "check": {},
+        # 12·N²·L of 7k-9k: one size, within the fit's ±15 %
         "aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
-                                    {"width": 96, "depth": 1}, {"width": 128, "depth": 1}]},
+                                    {"width": 96, "depth": 1}, {"width": 32, "depth": 7}]},
     }
     return spec
 
@@ -80,6 +81,9 @@ def bowl(centre_log2: float):
     ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 1}, {"width": 64, "depth": 2},
                                   {"width": 96, "depth": 3}, {"width": 128, "depth": 4}]}},
      "stages.aspect_ratio.shapes"),  # four shapes but one width:depth ratio
+    ({"aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
+                                  {"width": 96, "depth": 1}, {"width": 128, "depth": 1}]}},
+     "stages.aspect_ratio.shapes"),  # four ratios, but 128x1 is twice the others' size
     ({"transfer": {"shapes": [{"width": 64, "depth": 2, "tokens_per_param": 20}]}},
      "stages.transfer.shapes"),  # a second budget of a shape not on the ladder
     ({"transfer": {"shapes": [{"width": 32, "depth": 2},
@@ -108,6 +112,21 @@ def test_check_offsets_a_thousandth_of_an_octave_apart_are_accepted():
     spec = load_spec(study_dict(check={"shapes": [{"width": 32, "depth": 2}],
                                        "log2_offsets": [-0.001, 0, 0.001]}))
     assert spec.stages.check.log2_offsets == [-0.001, 0.0, 0.001]
+
+
+def test_aspect_ratio_shapes_must_share_one_size_as_the_fit_groups_them():
+    """The N:L fit compares shapes within ±15 % of one size; a stage spread over sizes would
+    train, then fit nothing, so it is refused at submit, naming each shape's size."""
+    shapes = [{"width": 32, "depth": 8}, {"width": 64, "depth": 2}, {"width": 96, "depth": 1}]
+    # 99k, 99k, 111k parameters; 32x7 (87k) is 12 % under their median, 32x6 (75k) 25 %
+    load_spec(study_dict(aspect_ratio={"shapes": [*shapes, {"width": 32, "depth": 7}]}))
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(aspect_ratio={"shapes": [*shapes, {"width": 32, "depth": 6}]}))
+    (problem,) = {e["field"]: e for e in exc.value.errors}.values()
+    assert problem["field"] == "stages.aspect_ratio.shapes"
+    # the fit's greedy grouping (sizes in order) pairs 32x6 with 64x2, and 32x8 with 96x1
+    assert "at most 2" in problem["message"] and "32x6: 74,560" in problem["message"]
+    assert "±15%" in problem["message"]
 
 
 def test_a_study_tunes_at_the_base_shape():

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from hptransfer.contracts.sizes import MIN_ASPECT_RATIOS, SIZE_TOLERANCE, group_by_size
 from hptransfer.jsonsafe import frame_records
 
 from .errors import NotEnoughData
@@ -27,28 +28,6 @@ from .stats import percentile_ci, snap_runs
 from .trials import Trials
 
 _BAND_GRID = 4001
-
-
-def group_by_size(params: np.ndarray, tolerance: float = 0.15) -> np.ndarray:
-    """Label sizes so every member of a group is within ±tolerance of the group's median.
-
-    Greedy over sorted sizes: a size joins the current group while that still holds.
-    """
-    params = np.asarray(params, dtype=float)
-    order = np.argsort(params, kind="stable")
-    labels = np.empty(len(params), dtype=int)
-    group, members = 0, []
-    for i in order:
-        trial = [*members, params[i]]
-        med = float(np.median(trial))
-        if members and not (
-            min(trial) >= (1 - tolerance) * med and max(trial) <= (1 + tolerance) * med
-        ):
-            group += 1
-            trial = [params[i]]
-        members = trial
-        labels[i] = group
-    return labels
 
 
 @dataclass
@@ -105,7 +84,7 @@ class AspectRatioResult:
     points: pd.DataFrame
     reason: NotEnoughData | None = None
     warnings: list[str] = field(default_factory=list)
-    tolerance: float = 0.15
+    tolerance: float = SIZE_TOLERANCE
     within: float = 0.01
     ci_level: float = 0.95
     set_aside: list[str] = field(default_factory=list)  # shapes at another budget (warnings)
@@ -200,10 +179,11 @@ def _group_row(arm: str, gid: int, pts: dict[str, np.ndarray], within: float,
         ],
     }
     n_ratios = int(np.unique(np.round(pts["log_aspect"], 9)).size)
-    if n_ratios < 4:
+    if n_ratios < MIN_ASPECT_RATIOS:
         row["reason"] = NotEnoughData(
             f"the optimal N:L of arm {arm} at ~{row['params_median']:.3g} params",
-            f"only {n_ratios} aspect ratios were run at this size (the cubic needs 4)",
+            f"only {n_ratios} aspect ratios were run at this size (the cubic needs "
+            f"{MIN_ASPECT_RATIOS})",
         ).message
         return row
     fit = fit_cubic_optimum(pts["log_aspect"], pts["loss"].astype(float), within)
@@ -319,7 +299,7 @@ def _linked(*keys: np.ndarray) -> np.ndarray:
 def optimal_aspect_ratio(
     data: pd.DataFrame | Trials | OptimalLRResult,
     *,
-    tolerance: float = 0.15,
+    tolerance: float = SIZE_TOLERANCE,
     within: float = 0.01,
     bootstrap: int = 200,
     seed: int | None = 0,
@@ -387,7 +367,7 @@ def optimal_aspect_ratio(
     reason = None
     if groups.empty or groups["reason"].notna().all():
         because = (
-            "no arm has 4 or more aspect ratios at one size (within "
+            f"no arm has {MIN_ASPECT_RATIOS} or more aspect ratios at one size (within "
             f"±{tolerance:.0%} non-embedding params)"
         )
         if points.empty:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
+from hptransfer.contracts.sizes import SIZE_TOLERANCE
 from hptransfer.jsonsafe import json_safe
 
 from .aspect_ratio import AspectRatioResult, optimal_aspect_ratio
@@ -127,7 +128,7 @@ def fit_report(
     ci: float = 0.95,
     extra_keys: Sequence[str] = (),
     transfer_tolerance: float = 0.1,
-    size_tolerance: float = 0.15,
+    size_tolerance: float = SIZE_TOLERANCE,
     within: float = 0.01,
     n_grid: int = 20,
     neighbours: int = 2,

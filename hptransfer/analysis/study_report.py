@@ -6,6 +6,8 @@ from typing import Any
 
 import pandas as pd
 
+from hptransfer.contracts.sizes import SIZE_TOLERANCE
+
 from .aspect_ratio import optimal_aspect_ratio
 from .chinchilla import chinchilla_fit
 from .frontier import loss_compute_frontier
@@ -24,7 +26,7 @@ def study_fit_report(
     bootstrap: int = 200,
     seed: int | None = 0,
     ci: float = 0.95,
-    size_tolerance: float = 0.15,
+    size_tolerance: float = SIZE_TOLERANCE,
     within: float = 0.01,
     n_grid: int = 20,
     neighbours: int = 2,

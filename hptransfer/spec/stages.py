@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from hptransfer.contracts.sizes import MIN_ASPECT_RATIOS
 from hptransfer.spec.trial import Depth, TokensPerParam, Width
 
 from .errors import SpecError, error
@@ -232,9 +233,9 @@ class AspectRatioStage(SpecModel):
     def _unique(cls, v: list[Shape]) -> list[Shape]:
         v = _unique_shapes(v)
         ratios = {s.width / s.depth for s in v}
-        if len(ratios) < 4:
+        if len(ratios) < MIN_ASPECT_RATIOS:
             raise ValueError(f"{len(ratios)} distinct width:depth ratios; the cubic in "
-                             "log(N/L) needs at least 4")
+                             f"log(N/L) needs at least {MIN_ASPECT_RATIOS}")
         return v
 
 

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hptransfer.contracts.sizes import MIN_ASPECT_RATIOS, SIZE_TOLERANCE, group_by_size
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec.data import DataSpec, val_window_problem
@@ -118,6 +119,8 @@ class SweepSpec(SpecModel):
             problems = self._size_problems(cap)
         if not problems:
             problems = self._build_problems()
+        if not problems:
+            problems = self._aspect_size_problems()
         if problems:
             raise SpecError(problems)
         return self
@@ -293,6 +296,31 @@ class SweepSpec(SpecModel):
                         f"arm {arm.name!r} cannot be built at width {shape.width}, depth "
                         f"{shape.depth}: {plain_message(exc, SweepSpec)}",
                     ))
+        return problems
+
+    def _aspect_size_problems(self) -> list[dict[str, str]]:
+        # The N:L fit compares shapes of one size only (contracts/sizes.py): a stage whose
+        # shapes are spread over several sizes would train, then fit nothing.
+        stage = self.stages.aspect_ratio if self.stages is not None else None
+        if stage is None:
+            return []
+        problems = []
+        for arm in self.arms:
+            sizes = [self._non_embedding_params(arm, s.width, s.depth, self.fixed.head_dim)
+                     for s in stage.shapes]
+            groups = group_by_size(sizes)
+            ratios = max(len({s.width / s.depth for s, g in zip(stage.shapes, groups,
+                                                                  strict=True) if g == label})
+                         for label in set(groups))
+            if ratios < MIN_ASPECT_RATIOS:
+                listed = ", ".join(f"{s.width}x{s.depth}: {n:,}"
+                                   for s, n in zip(stage.shapes, sizes, strict=True))
+                problems.append(error(
+                    "stages.aspect_ratio.shapes",
+                    f"the N:L fit needs {MIN_ASPECT_RATIOS} width:depth ratios at one size "
+                    f"(non-embedding parameters within ±{SIZE_TOLERANCE:.0%} of their "
+                    f"median), and arm {arm.name!r} has at most {ratios} ({listed}); give "
+                    "shapes of about equal width² x depth"))
         return problems
 
     def _stage_shapes(self) -> list[tuple[str, int, Any]]:
