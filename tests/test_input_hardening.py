@@ -628,3 +628,46 @@ def test_a_gpu_sweep_is_priced_against_a_gpu_not_the_cpu_nodes(client, tiny_spec
     tiny_spec["fixed"].update(base_width=65536, base_depth=1024)
     r = client.post("/sweeps", json=tiny_spec)
     assert r.status_code == 422 and "the 192 GB of the largest GPU" in r.json()["error"], r.text
+
+
+# ---- text shown elsewhere: Plotly, spreadsheets, MLflow (fourth hostile probe) -----------
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"label": '<a href="https://evil.example">click</a>'}, "arms[0].label"),  # Plotly link
+    ({"label": "sp>mup"}, "arms[0].label"),
+    ({"label": '=HYPERLINK("https://evil.example","x")'}, "arms[0].label"),  # a formula
+    ({"label": "+1"}, "arms[0].label"),
+    ({"label": "-sp"}, "arms[0].label"),
+    ({"label": "@SUM(1)"}, "arms[0].label"),
+    ({"tags": {"a<b": "one", "a_b": "two"}}, "tags.a<b"),  # both would be MLflow's a_b
+    ({"tags": {"..x": "one"}}, "tags...x"),
+    ({"tags": {"k": "left\u202eright"}}, "tags.k"),  # a direction override
+    ({"tags": {"k": "\x1b[2Jcleared"}}, "tags.k"),
+    ({"tags": {"k": "zero\u200bwidth"}}, "tags.k"),
+])
+def test_text_other_programs_would_read_as_markup_formulas_or_keys_is_refused(
+        client, tiny_spec, change, field):
+    spec = json.loads(json.dumps(tiny_spec))
+    if "label" in change:
+        spec["arms"][0]["label"] = change["label"]
+    else:
+        spec["tags"] = change["tags"]
+    r = client.post("/sweeps", json=spec)
+    assert r.status_code == 422 and fields(r) == [field], r.text
+    assert nothing_stored(client)
+
+
+def test_plain_labels_and_unicode_tags_are_kept(client, tiny_spec):
+    tiny_spec["arms"][0]["label"] = "sp, lr=2^-6 (a-b)"
+    tiny_spec["tags"] = {"paper": "CompleteP – Dey et al.", "owner:team": "Jürgen's"}
+    r = client.post("/sweeps?dry_run=true", json=tiny_spec)
+    assert r.status_code == 200, r.text
+
+
+def test_a_stored_spec_the_newer_text_rules_refuse_is_still_read(tiny_spec):
+    from hptransfer.spec import SweepSpec
+
+    tiny_spec["arms"][0]["label"] = "<b>old</b>"
+    tiny_spec["tags"] = {"a<b": "x\u202e"}
+    stored = SweepSpec.model_validate(tiny_spec)  # as the store re-reads a sweep
+    assert stored.arms[0].label == "<b>old</b>" and stored.tags == {"a<b": "x\u202e"}

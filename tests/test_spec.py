@@ -273,10 +273,10 @@ def test_arm_labels_are_printable_and_not_blank(label):
 
 
 def test_arm_labels_keep_punctuation_and_the_defaults():
-    arms = [{"label": "SP <baseline> +x0=1/2", "arch": "gpt", "parameterization": "sp"},
+    arms = [{"label": "SP [baseline] +x0=1/2", "arch": "gpt", "parameterization": "sp"},
             {"arch": "gpt", "parameterization": "completep", "arch_options": {"x0_mixing": True}}]
     spec = load_spec(with_("arms", arms))
-    assert [a.name for a in spec.arms][0] == "SP <baseline> +x0=1/2"
+    assert [a.name for a in spec.arms][0] == "SP [baseline] +x0=1/2"
     assert spec.arms[1].name.startswith("gpt/completep+")
 
 

@@ -21,9 +21,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from sqlalchemy import text
 
+from hptransfer.contracts.mlflow_keys import MAX_KEY, mlflow_key
 from hptransfer.store.store import Store, TrialRecord
 from hptransfer.tracking.mirror import Mirror
-from hptransfer.tracking.params import MAX_KEY, MAX_PARAM_VALUE, flatten, mlflow_key
+from hptransfer.tracking.params import MAX_PARAM_VALUE, flatten
 from hptransfer.tracking.tracking import ui_command
 
 SWEEP_SPEC: dict[str, Any] = {

@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import unicodedata
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hptransfer.contracts.mlflow_keys import mlflow_key
 from hptransfer.contracts.sizes import MIN_ASPECT_RATIOS, SIZE_TOLERANCE, group_by_size
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import flops_per_token, param_counts
@@ -60,6 +62,10 @@ TagKey = Annotated[str, Field(min_length=1, max_length=MAX_TAG_KEY_CHARS)]
 # steer its runs) and the ones the mirror writes (hpt.sweep_id, hpt.role, ...)
 RESERVED_TAG_PREFIXES = ("mlflow.", "hpt.")
 TagValue = Annotated[str, Field(max_length=MAX_TAG_VALUE_CHARS)]
+# Unicode categories of control, format (direction overrides, zero-width) and line breaks
+_INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+# first characters that make a spreadsheet cell a formula
+FORMULA_STARTS = frozenset("=+-@")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.- ")
 
 
@@ -113,8 +119,8 @@ class SweepSpec(SpecModel):
         context = info.context if isinstance(info.context, dict) else {}
         cap = context.get("max_trials")
         problems = self._cross_field_problems()
-        if "max_trials" in context:  # a submission (load_spec): stored specs keep their tags
-            problems += self._reserved_tag_problems()
+        if "max_trials" in context:  # a submission (load_spec): stored specs stay readable
+            problems += self._reserved_tag_problems() + self._shown_text_problems()
         if not problems and cap is not None:
             problems = self._size_problems(cap)
         if not problems:
@@ -130,6 +136,32 @@ class SweepSpec(SpecModel):
                                      "this service's own; rename the tag")
                 for key in self.tags for prefix in RESERVED_TAG_PREFIXES
                 if key.lower().startswith(prefix)]
+
+    def _shown_text_problems(self) -> list[dict[str, str]]:
+        # Labels reach Plotly (which reads them as markup: `<a href>` is a live link) and
+        # `hpt trials --csv` (a spreadsheet runs a cell starting with = + - @); tags reach
+        # MLflow, where a key it rewrites may land on another tag's key and silently replace
+        # its value, and a control or direction-override character reaches every page
+        problems = []
+        for i, arm in enumerate(self.arms):
+            label = arm.label or ""
+            if "<" in label or ">" in label:
+                problems.append(error(f"arms[{i}].label", f"{label!r:.120} may not contain "
+                                                          "'<' or '>'"))
+            elif label[:1] in FORMULA_STARTS:
+                problems.append(error(f"arms[{i}].label", f"{label!r:.120} starts with "
+                                      f"{label[0]!r}, which spreadsheets read as a formula; "
+                                      "start it with a letter or digit"))
+        for key, text in self.tags.items():
+            if mlflow_key(key) != key:
+                problems.append(error(f"tags.{key}", f"tag key {key!r:.80} has characters "
+                                      "MLflow does not keep; use letters, digits, '_', '.', "
+                                      "'-', ':' and spaces (and no leading '..')"))
+            bad = sorted({c for c in text if unicodedata.category(c) in _INVISIBLE})
+            if bad:
+                problems.append(error(f"tags.{key}", f"the value has control or formatting "
+                                      f"characters ({''.join(bad)!r:.60}); remove them"))
+        return problems
 
     # ---- validation across fields ------------------------------------------------------
 

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from hptransfer.contracts.mlflow_keys import mlflow_key
+
 # MLflow's limits (mlflow.utils.validation); checked here so one long value cannot sink a batch.
 MAX_PARAM_VALUE = 6000
-MAX_KEY = 250
 MAX_TAG_VALUE = 8000
 MAX_METRICS_PER_BATCH = 1000
 
-_KEY_BAD_CHARS = re.compile(r"[^\w.\- :]")  # MLflow allows these plus "/", which we avoid
 _FILE_BAD_CHARS = re.compile(r"[^\w.\-]")
 
 
@@ -69,17 +69,6 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
-
-
-def mlflow_key(key: str) -> str:
-    """A key MLflow accepts: allowed characters only, at most 250 characters (hash-suffixed)."""
-    key = _KEY_BAD_CHARS.sub("_", key) or "_"
-    if key in (".", "..") or key.startswith(".."):
-        key = "_" + key
-    if len(key) > MAX_KEY:
-        # Keep keys unique after truncation: two long keys may share their first 240 chars.
-        key = key[: MAX_KEY - 9] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
-    return key
 
 
 def truncate(value: str, limit: int) -> str:
