@@ -106,6 +106,17 @@ def test_a_request_within_the_limits_is_served(edge_server):
     assert status(got) == 200, got[:300]
 
 
+def test_a_body_in_a_transfer_coding_other_than_chunked_is_415_saying_so(edge_server):
+    # uvicorn undoes only the chunking: the handler got gzip bytes and called them not UTF-8
+    body = b"\x1f\x8b\x08\x00"
+    head = (f"POST /sweeps HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nTransfer-Encoding: gzip, chunked\r\n"
+            f"Connection: close\r\n\r\n").encode()
+    got, _ = exchange(edge_server, head + b"4\r\n" + body + b"\r\n0\r\n\r\n")
+    assert status(got) == 415, got[:300]
+    assert b"Transfer-Encoding 'gzip' is not supported" in got, got[:600]
+
+
 def test_weak_token_refused_when_serving_beyond_loopback(hpt_home, monkeypatch, capsys):
     monkeypatch.setenv("HPT_API_TOKEN", "a")
     assert hpt_main(["serve", "--host", "0.0.0.0"]) == 2

@@ -466,6 +466,24 @@ def test_a_nul_in_the_url_is_400(any_db_client, method, url):
     assert "NUL character (%00)" in r.json()["error"]
 
 
+@pytest.mark.parametrize("query", ["status=completed&status=failed", "limit=1&limit=2",
+                                   "arm=a&stage=tune&arm=b"])
+def test_a_query_parameter_given_twice_is_422_naming_it(any_db_client, query):
+    # FastAPI kept the last value: two statuses listed one, silently
+    r = any_db_client.get(f"/sweeps/abc/trials?{query}")
+    assert r.status_code == 422, r.text
+    repeated = query.split("=")[0]
+    assert r.json()["errors"] == [{"field": f"query.{repeated}",
+                                   "message": "given more than once"}]
+    assert f"'{repeated}' is given more than once" in r.json()["error"]
+    assert any_db_client.get("/sweeps?limit=1&offset=0").status_code == 200  # once each
+
+
+def test_an_unknown_id_is_not_echoed_whole(any_db_client):
+    r = any_db_client.get("/sweeps/" + "x" * 5000)
+    assert r.status_code == 404 and len(r.text) < 400, r.text[:500]
+
+
 def test_a_nul_in_a_spec_text_is_422_naming_its_fields(any_db_client, tiny_spec):
     tiny_spec["arms"][0]["label"] = "lab\u0000el"
     tiny_spec["tags"] = {"team\u0000": "x", "run": "a\u0000b"}

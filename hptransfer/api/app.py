@@ -25,6 +25,7 @@ from .guards import (
     BodyLimit,
     HeadAsGet,
     RefuseNulInURL,
+    RefuseRepeatedQuery,
     TrailingSlashServed,
     allowed_methods,
     error_response,
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None, dispatch: bool = True,
     app.include_router(router)
     app.include_router(dashboards_router)
     install_docs(app)
+    app.add_middleware(RefuseRepeatedQuery)
     app.add_middleware(RefuseNulInURL)
     app.add_middleware(HeadAsGet)
     app.add_middleware(TrailingSlashServed)

@@ -71,7 +71,7 @@ def sweep_dashboard(
     try:
         data = sweep_data(c, sweep_id, bootstrap)
     except LookupError:
-        return HTMLResponse(render_not_found_html(f"No sweep with id {sweep_id!r}."), 404)
+        return HTMLResponse(render_not_found_html(f"No sweep with id {sweep_id!r:.80}."), 404)
     except FitsBusy as exc:
         return HTMLResponse(render_busy_html(str(exc)), 503,
                             headers={"Retry-After": str(exc.retry_after_s)})

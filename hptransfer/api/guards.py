@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
@@ -62,6 +63,15 @@ def require_json(request: Request) -> None:
                    "object {} for calls without a body)",
         )
     encoding = request.headers.get("content-encoding", "").strip().lower()
+    # a transfer coding other than chunked (gzip, deflate) reaches us still compressed
+    codings = {c.strip() for c in request.headers.get("transfer-encoding", "").lower()
+               .split(",")} - {"", "chunked", "identity"}
+    if codings:
+        raise HTTPException(
+            status_code=415,
+            detail=f"Transfer-Encoding {', '.join(sorted(codings))!r:.60} is not supported: "
+                   "send the body uncompressed (chunked is fine)",
+        )
     if encoding not in ("", "identity"):
         raise HTTPException(
             status_code=415,
@@ -88,6 +98,28 @@ class RefuseNulInURL:
             await error_response(400, "the URL holds a NUL character (%00) in its path or "
                                       "query: remove it")(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+
+class RefuseRepeatedQuery:
+    """ASGI middleware: a query parameter given twice gets a 422 naming it. FastAPI keeps the
+    last value, so `?status=completed&status=failed` listed only failed trials, silently."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("query_string"):
+            names = [name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"),
+                                                   keep_blank_values=True)]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                message = (f"query parameter {repeated[0]!r:.60} is given more than once; "
+                           "each takes one value: give it once (list again for another)")
+                await error_response(422, message, [
+                    {"field": f"query.{name:.60}", "message": "given more than once"}
+                    for name in repeated[:10]])(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

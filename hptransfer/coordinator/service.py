@@ -192,7 +192,7 @@ class Coordinator:
     def summary(self, sweep_id: str) -> dict[str, Any]:
         sweep = self.store.get_sweep(sweep_id)
         if sweep is None:
-            raise NotFoundError(f"no sweep with id {sweep_id!r}")
+            raise NotFoundError(f"no sweep with id {sweep_id!r:.80}")
         return self._summarise(sweep, self.store.mean_wall_times([sweep_id]).get(sweep_id),
                                self._stage_counts([sweep]).get(sweep_id))
 
@@ -246,7 +246,7 @@ class Coordinator:
 
     def cancel(self, sweep_id: str) -> dict[str, Any]:
         if self.store.get_sweep(sweep_id) is None:
-            raise NotFoundError(f"no sweep with id {sweep_id!r}")
+            raise NotFoundError(f"no sweep with id {sweep_id!r:.80}")
         self.store.cancel_sweep(sweep_id)  # running ones are cancelled by the dispatcher
         if self.dispatcher:
             self.dispatcher.sweep_stopped(sweep_id)
@@ -257,7 +257,7 @@ class Coordinator:
         """The fit report; UnknownArm when `reference_arm` is not one of the sweep's arms."""
         sweep = self.store.get_sweep(sweep_id)
         if sweep is None:
-            raise NotFoundError(f"no sweep with id {sweep_id!r}")
+            raise NotFoundError(f"no sweep with id {sweep_id!r:.80}")
         if reference_arm is not None:
             arms = [arm.name for arm in self._study_spec(sweep).arms]
             if reference_arm not in arms:

@@ -38,7 +38,7 @@ def store_summary(store: Store, sweep_id: str) -> dict[str, Any]:
     """The Coordinator's summary, from the store alone (no ETA: that needs the spec)."""
     sweep = store.get_sweep(sweep_id)
     if sweep is None:
-        raise NotFoundError(f"no sweep with id {sweep_id!r}")
+        raise NotFoundError(f"no sweep with id {sweep_id!r:.80}")
     counts = sweep.counts if sweep.counts is not None else store.status_counts(sweep_id)
     total = sum(counts.values())
     done = sum(n for s, n in counts.items() if TrialStatus(s).is_finished())

@@ -61,5 +61,5 @@ def locked_sweep(s: Session, sweep_id: str) -> Sweep:
     IMMEDIATE transaction already holds the write lock); NotFoundError if there is none."""
     sweep = s.get(Sweep, sweep_id, with_for_update={"key_share": True})
     if sweep is None:
-        raise NotFoundError(f"no sweep {sweep_id!r}")
+        raise NotFoundError(f"no sweep {sweep_id!r:.80}")
     return sweep

@@ -40,7 +40,7 @@ class MirrorQueue(StoreBase):
         with self._write() as s:
             stmt = update(Sweep).where(Sweep.id == sweep_id).values(**values)
             if bulk_update(s, stmt) == 0:
-                raise NotFoundError(f"no sweep {sweep_id!r}")
+                raise NotFoundError(f"no sweep {sweep_id!r:.80}")
 
     def sweeps_to_mirror(self) -> list[SweepRecord]:
         """Sweeps without an MLflow parent run yet, or whose status changed since mirrored."""

@@ -58,7 +58,7 @@ class Outcomes(StoreBase):
         with self._write() as s:
             sweep_id = s.scalar(select(Trial.sweep_id).where(Trial.id == trial_id))
             if sweep_id is None:
-                raise NotFoundError(f"no trial {trial_id!r}")
+                raise NotFoundError(f"no trial {trial_id!r:.80}")
             # the sweep before the trial, as cancel_sweep locks them: it cannot stop unseen
             sweep = locked_sweep(s, sweep_id)
             trial = s.get(Trial, trial_id, with_for_update=True)

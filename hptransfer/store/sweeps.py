@@ -156,7 +156,7 @@ class SweepLifecycle(Submissions):
         stmt = update(Sweep).where(Sweep.id == sweep_id).values(**values)
         with self._write() as s:
             if bulk_update(s, stmt) == 0:
-                raise NotFoundError(f"no sweep {sweep_id!r}")
+                raise NotFoundError(f"no sweep {sweep_id!r:.80}")
 
     def refresh_sweep_status(self, sweep_id: str) -> str:
         """Running while any trial is pending or running, else completed, or failed when
