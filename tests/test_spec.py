@@ -470,6 +470,14 @@ def test_batch_scaling_exponent_zero_and_small_batches():
     assert {p.trial.batch_size for p in plan_sweep(load_spec(d))} == {1}  # never below 1
 
 
+def test_a_batch_scaled_out_of_bounds_names_the_exponent():
+    # 128x4 has ~8x the base's (64x2) parameters: 1024 x 8^4 ~ 4.2M sequences, over 2^20
+    d = with_("budget", {"steps": 10, "batch_size": 1024, "batch_rule": "scale_with_params",
+                         "batch_exponent": 4.0})
+    one_error(d, "budget.batch_exponent", "width 128, depth 4", "lower batch_exponent")
+    load_spec(with_("budget.batch_exponent", 3.0, d))  # 1024 x 8^3 ~ 0.5M: within
+
+
 def test_optuna_shapes_and_trial_for():
     d = with_("search", {"method": "optuna", "n_trials": 3},
               with_("grid.lrs", {"log2_min": -12, "log2_max": -4, "step": 1}))

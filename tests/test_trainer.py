@@ -92,6 +92,22 @@ def test_tokens_per_param_budget(tmp_path):
     assert r.tokens == math.ceil(0.5 * r.params_non_embedding / 256) * 256
 
 
+def test_a_budget_rounded_up_by_more_than_a_tenth_says_so(tmp_path):
+    from hptransfer.workers import plan as plan_module
+
+    data = plan_module.load_trial_data(spec(), str(tmp_path))
+    # a step is 256 tokens here: 1 token trains 256, 250 trains 256 (within a tenth), 231
+    # trains 256 (10.8 % more)
+    for tokens, noted in ((1, True), (250, False), (231, True), (256, False)):
+        planned = plan_module.plan_trial(spec(budget={"tokens": tokens}), data)
+        said = [n for n in planned.notes if "whole step" in n]
+        assert planned.total_steps * planned.tokens_per_step == 256
+        assert bool(said) == noted, (tokens, planned.notes)
+    (note,) = [n for n in plan_module.plan_trial(spec(budget={"tokens": 1}), data).notes
+               if "whole step" in n]
+    assert note == "the budget of 1 tokens is trained as 1 whole step(s) of 256 tokens: 256 tokens"
+
+
 def test_failed_trial_reports_error(tmp_path):
     r = run_trial(spec(data={"source": str(tmp_path / "missing.bin"), "vocab_size": 256}))
     assert r.status == "failed" and r.curve == []

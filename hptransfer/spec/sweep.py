@@ -31,7 +31,7 @@ from hptransfer.contracts.sizes import MIN_ASPECT_RATIOS, SIZE_TOLERANCE, group_
 from hptransfer.models import ModelConfig, ModelConfigError
 from hptransfer.models.flops import flops_per_token, param_counts
 from hptransfer.spec.data import DataSpec, val_window_problem
-from hptransfer.spec.trial import Budget, Schedule, TrialSpec
+from hptransfer.spec.trial import MAX_BATCH_SIZE, Budget, Schedule, TrialSpec
 
 from .errors import SpecError, error, plain_message, spec_error
 from .loading import read_spec_data
@@ -124,7 +124,7 @@ class SweepSpec(SpecModel):
         if not problems and cap is not None:
             problems = self._size_problems(cap)
         if not problems:
-            problems = self._build_problems()
+            problems = self._scaled_batch_problems() or self._build_problems()
         if not problems:
             problems = self._aspect_size_problems()
         if problems:
@@ -298,6 +298,28 @@ class SweepSpec(SpecModel):
                else "shrink the later stages (their shapes, offsets or extend)")
         return [error(where, f"the study may plan {total} trials ({', '.join(parts)}), more "
                              f"than the cap of {cap}; {fix} or raise HPT_MAX_TRIALS")]
+
+    def _scaled_batch_problems(self) -> list[dict[str, str]]:
+        # scale_with_params may scale a shape's batch out of bounds: that is the budget's
+        # doing, so name its exponent rather than the arm that cannot be built
+        if self.budget.batch_rule != "scale_with_params":
+            return []
+        shapes = [(w, d) for w in self.grid.widths for d in self.grid.depths]
+        shapes += [(s.width, s.depth) for _, _, s in self._stage_shapes()]
+        for arm in self.arms:
+            for width, depth in shapes:
+                try:
+                    batch = self.batch_size_for(arm, width, depth)
+                except ModelConfigError:
+                    continue  # the arm's own problem, said by _build_problems
+                if not 1 <= batch <= MAX_BATCH_SIZE:
+                    return [error("budget.batch_exponent", (
+                        f"scale_with_params gives arm {arm.name!r} a batch of {batch:,} "
+                        f"sequences at width {width}, depth {depth} (batch_size "
+                        f"{self.budget.batch_size} x (P/P_base)^{self.budget.batch_exponent:g})"
+                        f", above the limit of {MAX_BATCH_SIZE:,}; lower batch_exponent or "
+                        "batch_size"))]
+        return []
 
     def _build_problems(self) -> list[dict[str, str]]:
         # LR, sigma and seed only need to be positive (checked per field), so one TrialSpec

@@ -154,6 +154,10 @@ class TrialPlan:
         return self.data.val_batches(self.pass_size, self.spec.seq_len)
 
 
+# trained tokens above this multiple of the budget's (whole steps round it up) get a note
+ROUNDING_NOTED = 1.1
+
+
 def plan_trial(spec: TrialSpec, data: TokenDataset) -> TrialPlan:
     """The plan of `spec` on `data`; raises if its device is not there."""
     device = resolve_device(spec.device)
@@ -162,6 +166,11 @@ def plan_trial(spec: TrialSpec, data: TokenDataset) -> TrialPlan:
     tokens_per_step = spec.batch_size * spec.seq_len
     total_steps = spec.budget.steps_for(tokens_per_step, counts.non_embedding)
     notes: list[str] = []
+    asked = spec.budget.tokens or spec.budget.tokens_per_param * counts.non_embedding
+    trained = total_steps * tokens_per_step
+    if not spec.budget.steps and trained > ROUNDING_NOTED * asked:
+        notes.append(f"the budget of {asked:,.0f} tokens is trained as {total_steps} whole "
+                     f"step(s) of {tokens_per_step:,} tokens: {trained:,} tokens")
     bf16 = autocasts(device, spec.precision)
     if spec.precision == "bf16" and not bf16:
         notes.append(f"bf16 autocast is CUDA-only; this trial ran fp32 on {device}")
