@@ -187,9 +187,9 @@ def _print_summary(s: dict) -> None:
     print(f"{s['id']}  {s['name']:<24} {s['status']:<10} {s['done']}/{s['total']}  "
           f"[{counts}]{eta}")
     if s.get("waiting_for"):
-        print(f"    waiting: {s['waiting_for']}")
-    if s.get("error"):
-        print(f"    {s['status']}: {s['error']}")
+        print(f"    waiting: {shown(str(s['waiting_for']))}")
+    if s.get("error"):  # it may quote a trial's exception, which may quote a user's text
+        print(f"    {s['status']}: {shown(str(s['error']))}")
     for st in s.get("stages") or []:  # a study: one line per stage, in order
         counts = ", ".join(f"{k} {v}" for k, v in sorted(st["counts"].items()) if v)
         print(f"    stage {st['stage']:<13} {st['state']:<8} {st['done']}/{st['total']}"
@@ -327,7 +327,7 @@ def cmd_trials(a: argparse.Namespace) -> int:
     else:
         if "error" in df.columns and df["error"].notna().any():  # its first line: what failed
             df = df.assign(error=df["error"].map(
-                lambda e: e.splitlines()[0][:120] if isinstance(e, str) and e else ""))
+                lambda e: shown(e.splitlines()[0][:120]) if isinstance(e, str) and e else ""))
             cols.append("error")
         print(df[cols].to_string(index=False))
     return 0
@@ -566,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
-        print(f"hpt {args.command}: error: {exc}", file=sys.stderr)
+        # line by line: a trial spec's errors come one a line
+        print(f"hpt {args.command}: error: " + "\n".join(map(shown, str(exc).split("\n"))),
+              file=sys.stderr)
         return 2
     except RuntimeError as exc:  # ApiError and unreachable servers
         from hptransfer.client import ApiError
@@ -574,14 +576,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(exc, ApiError):
             raise
         if not exc.errors:
-            print(f"hpt {args.command}: {exc.message}", file=sys.stderr)
+            print(f"hpt {args.command}: {shown(exc.message)}", file=sys.stderr)
             return 2
         # the message joins the errors on one line: list them instead, one a line
         what = exc.message.split(": ", 1)[0] if ": " in exc.message else f"HTTP {exc.status}"
-        print(f"hpt {args.command}: {what}:", file=sys.stderr)
+        print(f"hpt {args.command}: {shown(what)}:", file=sys.stderr)
         for e in exc.errors:
-            print(f"  {e['field'] + ': ' if e['field'] else ''}{e['message']}", file=sys.stderr)
+            where = _as_flag(e["field"], args)
+            print(f"  {shown(where) + ': ' if where else ''}{shown(e['message'])}",
+                  file=sys.stderr)
         return 2
+
+
+def shown(text: str) -> str:
+    """`text` safe to print to a terminal: each non-printable character as its Python
+    escape (a spec's unknown key "\\x1b[2J" cleared the screen as a field path), as the
+    messages' repr()s show values."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
+
+
+# the query parameters the CLI sets from its flags: a 422 names them as the server sees them
+_FLAGS = {"query.bootstrap": "bootstrap", "query.reference_arm": "reference_arm",
+          "query.cpus": "cpus", "query.gpus": "gpus", "query.status": "status",
+          "query.stage": "stage"}
+
+
+def _as_flag(field: str, args: argparse.Namespace) -> str:
+    """The flag the user gave for a server error's `field` ("query.bootstrap" is
+    --bootstrap), where this command sent it; else `field`."""
+    dest = _FLAGS.get(field)
+    if dest is None or getattr(args, dest, None) is None:
+        return field
+    return "--" + dest.replace("_", "-")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
 
-from hptransfer.config import client_token, client_url, token_problem
+from hptransfer.config import client_token, client_url, max_request_bytes, token_problem
 from hptransfer.contracts.status import ACTIVE, SweepStatus
 from hptransfer.redaction import mask_url, redact
 from hptransfer.spec.text import (
@@ -33,7 +36,9 @@ TERMINAL_SWEEP: tuple[str, ...] = tuple(s for s in SweepStatus if s not in ACTIV
 
 
 class ApiError(RuntimeError):
-    """A 4xx/5xx answer; `errors` lists {field, message} where the server named fields."""
+    """A 4xx/5xx answer, or one the client cannot use (not JSON, a redirect, a reply of
+    another shape: the server is not the hptransfer API); `status` 0: no answer. `errors`
+    lists {field, message} where the server named fields."""
 
     def __init__(self, status: int, message: str, errors: list[dict] | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
@@ -47,8 +52,92 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def _path_id(sweep_id: str) -> str:
     if not isinstance(sweep_id, str) or not _ID.fullmatch(sweep_id):
-        raise ValueError(f"no sweep with id {sweep_id!r}: ids are letters, digits, - and _")
+        # cut: an id of 3,000 characters was echoed whole
+        raise ValueError(f"no sweep with id {sweep_id!r:.60}: ids are 1 to 64 letters, "
+                         "digits, - and _")
     return sweep_id
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a reply must be for the client to use it: a JSON object whose `keys` hold these
+    types (a Shape: checked in turn), `optional` ones only where present and not null; or,
+    with `each`, a JSON list of such objects. A wrong service behind HPT_URL, or a proxy's
+    own JSON, gave KeyErrors and TypeErrors from deep in the client instead."""
+
+    name: str
+    keys: Mapping[str, type | Shape] = field(default_factory=dict)
+    optional: Mapping[str, type | Shape] = field(default_factory=dict)
+    each: Shape | None = None
+
+
+_STAGE = Shape("a stage", {"stage": str, "state": str, "done": int, "total": int,
+                           "counts": dict})
+SWEEP = Shape("a sweep", {"id": str, "name": str, "status": str, "counts": dict, "total": int,
+                          "done": int}, {"stages": Shape("stages", each=_STAGE)})
+SWEEPS = Shape("a list of sweeps", each=SWEEP)
+TRIAL_PAGE = Shape("a page of trials", {"items": Shape("trials", each=Shape("a trial")),
+                                        "total": int})
+PLAN = Shape("a plan", {"text": str}, {"ceiling": dict})
+FITS = Shape("a fit report", {"text": str, "tables": dict}, {"table_columns": dict})
+HEALTH = Shape("a health report", {"status": str})
+ERROR = Shape("an hptransfer error", {"error": str}, {"errors": Shape(
+    "errors", each=Shape("a field error", {"field": str, "message": str}))})
+
+_JSON_KINDS = ((dict, "a JSON object"), (list, "a JSON list"), (str, "a JSON string"),
+               (bool, "a JSON boolean"), (int | float, "a JSON number"))
+WRONG_SERVER = "is HPT_URL the hptransfer API?"
+MEDIA_JSON = re.compile(r"application/(?:[\w.+-]+\+)?json")
+
+
+def _kind(value: Any) -> str:
+    return next((name for t, name in _JSON_KINDS if isinstance(value, t)), "JSON null")
+
+
+def misfit(value: Any, shape: Shape) -> str | None:
+    """What keeps `value` (parsed JSON) from being `shape`, in words; None when it fits."""
+    if shape.each is not None:
+        if not isinstance(value, list):
+            return _kind(value)
+        why = next((w for item in value if (w := misfit(item, shape.each))), None)
+        return f"a list holding {why}" if why else None
+    if not isinstance(value, dict):
+        return _kind(value)
+    wanted = [*shape.keys.items(), *((k, t) for k, t in shape.optional.items()
+                                     if value.get(k) is not None)]
+    for key, want in wanted:
+        if key not in value:
+            return f"a JSON object without {key!r}"
+        got = value[key]
+        why = misfit(got, want) if isinstance(want, Shape) else (
+            None if isinstance(got, want) else _kind(got))
+        if why:
+            return f"a JSON object whose {key!r} is {why}"
+    return None
+
+
+def excerpt(text: str, limit: int = 200) -> str:
+    """A short, one-line piece of a body to quote: an HTML page's <title>, else its text
+    without tags (a proxy's 6 kB error page was printed whole as the error line)."""
+    head = text[:100_000]
+    title = re.search(r"<title[^>]*>(.*?)</title>", head, re.IGNORECASE | re.DOTALL)
+    plain = " ".join((title.group(1) if title else re.sub(r"<[^>]*>", " ", head)).split())
+    plain = redact(plain) or ""
+    return plain if len(plain) <= limit else f"{plain[:limit]}..."
+
+
+def _url_problem(url: str) -> str | None:
+    """Why `url` cannot be the API's address, in words, or None (httpx said only
+    "UnsupportedProtocol" at the first request)."""
+    if "://" not in url:
+        return f"it has no scheme: add http:// ({mask_url('http://' + url)})"
+    if url.split("://", 1)[0].lower() not in ("http", "https"):
+        return "the API is served over http:// or https://"
+    try:
+        urlsplit(url)
+    except ValueError as exc:
+        return f"it is not a valid URL ({exc})"
+    return None
 
 
 class Client:
@@ -56,6 +145,8 @@ class Client:
                  timeout: float = 60.0) -> None:
         self.url = (url or client_url(DEFAULT_URL)).rstrip("/")
         self.timeout = timeout
+        if problem := _url_problem(self.url):
+            raise ValueError(f"invalid server URL {mask_url(self.url)!r}: {problem}")
         token = token if token is not None else client_token()
         problem = token_problem(token) if token else None
         if problem:  # refused here: httpx would blame the URL
@@ -78,9 +169,11 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, path: str, retries: int = 0, **kw: Any) -> Any:
-        """`retries`: times to send the request again after no answer (only for a request
-        the server deduplicates: a submit with its Idempotency-Key)."""
+    def _call(self, method: str, path: str, expect: Shape, retries: int = 0,
+              **kw: Any) -> Any:
+        """The reply's JSON, checked to be `expect` (else an ApiError). `retries`: times to
+        send the request again after no answer (only for a request the server deduplicates:
+        a submit with its Idempotency-Key)."""
         where = mask_url(self.url)
         try:
             r = self._send(method, path, retries, **kw)
@@ -94,13 +187,16 @@ class Client:
                               "running?") from None
         except httpx.HTTPError as exc:  # the message may quote headers (the token): not shown
             raise ApiError(0, f"request to {where} failed ({type(exc).__name__})") from None
+        body = _json_of(r, where)
         if r.status_code >= 400:
-            try:
-                body = r.json()
-                raise ApiError(r.status_code, body.get("error") or str(body), body.get("errors"))
-            except ValueError:
-                raise ApiError(r.status_code, r.text) from None
-        return r.json()
+            if (why := misfit(body, ERROR)) is None:
+                raise ApiError(r.status_code, body["error"], body.get("errors"))
+            if isinstance(body, dict) and misfit(body, expect) is None:
+                raise ApiError(r.status_code, excerpt(r.text, 1000))  # /health's 503: a report
+            raise ApiError(r.status_code, _unexpected(r, where, why, ERROR))
+        if why := misfit(body, expect):
+            raise ApiError(r.status_code, _unexpected(r, where, why, expect))
+        return body
 
     def _send(self, method: str, path: str, retries: int, **kw: Any) -> httpx.Response:
         for attempt in range(retries + 1):
@@ -123,8 +219,8 @@ class Client:
         second sweep."""
         params = {"confirm_cost": "true"} if confirm_cost else None
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        return self._call("POST", "/sweeps", retries=SUBMIT_RETRIES, json=_as_dict(spec),
-                          params=params, headers=headers)
+        return self._call("POST", "/sweeps", SWEEP, retries=SUBMIT_RETRIES,
+                          json=_as_dict(spec), params=params, headers=headers)
 
     def plan(self, spec: Any, cpus: float | None = None, gpus: float | None = None,
              calibrate: bool = False) -> dict[str, Any]:
@@ -140,14 +236,14 @@ class Client:
             params["gpus"] = gpus
         if calibrate:
             params["calibrate"] = "true"
-        return self._call("POST", "/sweeps", json=_as_dict(spec), params=params)
+        return self._call("POST", "/sweeps", PLAN, json=_as_dict(spec), params=params)
 
     def get(self, sweep_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}")
+        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}", SWEEP)
 
     def list(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         """One page of sweeps, newest first (`list_all` pages through them all)."""
-        return self._call("GET", "/sweeps", params={"limit": limit, "offset": offset})
+        return self._call("GET", "/sweeps", SWEEPS, params={"limit": limit, "offset": offset})
 
     def list_all(self, page: int = 1000) -> list[dict[str, Any]]:
         """Every sweep, newest first, paged through."""
@@ -160,10 +256,10 @@ class Client:
 
     def cancel(self, sweep_id: str) -> dict[str, Any]:
         # JSON content type: the server refuses mutations a cross-site form could send.
-        return self._call("POST", f"/sweeps/{_path_id(sweep_id)}/cancel", json={})
+        return self._call("POST", f"/sweeps/{_path_id(sweep_id)}/cancel", SWEEP, json={})
 
     def health(self) -> dict[str, Any]:
-        return self._call("GET", "/health")
+        return self._call("GET", "/health", HEALTH)
 
     def trials(self, sweep_id: str, curves: bool = False, **filters: Any) -> pd.DataFrame:
         """All trials of a sweep (paged through) as a DataFrame, one row per trial; the
@@ -184,7 +280,7 @@ class Client:
         path = f"/sweeps/{_path_id(sweep_id)}/trials"
         page_size = 100 if curves else 1000
         while True:
-            page = self._call("GET", path,
+            page = self._call("GET", path, TRIAL_PAGE,
                               params={**params, "limit": page_size, "offset": len(rows)})
             rows.extend(page["items"])
             if not page["items"] or len(rows) >= page["total"]:
@@ -213,7 +309,7 @@ class Client:
         params: dict[str, Any] = {"bootstrap": bootstrap}
         if reference_arm:
             params["reference_arm"] = reference_arm
-        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}/fits", params=params)
+        return self._call("GET", f"/sweeps/{_path_id(sweep_id)}/fits", FITS, params=params)
 
     def fits_text(self, sweep_id: str, bootstrap: int = 100) -> str:
         return self.fits_raw(sweep_id, bootstrap)["text"]
@@ -250,12 +346,42 @@ class Client:
                 bar.close()
 
 
+def _json_of(r: httpx.Response, where: str | None) -> Any:
+    """The reply's JSON; an ApiError for a redirect (not followed: a login page, most
+    likely) or a body that is not JSON (it was a bare JSONDecodeError)."""
+    if r.is_redirect:
+        to = excerpt(r.headers.get("location", ""))
+        raise ApiError(r.status_code, f"the server at {where} answered {r.status_code} "
+                                      f"{r.reason_phrase}, a redirect to {to!r}: "
+                                      f"{WRONG_SERVER} (give the API's own address)")
+    media = r.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not MEDIA_JSON.fullmatch(media):
+        raise _refused(r, where, f"{media or 'no content-type'}, not JSON")
+    try:
+        return r.json()
+    except (ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
+        raise _refused(r, where, "a body that is not valid JSON") from None
+
+
+def _refused(r: httpx.Response, where: str | None, what: str) -> ApiError:
+    quoted = excerpt(r.text)
+    return ApiError(r.status_code, f"the server at {where} answered {r.status_code} "
+                                   f"{r.reason_phrase} with {what}"
+                                   + (f" ({quoted!r})" if quoted else "") + f": {WRONG_SERVER}")
+
+
+def _unexpected(r: httpx.Response, where: str | None, why: str, expected: Shape) -> str:
+    return (f"the server at {where} answered {r.status_code} {r.reason_phrase} with {why} where "
+            f"{expected.name} was expected ({excerpt(r.text)!r}): {WRONG_SERVER}")
+
+
 def read_spec_file(path: str | Path) -> dict[str, Any]:
     """A YAML/JSON spec file as a mapping; ValueError naming the file and what is wrong."""
     kind = _not_a_file(str(path))
     if kind:  # reading a pipe would wait for a writer forever
         raise ValueError(f"{path} is {kind}; give a spec file (YAML/JSON)")
     try:
+        _check_size(Path(path))
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValueError(f"no such file: {path}") from None
@@ -264,6 +390,22 @@ def read_spec_file(path: str | Path) -> dict[str, Any]:
     except OSError as exc:  # a directory, no permission, ...
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
     return _parse(text, str(path))
+
+
+def _check_size(path: Path) -> None:
+    """Refuse a file the server would refuse anyway, before reading it: the spec travels
+    as the request body (HPT_MAX_REQUEST_BYTES)."""
+    size, limit = path.stat().st_size, max_request_bytes()
+    if size > limit:
+        raise ValueError(f"{path} is {_size(size)}; a spec is at most {_size(limit)} "
+                         "(HPT_MAX_REQUEST_BYTES): is this the right file?")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:

@@ -205,6 +205,16 @@ def _env_flag(name: str) -> bool:
     return raw in ("1", "true", "yes")
 
 
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
+def max_request_bytes() -> int:
+    """$HPT_MAX_REQUEST_BYTES: the largest request body the server reads (413 past it), and
+    so the largest spec file the client reads (one of 200 MB took 89 s and 620 MB to be
+    refused)."""
+    return _env_int("HPT_MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES, minimum=1024)
+
+
 # Admission's ceilings when HPT_MAX_TRIAL_FLOPS / HPT_MAX_SWEEP_FLOPS are unset, by the device
 # a sweep trains on: a CPU does ~1e11 FLOP/s on these models (1e16: about a day), a GPU
 # ~1e14-1e15 (examples/gpu_study.yaml, the paper's scale, needs 3.3e20 a trial, 2.6e21 in all).
@@ -227,7 +237,7 @@ class Settings:
     cache_dir: Path
     # Where `data.source` paths may point (resolved); see `data_roots_from`.
     data_roots: tuple[Path, ...] = ()
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # The HTTP edge (api/edge.py): a request's head, and the time to send head and body.
     max_header_bytes: int = 64 * 1024
     max_headers: int = 100
@@ -370,7 +380,7 @@ def get_settings() -> Settings:
         max_trials=_env_int("HPT_MAX_TRIALS", 5000),
         cache_dir=home / "cache",
         data_roots=data_roots_from(home),
-        max_request_bytes=_env_int("HPT_MAX_REQUEST_BYTES", 1 << 20, minimum=1024),
+        max_request_bytes=max_request_bytes(),
         max_header_bytes=_env_int("HPT_MAX_HEADER_BYTES", 64 * 1024, minimum=1024),
         max_headers=_env_int("HPT_MAX_HEADERS", 100, minimum=10),
         header_timeout_s=_env_float("HPT_HEADER_TIMEOUT_S", 10.0) or 10.0,

@@ -57,8 +57,8 @@ def mask_url(url: str | None) -> str | None:
     out = _USERINFO.sub(_masked_userinfo, url, count=1)
     try:
         query = urlsplit(out).query
-    except ValueError:
-        return "***"
+    except ValueError:  # malformed (http://[::1): credentials are masked above, a query here
+        return out.split("?", 1)[0] + ("?***" if "?" in out else "")
     if query:  # edited in place: urlunsplit would rewrite sqlite://// as sqlite://
         pairs = parse_qsl(query, keep_blank_values=True)
         if any(_secret(k) for k, _ in pairs):

@@ -140,7 +140,8 @@ def test_a_spec_nested_past_any_field_is_one_line_on_every_side(tmp_path):
     from hptransfer.spec import SpecError, load_spec
 
     (tmp_path / "deep.json").write_text("[" * 1000 + "]" * 1000)
-    (tmp_path / "deep.yaml").write_text("\n".join(" " * i + "-" for i in range(3000)))
+    # 1400 deep: past the recursion limit, within the 1 MiB a spec file may be
+    (tmp_path / "deep.yaml").write_text("\n".join(" " * i + "-" for i in range(1400)))
     (tmp_path / "33.json").write_text('{"a": ' * 33 + "1" + "}" * 33)
     for name in ("deep.json", "deep.yaml", "33.json"):
         for command in (["plan", "--url", "http://127.0.0.1:9"],
