@@ -98,11 +98,13 @@ def test_a_budget_rounded_up_by_more_than_a_tenth_says_so(tmp_path):
     data = plan_module.load_trial_data(spec(), str(tmp_path))
     # a step is 256 tokens here: 1 token trains 256, 250 trains 256 (within a tenth), 231
     # trains 256 (10.8 % more)
-    for tokens, noted in ((1, True), (250, False), (231, True), (256, False)):
-        planned = plan_module.plan_trial(spec(budget={"tokens": tokens}), data)
+    for budget, noted in (({"tokens": 1}, True), ({"tokens": 250}, False),
+                          ({"tokens": 231}, True), ({"tokens": 256}, False),
+                          ({"steps": 1}, False)):
+        planned = plan_module.plan_trial(spec(budget=budget), data)
         said = [n for n in planned.notes if "whole step" in n]
         assert planned.total_steps * planned.tokens_per_step == 256
-        assert bool(said) == noted, (tokens, planned.notes)
+        assert bool(said) == noted, (budget, planned.notes)
     (note,) = [n for n in plan_module.plan_trial(spec(budget={"tokens": 1}), data).notes
                if "whole step" in n]
     assert note == "the budget of 1 tokens is trained as 1 whole step(s) of 256 tokens: 256 tokens"
