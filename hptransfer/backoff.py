@@ -9,8 +9,14 @@ import time
 
 
 class Backoff:
-    def __init__(self, what: str, log: logging.Logger, floor: float, cap: float) -> None:
+    """`traceback=False`: the failure that starts an outage is logged as one line (its type
+    and message) and its traceback at DEBUG, for a dependency whose outages are expected
+    (MLflow away) rather than a sign of a bug here."""
+
+    def __init__(self, what: str, log: logging.Logger, floor: float, cap: float, *,
+                 traceback: bool = True) -> None:
         self.what, self.log, self.floor, self.cap = what, log, floor, cap
+        self.traceback = traceback
         self.error: str | None = None  # the latest failure, while failing
         self.delay = 0.0  # the pause before the next attempt
         self._since: float | None = None
@@ -26,11 +32,21 @@ class Backoff:
         self.error = f"{type(exc).__name__}: {str(exc)[:300]}"
         if self._since is None:
             self._since = now
-            self.log.warning("%s failing; retrying with backoff (up to %g s)", self.what,
-                             self.cap, exc_info=exc)
+            self._log_start(exc)
         self.delay = min(max(2 * self.delay, self.floor), self.cap)
         self._retry_at = now + self.delay
         return self.delay
+
+    def _log_start(self, exc: BaseException) -> None:
+        if self.traceback:
+            self.log.warning("%s failing; retrying with backoff (up to %g s)", self.what,
+                             self.cap, exc_info=exc)
+            return
+        lines = str(exc).strip().splitlines()  # MLflow's messages run to many lines
+        self.log.warning("%s failing (%s: %s); retrying with backoff (up to %g s), one line "
+                         "when it recovers", self.what, type(exc).__name__,
+                         lines[0][:300] if lines else "", self.cap)
+        self.log.debug("%s: the failure that started the outage", self.what, exc_info=exc)
 
     def succeeded(self) -> None:
         """Note a success: the next attempt is due at once."""

@@ -16,6 +16,7 @@ from hptransfer.contracts.status import SweepStatus, TrialStatus
 from hptransfer.models.config import ACTIVATIONS, ARCHES, POSITIONS, PRESETS, ModelConfig
 
 if TYPE_CHECKING:
+    from hptransfer.config import Settings
     from hptransfer.models import Parameterization
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -130,10 +131,9 @@ def cmd_coordcheck(a: argparse.Namespace) -> int:
 
 def _default_coordcheck_plot(a: argparse.Namespace, p: Parameterization):
     """Under $HPT_HOME/coordcheck/, where the sweep dashboards pick coord-check plots up."""
-    from hptransfer.config import get_settings
+    from hptransfer.config import ensure_writable_dir, get_settings
 
-    folder = get_settings().home / "coordcheck"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = ensure_writable_dir(get_settings().home / "coordcheck")
     return folder / f"{a.arch}-{p.label()}-{a.axis}.png"
 
 
@@ -226,6 +226,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             return 2
         print(f"warning: serving on {host} without HPT_API_TOKEN (--insecure)", file=sys.stderr)
     sock = listen(host, port)
+    try:
+        _check_before_serving(settings)
+    except BaseException:
+        sock.close()
+        raise
     from hptransfer.api.server import serve_forever
     from hptransfer.coordinator.ray_join import RayUnreachable
 
@@ -235,6 +240,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"hpt serve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_before_serving(settings: Settings) -> None:
+    """What failed after Ray had started, as tracebacks, is one line before it: the data
+    directory, the checkpoint store and the app database (a SettingsError, exit 2)."""
+    from hptransfer.config import SettingsError
+    from hptransfer.coordinator.health import unreachable
+    from hptransfer.redaction import mask_url
+
+    settings.check_service()
+    problem = unreachable(settings.database_url)
+    if problem:
+        raise SettingsError(f"cannot reach the app database HPT_DATABASE_URL="
+                            f"{mask_url(settings.database_url)} ({problem})")
 
 
 @command("doctor")
@@ -359,6 +378,8 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     from hptransfer.tracking.tracking import SERVER_ENV, ui_command, ui_url
 
     settings = get_settings()
+    if _default_mlflow_store(settings):  # MLflow would retry ~100 s on a read-only one
+        settings.ensure_dirs()
     if not is_loopback(a.host):
         if not a.insecure:
             print(f"hpt mlflow-ui: refusing to serve on {a.host or 'every interface'}: the "
@@ -374,6 +395,14 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
     # one server worker for one person's browser unless MLFLOW_WORKERS says otherwise:
     # MLflow's default 4 each import MLflow at once, twice as slow to start on 2 cores
     return subprocess.call(cmd, env={"MLFLOW_WORKERS": "1", **os.environ, **SERVER_ENV})
+
+
+def _default_mlflow_store(settings: Settings) -> bool:
+    """Whether the MLflow store is a SQLite file in HPT_HOME (the default)."""
+    from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
+
+    db = sqlite_path(normalize_tracking_uri(settings.mlflow_uri))
+    return db is not None and db.is_relative_to(settings.home)
 
 
 @command("demo")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hptransfer.redaction import remember_url_secrets
+from hptransfer.redaction import mask_url, remember_url_secrets
 
 
 @dataclass(frozen=True)
@@ -265,9 +265,19 @@ class Settings:
         return self.checkpoint_url or str(self.home / "checkpoints")
 
     def ensure_dirs(self) -> Settings:
-        """Create the data directory and its sub-folders (call before using the defaults)."""
+        """Create the data directory and its sub-folders (call before using the defaults);
+        a SettingsError naming HPT_HOME when it is no writable directory."""
         for path in (self.home, self.cache_dir, self.mlflow_artifacts):
-            path.mkdir(parents=True, exist_ok=True)
+            ensure_writable_dir(path)
+        return self
+
+    def check_service(self) -> Settings:
+        """What a coordinator needs before Ray or MLflow start, else one SettingsError: a
+        writable data directory and a checkpoint store its trials can open."""
+        self.ensure_dirs()
+        problem = checkpoint_url_problem(self.checkpoint_url)
+        if problem:
+            raise SettingsError(problem)
         return self
 
     def redacted(self) -> dict[str, Any]:
@@ -276,6 +286,48 @@ class Settings:
         if self.api_token:
             out["api_token"] = "***"
         return out
+
+
+def dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be (made) a directory this process writes in, or None. Nothing is
+    created: it, or its nearest parent that exists, must be a writable directory. The one
+    check of HPT_HOME and its folders, the data cache, a local checkpoint store and a local
+    MLflow file store."""
+    existing = next(p for p in (path, *path.parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        return (f"{path} is a file, not a directory" if existing == path else
+                f"{existing} is a file, so {path} cannot be created under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        why = "on a read-only file system" if read_only else "not writable by this user"
+        return f"{existing} is {why}"
+    return None
+
+
+def ensure_writable_dir(path: Path, variable: str = "HPT_HOME") -> Path:
+    """Create `path` (and its parents), or raise a SettingsError naming `variable`."""
+    problem = dir_problem(path)
+    if problem is None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # raced, or a check os.access cannot see (ACLs, quotas)
+            problem = f"{path} cannot be created: {exc}"
+    if problem:
+        raise SettingsError(f"{variable} cannot be used: {problem}; set {variable} to a "
+                            "writable directory")
+    return path
+
+
+def checkpoint_url_problem(url: str) -> str | None:
+    """Why $HPT_CHECKPOINT_URL cannot hold the trials' checkpoints, or None (unset: the
+    folder under HPT_HOME, checked with it). The rule is the workers' own
+    (`workers.checkpoints.root_problem`, opening with their `open_root`)."""
+    if not url:
+        return None
+    from hptransfer.workers.checkpoints import ACCEPTED, root_problem
+
+    problem = root_problem(url)
+    return problem and (f"HPT_CHECKPOINT_URL={mask_url(url)} {problem}; give {ACCEPTED}")
 
 
 def home_dir() -> Path:
@@ -358,7 +410,27 @@ def _env_database_url(name: str) -> str | None:
             f"{name} is not a database URL (it does not start dialect://; its value is not "
             "shown, it may hold a password); give one such as "
             "postgresql://user:password@host:5432/db or sqlite:////path/to/file.db")
+    if value is not None and sqlite_in_memory(value):
+        raise SettingsError(
+            f"{name}={value} is an in-memory SQLite database: every sweep and result would "
+            "be gone when the process ends; give a file, e.g. sqlite:////path/to/file.db")
     return value
+
+
+def sqlite_in_memory(url: str) -> bool:
+    """Whether a database URL names an in-memory SQLite database (sqlite://, sqlite:///,
+    :memory:, or SQLite's URI form file::memory: / mode=memory)."""
+    if not url.lower().startswith("sqlite"):
+        return False
+    from sqlalchemy.engine import make_url  # only for SQLite URLs: a ~0.1 s import
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # not parseable: connecting fails and says so
+        return False
+    database = parsed.database or ""
+    return (database in ("", ":memory:") or database.startswith("file::memory:")
+            or parsed.query.get("mode") == "memory")
 
 
 def get_settings() -> Settings:

@@ -400,3 +400,24 @@ def test_a_trial_has_a_checkpoint_from_its_first(tmp_path):
     assert not policy(tmp_path).has_checkpoint()
     TrialCheckpoints(policy(tmp_path), []).save(12, {"x": 1})
     assert policy(tmp_path).has_checkpoint()
+
+
+@pytest.mark.parametrize("url,says", [
+    ("bogus://x/y", "has a scheme pyarrow does not open (bogus://)"),
+    ("mock:///x", "has a scheme pyarrow does not open (mock://)"),  # in memory, per process
+    ("relative/dir", "is a relative path"),
+    ("file://host/x", "cannot be opened (ArrowInvalid"),
+])
+def test_a_root_trials_cannot_use_is_named_before_any_trial(url, says):
+    """Each checkpointing trial failed on these with a pyarrow traceback."""
+    assert (checkpoints.root_problem(url) or "").startswith(says)
+
+
+def test_a_root_under_a_file_is_refused_and_good_roots_pass_without_a_network(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert checkpoints.root_problem(str(afile / "ckpt")) == (
+        f"cannot be used: {afile} is a file, so {afile / 'ckpt'} cannot be created under it")
+    for url in (str(tmp_path / "new"), f"file://{tmp_path}", "s3://bucket/prefix",
+                "gs://bucket/prefix"):  # remote ones by scheme: no credentials needed here
+        assert checkpoints.root_problem(url) is None, url

@@ -576,3 +576,71 @@ def test_a_refused_spec_lists_each_problem_once_one_a_line(server, tmp_path):
     assert sorted(line.split(":")[0].strip() for line in lines[1:]) == ["budget.stepz",
                                                                       "grid.widthz"]
     assert sum("widthz" in line for line in lines) == 1  # also on the first line, all joined
+
+
+# ------------------------------------------- settings refused before Ray (fourth probe)
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _refused_at_once(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `hpt ARGS`: it must exit 2 within seconds with one line and no traceback (each of
+    these started Ray first, then printed tracebacks)."""
+    started = time.monotonic()
+    out = run(*args, env={**os.environ, **env})
+    assert out.returncode == 2, (args, out.returncode, out.stderr[-800:])
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, (
+        out.stderr)
+    assert " on http" not in out.stdout  # no banner: nothing served
+    assert time.monotonic() - started < 30, args
+    return out
+
+
+def test_a_checkpoint_store_pyarrow_cannot_open_is_named_by_serve_and_doctor(tmp_path):
+    """HPT_CHECKPOINT_URL=bogus://x/y passed `hpt serve`, /health and `hpt doctor`; every
+    checkpointing trial then failed with a pyarrow traceback."""
+    env = {"HPT_HOME": str(tmp_path / "home"), "HPT_CHECKPOINT_URL": "bogus://x/y"}
+    out = run("doctor", "--quick", env={**os.environ, **env})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "FAIL  checkpoint HPT_CHECKPOINT_URL=bogus://x/y" in out.stdout, out.stdout
+    assert "-> set HPT_CHECKPOINT_URL to an absolute directory path" in out.stdout
+    out = _refused_at_once(["serve", "--port", str(_closed_port())], env)
+    assert "HPT_CHECKPOINT_URL=bogus://x/y has a scheme pyarrow does not open" in out.stderr
+    assert "file:///path, s3://" in out.stderr  # what it accepts
+
+
+@pytest.mark.parametrize("args", [["serve"], ["mlflow-ui"],
+                                  ["coordcheck", "--steps", "1", "--sizes", "8,16"]])
+def test_a_home_that_is_no_directory_is_one_line_before_anything_starts(tmp_path, args):
+    """HPT_HOME a file, or under one: serve started Ray, then a 34-line traceback; mlflow-ui
+    and coordcheck gave tracebacks too. Now the check `hpt train` had, for every command."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    port = ["--port", str(_closed_port())] if args[0] != "coordcheck" else []
+    for home in (afile, afile / "sub"):  # coordcheck's folder is HPT_HOME/coordcheck
+        out = _refused_at_once([*args, *port], {"HPT_HOME": str(home)})
+        assert f"hpt {args[0]}: error: HPT_HOME cannot be used: {afile} is a file" in (
+            out.stderr)
+        assert out.stderr.rstrip().endswith("; set HPT_HOME to a writable directory")
+
+
+def test_an_app_database_nobody_answers_at_is_one_line_before_ray(tmp_path):
+    """It started Ray, then printed 138 lines with two tracebacks after 11 s."""
+    url = f"postgresql://hpt@127.0.0.1:{_closed_port()}/db"
+    out = _refused_at_once(["serve", "--port", str(_closed_port())],
+                           {"HPT_HOME": str(tmp_path / "home"), "HPT_DATABASE_URL": url})
+    assert "hpt serve: error: cannot reach the app database HPT_DATABASE_URL=" in out.stderr
+    assert "Connection refused" in out.stderr
+
+
+@pytest.mark.parametrize("url", ["sqlite:///", "sqlite://", "sqlite:///:memory:",
+                                 "sqlite:///file::memory:?uri=true"])
+def test_an_in_memory_app_database_is_refused(tmp_path, url):
+    """sqlite:/// was served, /health said ok, and every result was gone on restart."""
+    env = {"HPT_HOME": str(tmp_path / "home"), "HPT_DATABASE_URL": url}
+    for args in (["doctor", "--quick"], ["serve", "--port", str(_closed_port())]):
+        out = _refused_at_once(args, env)
+        assert f"HPT_DATABASE_URL={url} is an in-memory SQLite database" in out.stderr

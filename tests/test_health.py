@@ -379,3 +379,23 @@ def test_serve_holds_its_port_before_ray_starts(hpt_home, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         serve_forever(get_settings(), "127.0.0.1", port)
     assert seen == [True]
+
+
+def test_doctor_diagnoses_an_mlflow_file_store_as_a_directory(hpt_home, monkeypatch, capsys):
+    """`MLFLOW_TRACKING_URI=file:///...` (MLflow's file store) was pinged as a database:
+    "NoSuchModuleError: Can't load plugin: sqlalchemy.dialects:file -> start the database
+    server". Now: whether its directory exists, or can be made, and is writable."""
+    afile = hpt_home.parent / "afile"
+    afile.write_text("")
+    fresh = hpt_home.parent / "mlruns" / "new"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{fresh}")
+    main(["doctor", "--quick"])
+    out = capsys.readouterr().out
+    assert f"ok    mlflow     file://{fresh} (file store, created on first use, mlflow " in out
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{afile}/runs")
+    assert main(["doctor", "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "NoSuchModuleError" not in out and "sqlalchemy" not in out, out
+    assert (f"FAIL  mlflow     file://{afile}/runs (a file store): {afile} is a file, so "
+            f"{afile}/runs cannot be created under it") in out, out
+    assert "-> make that directory writable or point MLFLOW_TRACKING_URI at" in out

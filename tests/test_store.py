@@ -752,6 +752,35 @@ def test_results_frame(store: Store) -> None:
 # --------------------------------------------------------------------------- settings
 
 
+def test_a_read_only_home_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """A read-only HPT_HOME (a read-only mount: tests run as root, where permissions do not
+    bind, so os.access's answer is stood in): `hpt serve` gave an OSError traceback after
+    Ray started, `hpt mlflow-ui` retried for ~100 s."""
+    import os
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("HPT_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_flag=os.ST_RDONLY))
+    with pytest.raises(SettingsError, match=(
+            f"HPT_HOME cannot be used: {tmp_path / 'home'} is on a read-only file system; "
+            "set HPT_HOME to a writable directory")):
+        get_settings().ensure_dirs()
+    assert not (tmp_path / "home" / "cache").exists()
+
+
+@pytest.mark.parametrize("url,memory", [
+    ("sqlite:///", True), ("sqlite://", True), ("sqlite+pysqlite:///:memory:", True),
+    ("sqlite:///file:x?mode=memory&uri=true", True), ("sqlite:////abs/hpt.db", False),
+    ("sqlite:///rel.db", False), ("postgresql://u@h/db", False)])
+def test_in_memory_sqlite_urls_are_told_from_files(url: str, memory: bool) -> None:
+    from hptransfer.config import sqlite_in_memory
+
+    assert sqlite_in_memory(url) is memory
+
+
 def test_settings_defaults_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("HPT_DATABASE_URL", "HPT_OPTUNA_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS",
                  "HPT_API_TOKEN", "HPT_HOST", "HPT_PORT", "HPT_MAX_TRIALS"):

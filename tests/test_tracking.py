@@ -573,3 +573,26 @@ def test_a_reused_trial_has_its_run_in_its_sweeps_experiment(
     assert run.data.metrics["final_val_loss"] == reused.final_val_loss
     assert history(client, run.info.run_id, "train_loss") == [
         (p["step"], p["train_loss"]) for p in curve(20)]
+
+
+def test_an_mlflow_outage_starts_with_one_warning_line_not_a_traceback(
+        store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The start of an outage was logged as a ~110-line traceback."""
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+
+    def away() -> int:
+        raise ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=1): Max retries "
+                              "exceeded\n(caused by NewConnectionError: refused)")
+
+    monkeypatch.setattr(mirror, "sync", away)
+    caplog.set_level(logging.DEBUG, logger="hptransfer.tracking.mirror")
+    mirror._stop.set()  # one pass of the loop, then it returns
+    mirror._loop()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].exc_info is None, warnings
+    line = warnings[0].getMessage()
+    assert "\n" not in line and line.startswith(
+        "MLflow mirror failing (ConnectionError: HTTPConnectionPool(host='127.0.0.1', port=1): "
+        "Max retries exceeded); retrying with backoff"), line
+    assert [r.levelno for r in caplog.records if r.exc_info] == [logging.DEBUG]

@@ -18,10 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import hptransfer
-from hptransfer.config import RAY_REQUIRE_ENV, Settings, client_token, ray_required_resources
+from hptransfer.config import (
+    RAY_REQUIRE_ENV,
+    Settings,
+    checkpoint_url_problem,
+    client_token,
+    dir_problem,
+    ray_required_resources,
+)
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
-from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
+from hptransfer.tracking.params import file_store_path, normalize_tracking_uri, sqlite_path
+from hptransfer.workers.checkpoints import ACCEPTED
 
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
@@ -93,14 +101,48 @@ def _ping(url: str) -> None:
         engine.dispose()
 
 
-def check_optuna(url: str) -> Check:
-    shown = mask_url(url)
+def unreachable(url: str) -> str | None:
+    """Why the database at `url` does not answer (one line, credentials masked), or None:
+    `hpt serve` asks before it starts Ray, `hpt doctor` and /health of Optuna's."""
     try:
         _ping(url)
     except Exception as exc:
-        return Check("optuna", False, f"{shown} unreachable ({_short(exc)})",
+        return _short(exc)
+    return None
+
+
+def check_optuna(url: str) -> Check:
+    shown = mask_url(url)
+    problem = unreachable(url)
+    if problem:
+        return Check("optuna", False, f"{shown} unreachable ({problem})",
                      "start the database server or fix HPT_OPTUNA_URL")
     return Check("optuna", True, f"{shown} reachable")
+
+
+# ------------------------------------------------------------------------------ folders
+
+
+def check_home(settings: Settings) -> Check:
+    """HPT_HOME and its folders are (or can be made) writable directories."""
+    problems = [p for p in (dir_problem(d) for d in (settings.home, settings.cache_dir,
+                                                     settings.mlflow_artifacts)) if p]
+    if problems:
+        return Check("home", False, problems[0], "set HPT_HOME to a writable directory")
+    return Check("home", True, f"{settings.home} writable")
+
+
+def check_checkpoints(settings: Settings) -> Check:
+    """The checkpoint store the trials will open (a remote one by its scheme only: opening
+    it needs its credentials, which the workers hold)."""
+    problem = checkpoint_url_problem(settings.checkpoint_url)
+    if problem:
+        return Check("checkpoint", False, problem.split("; give ")[0],
+                     f"set HPT_CHECKPOINT_URL to {ACCEPTED} (unset: HPT_HOME/checkpoints)")
+    root = settings.checkpoint_root
+    remote = "://" in root and not root.startswith(("file://", "local://"))
+    return Check("checkpoint", True, mask_url(root) + (" (remote: opened by the trials)"
+                                                         if remote else ""))
 
 
 # ------------------------------------------------------------------------------ MLflow
@@ -202,6 +244,14 @@ def check_mlflow(uri: str, artifacts: Path | None = None,
                          f"available ({_short(exc)})",
                          "start the server with --artifacts-destination (artifact serving on)")
         detail = f"{shown} (server mlflow {server}, artifacts proxied)"
+    elif (store := file_store_path(uri)) is not None:  # MLflow's file store: a directory
+        problem = dir_problem(store)
+        if problem:
+            return Check("mlflow", False, f"{shown} (a file store): {problem}",
+                         "make that directory writable or point MLFLOW_TRACKING_URI at "
+                         "another store (the default: a SQLite file in HPT_HOME)")
+        state = "" if store.is_dir() else ", created on first use"
+        detail = f"{shown} (file store{state}, mlflow {mlflow.__version__})"
     else:  # a database URL: MLflow opens it itself
         try:
             _ping(uri)
@@ -455,6 +505,8 @@ def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = Tru
 
     checks = [
         check_database(settings.database_url, engine),
+        check_home(settings),
+        check_checkpoints(settings),
         *cached("optuna", lambda: [check_optuna(settings.optuna_url)]),
         *(mlflow() if local_mlflow else cached("mlflow", mlflow)),
         *((ray_checks() if deep else cached("ray", ray_checks)) if use_ray

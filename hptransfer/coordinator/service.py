@@ -75,7 +75,7 @@ FinishedHook = Callable[[Any, str], Mapping[str, str | bytes]]
 
 class Coordinator:
     def __init__(self, settings: Settings | None = None, dispatch: bool = True) -> None:
-        self.settings = (settings or get_settings()).ensure_dirs()
+        self.settings = (settings or get_settings()).check_service()
         self.store = Store(self.settings.database_url)
         self.store.migrate()
         self.changes = CommitCounter(self.store.engine)  # the listings' cache key

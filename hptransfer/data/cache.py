@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hptransfer.config import cache_max_bytes
+from hptransfer.config import cache_max_bytes, dir_problem
 
 from .errors import DataError
 
@@ -25,10 +25,10 @@ STALE_TMP_S = 3600.0
 def ensure_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+    except OSError as exc:  # the diagnosis `hpt serve` gives of the same folder
         raise DataError(
-            f"cannot create cache directory {path}: {exc}; pass cache_dir= or set HPT_HOME "
-            "to a writable place"
+            f"cannot create cache directory {path}: {dir_problem(path) or exc}; pass "
+            "cache_dir= or set HPT_HOME to a writable place"
         ) from exc
     return path
 

@@ -103,7 +103,8 @@ class Mirror:
         self.artifact_root = artifact_root
         self.artifacts = artifacts
         self.interval, self.batch = interval, batch
-        self.outage = Backoff("MLflow mirror", log, 2 * interval, max_backoff)
+        # MLflow away is routine (a restart, a network blip): one line, not a traceback
+        self.outage = Backoff("MLflow mirror", log, 2 * interval, max_backoff, traceback=False)
         self._client: Any = None
         self._runs: dict[str, tuple[str, int]] = {}  # running trial -> (run, start ms)
         self._live: collections.deque = collections.deque(maxlen=LIVE_QUEUE)

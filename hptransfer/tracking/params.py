@@ -45,6 +45,17 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(raw).expanduser().resolve()
 
 
+def file_store_path(uri: str) -> Path | None:
+    """The directory of an MLflow file store (`file:///dir` or a bare path), else None."""
+    if uri.startswith("file:"):
+        raw = unquote(uri[len("file:"):].split("?", 1)[0])
+        raw = raw[2:] if raw.startswith("//") else raw  # file:///dir and file:/dir alike
+        return Path(raw or "/").expanduser().resolve()
+    if "://" not in uri and uri.strip():
+        return Path(uri).expanduser().resolve()
+    return None
+
+
 # ------------------------------------------------------------------------------------------
 # params, keys and values
 

@@ -24,6 +24,7 @@ import io
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pyarrow import fs as pafs
@@ -59,6 +60,40 @@ def open_root(url: str) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), url.rstrip("/") or "/"
     filesystem, path = pafs.FileSystem.from_uri(url)
     return filesystem, path.rstrip("/")
+
+
+# The stores a root may name: a scheme and the pyarrow filesystem that opens it. A local one
+# is opened (by `open_root`) to check it; a remote one would need credentials or a round trip
+# (pyarrow's S3 asks for the bucket's region) and is opened by the trials that use it.
+LOCAL_SCHEMES = ("file", "local")
+REMOTE_SCHEMES = {"s3": "S3FileSystem", "gs": "GcsFileSystem", "gcs": "GcsFileSystem",
+                  "hdfs": "HadoopFileSystem", "viewfs": "HadoopFileSystem",
+                  "abfs": "AzureFileSystem", "abfss": "AzureFileSystem"}
+ACCEPTED = ("an absolute directory path, file:///path, "
+            + ", ".join(f"{s}://..." for s in REMOTE_SCHEMES))
+
+
+def root_problem(url: str) -> str | None:
+    """Why a store URL cannot hold checkpoints, or None; found before any trial runs (each
+    one failed on it with a pyarrow traceback). Remote stores are checked by scheme only."""
+    from hptransfer.config import dir_problem  # config imports nothing of the workers
+
+    scheme = url.split("://", 1)[0].lower() if "://" in url else None
+    if scheme in REMOTE_SCHEMES:
+        if not hasattr(pafs, REMOTE_SCHEMES[scheme]):
+            return f"needs pyarrow with {REMOTE_SCHEMES[scheme]}, which this one lacks"
+        return None
+    if scheme is not None and scheme not in LOCAL_SCHEMES:
+        return f"has a scheme pyarrow does not open ({scheme}://)"
+    try:
+        filesystem, path = open_root(url)
+    except Exception as exc:  # pyarrow's ArrowInvalid for a malformed file:// URI
+        return f"cannot be opened ({type(exc).__name__}: {exc})"
+    if not path.startswith("/"):
+        return "is a relative path (trials run in other working directories: Ray's)"
+    local = isinstance(filesystem, pafs.LocalFileSystem)
+    problem = dir_problem(Path(path)) if local else None
+    return problem and f"cannot be used: {problem}"
 
 
 class TrialCheckpoints:
