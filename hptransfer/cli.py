@@ -246,10 +246,10 @@ def _check_before_serving(settings: Settings) -> None:
     """What failed after Ray had started, as tracebacks, is one line before it: the data
     directory, the checkpoint store and the app database (a SettingsError, exit 2)."""
     from hptransfer.config import SettingsError
-    from hptransfer.coordinator.health import unreachable
+    from hptransfer.coordinator.health import check_service, unreachable
     from hptransfer.redaction import mask_url
 
-    settings.check_service()
+    check_service(settings)
     problem = unreachable(settings.database_url)
     if problem:
         raise SettingsError(f"cannot reach the app database HPT_DATABASE_URL="

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hptransfer.redaction import mask_url, remember_url_secrets
+from hptransfer.redaction import remember_url_secrets
 
 
 @dataclass(frozen=True)
@@ -271,15 +271,6 @@ class Settings:
             ensure_writable_dir(path)
         return self
 
-    def check_service(self) -> Settings:
-        """What a coordinator needs before Ray or MLflow start, else one SettingsError: a
-        writable data directory and a checkpoint store its trials can open."""
-        self.ensure_dirs()
-        problem = checkpoint_url_problem(self.checkpoint_url)
-        if problem:
-            raise SettingsError(problem)
-        return self
-
     def redacted(self) -> dict[str, Any]:
         """Settings as plain values, safe to print or log (the API token is masked)."""
         out = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
@@ -316,18 +307,6 @@ def ensure_writable_dir(path: Path, variable: str = "HPT_HOME") -> Path:
         raise SettingsError(f"{variable} cannot be used: {problem}; set {variable} to a "
                             "writable directory")
     return path
-
-
-def checkpoint_url_problem(url: str) -> str | None:
-    """Why $HPT_CHECKPOINT_URL cannot hold the trials' checkpoints, or None (unset: the
-    folder under HPT_HOME, checked with it). The rule is the workers' own
-    (`workers.checkpoints.root_problem`, opening with their `open_root`)."""
-    if not url:
-        return None
-    from hptransfer.workers.checkpoints import ACCEPTED, root_problem
-
-    problem = root_problem(url)
-    return problem and (f"HPT_CHECKPOINT_URL={mask_url(url)} {problem}; give {ACCEPTED}")
 
 
 def home_dir() -> Path:

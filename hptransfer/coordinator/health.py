@@ -21,7 +21,7 @@ import hptransfer
 from hptransfer.config import (
     RAY_REQUIRE_ENV,
     Settings,
-    checkpoint_url_problem,
+    SettingsError,
     client_token,
     dir_problem,
     ray_required_resources,
@@ -29,7 +29,7 @@ from hptransfer.config import (
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
 from hptransfer.tracking.params import file_store_path, normalize_tracking_uri, sqlite_path
-from hptransfer.workers.checkpoints import ACCEPTED
+from hptransfer.workers.checkpoints import ACCEPTED, checkpoint_url_problem
 
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
@@ -130,6 +130,16 @@ def check_home(settings: Settings) -> Check:
     if problems:
         return Check("home", False, problems[0], "set HPT_HOME to a writable directory")
     return Check("home", True, f"{settings.home} writable")
+
+
+def check_service(settings: Settings) -> Settings:
+    """What a coordinator needs before Ray or MLflow start, else one SettingsError: a
+    writable data directory and a checkpoint store its trials can open."""
+    settings.ensure_dirs()
+    problem = checkpoint_url_problem(settings.checkpoint_url)
+    if problem:
+        raise SettingsError(problem)
+    return settings
 
 
 def check_checkpoints(settings: Settings) -> Check:

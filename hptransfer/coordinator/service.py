@@ -27,6 +27,7 @@ from .admission import admit
 from .dispatch import Dispatcher
 from .fits import fits_artifacts, fits_payload, sweep_report
 from .gate import Busy, Gate, half_the_cores
+from .health import check_service
 from .plan import plan_shapes, plan_sweep, spec_hash
 from .pricing import cluster_now, cost_message, may_exceed, price
 from .study import initial_state, study_progress
@@ -75,7 +76,7 @@ FinishedHook = Callable[[Any, str], Mapping[str, str | bytes]]
 
 class Coordinator:
     def __init__(self, settings: Settings | None = None, dispatch: bool = True) -> None:
-        self.settings = (settings or get_settings()).check_service()
+        self.settings = check_service(settings or get_settings())
         self.store = Store(self.settings.database_url)
         self.store.migrate()
         self.changes = CommitCounter(self.store.engine)  # the listings' cache key

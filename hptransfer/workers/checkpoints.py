@@ -29,6 +29,9 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
+from hptransfer.config import dir_problem
+from hptransfer.redaction import mask_url
+
 KEEP = 2  # the newest checkpoints kept per trial: the previous one backs up the latest
 REACHED_EVERY_S = 1.0  # how often `reached` is rewritten (a resumed attempt's re-trained
 # steps are counted from it, so this bounds their undercount to about a second of training)
@@ -76,8 +79,6 @@ ACCEPTED = ("an absolute directory path, file:///path, "
 def root_problem(url: str) -> str | None:
     """Why a store URL cannot hold checkpoints, or None; found before any trial runs (each
     one failed on it with a pyarrow traceback). Remote stores are checked by scheme only."""
-    from hptransfer.config import dir_problem  # config imports nothing of the workers
-
     scheme = url.split("://", 1)[0].lower() if "://" in url else None
     if scheme in REMOTE_SCHEMES:
         if not hasattr(pafs, REMOTE_SCHEMES[scheme]):
@@ -94,6 +95,15 @@ def root_problem(url: str) -> str | None:
     local = isinstance(filesystem, pafs.LocalFileSystem)
     problem = dir_problem(Path(path)) if local else None
     return problem and f"cannot be used: {problem}"
+
+
+def checkpoint_url_problem(url: str) -> str | None:
+    """Why $HPT_CHECKPOINT_URL cannot hold the trials' checkpoints, or None (unset: the
+    folder under HPT_HOME, checked with it)."""
+    if not url:
+        return None
+    problem = root_problem(url)
+    return problem and f"HPT_CHECKPOINT_URL={mask_url(url)} {problem}; give {ACCEPTED}"
 
 
 class TrialCheckpoints:
