@@ -399,3 +399,23 @@ def test_doctor_diagnoses_an_mlflow_file_store_as_a_directory(hpt_home, monkeypa
     assert (f"FAIL  mlflow     file://{afile}/runs (a file store): {afile} is a file, so "
             f"{afile}/runs cannot be created under it") in out, out
     assert "-> make that directory writable or point MLFLOW_TRACKING_URI at" in out
+
+
+def test_a_database_that_accepts_but_never_answers_is_unreachable_within_the_ping_timeout(
+        monkeypatch):
+    """A listening socket nobody serves: the kernel completes the handshake, then nothing
+    comes (as behind a firewall that drops packets). The ping gives up, not hangs."""
+    import socket
+
+    from hptransfer.coordinator import health
+
+    monkeypatch.setattr(health, "PING_TIMEOUT_S", 2)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"postgresql://hpt@127.0.0.1:{silent.getsockname()[1]}/db"
+        t0 = time.monotonic()
+        problem = health.unreachable(url)
+        took = time.monotonic() - t0
+    assert problem is not None and "timeout" in problem.lower(), problem
+    assert took < 10, took

@@ -91,9 +91,13 @@ def check_database(url: str, engine: Any | None = None) -> Check:
     return Check("database", True, f"{shown} (migrations at head {head}, writable)")
 
 
+# seconds a database may take to accept a health check's connection
+PING_TIMEOUT_S = 5
+
+
 def _ping(url: str) -> None:
     """One round trip to a database URL; raises when it cannot be reached."""
-    engine = make_engine(url)
+    engine = make_engine(url, connect_timeout_s=PING_TIMEOUT_S)
     try:
         with engine.connect() as conn:
             conn.exec_driver_sql("SELECT 1")

@@ -43,11 +43,17 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
-def make_engine(url: str | URL, echo: bool = False) -> Engine:
-    """An engine configured for concurrent use (SQLite: WAL, busy timeout, explicit BEGIN)."""
+def make_engine(url: str | URL, echo: bool = False,
+                connect_timeout_s: int | None = None) -> Engine:
+    """An engine configured for concurrent use (SQLite: WAL, busy timeout, explicit BEGIN);
+    `connect_timeout_s` bounds a server database's connection (a host that drops packets
+    otherwise holds it until the OS gives up, minutes later)."""
     url = normalize_url(url)
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, echo=echo, pool_pre_ping=True, json_serializer=_json_dumps)
+        timeout = ({"connect_args": {"connect_timeout": connect_timeout_s}}
+                   if connect_timeout_s and url.get_backend_name() == "postgresql" else {})
+        return create_engine(url, echo=echo, pool_pre_ping=True, json_serializer=_json_dumps,
+                             **timeout)
 
     memory = url.database in (None, "", ":memory:")
     database = url.database or ""
