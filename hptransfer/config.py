@@ -396,6 +396,15 @@ def _env_database_url(name: str) -> str | None:
     return value
 
 
+def _env_mlflow_uri() -> str | None:
+    value = _env("MLFLOW_TRACKING_URI")
+    if value is not None and sqlite_in_memory(value):  # the mirror's runs would vanish
+        raise SettingsError(
+            f"MLFLOW_TRACKING_URI={value} is an in-memory SQLite store: every run logged "
+            "would be gone when the process ends; give a file, e.g. sqlite:////path/mlflow.db")
+    return value
+
+
 def sqlite_in_memory(url: str) -> bool:
     """Whether a database URL names an in-memory SQLite database (sqlite://, sqlite:///,
     :memory:, or SQLite's URI form file::memory: / mode=memory)."""
@@ -422,7 +431,7 @@ def get_settings() -> Settings:
         home=home,
         database_url=_env_database_url("HPT_DATABASE_URL") or f"sqlite:///{home / 'hpt.db'}",
         optuna_url=_env_database_url("HPT_OPTUNA_URL") or f"sqlite:///{home / 'optuna.db'}",
-        mlflow_uri=_env("MLFLOW_TRACKING_URI") or f"sqlite:///{home / 'mlflow.db'}",
+        mlflow_uri=_env_mlflow_uri() or f"sqlite:///{home / 'mlflow.db'}",
         mlflow_artifacts=home / "mlartifacts",
         ray_address=_env("RAY_ADDRESS"),
         api_token=_env_token("HPT_API_TOKEN"),

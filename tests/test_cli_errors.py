@@ -644,3 +644,6 @@ def test_an_in_memory_app_database_is_refused(tmp_path, url):
     for args in (["doctor", "--quick"], ["serve", "--port", str(_closed_port())]):
         out = _refused_at_once(args, env)
         assert f"HPT_DATABASE_URL={url} is an in-memory SQLite database" in out.stderr
+    out = _refused_at_once(["doctor", "--quick"], {"HPT_HOME": str(tmp_path / "home"),
+                                                   "MLFLOW_TRACKING_URI": url})
+    assert f"MLFLOW_TRACKING_URI={url} is an in-memory SQLite store" in out.stderr
