@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # torch-free: the client commands (submit, status, fits, ...) start without importing torch
 from hptransfer.contracts.status import SweepStatus, TrialStatus
@@ -339,7 +339,7 @@ def cmd_trials(a: argparse.Namespace) -> int:
                         "final_val_loss",
                         "attempts", "wall_time_s", "reason") if k in df.columns]
     if a.csv:
-        df.drop(columns=[k for k in ("spec", "result") if k in df.columns]).to_csv(
+        inert(df.drop(columns=[k for k in ("spec", "result") if k in df.columns])).to_csv(
             sys.stdout, index=False)
     elif not len(df):
         print("no trials")
@@ -615,6 +615,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {shown(where) + ': ' if where else ''}{shown(e['message'])}",
                   file=sys.stderr)
         return 2
+
+
+# a spreadsheet runs a cell that starts with one of these as a formula
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert(df: Any) -> Any:
+    """`df` with each text cell a spreadsheet would run as a formula (an arm label
+    `=HYPERLINK(...)`, an error) quoted with a leading ' (OWASP's CSV injection advice)."""
+    def cell(value: Any) -> Any:
+        return f"'{value}" if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+    return df.apply(lambda column: column.map(cell))
 
 
 def shown(text: str) -> str:

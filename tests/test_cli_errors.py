@@ -5,6 +5,8 @@ and its fix, the right exit code, no traceback, no credential, against a real AP
 from __future__ import annotations
 
 import copy
+import csv
+import io
 import os
 import signal
 import socket
@@ -398,6 +400,15 @@ def test_the_trials_table_shows_a_failed_trials_error(server):
     assert header.split()[-1] == "error" and row.endswith("DataError: the data changed")
     out = run("trials", sweep_id, "--status", "pending", "--url", url)
     assert out.returncode == 0 and "error" not in out.stdout.splitlines()[0], out.stdout
+
+
+def test_the_trials_csv_quotes_a_cell_a_spreadsheet_would_run(server):
+    url, _ = server
+    sweep_id = sweep_with_a_failed_trial(server, "csv-formula", "=cmd|' /C calc'!A0")
+    out = run("trials", sweep_id, "--csv", "--url", url)
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader(io.StringIO(out.stdout)))
+    assert [r["error"] for r in rows if r["status"] == "failed"] == ["'=cmd|' /C calc'!A0"]
 
 
 def test_trials_frame_keeps_its_columns_and_numeric_dtypes(server):

@@ -653,17 +653,14 @@ def test_a_gpu_sweep_is_priced_against_a_gpu_not_the_cpu_nodes(client, tiny_spec
 @pytest.mark.parametrize(("change", "field"), [
     ({"label": '<a href="https://evil.example">click</a>'}, "arms[0].label"),  # Plotly link
     ({"label": "sp>mup"}, "arms[0].label"),
-    ({"label": '=HYPERLINK("https://evil.example","x")'}, "arms[0].label"),  # a formula
-    ({"label": "+1"}, "arms[0].label"),
-    ({"label": "-sp"}, "arms[0].label"),
-    ({"label": "@SUM(1)"}, "arms[0].label"),
     ({"tags": {"a<b": "one", "a_b": "two"}}, "tags.a<b"),  # both would be MLflow's a_b
+    ({"tags": {"team/project": "one"}}, "tags.team/project"),  # the mirror writes team_project
     ({"tags": {"..x": "one"}}, "tags...x"),
     ({"tags": {"k": "left\u202eright"}}, "tags.k"),  # a direction override
+    ({"tags": {"k": "isolate\u2066d"}}, "tags.k"),
     ({"tags": {"k": "\x1b[2Jcleared"}}, "tags.k"),
-    ({"tags": {"k": "zero\u200bwidth"}}, "tags.k"),
 ])
-def test_text_other_programs_would_read_as_markup_formulas_or_keys_is_refused(
+def test_text_other_programs_would_read_as_markup_or_keys_is_refused(
         client, tiny_spec, change, field):
     spec = json.loads(json.dumps(tiny_spec))
     if "label" in change:
@@ -675,17 +672,42 @@ def test_text_other_programs_would_read_as_markup_formulas_or_keys_is_refused(
     assert nothing_stored(client)
 
 
-def test_plain_labels_and_unicode_tags_are_kept(client, tiny_spec):
-    tiny_spec["arms"][0]["label"] = "sp, lr=2^-6 (a-b)"
-    tiny_spec["tags"] = {"paper": "CompleteP – Dey et al.", "owner:team": "Jürgen's"}
+@pytest.mark.parametrize("label", ["sp, lr=2^-6 (a-b)", "+qk_norm", "-rope", "@alice",
+                                   '=HYPERLINK("x")'])  # the CSV export quotes formulas
+def test_plain_labels_and_unicode_tags_are_kept(client, tiny_spec, label):
+    tiny_spec["arms"][0]["label"] = label
+    tiny_spec["tags"] = {"paper": "CompleteP – Dey et al.", "owner:team": "Jürgen's",
+                         "note": "tuned on 2 GPUs\nsee ticket 12\tok",
+                         "team": "\U0001f469\u200d\U0001f4bb ml"}  # a ZWJ emoji
     r = client.post("/sweeps?dry_run=true", json=tiny_spec)
     assert r.status_code == 200, r.text
 
 
-def test_a_stored_spec_the_newer_text_rules_refuse_is_still_read(tiny_spec):
-    from hptransfer.spec import SweepSpec
+def test_a_stored_spec_the_newer_submit_rules_refuse_is_still_read(tiny_spec):
+    from test_study import study_dict
+
+    from hptransfer.spec import SweepSpec, load_spec
 
     tiny_spec["arms"][0]["label"] = "<b>old</b>"
     tiny_spec["tags"] = {"a<b": "x\u202e"}
     stored = SweepSpec.model_validate(tiny_spec)  # as the store re-reads a sweep
     assert stored.arms[0].label == "<b>old</b>" and stored.tags == {"a<b": "x\u202e"}
+    # a study stored before aspect_ratio shapes had to share one size (128x1 is twice 32x8)
+    shapes = [{"width": 32, "depth": 8}, {"width": 64, "depth": 2}, {"width": 96, "depth": 1},
+              {"width": 128, "depth": 1}]
+    old = study_dict(aspect_ratio={"shapes": shapes})
+    assert len(SweepSpec.model_validate(old).stages.aspect_ratio.shapes) == 4
+    with pytest.raises(ValueError, match="at one size"):
+        load_spec(old)  # a new submission is refused
+
+
+def test_the_csv_export_quotes_cells_a_spreadsheet_would_run_as_formulas():
+    import pandas as pd
+
+    from hptransfer.cli import inert
+
+    df = pd.DataFrame({"arm": ['=HYPERLINK("x")', "+qk_norm", "-rope", "@a", "gpt/sp"],
+                       "final_val_loss": [-1.5, 2.0, 3.0, 4.0, 5.0]})
+    out = inert(df)
+    assert out["arm"].tolist() == ["'=HYPERLINK(\"x\")", "'+qk_norm", "'-rope", "'@a", "gpt/sp"]
+    assert out["final_val_loss"].tolist() == [-1.5, 2.0, 3.0, 4.0, 5.0]  # numbers stay numbers

@@ -62,10 +62,10 @@ TagKey = Annotated[str, Field(min_length=1, max_length=MAX_TAG_KEY_CHARS)]
 # steer its runs) and the ones the mirror writes (hpt.sweep_id, hpt.role, ...)
 RESERVED_TAG_PREFIXES = ("mlflow.", "hpt.")
 TagValue = Annotated[str, Field(max_length=MAX_TAG_VALUE_CHARS)]
-# Unicode categories of control, format (direction overrides, zero-width) and line breaks
-_INVISIBLE = frozenset({"Cc", "Cf", "Zl", "Zp"})
-# first characters that make a spreadsheet cell a formula
-FORMULA_STARTS = frozenset("=+-@")
+# Unicode's explicit direction marks, embeddings, overrides and isolates: text shown after
+# one reads in another order than it was written
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                           "\u2066\u2067\u2068\u2069")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.- ")
 
 
@@ -125,7 +125,7 @@ class SweepSpec(SpecModel):
             problems = self._size_problems(cap)
         if not problems:
             problems = self._scaled_batch_problems() or self._build_problems()
-        if not problems:
+        if not problems and "max_trials" in context:  # a submission: stored studies load
             problems = self._aspect_size_problems()
         if problems:
             raise SpecError(problems)
@@ -138,28 +138,25 @@ class SweepSpec(SpecModel):
                 if key.lower().startswith(prefix)]
 
     def _shown_text_problems(self) -> list[dict[str, str]]:
-        # Labels reach Plotly (which reads them as markup: `<a href>` is a live link) and
-        # `hpt trials --csv` (a spreadsheet runs a cell starting with = + - @); tags reach
-        # MLflow, where a key it rewrites may land on another tag's key and silently replace
-        # its value, and a control or direction-override character reaches every page
+        # Labels reach Plotly (which reads them as markup: `<a href>` is a live link); tags
+        # reach MLflow, where a key the mirror rewrites may land on another tag's key and
+        # silently replace its value, and a control or direction character every page
         problems = []
         for i, arm in enumerate(self.arms):
             label = arm.label or ""
             if "<" in label or ">" in label:
                 problems.append(error(f"arms[{i}].label", f"{label!r:.120} may not contain "
                                                           "'<' or '>'"))
-            elif label[:1] in FORMULA_STARTS:
-                problems.append(error(f"arms[{i}].label", f"{label!r:.120} starts with "
-                                      f"{label[0]!r}, which spreadsheets read as a formula; "
-                                      "start it with a letter or digit"))
         for key, text in self.tags.items():
             if mlflow_key(key) != key:
                 problems.append(error(f"tags.{key}", f"tag key {key!r:.80} has characters "
-                                      "MLflow does not keep; use letters, digits, '_', '.', "
-                                      "'-', ':' and spaces (and no leading '..')"))
-            bad = sorted({c for c in text if unicodedata.category(c) in _INVISIBLE})
+                                      "the MLflow mirror rewrites (so two keys could meet); "
+                                      "use letters, digits, '_', '.', '-', ':' and spaces "
+                                      "(and no leading '..')"))
+            bad = sorted({c for c in text if c in _BIDI_CONTROLS
+                          or (unicodedata.category(c) == "Cc" and c not in "\n\t")})
             if bad:
-                problems.append(error(f"tags.{key}", f"the value has control or formatting "
+                problems.append(error(f"tags.{key}", f"the value has control or direction "
                                       f"characters ({''.join(bad)!r:.60}); remove them"))
         return problems
 
