@@ -264,10 +264,15 @@ class Settings:
     def checkpoint_root(self) -> str:
         return self.checkpoint_url or str(self.home / "checkpoints")
 
+    @property
+    def home_dirs(self) -> tuple[Path, ...]:
+        """The data directory and the sub-folders it must hold."""
+        return (self.home, self.cache_dir, self.mlflow_artifacts)
+
     def ensure_dirs(self) -> Settings:
         """Create the data directory and its sub-folders (call before using the defaults);
         a SettingsError naming HPT_HOME when it is no writable directory."""
-        for path in (self.home, self.cache_dir, self.mlflow_artifacts):
+        for path in self.home_dirs:
             ensure_writable_dir(path)
         return self
 
@@ -405,10 +410,10 @@ def _env_mlflow_uri() -> str | None:
     return value
 
 
-def sqlite_in_memory(url: str) -> bool:
-    """Whether a database URL names an in-memory SQLite database (sqlite://, sqlite:///,
-    :memory:, or SQLite's URI form file::memory: / mode=memory)."""
-    if not url.lower().startswith("sqlite"):
+def sqlite_in_memory(url: Any) -> bool:
+    """Whether a database URL (text or SQLAlchemy's URL) names an in-memory SQLite database
+    (sqlite://, sqlite:///, :memory:, or SQLite's URI form file::memory: / mode=memory)."""
+    if not str(url).lower().startswith("sqlite"):
         return False
     from sqlalchemy.engine import make_url  # only for SQLite URLs: a ~0.1 s import
 

@@ -405,7 +405,8 @@ def test_a_trial_has_a_checkpoint_from_its_first(tmp_path):
 @pytest.mark.parametrize("url,says", [
     ("bogus://x/y", "has a scheme pyarrow does not open (bogus://)"),
     ("mock:///x", "has a scheme pyarrow does not open (mock://)"),  # in memory, per process
-    ("relative/dir", "is a relative path"),
+    ("relative/dir", "is not an absolute path"),
+    ("~/ckpt", "is not an absolute path"),
     ("file://host/x", "cannot be opened (ArrowInvalid"),
 ])
 def test_a_root_trials_cannot_use_is_named_before_any_trial(url, says):

@@ -33,7 +33,7 @@ def study_dict(**stages) -> dict:
     spec["stages"] = stages or {
         "transfer": {"shapes": [{"width": 32, "depth": 2}, {"width": 64, "depth": 2}]},
         "check": {},
-        # 12·N²·L of 7k-9k: one size, within the fit's ±15 %
+        # N²·L of 7k-9k: one size, within the fit's ±15 %
         "aspect_ratio": {"shapes": [{"width": 32, "depth": 8}, {"width": 64, "depth": 2},
                                     {"width": 96, "depth": 1}, {"width": 32, "depth": 7}]},
     }

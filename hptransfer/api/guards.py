@@ -7,6 +7,7 @@ means such a request never reaches a mutating endpoint, even when no token is co
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import parse_qsl
@@ -112,7 +113,7 @@ class RefuseRepeatedQuery:
         if scope["type"] == "http" and scope.get("query_string"):
             names = [name for name, _ in parse_qsl(scope["query_string"].decode("latin-1"),
                                                    keep_blank_values=True)]
-            repeated = sorted({name for name in names if names.count(name) > 1})
+            repeated = sorted(name for name, n in Counter(names).items() if n > 1)
             if repeated:
                 message = (f"query parameter {repeated[0]!r:.60} is given more than once; "
                            "each takes one value: give it once (list again for another)")

@@ -29,7 +29,12 @@ from hptransfer.config import (
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
 from hptransfer.tracking.params import file_store_path, normalize_tracking_uri, sqlite_path
-from hptransfer.workers.checkpoints import ACCEPTED, checkpoint_url_problem
+from hptransfer.workers.checkpoints import (
+    ACCEPTED,
+    LOCAL_SCHEMES,
+    checkpoint_url_problem,
+    root_problem,
+)
 
 HTTP_TIMEOUT_S = 5.0
 PROBE_TTL_S = 2.0  # how long GET /health reuses a probe of an external component
@@ -129,8 +134,7 @@ def check_optuna(url: str) -> Check:
 
 def check_home(settings: Settings) -> Check:
     """HPT_HOME and its folders are (or can be made) writable directories."""
-    problems = [p for p in (dir_problem(d) for d in (settings.home, settings.cache_dir,
-                                                     settings.mlflow_artifacts)) if p]
+    problems = [p for p in map(dir_problem, settings.home_dirs) if p]
     if problems:
         return Check("home", False, problems[0], "set HPT_HOME to a writable directory")
     return Check("home", True, f"{settings.home} writable")
@@ -149,12 +153,13 @@ def check_service(settings: Settings) -> Settings:
 def check_checkpoints(settings: Settings) -> Check:
     """The checkpoint store the trials will open (a remote one by its scheme only: opening
     it needs its credentials, which the workers hold)."""
-    problem = checkpoint_url_problem(settings.checkpoint_url)
+    url = settings.checkpoint_url
+    problem = root_problem(url) if url else None
     if problem:
-        return Check("checkpoint", False, problem.split("; give ")[0],
+        return Check("checkpoint", False, f"HPT_CHECKPOINT_URL={mask_url(url)} {problem}",
                      f"set HPT_CHECKPOINT_URL to {ACCEPTED} (unset: HPT_HOME/checkpoints)")
     root = settings.checkpoint_root
-    remote = "://" in root and not root.startswith(("file://", "local://"))
+    remote = "://" in root and root.split("://", 1)[0].lower() not in LOCAL_SCHEMES
     return Check("checkpoint", True, mask_url(root) + (" (remote: opened by the trials)"
                                                          if remote else ""))
 

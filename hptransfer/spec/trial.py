@@ -141,11 +141,15 @@ class Budget(BaseModel):
             )
         return self
 
-    def steps_for(self, tokens_per_step: int, non_embedding_params: int) -> int:
+    def tokens_for(self, non_embedding_params: int) -> float | None:
+        """The tokens this budget asks for at this size; None for a budget in steps."""
         if self.steps:
-            return self.steps
-        tokens = self.tokens or self.tokens_per_param * non_embedding_params
-        return max(1, math.ceil(tokens / tokens_per_step))
+            return None
+        return self.tokens or self.tokens_per_param * non_embedding_params
+
+    def steps_for(self, tokens_per_step: int, non_embedding_params: int) -> int:
+        tokens = self.tokens_for(non_embedding_params)
+        return self.steps if tokens is None else max(1, math.ceil(tokens / tokens_per_step))
 
 
 def sequences_per_pass(batch_size: int, micro_batch_size: int | None) -> int:

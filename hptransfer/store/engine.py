@@ -20,6 +20,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, ExceptionContext, make_url
 from sqlalchemy.pool import StaticPool
 
+from hptransfer.config import sqlite_in_memory
 from hptransfer.jsonsafe import json_safe
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -55,7 +56,7 @@ def make_engine(url: str | URL, echo: bool = False,
         return create_engine(url, echo=echo, pool_pre_ping=True, json_serializer=_json_dumps,
                              **timeout)
 
-    memory = url.database in (None, "", ":memory:")
+    memory = sqlite_in_memory(url)
     database = url.database or ""
     if not memory and not database.startswith("file:"):
         Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)

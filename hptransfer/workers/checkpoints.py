@@ -91,7 +91,8 @@ def root_problem(url: str) -> str | None:
     except Exception as exc:  # pyarrow's ArrowInvalid for a malformed file:// URI
         return f"cannot be opened ({type(exc).__name__}: {exc})"
     if not path.startswith("/"):
-        return "is a relative path (trials run in other working directories: Ray's)"
+        return ("is not an absolute path (trials run in Ray's working directories; `~` is "
+                "not expanded): give /absolute/path or file:///absolute/path")
     local = isinstance(filesystem, pafs.LocalFileSystem)
     problem = dir_problem(Path(path)) if local else None
     return problem and f"cannot be used: {problem}"

@@ -167,8 +167,7 @@ def plan_trial(spec: TrialSpec, data: TokenDataset) -> TrialPlan:
     total_steps = spec.budget.steps_for(tokens_per_step, counts.non_embedding)
     notes: list[str] = []
     trained = total_steps * tokens_per_step
-    asked = None if spec.budget.steps else (
-        spec.budget.tokens or spec.budget.tokens_per_param * counts.non_embedding)
+    asked = spec.budget.tokens_for(counts.non_embedding)
     if asked is not None and trained > ROUNDING_NOTED * asked:
         notes.append(f"the budget of {asked:,.0f} tokens is trained as {total_steps} whole "
                      f"step(s) of {tokens_per_step:,} tokens: {trained:,} tokens")
