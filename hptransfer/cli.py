@@ -399,9 +399,9 @@ def cmd_mlflow_ui(a: argparse.Namespace) -> int:
 
 def _default_mlflow_store(settings: Settings) -> bool:
     """Whether the MLflow store is a SQLite file in HPT_HOME (the default)."""
-    from hptransfer.tracking.params import normalize_tracking_uri, sqlite_path
+    from hptransfer.tracking.params import sqlite_store_file
 
-    db = sqlite_path(normalize_tracking_uri(settings.mlflow_uri))
+    db = sqlite_store_file(settings.mlflow_uri)
     return db is not None and db.is_relative_to(settings.home)
 
 

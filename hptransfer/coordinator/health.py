@@ -28,7 +28,12 @@ from hptransfer.config import (
 )
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
-from hptransfer.tracking.params import file_store_path, normalize_tracking_uri, sqlite_path
+from hptransfer.tracking.params import (
+    file_store_path,
+    normalize_tracking_uri,
+    sqlite_path,
+    sqlite_store_file,
+)
 from hptransfer.workers.checkpoints import (
     ACCEPTED,
     LOCAL_SCHEMES,
@@ -513,7 +518,7 @@ def run_checks(settings: Settings, *, deep: bool = True, connect_ray: bool = Tru
     SQLite file, Ray without `deep`) may come from its cache; the app database, a local
     MLflow file and the `extra` checks always run now."""
     cached = probes or _uncached
-    local_mlflow = sqlite_path(normalize_tracking_uri(settings.mlflow_uri)) is not None
+    local_mlflow = sqlite_store_file(settings.mlflow_uri) is not None
 
     def mlflow() -> list[Check]:
         return [check_mlflow(settings.mlflow_uri, settings.mlflow_artifacts,

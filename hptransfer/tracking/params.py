@@ -35,6 +35,11 @@ def normalize_tracking_uri(uri: str) -> str:
     return uri
 
 
+def sqlite_store_file(tracking_uri: str) -> Path | None:
+    """The SQLite file an MLflow tracking URI (as users write it) names, or None."""
+    return sqlite_path(normalize_tracking_uri(tracking_uri))
+
+
 def sqlite_path(uri: str) -> Path | None:
     """The database file of a file-backed `sqlite:///` URI (None for other stores)."""
     if not uri.startswith("sqlite:///"):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .params import normalize_tracking_uri, sqlite_path
+from .params import normalize_tracking_uri, sqlite_store_file
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def ui_url(ui_base: str, experiment_id: str | None = None) -> str:
 def prepare_sqlite_store(tracking_uri: str) -> None:
     """Create a local SQLite tracking store now, in WAL mode: readers (mlflow ui) no longer
     block sweep writes, and the file /health watches exists from the start. No-op for others."""
-    db = sqlite_path(normalize_tracking_uri(tracking_uri))
+    db = sqlite_store_file(tracking_uri)
     if db is None:
         return
     try:
