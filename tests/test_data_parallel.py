@@ -138,7 +138,9 @@ def test_a_killed_train_worker_loses_the_attempt_and_the_next_resumes(ray_cluste
                                              run_name="a1"), timeout=600)
     assert again["status"] == "completed"
     assert again["resumed_from_step"] % 40 == 0 and again["resumed_from_step"] >= 40
-    assert again["retrained_tokens"] < 40 * 10 * 32
+    # at most one interval: a kill while the checkpoint at 80 is written (its `reached` mark
+    # comes first) resumes from 40
+    assert again["retrained_tokens"] <= 40 * 10 * 32
     assert killed_at - again["resumed_from_step"] < 40 + 5  # `reached` lags at most ~1 s
     assert again["final_val_loss"] == whole["final_val_loss"]
     assert again["curve"] == whole["curve"]

@@ -11,6 +11,7 @@ import time
 
 from conftest import TINY_SPEC
 from fastapi.testclient import TestClient
+from waiting import wait_for
 
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
@@ -69,7 +70,8 @@ def test_identical_requests_share_one_computation_and_distinct_ones_queue(hpt_ho
     threads = [threading.Thread(target=ask, args=(b,)) for b in (0, 0, 0, 0, 1, 2, 3)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    wait_for(lambda: slow.running == 2, 30, "two computations")
+    time.sleep(0.5)  # time for a third to start, were it let through
     assert slow.running == 2  # two computing, the rest waiting their turn
     slow.release.set()
     for t in threads:
