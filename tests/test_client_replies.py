@@ -252,3 +252,33 @@ def test_a_long_sweep_id_is_cut_in_the_message(capsys):
     assert main(["status", "x" * 3000, "--url", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err
     assert len(err) < 200 and "ids are 1 to 64 letters, digits, - and _" in err, err
+
+
+@pytest.mark.parametrize("status,body,content_type", [
+    (200, {}, "application/json"),  # another JSON service's 200 used to pass as "answers"
+    (200, {"status": "ok"}, "application/json"),  # no components: not our report
+    (200, {"status": ["ok"], "components": []}, "application/json"),
+    (200, [1, 2], "application/json"),  # was "unreachable ('list' object has no ...)"
+    (502, b"<html>Bad Gateway</html>", "text/html"),  # a proxy's page, not unreachable
+])
+def test_doctors_api_check_fails_on_a_server_that_is_not_hptransfer(fake, status, body,
+                                                                     content_type):
+    from hptransfer.coordinator.health import check_api
+
+    fake.answer(status, body, content_type=content_type)
+    check = check_api(fake.url)
+    assert not check.ok and "with no hptransfer health report" in check.detail, check
+    assert f"answers {status} ({content_type})" in check.detail
+    assert WRONG_SERVER in check.fix
+
+
+def test_doctors_api_check_passes_a_health_report_and_names_a_degraded_one(fake):
+    from hptransfer.coordinator.health import check_api
+
+    fake.answer(200, {"status": "degraded", "components": [{"name": "ray", "ok": False}]})
+    assert check_api(fake.url).ok and "(degraded)" in check_api(fake.url).detail
+    fake.answer(503, {"status": "down", "components": [{"name": "database", "ok": False}]})
+    check = check_api(fake.url)
+    assert not check.ok and "answers 503 (down)" in check.detail, check
+    fake.answer(401, {"detail": "a bearer token is required"})
+    assert "refuses this HPT_API_TOKEN (401)" in check_api(fake.url).detail

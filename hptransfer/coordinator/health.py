@@ -26,6 +26,7 @@ from hptransfer.config import (
     dir_problem,
     ray_required_resources,
 )
+from hptransfer.contracts.status import HealthState
 from hptransfer.redaction import mask_url, redact, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
 from hptransfer.tracking.params import (
@@ -416,6 +417,17 @@ def probe_nodes(settings: Settings, nodes: list[dict[str, Any]],
 # ------------------------------------------------------------------------------ doctor
 
 
+def _health_status(reply: Any) -> str | None:
+    """The overall status of an hptransfer /health reply, or None for any other body."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    status = body.get("status") if isinstance(body, dict) else None
+    known = isinstance(status, str) and status in {state.value for state in HealthState}
+    return status if known and isinstance(body.get("components"), list) else None
+
+
 def check_api(url: str) -> Check:
     """The coordinator's API answers /health (its own report is in `components` there),
     asked with $HPT_API_TOKEN when set: a wrong token shows up here as a 401."""
@@ -427,13 +439,17 @@ def check_api(url: str) -> Check:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         r = httpx.get(f"{url.rstrip('/')}/health", headers=headers, timeout=HTTP_TIMEOUT_S)
-        status = r.json().get("status")
     except Exception as exc:
         return Check("api", False, f"{shown} unreachable ({_short(exc)})",
                      "start `hpt serve` (see its log) or fix HPT_URL")
     if r.status_code == 401:
         return Check("api", False, f"{shown} refuses this HPT_API_TOKEN (401)",
                      "set HPT_API_TOKEN to the server's token")
+    status = _health_status(r)
+    if status is None:  # another server, a proxy's page: not "ok" because it answered 200
+        kind = r.headers.get("content-type", "no content type").split(";")[0]
+        return Check("api", False, f"{shown} answers {r.status_code} ({kind}) with no "
+                     "hptransfer health report", "is HPT_URL the hptransfer API? fix HPT_URL")
     if r.status_code != 200:
         return Check("api", False, f"{shown} answers {r.status_code} ({status})",
                      "see GET /health and the server log")
