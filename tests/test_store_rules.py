@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from conftest import planned_trials as planned
 from sqlalchemy import update
+from test_store import new_sweep as sweep_of
+from test_store import trial_ids as ids
 
 from hptransfer.store.leasing import MAX_ORPHANED_ATTEMPTS
 from hptransfer.store.store import Store, Trial
@@ -19,13 +21,8 @@ def store(migrated_store):
 
 
 def new_sweep(store: Store, n: int, prefix: str = "hash", **kw) -> str:
-    args = {"data_hash": "data-1", "reuse": True, "max_attempts": 3}
-    args.update(kw)
-    return store.create_sweep("s", {"name": "s"}, "h", "grid", planned(n, prefix), **args)
-
-
-def ids(store: Store, sweep_id: str) -> list[str]:
-    return [t.id for t in store.trials(sweep_id, limit=None)]
+    """A sweep of n distinct trials (test_store's defaults: reused results, 3 attempts)."""
+    return sweep_of(store, planned(n, prefix), **kw)
 
 
 # --------------------------------------------------------------------------- leasing
