@@ -29,6 +29,10 @@ from hptransfer.spec.text import (
 
 DEFAULT_URL = "http://127.0.0.1:8600"
 SUBMIT_RETRIES = 2  # a submit is sent again after no answer (its Idempotency-Key dedups)
+# A GET is sent once more when its connection drops: the pooled keep-alive connection may be
+# one the server closed (uvicorn does after 5 s idle) just as it was reused. Not after a
+# timeout: the server had the request, and another wait would double the one promised.
+GET_RESENDS = 1
 if TYPE_CHECKING:  # pandas on first use: `hpt submit`/`status` start ~0.6 s sooner without it
     import pandas as pd
 
@@ -201,14 +205,19 @@ class Client:
         return body
 
     def _send(self, method: str, path: str, retries: int, **kw: Any) -> httpx.Response:
-        for attempt in range(retries + 1):
+        resends_after_a_drop = max(retries, GET_RESENDS if method == "GET" else 0)
+        attempt = 0
+        while True:
             try:
                 return self._http.request(method, path, **kw)
-            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
-                if attempt == retries:
+            except httpx.TimeoutException:
+                if attempt >= retries:
                     raise
-                time.sleep(min(2.0, 0.25 * 2**attempt))
-        raise AssertionError("unreachable")
+            except (httpx.NetworkError, httpx.RemoteProtocolError):
+                if attempt >= resends_after_a_drop:
+                    raise
+            time.sleep(min(2.0, 0.25 * 2**attempt))
+            attempt += 1
 
     # sweeps --------------------------------------------------------------------------
     def submit(self, spec: Any, confirm_cost: bool = False,

@@ -207,15 +207,17 @@ def test_the_header_over_http(hpt_home: Path, tiny_spec: dict) -> None:
         assert [s["id"] for s in c.get("/sweeps").json()] == [first.json()["id"]]
 
 
-class AnswerLostOnce:
-    """A TCP relay in front of the server that forwards the first request and drops the
-    connection instead of relaying the answer (a reply lost on the way back); later
+class AnswerLost:
+    """A TCP relay in front of the server that forwards the first `times` connections'
+    requests and drops each connection instead of relaying the answer (a reply lost on the
+    way back, or a keep-alive connection the server closed as it was reused); later
     connections are relayed whole."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, times: int = 1) -> None:
         import socket
 
         self.target = target_port
+        self.times = times
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.dropped = 0
@@ -230,7 +232,7 @@ class AnswerLostOnce:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target))
-            drop = self.dropped == 0
+            drop = self.dropped < self.times
             self.dropped += drop
             threading.Thread(target=self._relay, args=(client, upstream, drop),
                              daemon=True).start()
@@ -265,7 +267,7 @@ def test_the_client_sends_a_submit_again_after_a_lost_answer_and_gets_one_sweep(
     from hptransfer.config import get_settings
 
     with serve_in_thread(get_settings(), dispatch=False) as url:
-        relay = AnswerLostOnce(urlsplit(url).port)
+        relay = AnswerLost(urlsplit(url).port)
         try:
             with Client(f"http://127.0.0.1:{relay.port}") as c:
                 sweep = c.submit(tiny_spec)
@@ -274,3 +276,40 @@ def test_the_client_sends_a_submit_again_after_a_lost_answer_and_gets_one_sweep(
             relay.close()
     assert relay.dropped == 1  # the first answer was lost, the request had been applied
     assert [s["id"] for s in sweeps] == [sweep["id"]]  # the retry got the same sweep
+
+
+@pytest.mark.parametrize("times, resent", [(1, True), (2, False)])
+def test_a_get_is_sent_once_more_after_its_connection_drops_and_a_post_is_not(
+        hpt_home: Path, tiny_spec: dict, times: int, resent: bool) -> None:
+    """`hpt status`/`wait` failed with "request ... failed (ReadError)" when the connection
+    it reused had just been closed by the server; a GET changes nothing, so it is sent
+    again, once. A cancel is not re-sent: the caller sees that it may not have landed."""
+    from urllib.parse import urlsplit
+
+    from hptransfer.api.server import serve_in_thread
+    from hptransfer.client import ApiError, Client
+    from hptransfer.config import get_settings
+
+    with serve_in_thread(get_settings(), dispatch=False) as url:
+        with Client(url) as c:
+            sweep = c.submit(tiny_spec)
+        port = urlsplit(url).port
+        relay = AnswerLost(port, times)
+        try:
+            with Client(f"http://127.0.0.1:{relay.port}") as c:
+                if resent:
+                    assert c.get(sweep["id"])["id"] == sweep["id"]
+                else:
+                    with pytest.raises(ApiError, match="ReadError|RemoteProtocolError"):
+                        c.get(sweep["id"])
+        finally:
+            relay.close()
+        assert relay.dropped == times
+        relay = AnswerLost(port, 1)
+        try:
+            with Client(f"http://127.0.0.1:{relay.port}") as c:
+                with pytest.raises(ApiError, match="ReadError|RemoteProtocolError"):
+                    c.cancel(sweep["id"])
+        finally:
+            relay.close()
+        assert relay.dropped == 1
