@@ -325,6 +325,39 @@ def test_shard_hash_stable_and_content_sensitive(tmp_path: Path) -> None:
     assert load_dataset(shard_spec(d1)).content_hash != h
 
 
+def test_shard_hash_covers_the_file_name_and_the_last_mib(tmp_path: Path) -> None:
+    """The hash covers each shard's file name and its first and last HASH_EDGE_BYTES (1 MiB):
+    a renamed shard, or one whose last token changed in a 3 MiB file, hashes differently."""
+    from hptransfer.data.shards import HASH_EDGE_BYTES
+
+    tokens = np.arange(1_500_000) % 1000  # 3 MB: the last token is 2 MB past the first MiB
+    path = write_raw(tmp_path / "a.bin", tokens)
+    assert path.stat().st_size > 2 * HASH_EDGE_BYTES == 2 * 2**20
+    h = load_dataset(shard_spec(path)).content_hash
+    renamed = path.rename(tmp_path / "b.bin")
+    assert load_dataset(shard_spec(renamed)).content_hash != h
+    renamed.rename(path)
+    assert load_dataset(shard_spec(path)).content_hash == h
+    changed = tokens.copy()
+    changed[-1] += 1
+    write_raw(path, changed)
+    assert load_dataset(shard_spec(path)).content_hash != h
+
+
+def test_stdlib_hash_tells_tokenizers_of_equal_vocab_size_apart() -> None:
+    """Two tokenizers with the same vocabulary size but different identities (BPE merges
+    learnt differently) tokenize differently, so their token caches must not be shared."""
+    from types import SimpleNamespace
+
+    from hptransfer.data.loader import stdlib_content_hash
+
+    corpus = SimpleNamespace(sha256="c" * 64)
+    a, b = (SimpleNamespace(identity=i, vocab_size=512) for i in ("bpe-merges-1", "bpe-merges-2"))
+    assert stdlib_content_hash(corpus, a) != stdlib_content_hash(corpus, b)
+    assert stdlib_content_hash(corpus, a) == stdlib_content_hash(
+        corpus, SimpleNamespace(identity="bpe-merges-1", vocab_size=512))
+
+
 # ---------------------------------------------------------------- shard formats
 
 
@@ -400,6 +433,14 @@ def test_shard_layout_errors(tmp_path: Path) -> None:
     stub.write_bytes(np.array([MODDED_MAGIC, 1], dtype="<i4").tobytes())
     with pytest.raises(DataError, match="shorter than the 1024-byte header"):
         load_dataset(shard_spec(stub))
+    # the magic alone (4 bytes), and a header one int32 short (1020 bytes), are truncated too
+    for n_ints in (1, 255):
+        short = np.zeros(n_ints, dtype="<i4")
+        short[0] = MODDED_MAGIC
+        stub.write_bytes(short.tobytes())
+        size = 4 * n_ints
+        with pytest.raises(DataError, match=f"only {size} bytes, shorter than the 1024-byte"):
+            load_dataset(shard_spec(stub))
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02")
     with pytest.raises(DataError, match=r"odd byte count \(3\)"):
@@ -481,6 +522,19 @@ def test_corrupt_token_cache_is_rebuilt(tmp_path: Path) -> None:
     del first
     (cache_file,) = tmp_path.glob("tokens-byte-*.npy")
     cache_file.write_bytes(b"garbage")
+    again = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    assert np.array_equal(again.read_tokens(0, again.n_tokens), expected)
+    assert np.array_equal(np.load(cache_file), expected)
+
+
+def test_an_empty_token_cache_entry_is_rebuilt(tmp_path: Path) -> None:
+    """A cache entry that holds a valid but empty uint16 array is no hit: the corpus is
+    tokenized again and the entry rewritten (an empty token stream trains on nothing)."""
+    first = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
+    expected = first.read_tokens(0, first.n_tokens)
+    del first
+    (cache_file,) = tmp_path.glob("tokens-byte-*.npy")
+    np.save(cache_file, np.zeros(0, dtype=np.uint16))
     again = load_dataset(DataSpec(**SMALL_STDLIB), cache_dir=tmp_path)
     assert np.array_equal(again.read_tokens(0, again.n_tokens), expected)
     assert np.array_equal(np.load(cache_file), expected)

@@ -14,6 +14,7 @@ import pytest
 from ranks import assert_same_trial, on_ranks, on_ranks_each, polling_quickly
 
 from hptransfer.workers.checkpoints import CheckpointPolicy
+from hptransfer.workers.data_parallel import DataParallel
 from hptransfer.workers.trainer import run_trial
 
 ARCHS = {
@@ -58,6 +59,27 @@ def test_uneven_ranks_weight_their_rows(tmp_path):
     """3 ranks over a batch of 10 (3, 3, 4 rows): each rank's loss weighted by its rows."""
     s = spec(micro_batch_size=None)
     assert_same_trial(on_ranks(s, 3, tmp_path / "rank0.json"), run_trial(s))
+
+
+# rows per rank and their loss weights, worked out by hand: rank r takes rows
+# [B*r//W, B*(r+1)//W) and weights its mean loss by W * rows_r / B
+SPLITS = {(4, 4): ([1, 1, 1, 1], [1.0, 1.0, 1.0, 1.0]), (10, 3): ([3, 3, 4], [0.9, 0.9, 1.2]),
+          (10, 4): ([2, 3, 2, 3], [0.8, 1.2, 0.8, 1.2]), (7, 2): ([3, 4], [6 / 7, 8 / 7])}
+
+
+@pytest.mark.parametrize("batch, world", sorted(SPLITS))
+def test_ranks_split_a_batch_into_contiguous_rows_and_weigh_them(batch: int, world: int):
+    """The ranks' rows tile the batch in order, as evenly as whole rows allow (a batch of W
+    sequences over W ranks: one each); DDP's average of the weighted rank losses is then the
+    batch's mean loss (the weights average to 1, each proportional to its rows)."""
+    sizes, shares = SPLITS[batch, world]
+    ranks = [DataParallel(r, world) for r in range(world)]
+    rows = [dp.rows(batch) for dp in ranks]
+    assert [i for s in rows for i in range(batch)[s]] == list(range(batch))
+    assert [s.stop - s.start for s in rows] == sizes
+    assert [dp.share(batch) for dp in ranks] == pytest.approx(shares)
+    with pytest.raises(ValueError, match=f"batch of {world - 1} sequences cannot be split"):
+        ranks[0].rows(world - 1)
 
 
 # ---- through Ray Train, as the dispatcher runs a trial with workers > 1
