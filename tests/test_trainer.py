@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pydantic import ValidationError
 
 from hptransfer.spec.trial import Schedule, TrialSpec
@@ -306,3 +307,140 @@ def test_a_failed_trials_traceback_names_files_by_import_path_chained_ones_too()
     assert 'File "test_trainer.py"' in text  # tests/ is no package: its bare name
     assert 'File "/' not in text and "direct cause" in text
     assert text.rstrip().endswith("ValueError: the spec is not JSON")
+
+
+def _curve_losses(r) -> list[float]:
+    return [p["train_loss"] for p in r.curve]
+
+
+def test_micro_batches_train_what_the_whole_batch_trains(tmp_path):
+    """Gradient accumulation: a batch of 8 in passes of 3, 3 and 2 sequences, each pass's
+    mean loss weighted by its share (3/8, 3/8, 2/8), trains the whole batch's numbers and
+    reports the whole batch's mean loss (up to the order of float sums)."""
+    s = dict(budget={"steps": 6}, eval_every=3, grad_clip=None)
+    whole = run_trial(spec(**s), cache_dir=str(tmp_path))
+    micro = run_trial(spec(micro_batch_size=3, **s), cache_dir=str(tmp_path))
+    assert whole.status == micro.status == "completed", (whole.error, micro.error)
+    assert len(whole.curve) == len(micro.curve) == 6
+    assert _curve_losses(micro) == pytest.approx(_curve_losses(whole), rel=1e-4)
+    assert micro.final_val_loss == pytest.approx(whole.final_val_loss, rel=1e-4)
+
+
+def _recording_lrs(monkeypatch) -> list[list[tuple[float, float]]]:
+    """Make the trainer's optimizer record each group's (lr, initial_lr) at every step."""
+    from hptransfer.workers import trainer as trainer_module
+
+    steps: list[list[tuple[float, float]]] = []
+    real = trainer_module.lone_optimizer
+
+    def recording(*args, **kwargs):
+        opt = real(*args, **kwargs)
+        step = opt.step
+
+        def step_and_record():
+            steps.append([(g["lr"], g["initial_lr"]) for g in opt.param_groups])
+            return step()
+
+        opt.step = step_and_record
+        return opt
+
+    monkeypatch.setattr(trainer_module, "lone_optimizer", recording)
+    return steps
+
+
+def test_each_groups_lr_follows_the_schedule_and_points_count_tokens(tmp_path, monkeypatch):
+    """10 steps, 20 % linear warmup then linear decay to 0: factors 1/2, 1, then
+    1 - (s - 2) / 8 for s = 2..9 (worked out by hand). Every param group's LR at step s is
+    its table LR times that factor, the curve's lr is the spec's lr times it, and the point
+    after step s counts s steps' tokens."""
+    factors = [0.5, 1.0] + [1 - (s - 2) / 8 for s in range(2, 10)]
+    steps = _recording_lrs(monkeypatch)
+    r = run_trial(spec(budget={"steps": 10}, lr=2**-6,
+                       schedule={"warmup_fraction": 0.2, "decay": "linear"}),
+                  cache_dir=str(tmp_path))
+    assert r.status == "completed", r.error
+    assert len(steps) == 10
+    table_lrs = sorted(g["lr"] for g in r.param_table["groups"])
+    for factor, groups in zip(factors, steps, strict=True):
+        assert sorted(initial for _, initial in groups) == table_lrs
+        for lr, initial in groups:
+            assert lr == pytest.approx(initial * factor, rel=1e-12)
+    assert [p["lr"] for p in r.curve] == pytest.approx([2**-6 * f for f in factors])
+    # each point's tokens: its step count times 8 sequences of 32 tokens
+    assert [(p["step"], p["tokens"]) for p in r.curve] == [(s, s * 8 * 32) for s in range(1, 11)]
+
+
+def test_a_stop_asked_at_the_last_step_leaves_the_trial_completed(tmp_path):
+    """A reporter's stop at the final point comes too late to prune anything: the trial
+    trained its whole budget, so it is completed, with its final validation loss."""
+    r = run_trial(spec(budget={"steps": 4}), reporter=lambda m: m["step"] == 4,
+                  cache_dir=str(tmp_path))
+    assert r.status == "completed" and r.steps == 4 and r.final_val_loss is not None
+
+
+@pytest.mark.parametrize("grad_clip", [0.25, None])
+def test_gradients_are_clipped_at_every_step_to_the_specs_norm(grad_clip, tmp_path,
+                                                                 monkeypatch):
+    """grad_clip: clip_gradients(params, grad_clip) before each of the 3 steps; None: never."""
+    from hptransfer.workers import trainer as trainer_module
+
+    calls: list[float] = []
+
+    def spy(params, max_norm):
+        calls.append(max_norm)
+        return clip_gradients(params, max_norm)
+
+    monkeypatch.setattr(trainer_module, "clip_gradients", spy)
+    r = run_trial(spec(budget={"steps": 3}, grad_clip=grad_clip), cache_dir=str(tmp_path))
+    assert r.status == "completed", r.error
+    assert calls == ([grad_clip] * 3 if grad_clip else [])
+
+
+def test_evaluate_is_the_mean_token_loss_over_every_validation_window(tmp_path):
+    """evaluate() over passes of 3 windows (the last one shorter) equals torch's mean
+    cross-entropy over all windows at once: a mean per token, not per pass or per window."""
+    from hptransfer.workers import plan as plan_module
+    from hptransfer.workers.trainer import evaluate
+
+    s = spec(micro_batch_size=3, data={"val_tokens": 1000})
+    plan = plan_module.plan_trial(s, plan_module.load_trial_data(s, str(tmp_path)))
+    windows = (1000 - 1) // 32
+    assert plan.pass_size == 3 and windows % 3 != 0
+    table = torch.nn.Embedding(256, 256)
+    torch.nn.init.normal_(table.weight, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (x, y), = plan.data.val_batches(windows, 32)
+        expected = F.cross_entropy(table(x).flatten(0, 1), y.flatten()).item()
+    assert x.shape == (windows, 32)
+    assert evaluate(table, plan) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_default_eval_every_gives_about_ten_evaluations(tmp_path):
+    """eval_every unset: every total_steps // 10 steps (at least 1), plus the last step."""
+    from hptransfer.workers import plan as plan_module
+
+    data = plan_module.load_trial_data(spec(), str(tmp_path))
+    for steps, every in ((30, 3), (25, 2), (5, 1)):
+        planned = plan_module.plan_trial(spec(budget={"steps": steps}), data)
+        assert planned.eval_every == every, steps
+    planned = plan_module.plan_trial(spec(budget={"steps": 25}), data)
+    assert [d for d in range(1, 26) if planned.is_eval_step(d)] == [*range(2, 25, 2), 25]
+
+
+def test_a_resumed_attempt_counts_all_its_tokens_but_its_speed_from_its_own_steps(tmp_path):
+    """Resumed at step 6 and done at 10, in 2 s of training, batches of 8 x 32 tokens: the
+    result counts 10 steps' tokens (2560) and FLOPs, 4 steps' retrained tokens if it
+    redid 4, but its speed is the 4 steps it trained itself: 1024 tokens / 2 s."""
+    from hptransfer.models import table_for
+    from hptransfer.workers import plan as plan_module
+    from hptransfer.workers.outcome import Progress, trial_result
+
+    s = spec(budget={"steps": 10})
+    planned = plan_module.plan_trial(s, plan_module.load_trial_data(s, str(tmp_path)))
+    progress = Progress(steps_done=10, train_loss=3.0, val_loss=3.1)
+    r = trial_result(planned, progress, table=table_for(planned.cfg, s.parameterization_obj()),
+                     train_time=2.0, started=0.0, notes=[], resumed_from=6, retrained=4)
+    assert (r.steps, r.tokens, r.retrained_tokens) == (10, 2560, 1024)
+    assert r.tokens_per_s == pytest.approx(1024 / 2.0)
+    assert r.flops == pytest.approx(r.flops_per_token * 2560)
+    assert r.resumed_from_step == 6
