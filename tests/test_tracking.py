@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,9 @@ from mlflow.tracking import MlflowClient
 from sqlalchemy import text
 
 from hptransfer.contracts.mlflow_keys import MAX_KEY, mlflow_key
+from hptransfer.contracts.records import AttemptRecord
 from hptransfer.store.store import Store, TrialRecord
+from hptransfer.tracking import mirror as mirror_module
 from hptransfer.tracking.mirror import Mirror
 from hptransfer.tracking.params import MAX_PARAM_VALUE, flatten
 from hptransfer.tracking.tracking import ui_command
@@ -596,3 +600,105 @@ def test_an_mlflow_outage_starts_with_one_warning_line_not_a_traceback(
         "MLflow mirror failing (ConnectionError: HTTPConnectionPool(host='127.0.0.1', port=1): "
         "Max retries exceeded); retrying with backoff"), line
     assert [r.levelno for r in caplog.records if r.exc_info] == [logging.DEBUG]
+
+
+def test_a_hooks_artifact_that_leaves_its_folder_is_written_nowhere(
+        store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """A name with `..` is skipped before anything is written: the upload folder is a temporary
+    directory, so `../escape.txt` would land beside it (in the system's temp directory), not in
+    the run."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    sid = new_sweep(store, lrs=(2**-8,))
+    (t,) = store.lease_pending("coord", 1)
+    assert store.finish_trial(t.id, "completed", result("completed", t.lr, curve(5)))
+    store.refresh_sweep_status(sid)
+    names = {"../escape.txt": "x", "fits/../../escape2.txt": "y", "fits/fit.json": "{}"}
+    mirror_of(store, mlflow_uri, tmp_path, artifacts=lambda _: names).sync()
+    parent_id = store.get_sweep(sid).mlflow_run_id
+    client = MlflowClient(mlflow_uri)
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    assert artifact_paths(client, parent_id, "fits") == {"fits/fit.json"}
+    assert sorted(p.name for p in temp.rglob("*escape*")) == []
+
+
+class FakeClient:
+    """The MlflowClient calls a trial's run needs, recorded: (run_id, metrics) per log_batch."""
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[str, list[Any]]] = []
+
+    def log_batch(self, run_id: str, metrics: Any = (), params: Any = (), tags: Any = (),
+                  synchronous: bool = True) -> None:
+        if metrics:
+            self.metrics.append((run_id, list(metrics)))
+
+    def set_terminated(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class QueueStore:
+    """A store whose attempts to mirror are handed out one pass at a time."""
+
+    def __init__(self) -> None:
+        self.passes: list[list[AttemptRecord]] = []
+
+    def sweeps_to_mirror(self) -> list[Any]:
+        return []
+
+    def attempts_to_mirror(self, batch: int) -> list[AttemptRecord]:
+        return self.passes.pop(0) if self.passes else []
+
+    def mark_attempt_mirrored(self, trial_id: str, seq: int, status: str) -> None:
+        pass
+
+
+def attempt(seq: int, status: str, started_at: datetime) -> AttemptRecord:
+    return AttemptRecord(
+        trial_id="t1", seq=seq, status=status, error=None, started_at=started_at,
+        finished_at=None, mlflow_run_id=f"run-{seq}", mlflow_synced_status=None,
+        sweep_id="s1", experiment_id="e1", parent_run_id="p1", arm="cp",
+        spec=trial_spec(2**-8), result=None)
+
+
+def test_live_points_go_to_the_attempt_that_is_training_and_only_to_it(
+        monkeypatch: Any) -> None:
+    """Attempt 2 trains while attempt 1's end is mirrored after it: attempt 2's live points
+    still reach its run, at start + step ms (the docstring's derived timestamps); points
+    from attempt 1's start are dropped, never logged to attempt 2's run."""
+    client = FakeClient()
+    monkeypatch.setattr(mirror_module, "open_client", lambda uri: client)
+    store = QueueStore()
+    mirror = Mirror(store, "unused://")  # type: ignore[arg-type]
+    first = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    second = first + timedelta(hours=1)
+    store.passes = [[attempt(2, "running", second)], [attempt(1, "failed", first)]]
+    mirror.sync()
+    mirror.sync()
+    points = curve(3)
+    mirror.live("t1", first, points)
+    mirror.live("t1", second, points)
+    mirror.sync()
+    start_ms = int(second.timestamp() * 1000)
+    (run_id, metrics), = client.metrics
+    assert run_id == "run-2"
+    assert sorted((m.key, m.step, m.timestamp) for m in metrics if m.key == "train_loss") == [
+        ("train_loss", s, start_ms + s) for s in (1, 2, 3)]
+
+
+def test_a_pass_that_fills_its_batch_is_followed_by_another_at_once(monkeypatch: Any) -> None:
+    """A backlog: a pass that mirrored `batch` rows goes on without waiting its interval."""
+    mirror = Mirror(QueueStore(), "unused://", batch=5, interval=30.0)  # type: ignore[arg-type]
+    passes: list[int] = []
+    waits: list[float] = []
+
+    def sync() -> int:
+        passes.append(1)
+        mirror._stop.set()  # the pass after this one is the last
+        return 5 if len(passes) == 1 else 0
+
+    monkeypatch.setattr(mirror, "sync", sync)
+    monkeypatch.setattr(mirror._wake, "wait", waits.append)
+    mirror._loop()
+    assert (len(passes), waits) == (2, [])
