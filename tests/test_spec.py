@@ -134,6 +134,77 @@ def test_negative_seed_and_gpus():
     one_error(with_("resources.gpus", -0.5), "resources.gpus", "greater than or equal to 0")
 
 
+# Each bound of a submitted field: the value at it is accepted, one just past it is refused
+# with one error that names the field. (path, accepted value, refused value, field)
+_RULE = {"stages": ["tune"], "workers": 2}
+FIELD_BOUNDS = [
+    ("analysis.eta_ci_log2", 8.0, 8.01, "analysis.eta_ci_log2"),
+    ("grid.lrs", {"log2_min": -7.0, "log2_max": -7.0, "step": 1.0},
+     {"log2_min": -6.0, "log2_max": -7.0, "step": 1.0}, "grid.lrs"),
+    ("grid.lrs", {"log2_min": -10.0, "log2_max": -0.01, "step": 0.01},  # 1000 LRs
+     {"log2_min": -10.0, "log2_max": 0.0, "step": 0.01}, "grid.lrs"),  # 1001
+    ("grid.seeds", list(range(64)), list(range(65)), "grid.seeds"),
+    ("grid.seeds", [2**32 - 1], [2**32], "grid.seeds[0]"),
+    ("budget.batch_exponent", 4.0, 4.01, "budget.batch_exponent"),
+    ("budget.batch_exponent", -4.0, -4.01, "budget.batch_exponent"),
+    ("search.n_trials", 10_000, 10_001, "search.n_trials"),
+    ("search.n_startup", 2, 1, "search.n_startup"),
+    ("search.prune_after", 1.0, 1.01, "search.prune_after"),
+    ("search.keep_top", 1, 0, "search.keep_top"),
+    ("resources.gpus", 1e-4, 9e-5, "resources.gpus"),
+    ("resources", {"workers": 2, "shard": True}, {"workers": 1, "shard": True},
+     "resources.shard"),
+    ("resources.workers", 512, 513, "resources.workers"),
+    ("resources.pack", 1, 0, "resources.pack"),
+    ("resources.pack", 64, 65, "resources.pack"),
+    ("resources.pack", 1, True, "resources.pack"),
+    ("resources.scale_out", [_RULE] * 8, [_RULE] * 9, "resources.scale_out"),
+    ("resources.scale_out", [{"min_params": 1e15, "workers": 2}],
+     [{"min_params": 1.01e15, "workers": 2}], "resources.scale_out[0].min_params"),
+    ("resources.scale_out", [_RULE], [{"workers": 2}], "resources.scale_out[0]"),
+    ("checkpoint.every_steps", 1, 0, "checkpoint.every_steps"),
+    ("checkpoint.every_minutes", 0.001, 0.0, "checkpoint.every_minutes"),
+    ("checkpoint.max_sweep_gb", 1e6, 1.01e6, "checkpoint.max_sweep_gb"),
+    ("arms.0.label", "a" * 100, "a" * 101, "arms[0].label"),
+    ("arms.0.label", "a~", "a\x7f", "arms[0].label"),
+    ("arms.0.label", "a-b", "a>b", "arms[0].label"),
+    ("tags", {"k": "v" * 1024}, {"k": "v" * 1025}, "tags.k"),
+    ("fixed.seq_len", 2, 1, "fixed.seq_len"),
+    ("fixed.beta1", 0.999, 1.0, "fixed.beta1"),
+    ("fixed.divergence_factor", 1.001, 1.0, "fixed.divergence_factor"),
+    ("schedule.warmup_fraction", 0.99, 1.0, "schedule.warmup_fraction"),
+    ("schedule.wsd_decay_fraction", 0.001, 0.0, "schedule.wsd_decay_fraction"),
+    ("fixed.eval_every", 1, 0, "fixed.eval_every"),
+    ("retries", 100, 101, "retries"),
+    ("tags", {f"k{i}": "v" for i in range(64)}, {f"k{i}": "v" for i in range(65)}, "tags"),
+    ("tags", {"xmlflow.run": "v"}, {"MLflow.runName": "v"}, "tags.MLflow.runName"),
+    ("search", {"method": "optuna", "n_trials": 4, "n_startup": 4},
+     {"method": "optuna", "n_trials": 4, "n_startup": 5}, "search.n_startup"),
+    ("budget", {"steps": 10, "batch_size": 2**20, "batch_rule": "scale_with_params",
+                "batch_exponent": 0.0},
+     {"steps": 10, "batch_size": 2**20, "batch_rule": "scale_with_params",
+      "batch_exponent": 0.5}, "budget.batch_exponent"),
+    ("arms.0.arch_options", {"mlp_ratio": 1}, {"mlp_ratio": 0}, "arms[0].arch_options.mlp_ratio"),
+    ("budget", {"tokens": 10**15, "batch_size": 4}, {"tokens": 10**15 + 1, "batch_size": 4},
+     "budget.tokens"),
+]
+
+
+@pytest.mark.parametrize("path, ok, bad, field", FIELD_BOUNDS,
+                         ids=[f"{p}={b!r:.20}" for p, _, b, _ in FIELD_BOUNDS])
+def test_each_bound_accepts_its_value_and_refuses_one_past_it_naming_the_field(
+        path: str, ok, bad, field: str) -> None:
+    """A value at a field's bound is accepted as given; one just past it is refused with one
+    error naming that field."""
+    assert load_spec(with_(path, ok), max_trials=10**6).model_dump()  # no SpecError
+    one_error(with_(path, bad), field, max_trials=10**6)
+
+
+def test_more_arms_than_the_cap_are_refused_as_one_error_on_arms() -> None:
+    """65 arms: one error on `arms` naming the cap of 64 (not 65 per-arm complaints)."""
+    one_error(with_("arms", [{"arch": "gpt", "parameterization": "sp"}] * 65), "arms", "64")
+
+
 def test_val_tokens_must_hold_one_window_of_seq_len():
     """Refused at submit: accepted, every trial trained to its budget and then failed at its
     first evaluation. The trial spec refuses it the same way (`hpt train`)."""
@@ -163,9 +234,10 @@ def test_nan_lr_is_rejected():
     one_error(with_("grid.lrs", [float("nan")]), "grid.lrs[0]", "finite")
 
 
-@pytest.mark.parametrize("key", ["seeds", "widths", "lrs"])
+@pytest.mark.parametrize("key", ["seeds", "widths", "lrs", "sigma_bases"])
 def test_repeated_grid_values(key):
-    values = {"seeds": [0, 1, 0], "widths": [64, 64], "lrs": [0.01, 0.01]}[key]
+    values = {"seeds": [0, 1, 0], "widths": [64, 64], "lrs": [0.01, 0.01],
+              "sigma_bases": [0.02, 0.02]}[key]
     one_error(with_(f"grid.{key}", values), f"grid.{key}", "more than once")
 
 

@@ -108,6 +108,67 @@ def test_bad_stage_specs_name_the_field(stages, field):
     assert field in [e["field"] for e in exc.value.errors], exc.value.errors
 
 
+def _check(**fields) -> dict:
+    return {"check": {"shapes": [{"width": 32, "depth": 2}], **fields}}
+
+
+def _transfer(depths: range) -> dict:
+    return {"transfer": {"shapes": [{"width": 32, "depth": d} for d in depths]}}
+
+
+# (stages accepted at a bound, stages one past it, the field the refusal names)
+STAGE_BOUNDS = [
+    (_check(log2_offsets=[-8, 0, 8]), _check(log2_offsets=[-8.01, 0, 8]),
+     "stages.check.log2_offsets"),
+    (_check(log2_offsets=[-8, 0, 8]), _check(log2_offsets=[-8, 0, 8.01]),
+     "stages.check.log2_offsets"),
+    (_check(log2_offsets=list(range(-4, 5))), _check(log2_offsets=list(range(-4, 6))),
+     "stages.check.log2_offsets"),
+    ({"check": {"shapes": [{"width": 32, "depth": d} for d in range(1, 9)]}},
+     {"check": {"shapes": [{"width": 32, "depth": d} for d in range(1, 10)]}},
+     "stages.check.shapes"),
+    ({"tune": {"extend": 4}}, {"tune": {"extend": 5}}, "stages.tune.extend"),
+    ({"tune": {"extend_lrs": 1}}, {"tune": {"extend_lrs": 0}}, "stages.tune.extend_lrs"),
+    (_transfer(range(1, 65)), _transfer(range(1, 66)), "stages.transfer.shapes"),
+    ({"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 10_000}},
+     {"tune": {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 10_001}},
+     "stages.tune.max_extra_trials"),
+]
+
+
+@pytest.mark.parametrize("ok, bad, field", STAGE_BOUNDS)
+def test_each_stage_bound_accepts_its_value_and_refuses_one_past_it(
+        ok: dict, bad: dict, field: str) -> None:
+    """At a stage field's bound the study is accepted; one past it is refused with one error
+    naming the field (a trial cap high enough that only the field's own bound can refuse)."""
+    assert load_spec(study_dict(**ok), max_trials=10**6).stages is not None
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(**bad), max_trials=10**6)
+    assert [e["field"] for e in exc.value.errors] == [field], exc.value.errors
+
+
+def test_aspect_ratio_shapes_with_three_ratios_say_the_cubic_needs_four():
+    """Three distinct width:depth ratios are refused for the ratio count itself."""
+    shapes = [{"width": 32, "depth": 2}, {"width": 64, "depth": 4}, {"width": 64, "depth": 2},
+              {"width": 96, "depth": 1}]  # ratios 16, 16, 32, 96
+    with pytest.raises(SpecError) as exc:
+        load_spec(study_dict(aspect_ratio={"shapes": shapes}))
+    (err,) = exc.value.errors
+    assert err["field"] == "stages.aspect_ratio.shapes"
+    assert err["message"].startswith("3 distinct width:depth ratios"), err
+
+
+def test_an_optuna_study_needs_three_lrs_per_shape():
+    """The tune stage fits a parabola: Optuna with n_trials 3 is accepted, 2 refused."""
+    spec = study_dict()
+    spec["search"] = {"method": "optuna", "n_trials": 3}
+    assert load_spec(spec).search.n_trials == 3
+    spec["search"]["n_trials"] = 2
+    with pytest.raises(SpecError) as exc:
+        load_spec(spec)
+    assert [e["field"] for e in exc.value.errors] == ["search.n_trials"], exc.value.errors
+
+
 def test_check_offsets_a_thousandth_of_an_octave_apart_are_accepted():
     spec = load_spec(study_dict(check={"shapes": [{"width": 32, "depth": 2}],
                                        "log2_offsets": [-0.001, 0, 0.001]}))
