@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from conftest import TINY_SPEC
 from scipy import stats
+from test_spec import one_error
 
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import ApiError, Client
@@ -142,19 +143,14 @@ def test_each_stage_bound_accepts_its_value_and_refuses_one_past_it(
     """At a stage field's bound the study is accepted; one past it is refused with one error
     naming the field (a trial cap high enough that only the field's own bound can refuse)."""
     assert load_spec(study_dict(**ok), max_trials=10**6).stages is not None
-    with pytest.raises(SpecError) as exc:
-        load_spec(study_dict(**bad), max_trials=10**6)
-    assert [e["field"] for e in exc.value.errors] == [field], exc.value.errors
+    one_error(study_dict(**bad), field, max_trials=10**6)
 
 
 def test_aspect_ratio_shapes_with_three_ratios_say_the_cubic_needs_four():
     """Three distinct width:depth ratios are refused for the ratio count itself."""
     shapes = [{"width": 32, "depth": 2}, {"width": 64, "depth": 4}, {"width": 64, "depth": 2},
               {"width": 96, "depth": 1}]  # ratios 16, 16, 32, 96
-    with pytest.raises(SpecError) as exc:
-        load_spec(study_dict(aspect_ratio={"shapes": shapes}))
-    (err,) = exc.value.errors
-    assert err["field"] == "stages.aspect_ratio.shapes"
+    err = one_error(study_dict(aspect_ratio={"shapes": shapes}), "stages.aspect_ratio.shapes")
     assert err["message"].startswith("3 distinct width:depth ratios"), err
 
 
@@ -164,9 +160,7 @@ def test_an_optuna_study_needs_three_lrs_per_shape():
     spec["search"] = {"method": "optuna", "n_trials": 3}
     assert load_spec(spec).search.n_trials == 3
     spec["search"]["n_trials"] = 2
-    with pytest.raises(SpecError) as exc:
-        load_spec(spec)
-    assert [e["field"] for e in exc.value.errors] == ["search.n_trials"], exc.value.errors
+    one_error(spec, "search.n_trials")
 
 
 def test_check_offsets_a_thousandth_of_an_octave_apart_are_accepted():
