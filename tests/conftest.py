@@ -32,10 +32,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (scripts/test.sh), before the workers start: the Ray token that a
+    """HPT_TEST_CPU_PROFILE=FILE: each test's CPU of the whole host (tests/cpu_profile.py).
+    Under pytest-xdist (scripts/test.sh), before the workers start: the Ray token that a
     new local cluster uses (~/.ray/auth_token, created by the first `ray.init` when missing).
     Two workers starting their clusters at once on a fresh machine could each write one, the
     second over the first; written once here, both clusters read the same token."""
+    if profile := os.environ.get("HPT_TEST_CPU_PROFILE"):
+        from cpu_profile import CpuProfile
+
+        config.pluginmanager.register(CpuProfile(profile), "hpt-cpu-profile")
     if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", 0):
         try:
             from ray._private.authentication.authentication_token_setup import (

@@ -79,6 +79,9 @@ def test_kills_of_every_component_and_restarts_mid_write_lose_nothing_and_repeat
     if faults >= 4:  # the first four faults are one of each kind
         assert all(int(n) >= 1 for n in kinds.values()) and len(kinds) == 4, kinds
     assert int(got["trials"].split("/")[1]) >= faults + 2  # a trial completed between events
+    # a kill landed mid-trial (of the coordinator or the worker node): its trial was really
+    # trained again, once, and still ended with one completed attempt and one FINISHED run
+    assert int(got["attempts_max"]) >= 2, proc.stdout[-2000:]
     assert got["pg_restarts"] == "2"
     # a write was in progress at a restart (its fate, aborted or committed unanswered, is
     # in the log): the restarts did not land between the coordinator's writes
