@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,14 @@ def host_busy_seconds(stat: str = "/proc/stat") -> float:
 
 
 class CpuProfile:
+    """Appends one JSON line per test to `path`."""
+
     def __init__(self, path: str) -> None:
         self.path = Path(path)
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
+    def pytest_runtest_protocol(self, item: pytest.Item,
+                                nextitem: pytest.Item | None) -> Generator[None, None, None]:
         busy, started = host_busy_seconds(), time.monotonic()
         yield
         line = {"test": item.nodeid, "cpu_s": round(host_busy_seconds() - busy, 2),
