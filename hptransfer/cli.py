@@ -108,12 +108,13 @@ def cmd_flops(a: argparse.Namespace) -> int:
 
 @command("coordcheck")
 def cmd_coordcheck(a: argparse.Namespace) -> int:
-    from hptransfer.coordcheck import format_table, run_coordcheck, save_plot
-
     p = _parameterization(a)
     plot = a.plot or str(_default_coordcheck_plot(a, p))
     if Path(plot).is_dir():  # found before the check runs, not after
         raise ValueError(f"--plot {plot} is a directory; give the PNG file's path")
+    # torch and the models after the checks: a refusal comes at once, not ~2.5 CPU-s later
+    from hptransfer.coordcheck import format_table, run_coordcheck, save_plot
+
     result = run_coordcheck(
         axis=a.axis, arch=a.arch, parameterization=p.name, alpha=a.alpha, sizes=a.sizes,
         fixed=a.fixed, steps=a.steps, lr=a.lr, batch_size=a.batch_size, seq_len=a.seq_len,

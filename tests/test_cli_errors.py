@@ -638,6 +638,19 @@ def test_a_home_that_is_no_directory_is_one_line_before_anything_starts(tmp_path
         assert out.stderr.rstrip().endswith("; set HPT_HOME to a writable directory")
 
 
+def test_coordcheck_refuses_a_home_before_it_imports_torch(tmp_path):
+    """The refusal is one line at once: importing torch first cost ~2.5 CPU-s before it."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    probe = ("import sys; from hptransfer.cli import main; "
+             "code = main(['coordcheck', '--steps', '1', '--sizes', '8,16']); "
+             "print(code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "HPT_HOME": str(afile)}, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert "HPT_HOME cannot be used" in out.stderr
+
+
 def test_an_app_database_nobody_answers_at_is_one_line_before_ray(tmp_path):
     """It started Ray, then printed 138 lines with two tracebacks after 11 s."""
     url = f"postgresql://hpt@127.0.0.1:{_closed_port()}/db"

@@ -250,9 +250,10 @@ def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, t
     sizes: list[int] = []
     real_batch = MlflowClient.log_batch
 
-    def log_batch(self: MlflowClient, run_id: str, metrics: Any = (), *a: Any, **kw: Any) -> Any:
-        sizes.append(len(metrics))
-        return real_batch(self, run_id, metrics, *a, **kw)
+    def log_batch(self: MlflowClient, run_id: str, metrics: Any = (), params: Any = (),
+                  tags: Any = (), **kw: Any) -> Any:
+        sizes.append(len(metrics) + len(params) + len(tags))  # MLflow's limit counts them all
+        return real_batch(self, run_id, metrics, params, tags, **kw)
 
     monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
     sid = new_sweep(store, (2**-8,))
@@ -270,7 +271,7 @@ def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, t
     store.refresh_sweep_status(sid)
     sizes.clear()
     mirror.sync()
-    assert max(sizes) <= 1000  # curves go in log_batch calls of at most 1000 metrics
+    assert max(sizes) <= 1000  # curves go in log_batch calls of at most 1000 entities
     experiment_id = store.get_sweep(sid).mlflow_experiment_id
     first = snapshot(client, experiment_id)
     for key in ("train_loss", "val_loss", "lr", "tokens"):  # live + final: each point once
@@ -288,6 +289,48 @@ def test_sync_twice_and_live_points_add_nothing(store: Store, mlflow_uri: str, t
     assert store.mirror_backlog() == 0
     assert snapshot(client, experiment_id) == first
     assert store.get_trial(t.id).mlflow_run_id == run_id
+
+
+def test_a_pass_writes_each_runs_queued_points_and_its_end_in_one_call(
+        store: Store, mlflow_uri: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """Live points queued by several drains of the progress board go to MLflow in one
+    log_batch per run, and a finished attempt's status tags travel with its curve: each
+    call is a round trip and a transaction (an HTTP request to a tracking server)."""
+    calls: list[tuple[str, int, int, int]] = []  # run, metrics, params, tags
+    real_batch = MlflowClient.log_batch
+
+    def log_batch(self: MlflowClient, run_id: str, metrics: Any = (), params: Any = (),
+                  tags: Any = (), **kw: Any) -> Any:
+        calls.append((run_id, len(metrics), len(params), len(tags)))
+        return real_batch(self, run_id, metrics, params, tags, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    new_sweep(store, (2**-8, 2**-6))
+    mirror = mirror_of(store, mlflow_uri, tmp_path)
+    mirror.sync()
+    trials = store.lease_pending("coord", 2)
+    mirror.sync()
+    points = curve(30, val_every=1)  # 4 metrics a step
+    for i in range(0, 30, 10):  # three drains, each with both trials' new points
+        for t in trials:
+            mirror.live(t.id, t.started_at, points[i:i + 10])
+    calls.clear()
+    mirror.sync()
+    runs = [store.get_trial(t.id).mlflow_run_id for t in trials]
+    assert sorted(calls) == sorted((run, 4 * 30, 0, 0) for run in runs)
+    client = MlflowClient(mlflow_uri)
+    for run in runs:
+        assert [s for s, _ in history(client, run, "val_loss")] == list(range(1, 31))
+
+    done = trials[0]
+    store.finish_trial(done.id, "completed", result("completed", 2**-8, points))
+    calls.clear()
+    mirror.sync()
+    mine = [c for c in calls if c[0] == runs[0]]
+    # the param table (apart: MLflow may refuse a param alone), then tags with the curve
+    assert [(m > 0, p > 0, t > 0) for _, m, p, t in mine] == [(False, True, False),
+                                                              (True, False, True)]
+    assert client.get_run(runs[0]).data.tags["hpt.status"] == "completed"
 
 
 def test_mlflow_down_loses_nothing_and_catches_up(store: Store, mlflow_uri: str,

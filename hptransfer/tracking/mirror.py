@@ -362,7 +362,6 @@ class Mirror:
             tags["hpt.error"] = str(a.error)[-ERROR_TAIL:]
         self._tolerant("trial table params", lambda: self._log_batch(
             run_id, params=table_params(table)))
-        self._log_batch(run_id, tags=tags)
         start = _ms(a.started_at) or 0
         curve = list(result.get("curve") or [])
         metrics = _curve_metrics(curve, start)
@@ -376,7 +375,7 @@ class Mirror:
             value = to_float(result.get(key))
             if value is not None and in_curve.get((key, final_step)) != value:
                 metrics.append(Metric(key, value, start + final_step + 1, final_step))
-        self._log_metrics(run_id, metrics)
+        self._log_metrics(run_id, metrics, tags=tags)  # one call where the curve fits in one
         if table:
             text = json.dumps(table, indent=2, sort_keys=True, default=str)
             self._tolerant("param table", lambda: c.log_text(run_id, text, "param_table.json"))
@@ -384,8 +383,13 @@ class Mirror:
                          end_time=_ms(a.finished_at))
 
     def _log_live(self) -> None:
+        # every batch queued since the last pass, one write per run: a write costs MLflow
+        # about the same for one point as for a thousand (a round trip, a transaction)
+        queued: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
         while self._live:
             trial_id, start, points = self._live.popleft()
+            queued.setdefault((trial_id, start), []).extend(points)
+        for (trial_id, start), points in queued.items():
             known = self._runs.get(trial_id)
             if known is None or known[1] != start:  # no run yet: points dropped
                 continue
@@ -401,10 +405,20 @@ class Mirror:
                             "points are dropped", trial_id, type(exc).__name__, str(exc)[:300])
 
     # writes ---------------------------------------------------------------------------
-    def _log_metrics(self, run_id: str, metrics: list[Any]) -> None:
-        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            self.client().log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH],
-                                    synchronous=True)
+    def _log_metrics(self, run_id: str, metrics: list[Any],
+                     tags: Mapping[str, str] | None = None) -> None:
+        """`metrics` in batches MLflow takes (its limit counts every entity of a call);
+        `tags` with the first."""
+        from mlflow.entities import RunTag
+
+        first = [RunTag(k, v) for k, v in mlflow_tags(tags or {}).items()]
+        room = MAX_METRICS_PER_BATCH - len(first)
+        batches = [metrics[:room]] + [metrics[i:i + MAX_METRICS_PER_BATCH]
+                                      for i in range(room, len(metrics), MAX_METRICS_PER_BATCH)]
+        for i, batch in enumerate(batches):
+            if batch or (i == 0 and first):
+                self.client().log_batch(run_id, metrics=batch, tags=first if i == 0 else [],
+                                        synchronous=True)
 
     def _log_batch(self, run_id: str, params: Mapping[str, str] | None = None,
                    tags: Mapping[str, str] | None = None) -> None:
