@@ -383,8 +383,8 @@ class Mirror:
                          end_time=_ms(a.finished_at))
 
     def _log_live(self) -> None:
-        # every batch queued since the last pass, one write per run: a write costs MLflow
-        # about the same for one point as for a thousand (a round trip, a transaction)
+        # every batch queued since the last pass, one write per run: each write is a round
+        # trip and a transaction, whatever it carries
         queued: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
         while self._live:
             trial_id, start, points = self._live.popleft()
