@@ -3,8 +3,8 @@
 A sweep of N real trial results (one tiny trial trained here, its result given to every row)
 goes through the app database (SQLite) and `Mirror` into a SQLite MLflow store, as `hpt
 serve` runs it: each attempt leased and mirrored, its live curve queued by D drains of the
-progress board between two passes, then finished and mirrored. Counted: MLflow client calls
-(log_batch apart) per attempt, and the mirror's CPU per attempt. The baseline, measured in
+progress board between two passes, then finished and mirrored. Counted per attempt: MLflow
+client calls (and `log_batch` calls among them), and the mirror's CPU. The baseline, measured in
 the same run on the same store: one bare `log_batch` of one metric. Against a tracking server
 every call is also an HTTP round trip, so calls per attempt is the figure that carries over.
 
