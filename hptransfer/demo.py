@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from hptransfer.api.server import serve_in_thread
-from hptransfer.client import Client
+from hptransfer.client import Client, read_spec_file
 from hptransfer.config import get_settings
+from hptransfer.spec import load_spec
 from hptransfer.tracking.tracking import UI_HOST, UI_PORT, ui_url
 
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "cpu_study.yaml"
@@ -58,12 +59,15 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     settings = get_settings()
     spec_path = spec_path or str(DEFAULT_SPEC)
+    # a missing, broken or invalid spec is refused before Ray starts (seconds of CPU)
+    spec = read_spec_file(spec_path)
+    load_spec(spec)
     out = Path(out_dir) if out_dir else settings.home / "demo"
     out.mkdir(parents=True, exist_ok=True)
     print(f"hptransfer demo: data dir {settings.home}, spec {spec_path}")
     t0 = time.time()
     with serve_in_thread(settings) as url, Client(url, token=settings.api_token) as client:
-        sweep = client.submit(spec_path)
+        sweep = client.submit(spec)
         print(f"sweep {sweep['id']}: {sweep['total']} trials, running on Ray ...")
         sweep = client.wait(sweep["id"])
         df = client.trials(sweep["id"])

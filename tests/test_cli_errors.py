@@ -651,6 +651,23 @@ def test_coordcheck_refuses_a_home_before_it_imports_torch(tmp_path):
     assert "HPT_HOME cannot be used" in out.stderr
 
 
+@pytest.mark.parametrize("written, said", [
+    (None, "no such file"), ("name: x\n", "arms: required field is missing")])
+def test_demo_refuses_a_spec_before_it_starts_ray(tmp_path, written, said):
+    """`hpt demo --spec` on a missing or invalid file printed its banner and started the API
+    and Ray (~5 CPU-s) before the submit said why."""
+    spec = tmp_path / "study.yaml"
+    if written is not None:
+        spec.write_text(written)
+    probe = ("import sys, ray; from hptransfer.cli import main; "
+             f"code = main(['demo', '--spec', {str(spec)!r}]); "
+             "print(code, ray.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "HPT_HOME": str(tmp_path / "home")}, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+    assert out.stderr.startswith("hpt demo: error: ") and said in out.stderr, out.stderr
+
+
 def test_an_app_database_nobody_answers_at_is_one_line_before_ray(tmp_path):
     """It started Ray, then printed 138 lines with two tracebacks after 11 s."""
     url = f"postgresql://hpt@127.0.0.1:{_closed_port()}/db"
