@@ -659,7 +659,7 @@ def test_demo_refuses_a_spec_before_it_starts_ray(tmp_path, written, said):
     spec = tmp_path / "study.yaml"
     if written is not None:
         spec.write_text(written)
-    probe = ("import sys, ray; from hptransfer.cli import main; "
+    probe = ("import ray; from hptransfer.cli import main; "
              f"code = main(['demo', '--spec', {str(spec)!r}]); "
              "print(code, ray.is_initialized())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
