@@ -409,25 +409,28 @@ class Mirror:
                      tags: Mapping[str, str] | None = None) -> None:
         """`metrics` in batches MLflow takes (its limit counts every entity of a call);
         `tags` with the first."""
-        from mlflow.entities import RunTag
-
-        first = [RunTag(k, v) for k, v in mlflow_tags(tags or {}).items()]
-        room = MAX_METRICS_PER_BATCH - len(first)
-        batches = [metrics[:room]] + [metrics[i:i + MAX_METRICS_PER_BATCH]
-                                      for i in range(room, len(metrics), MAX_METRICS_PER_BATCH)]
-        for i, batch in enumerate(batches):
-            if batch or (i == 0 and first):
-                self.client().log_batch(run_id, metrics=batch, tags=first if i == 0 else [],
-                                        synchronous=True)
+        pending = _run_tags(tags)
+        start = 0
+        while pending or start < len(metrics):
+            end = start + MAX_METRICS_PER_BATCH - len(pending)
+            self.client().log_batch(run_id, metrics=metrics[start:end], tags=pending,
+                                    synchronous=True)
+            pending, start = [], end
 
     def _log_batch(self, run_id: str, params: Mapping[str, str] | None = None,
                    tags: Mapping[str, str] | None = None) -> None:
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         p = [Param(k, v) for k, v in (params or {}).items()]
-        t = [RunTag(k, v) for k, v in mlflow_tags(tags or {}).items()]
+        t = _run_tags(tags)
         if p or t:
             self.client().log_batch(run_id, params=p, tags=t, synchronous=True)
+
+
+def _run_tags(tags: Mapping[str, str] | None) -> list[Any]:
+    from mlflow.entities import RunTag
+
+    return [RunTag(k, v) for k, v in mlflow_tags(tags or {}).items()]
 
 
 def _curve_metrics(points: list[dict[str, Any]], start_ms: int) -> list[Any]:
