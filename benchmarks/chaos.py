@@ -74,11 +74,18 @@ UP, DOWN = ROOT / "scripts" / "cluster_up.sh", ROOT / "scripts" / "cluster_down.
 KINDS = ("coordinator", "ray-worker", "mlflow", "postgres")
 PG_RESTART = "pg-restart"
 # a transaction of the coordinator (its database, not this script's watcher) that has written
-# (an XID is assigned at the first write) and has not ended
-WRITING = ("SELECT pid, backend_xid::text, state, left(regexp_replace(query, '\\s+', ' ', 'g'), "
-           "70) FROM pg_stat_activity WHERE datname = current_database() "
-           "AND backend_xid IS NOT NULL AND pid <> pg_backend_pid() "
-           "AND application_name NOT LIKE 'hpt-chaos%'")
+# (an XID is assigned at the first write) and has not ended, with the tables it wrote (a
+# lease, a result, ...): read in the same query, before the backend is frozen, because a
+# backend stopped while it holds a lock-manager LWLock (parsing its next statement, as seen
+# once) hangs every later read of pg_locks
+WRITING = ("SELECT a.pid, a.backend_xid::text, a.state, "
+           "left(regexp_replace(a.query, '\\s+', ' ', 'g'), 70), "
+           "ARRAY(SELECT DISTINCT c.relname::text FROM pg_locks l JOIN pg_class c "
+           "ON c.oid = l.relation WHERE l.pid = a.pid AND c.relkind = 'r' "
+           "AND l.mode = 'RowExclusiveLock' ORDER BY 1) "
+           "FROM pg_stat_activity a WHERE a.datname = current_database() "
+           "AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() "
+           "AND a.application_name NOT LIKE 'hpt-chaos%'")
 LRS = [2**-10, 2**-9, 2**-8, 2**-7]
 LIVE = ("pending", "running")  # a sweep not yet ended
 
@@ -209,15 +216,11 @@ class Storm:
                 caught = conn.execute(WRITING).fetchone()
                 if caught:
                     # frozen at once, that backend cannot commit before the restart lands
-                    # (a poll takes longer than the coordinator's short transactions)
+                    # (a poll takes longer than the coordinator's short transactions); no
+                    # query follows the freeze (WRITING's comment)
                     _signal(caught[0], signal.SIGSTOP)
                     break
                 time.sleep(0.002)
-            if caught:  # the tables it wrote: what the write was (a lease, a result, ...)
-                tables = sorted(r[0] for r in conn.execute(
-                    "SELECT DISTINCT c.relname FROM pg_locks l JOIN pg_class c "
-                    "ON c.oid = l.relation WHERE l.pid = %s AND c.relkind = 'r' "
-                    "AND l.mode = 'RowExclusiveLock'", (caught[0],)))
         finally:
             conn.close()
         os.kill(pid, signal.SIGQUIT)
@@ -230,7 +233,7 @@ class Storm:
         self.up(*up_args)
         out: dict[str, Any] = {"query": caught[3] if caught else None, "fate": None,
                                "state": caught[2] if caught else None,
-                               "tables": tables if caught else []}
+                               "tables": list(caught[4]) if caught else []}
         if caught:
             out["fate"] = self.fate(int(caught[1]))
         return out

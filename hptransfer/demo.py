@@ -12,6 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from hptransfer.api.server import serve_in_thread
 from hptransfer.client import Client, read_spec_file
@@ -51,6 +52,25 @@ def search_cost(df, spec_path: str) -> str:
             f"({n_lrs} LRs x {len(full)} shapes = {grid:.4g}); {len(pruned)} trials pruned")
 
 
+def planned_line(plan: dict[str, Any]) -> str:
+    """The plan's price of the sweep's wall time, as the demo prints it before submitting."""
+    t = plan["total"]
+    if t["wall_s"] is None:
+        return "hpt plan: no wall time (the trials cannot run on this cluster)"
+    return (f"hpt plan: {t['planned']}-{t['trials']} trials, {t['wall_s_planned']:.1f}-"
+            f"{t['wall_s']:.1f} s of wall time (throughput: {plan['throughput']['detail']})")
+
+
+def against_plan(seconds: float, plan: dict[str, Any]) -> str:
+    """The sweep's measured wall time (submit to its end) over the plan's two figures."""
+    t = plan["total"]
+    if not t["wall_s"] or not t["wall_s_planned"]:
+        return f"took {seconds:.1f} s from submit; the plan gave no wall time"
+    return (f"took {seconds:.1f} s from submit: {seconds / t['wall_s_planned']:.2f}x the "
+            f"plan's {t['wall_s_planned']:.1f} s without extension rounds, "
+            f"{seconds / t['wall_s']:.2f}x its {t['wall_s']:.1f} s at most")
+
+
 def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     # the demo's output is the sweep; Ray's start-up chatter is not
     for noisy in ("ray", "mlflow", "alembic"):
@@ -67,12 +87,19 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     print(f"hptransfer demo: data dir {settings.home}, spec {spec_path}")
     t0 = time.time()
     with serve_in_thread(settings) as url, Client(url, token=settings.api_token) as client:
+        # priced by a micro-run measured now, so the comparison below meets the host's
+        # speed of this hour (a cached calibration may come from an idler or busier one)
+        plan = client.plan(spec, calibrate=True)
+        print(planned_line(plan), flush=True)
+        submitted = time.time()
         sweep = client.submit(spec)
         print(f"sweep {sweep['id']}: {sweep['total']} trials, running on Ray ...")
         sweep = client.wait(sweep["id"])
+        took = time.time() - submitted
         df = client.trials(sweep["id"])
         print(f"\nsweep {sweep['status']} in {time.time() - t0:.0f} s: "
               + ", ".join(f"{k} {v}" for k, v in sweep["counts"].items() if v))
+        print(against_plan(took, plan))
         if sweep.get("error"):
             print(f"{sweep['status']}: {sweep['error']}")
         if sweep.get("stages"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,20 @@ def test_demo_end_to_end(hpt_home, ray_cluster, tiny_spec, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "best LR per shape" in text
     assert "Optimal LR per shape" in text  # the fit report
+    # priced first by a fresh micro-run, then measured against that price
+    num = r"(\d+(?:\.\d)?)"
+    planned = re.search(rf"hpt plan: (\d+)-(\d+) trials, {num}-{num} s of wall time "
+                        r"\(throughput: a micro-run", text)
+    assert planned, text
+    took = re.search(rf"took {num} s from submit: ([\d.]+)x the plan's {num} s without "
+                     rf"extension rounds, ([\d.]+)x its {num} s at most", text)
+    assert took, text
+    seconds, low, high = float(took[1]), float(took[3]), float(took[5])
+    assert (low, high) == (float(planned[3]), float(planned[4])) and 0 < low <= high
+    for ratio, wall in ((float(took[2]), low), (float(took[4]), high)):
+        # each printed figure rounded: the ratio within the bounds that rounding leaves
+        assert (seconds - 0.05) / (wall + 0.05) - 0.005 <= ratio, (ratio, seconds, wall)
+        assert ratio <= (seconds + 0.05) / max(wall - 0.05, 1e-9) + 0.005, (ratio, seconds, wall)
     index = Path(out_dir) / "index.html"
     assert index.exists() and "plotly" in index.read_text()[:200_000].lower()
     # the sweep's experiment in the home's MLflow store, beside MLflow's Default
