@@ -179,6 +179,34 @@ def test_the_cpu_plan_says_its_micro_run_and_packs_small_shapes(client, tiny_spe
     assert client.get("/sweeps").json() == []
 
 
+def test_a_grid_of_diverging_lrs_is_still_priced(client, tiny_spec):
+    # the micro-run times its steps at a small LR: a step costs the same at any LR, and at
+    # the sweep's own (SP at lr 64 diverges at once) the timing trials stopped early: a 500
+    tiny_spec["arms"] = [{"arch": "gpt", "parameterization": "sp"}]
+    tiny_spec["grid"]["lrs"] = [64.0]
+    r = client.post("/sweeps", json=tiny_spec, params={"dry_run": "true"})
+    assert r.status_code == 200, r.text
+    assert r.json()["throughput"]["source"] == "micro-run" and r.json()["total"]["wall_s"] > 0
+
+
+def test_a_micro_run_that_cannot_train_is_a_422_naming_the_arm(client, tiny_spec, monkeypatch):
+    # a shape whose trials fail (here: every trial's forward raises) cannot be priced, and
+    # would not train: the plan says so instead of a 500
+    from hptransfer.models import gpt
+
+    def broken(*args, **kwargs):
+        raise FloatingPointError("a forward that cannot run")
+
+    monkeypatch.setattr(gpt.GPT, "forward", broken)
+    r = client.post("/sweeps", json=tiny_spec, params={"dry_run": "true", "calibrate": "true"})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["errors"]
+    assert err["field"] == "arms", err
+    assert ("the micro-run that prices this sweep could not train its first arm at 32x1 "
+            "for 24 steps") in err["message"], err
+    assert "a forward that cannot run" in err["message"], err
+
+
 def test_scaled_out_trials_are_priced_per_worker(client):
     """A rule giving the ladder's top 4 workers: each holds the whole AdamW state and a
     quarter of the batch's activations; admission names the rule when a batch is smaller

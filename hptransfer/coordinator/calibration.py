@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hptransfer.spec import SweepSpec
+from hptransfer.spec import SpecError, SweepSpec
 from hptransfer.spec.trial import TrialSpec, sequences_per_pass
 from hptransfer.workers.peaks import PEAK_BF16
 
@@ -44,6 +44,9 @@ ASSUMED_GPU = "H100"  # priced against when the cluster names no GPU
 DDP_EFFICIENCY = 0.9  # data-parallel compute per worker against one process (not measured)
 MICRO_STEPS = 24  # optimizer steps of each micro-run trial
 CACHE_DAYS = 7.0  # a micro-run older than this is measured again
+# a step costs the same at any LR; a small one keeps a timing trial from diverging (and
+# stopping early) where the sweep's own LRs would
+TIMING_LR = 2.0**-12
 
 
 @dataclass(frozen=True)
@@ -231,16 +234,18 @@ def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, fl
     from hptransfer.workers.trainer import run_trial
 
     arm = spec.arms[0]
-    trial = spec.trial_spec(arm, width, depth, spec.grid.lr_values()[0],
-                            spec.grid.sigma_bases[0], spec.grid.seeds[0])
+    lr = min(TIMING_LR, *spec.grid.lr_values())
+    trial = spec.trial_spec(arm, width, depth, lr, spec.grid.sigma_bases[0], spec.grid.seeds[0])
     trial = trial.model_copy(update={
         "budget": Budget(steps=MICRO_STEPS), "device": "cpu", "eval_every": 10**6,
         "data": trial.data.model_copy(update={"source": "stdlib", "tokenizer": "byte",
                                               "vocab_size": None})})
     result = run_trial(trial)
-    if result.status != "completed":
-        raise RuntimeError(f"the micro-run's trial at {width}x{depth} did not complete: "
-                           f"{result.status} {(result.error or '')[:300]}")
+    if result.status != "completed":  # the sweep's trials would not train either: a 422
+        raise SpecError([{"field": "arms", "message": (
+            f"the micro-run that prices this sweep could not train its first arm at "
+            f"{width}x{depth} for {MICRO_STEPS} steps at lr {lr:g} ({result.status}: "
+            f"{(result.error or 'no error given')[:300]}); its trials would fail alike")}])
     layer_passes = result.steps * passes_per_step(trial.batch_size, trial.micro_batch_size) * depth
     return result.wall_time_s, float(layer_passes), result.flops
 
