@@ -24,7 +24,7 @@ from hptransfer.coordinator.calibration import (
     passes_per_step,
     peak_throughput,
 )
-from hptransfer.spec import load_spec
+from hptransfer.spec import SpecError, load_spec
 from hptransfer.store.schema import Base, Trial
 
 # ---- the time formula and a step's passes
@@ -199,6 +199,33 @@ def test_the_micro_run_times_the_cheapest_costliest_deepest_and_widest_cheap_sha
     assert micro_shapes(load_spec(tiny_spec)) == [(32, 1), (32, 2), (32, 6)]
 
 
+def test_fillers_keep_to_the_sweeps_settings_and_the_bound(tiny_spec):
+    # value embeddings 2 need depth >= 3: a 1-deep filler is invalid for this arm, so the
+    # fillers start at the sweep's shallowest depth (4); every shape is too costly to time
+    tiny_spec["arms"] = [{"parameterization": "sp", "arch_options": {"value_embeddings": 2}}]
+    tiny_spec["grid"].update(widths=[1024], depths=[4])
+    tiny_spec["budget"] = {"steps": 1, "batch_size": 8}  # 256 tokens a step
+    assert micro_shapes(load_spec(tiny_spec)) == [(32, 4), (32, 9), (128, 4)]
+    # at head size 256 a filler 4 heads wide (1024x4: ~7.7e10 FLOPs a step) is over the
+    # fillers' bound (4e10): left out
+    tiny_spec["fixed"]["head_dim"] = 256
+    assert micro_shapes(load_spec(tiny_spec)) == [(256, 4), (256, 9)]
+
+
+def test_a_sweep_none_of_whose_shapes_can_be_timed_is_a_spec_error(tiny_spec):
+    # a batch rule that gives smaller shapes larger batches: a filler's batch is out of
+    # bounds (a ValidationError, once a 500), the sweep's own shape too costly to time
+    tiny_spec["grid"].update(widths=[512], depths=[8])
+    tiny_spec["fixed"].update(base_width=1024, base_depth=16, micro_batch_size=8,
+                              head_dim=32)
+    tiny_spec["budget"] = {"steps": 1, "batch_size": 16, "batch_rule": "scale_with_params",
+                           "batch_exponent": -2.0}
+    with pytest.raises(SpecError) as e:
+        micro_shapes(load_spec(tiny_spec))
+    (err,) = e.value.errors
+    assert err["field"] == "grid" and "no shape of this sweep can be timed" in err["message"]
+
+
 def _fake_trials(monkeypatch, seconds_of) -> list[tuple[int, int]]:
     """Replace the micro-run's trials: (seconds, layer passes, FLOPs) by `seconds_of`, every
     other call 1.5x slower (a noisy host), and each call recorded."""
@@ -238,6 +265,15 @@ def test_the_micro_run_fits_the_faster_run_of_each_shape_and_is_cached(
     # refresh (`hpt plan --calibrate`) measures again
     micro_run(spec, hpt_home, refresh=True)
     assert len(calls) == 21
+    # a first arm of another architecture, or another batch rule, trains other steps: its
+    # own measurement, not the cached one
+    for change in ({"arms": [{"arch": "ngpt", "parameterization": "ngpt"}]},
+                   {"arms": [{"parameterization": "completep",
+                              "arch_options": {"value_embeddings": 1}}]},
+                   {"budget": {**tiny_spec["budget"], "batch_rule": "scale_with_params"}}):
+        before = len(calls)
+        micro_run(load_spec({**tiny_spec, **change}), hpt_home)
+        assert len(calls) == before + 7, change
 
 
 def test_a_micro_run_whose_flops_get_no_rate_takes_their_rate_over_all_the_time(

@@ -157,47 +157,73 @@ def peak_throughput(gpu: str | None, mfu: float = DEFAULT_MFU) -> Throughput:
 
 
 MICRO_STEP_FLOPS = 4e9  # the largest shape a micro-run times: ~0.1-0.2 s a step on a core
+# the costliest filler it times where the sweep's own shapes are all too costly (a filler is
+# already as small as the settings allow): ~1-2 s a step, a plan of a minute or two
+MAX_FILLER_STEP_FLOPS = 10 * MICRO_STEP_FLOPS
 
 
 def micro_shapes(spec: SweepSpec) -> list[tuple[int, int]]:
     """Up to four of the sweep's own shapes cheap enough to time (at most MICRO_STEP_FLOPS
     a step): the cheapest, the costliest, the deepest and the widest, so that the fit
-    interpolates where the sweep trains; small shapes at its head size fill in where
-    fewer than three are cheap enough (a large sweep on a CPU)."""
-    from hptransfer.models.flops import flops_per_token
-
+    interpolates where the sweep trains; small shapes at its head size and its shallowest
+    depth fill in where fewer than three are cheap enough (a large sweep on a CPU), if the
+    sweep's settings allow them (a batch rule, value embeddings) and each step costs at
+    most MAX_FILLER_STEP_FLOPS.
+    A sweep none of whose shapes can be timed is a SpecError."""
     from .admission import stage_shapes
 
-    vocab = spec.model_vocab_size()
-    arm, lr = spec.arms[0], spec.grid.lr_values()[0]
-    cheap: dict[tuple[int, int], float] = {}
-    for s in stage_shapes(spec):
-        trial = spec.trial_spec(arm, s.width, s.depth, lr, spec.grid.sigma_bases[0],
-                                spec.grid.seeds[0])
-        cfg = trial.model_config_obj(vocab_size=vocab)
-        step = flops_per_token(cfg, trial.seq_len).training * trial.batch_size * trial.seq_len
-        if step <= MICRO_STEP_FLOPS:
-            cheap[(s.width, s.depth)] = step
+    own = list(dict.fromkeys((s.width, s.depth) for s in stage_shapes(spec)))
+    cheap = {shape: step for shape in own
+             if (step := _step_flops(spec, *shape)) is not None and step <= MICRO_STEP_FLOPS}
     picks = [min(cheap, key=cheap.__getitem__), max(cheap, key=cheap.__getitem__),
              max(cheap, key=lambda k: (k[1], -k[0])),
              max(cheap, key=lambda k: (k[0], -k[1]))] if cheap else []
-    h = spec.fixed.head_dim
+    h, d0 = spec.fixed.head_dim, min(depth for _, depth in own)
     shapes = list(dict.fromkeys(picks))
-    for filler in [(h, 1), (h, 6), (4 * h, 1)]:
+    for filler in [(h, d0), (h, d0 + 5), (4 * h, d0)]:
         if len(shapes) >= 3:
             break
-        if filler not in shapes:
+        step = _step_flops(spec, *filler)
+        if filler not in shapes and step is not None and step <= MAX_FILLER_STEP_FLOPS:
             shapes.append(filler)
+    if not shapes:
+        raise SpecError([{"field": "grid", "message": (
+            f"no shape of this sweep can be timed on this host's CPU to price it: a step of "
+            f"each of its shapes costs more than {MICRO_STEP_FLOPS:g} FLOPs, and one of "
+            f"{h}-wide shapes at its head size more than {MAX_FILLER_STEP_FLOPS:g} or is "
+            "refused by its settings (batch rule, arm options); price it for a GPU cluster "
+            "(fixed.device: cuda) or with smaller shapes or batches")}])
     return shapes
+
+
+def _step_flops(spec: SweepSpec, width: int, depth: int) -> float | None:
+    """Training FLOPs of one optimizer step of the sweep's first arm at width x depth, or
+    None where its settings refuse that shape (its trial spec does not validate)."""
+    from hptransfer.models.flops import flops_per_token
+
+    try:
+        trial = spec.trial_spec(spec.arms[0], width, depth, spec.grid.lr_values()[0],
+                                spec.grid.sigma_bases[0], spec.grid.seeds[0])
+    except ValueError:  # pydantic's ValidationError: e.g. a batch rule's batch out of bounds
+        return None
+    cfg = trial.model_config_obj(vocab_size=spec.model_vocab_size())
+    return flops_per_token(cfg, trial.seq_len).training * trial.batch_size * trial.seq_len
 
 
 def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
     """A few short trials of the sweep's settings on this host's CPU (MICRO_STEPS steps
     each, at `micro_shapes`), fitted; cached under `home`/calibration by settings and host
     for CACHE_DAYS."""
+    # what the timed trials train: the first arm's architecture (its per-layer cost) and
+    # each shape's batch (the batch rule)
+    arm = spec.arms[0]
     key = settings_key(spec, "cpu") | {"host": platform.node(), "cpus": os.cpu_count(),
                                        "batch": spec.budget.batch_size,
-                                       "micro_batch": spec.fixed.micro_batch_size}
+                                       "batch_rule": spec.budget.batch_rule,
+                                       "batch_exponent": spec.budget.batch_exponent,
+                                       "micro_batch": spec.fixed.micro_batch_size,
+                                       "arch": arm.arch,
+                                       "arch_options": arm.arch_options.model_dump(mode="json")}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = home / "calibration" / f"cpu-{digest}.json"
     if not refresh and path.is_file():
