@@ -226,6 +226,39 @@ def test_a_sweep_none_of_whose_shapes_can_be_timed_is_a_spec_error(tiny_spec):
     assert err["field"] == "grid" and "no shape of this sweep can be timed" in err["message"]
 
 
+def test_a_micro_run_trains_on_at_most_this_hosts_cores(tiny_spec, monkeypatch):
+    # a task of 1024 CPUs gets 1024 torch threads; timed on a 2-core API host they took
+    # minutes and measured their contention: the micro-run takes the host's cores at most
+    from hptransfer.workers import trainer
+
+    seen = []
+
+    def record(trial):
+        seen.append(trial.num_threads)
+        return trainer.TrialResult(status="completed", steps=1, flops=1.0, wall_time_s=1.0)
+
+    monkeypatch.setattr(trainer, "run_trial", record)
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: 2)
+    for cpus, threads in ((1024, 2), (2, 2), (1, 1)):
+        tiny_spec["resources"] = {"cpus": cpus}
+        calibration._time_one(load_spec(tiny_spec), 32, 1)
+        assert seen[-1] == threads, (cpus, seen)
+
+
+def test_a_failed_micro_run_names_the_error_without_its_traceback(tiny_spec, monkeypatch):
+    from hptransfer.workers import trainer
+
+    error = ("RuntimeError: a tensor of the wrong size\nTraceback (most recent call last):\n"
+             '  File "/srv/hptransfer/workers/trainer.py", line 84, in run_trial\n')
+    monkeypatch.setattr(trainer, "run_trial", lambda trial: trainer.TrialResult(
+        status="failed", error=error))
+    with pytest.raises(SpecError) as e:
+        calibration._time_one(load_spec(tiny_spec), 32, 1)
+    (err,) = e.value.errors
+    assert "(failed: RuntimeError: a tensor of the wrong size)" in err["message"], err
+    assert "Traceback" not in err["message"] and "/srv" not in err["message"]
+
+
 def _fake_trials(monkeypatch, seconds_of) -> list[tuple[int, int]]:
     """Replace the micro-run's trials: (seconds, layer passes, FLOPs) by `seconds_of`, every
     other call 1.5x slower (a noisy host), and each call recorded."""

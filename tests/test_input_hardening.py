@@ -82,6 +82,23 @@ def test_case8_sizes_have_named_bounds(client, tiny_spec, section, key, value, f
     assert nothing_stored(client)
 
 
+@pytest.mark.parametrize("arm", [{"arch": "gpt", "parameterization": "completep"},
+                                 {"arch": "ngpt", "parameterization": "ngpt"}])
+def test_an_odd_head_size_with_rope_is_refused_at_submit(client, tiny_spec, arm):
+    # RoPE rotates pairs of a head's dimensions: at head_dim 1 (or 3 at width 33) every trial
+    # failed in its first forward, after the sweep was stored (and a GPU plan priced it)
+    tiny_spec["arms"] = [arm]
+    tiny_spec["fixed"]["head_dim"] = 1
+    r = client.post("/sweeps", json=tiny_spec)
+    assert r.status_code == 422, r.text
+    assert "head_dim must be even with position 'rope'" in r.text
+    assert client.get("/sweeps").json() == []
+    # ALiBi has no pairs: an odd head size trains
+    tiny_spec["arms"] = [{"arch": "gpt", "parameterization": "completep",
+                          "arch_options": {"position": "alibi"}}]
+    assert client.post("/sweeps", json=tiny_spec).status_code == 201
+
+
 def test_case8_tokens_and_grad_clip(client, tiny_spec):
     tiny_spec["budget"] = {"tokens": 10**30, "batch_size": 4}
     r = client.post("/sweeps", json=tiny_spec)

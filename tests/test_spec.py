@@ -536,6 +536,22 @@ def test_batch_scaling_rule():
     assert {p.trial.batch_size for p in plan_sweep(fixed)} == {4}
 
 
+@pytest.mark.parametrize("base_width", [64, 65])
+def test_batch_scaling_counts_a_base_shape_of_any_width(base_width):
+    # the base shape is only counted, never built: its width need not be a multiple of
+    # head_dim, nor even (RoPE needs even heads; an odd width is counted with ALiBi's)
+    d = with_("fixed.base_width", base_width,
+              with_("budget", {"steps": 10, "batch_size": 16, "batch_rule": "scale_with_params",
+                               "batch_exponent": 1.0}))
+    spec = load_spec(d)
+    base = param_counts(ModelConfig(width=base_width, depth=2, head_dim=1, position="alibi",
+                                    max_seq_len=128)).non_embedding
+    for p in plan_sweep(spec):
+        ratio = param_counts(ModelConfig(width=p.width, depth=p.depth, head_dim=32,
+                                         max_seq_len=128)).non_embedding / base
+        assert p.trial.batch_size == max(1, round(16 * ratio)), (p.width, p.depth)
+
+
 def test_batch_scaling_exponent_zero_and_small_batches():
     d = with_("budget", {"steps": 10, "batch_size": 1, "batch_rule": "scale_with_params",
                          "batch_exponent": -1.0})

@@ -217,7 +217,8 @@ def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
     # what the timed trials train: the first arm's architecture (its per-layer cost) and
     # each shape's batch (the batch rule)
     arm = spec.arms[0]
-    key = settings_key(spec, "cpu") | {"host": platform.node(), "cpus": os.cpu_count(),
+    key = settings_key(spec, "cpu") | {"threads": micro_threads(spec),
+                                       "host": platform.node(), "cpus": os.cpu_count(),
                                        "batch": spec.budget.batch_size,
                                        "batch_rule": spec.budget.batch_rule,
                                        "batch_exponent": spec.budget.batch_exponent,
@@ -253,6 +254,12 @@ def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
     return result
 
 
+def micro_threads(spec: SweepSpec) -> int:
+    """The torch threads a micro-run trial gets: a task's, at most this host's cores (more
+    would time their contention, not the sweep's steps, and take minutes)."""
+    return max(1, min(spec.resources.threads, os.cpu_count() or 1))
+
+
 def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, float]:
     """(seconds, steps x passes x depth, FLOPs) of one short trial of the sweep's settings
     (the first arm, the embedded corpus at the byte tokenizer)."""
@@ -264,6 +271,7 @@ def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, fl
     trial = spec.trial_spec(arm, width, depth, lr, spec.grid.sigma_bases[0], spec.grid.seeds[0])
     trial = trial.model_copy(update={
         "budget": Budget(steps=MICRO_STEPS), "device": "cpu", "eval_every": 10**6,
+        "num_threads": micro_threads(spec),
         "data": trial.data.model_copy(update={"source": "stdlib", "tokenizer": "byte",
                                               "vocab_size": None})})
     result = run_trial(trial)
@@ -271,9 +279,15 @@ def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, fl
         raise SpecError([{"field": "arms", "message": (
             f"the micro-run that prices this sweep could not train its first arm at "
             f"{width}x{depth} for {MICRO_STEPS} steps at lr {lr:g} ({result.status}: "
-            f"{(result.error or 'no error given')[:300]}); its trials would fail alike")}])
+            f"{_first_line(result.error)}); its trials would fail alike")}])
     layer_passes = result.steps * passes_per_step(trial.batch_size, trial.micro_batch_size) * depth
     return result.wall_time_s, float(layer_passes), result.flops
+
+
+def _first_line(error: str | None) -> str:
+    """A trial's error without its traceback (an API answer shows no server internals)."""
+    lines = (error or "").strip().splitlines()
+    return lines[0][:300] if lines else "no error given"
 
 
 def _described(key: dict[str, Any]) -> str:
