@@ -144,7 +144,7 @@ FIELD_BOUNDS = [
     ("grid.lrs", {"log2_min": -10.0, "log2_max": -0.01, "step": 0.01},  # 1000 LRs
      {"log2_min": -10.0, "log2_max": 0.0, "step": 0.01}, "grid.lrs"),  # 1001
     ("grid.seeds", list(range(64)), list(range(65)), "grid.seeds"),
-    ("grid.seeds", [2**32 - 1], [2**32], "grid.seeds[0]"),
+    ("grid.seeds", [2**31 - 1], [2**31], "grid.seeds[0]"),
     ("budget.batch_exponent", 4.0, 4.01, "budget.batch_exponent"),
     ("budget.batch_exponent", -4.0, -4.01, "budget.batch_exponent"),
     ("search.n_trials", 10_000, 10_001, "search.n_trials"),

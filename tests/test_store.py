@@ -154,6 +154,16 @@ def test_create_sweep_writes_sweep_and_trials(store: Store) -> None:
     assert store.get_sweep("nope") is None and store.get_trial("nope") is None
 
 
+def test_the_largest_seed_a_spec_takes_is_stored_on_every_backend(store: Store) -> None:
+    # a seed the spec accepts but PostgreSQL's INTEGER cannot hold failed the insert (a
+    # study adding seeds past it failed every dispatcher tick)
+    from hptransfer.spec.trial import MAX_SEED
+
+    items = plan(arms=("sp",), widths=(64,), depths=(1,), seeds=(0, MAX_SEED))
+    sid = new_sweep(store, items)
+    assert sorted(t.seed for t in store.trials(sid)) == [0, MAX_SEED]
+
+
 def test_records_are_frozen_snapshots_of_every_column(store: Store) -> None:
     """The records carry every column of their table, in table order (so a new column cannot
     be forgotten), are read-only, and serialise to the same keys."""

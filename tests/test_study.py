@@ -579,6 +579,47 @@ def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_hom
     store.close()
 
 
+def test_a_stage_the_database_refuses_fails_its_study_and_an_outage_does_not(
+        hpt_home, monkeypatch):
+    """A stage whose rows the database refuses for good (PostgreSQL's INTEGER and a seed
+    past it, say) failed every tick of every sweep, the study never marked; an outage (an
+    OperationalError) is the tick's to back off from and leaves the study as it was."""
+    from sqlalchemy.exc import DataError, OperationalError
+
+    store = Store(get_settings().database_url)
+    store.migrate()
+    spec = load_spec(study_dict())
+    tune = plan_sweep(spec)
+    study_id = store.create_sweep("study", spec.model_dump(mode="json"), "h1", "grid", tune,
+                                  study=initial_state(spec, len(tune)))
+    _finish_every_trial(store, study_id)
+    plain = load_spec(copy.deepcopy(TINY_SPEC))
+    plain_id = store.create_sweep("plain", plain.model_dump(mode="json"), "h2", "grid",
+                                  plan_sweep(plain))
+    real_plan_stage = store.plan_stage
+    refusal: list[Exception] = [OperationalError("INSERT", {}, Exception("server closed"))]
+
+    def refusing(sid, round_no, state, trials, stop=None):
+        if trials and refusal:  # the stage's rows; the failed study's mark has none
+            raise refusal[0]
+        return real_plan_stage(sid, round_no, state, trials, stop=stop)
+
+    monkeypatch.setattr(store, "plan_stage", refusing)
+    d, started = _dispatcher_without_ray(store, monkeypatch)
+    with pytest.raises(OperationalError):
+        d.run_once()
+    assert store.get_sweep(study_id).status != "failed"
+    refusal[0] = DataError("INSERT", {}, Exception("integer out of range"))
+    for _ in range(2):
+        d.run_once()
+    assert {t.sweep_id for t in started} == {plain_id}
+    study = store.get_sweep(study_id)
+    assert study.status == "failed"
+    assert study.error.startswith("could not store the study's next stage: DataError")
+    assert "integer out of range" in study.error
+    store.close()
+
+
 def test_a_done_study_whose_refresh_failed_completes_on_a_later_tick(hpt_home, monkeypatch):
     store = Store(get_settings().database_url)
     store.migrate()

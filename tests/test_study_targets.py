@@ -24,6 +24,7 @@ from hptransfer.coordinator.plan import plan_sweep
 from hptransfer.coordinator.study import initial_state, next_step
 from hptransfer.models.flops import training_flops
 from hptransfer.spec import SpecError, load_spec
+from hptransfer.spec.trial import MAX_SEED
 from hptransfer.store.store import Store
 
 TUNE_TARGET = {"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 40}
@@ -327,6 +328,55 @@ def test_eta_between_lrs_far_apart_gets_an_lr_in_the_gap():
                      frame_of(tune, noisy_bowl(-8.9, 0.01, 0.01)))
     assert step.trials and {p.seed for p in step.trials} >= {2}
     assert all(p.lr in d["grid"]["lrs"] and "seed(s)" in p.reason for p in step.trials)
+
+
+def test_a_gap_lr_that_diverged_is_not_added_again():
+    # the gap's LR (2^-9) diverges at every seed: it was planned again every round (only
+    # completed LRs counted as tried) until the cap was spent on the same trials
+    d = study_dict(tune={"target": {"eta_ci_log2": 0.1}, "max_extra_trials": 100})
+    d["grid"]["lrs"] = [2.0**k for k in (-12, -10, -8, -6, -4)]
+    d["grid"]["seeds"] = [0, 1]
+    spec = load_spec(d)
+    curve = noisy_bowl(-8.9, 0.01, 0.01)
+
+    def loss(p):
+        return None if math.isclose(math.log2(p.lr), -9.0) else curve(p)
+
+    steps, done = run_rounds(spec, loss, stop_at="transfer")
+    gap = [p for p in done if math.isclose(math.log2(p.lr), -9.0)]
+    assert len(gap) == 4  # once per arm and seed, in round 1
+    assert len({(p.stage, p.content_hash) for p in done}) == len(done)
+    # later rounds add seeds at the fitted LRs instead
+    assert all("seed(s)" in p.reason for s in steps[1:] for p in s.trials if p.reason)
+
+
+def test_an_unsound_fit_on_fewer_than_three_lrs_gets_no_seeds():
+    # only one LR trains (the rest diverge): no number of seeds makes a parabola of it, so
+    # the target adds nothing (it doubled the seeds until the cap was spent), and the study
+    # stops with the fit's reason
+    d = study_dict(tune={"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 1000})
+    d["grid"]["seeds"] = [0, 1]
+    spec = load_spec(d)
+    survivor = sorted(spec.grid.lr_values())[2]
+    steps, done = run_rounds(spec, lambda p: 3.0 if p.lr == survivor else None)
+    assert not [p for p in done if p.reason]
+    book = steps[-1].state["targets"]["tune"]
+    assert book["spent"] == 0 and book["final"]
+    assert book["outcome"].startswith("no trial can bring it closer")
+    assert steps[-1].kind == "stop" and "no reliable η* at the base shape" in steps[-1].reason
+
+
+@pytest.mark.parametrize("top", [MAX_SEED, MAX_SEED - 1])
+def test_added_seeds_stay_within_the_seed_bound(top):
+    # seeds added above a grid's largest one passed MAX_SEED: a ValidationError on SQLite,
+    # and past PostgreSQL's INTEGER a refused insert on every dispatcher tick
+    d = study_dict(tune={"target": {"eta_ci_log2": 0.5}, "max_extra_trials": 40})
+    d["grid"]["seeds"] = [top]
+    spec = load_spec(d)
+    steps, done = run_rounds(spec, noisy_bowl(-8.3, 0.05, 0.01), stop_at="transfer")
+    added = {p.seed for p in done if p.reason}
+    assert added and max(added) <= MAX_SEED and top not in added
+    assert added == ({0} if top == MAX_SEED else {MAX_SEED})
 
 
 def test_a_check_target_adds_trials_to_the_wider_side_of_the_shift():

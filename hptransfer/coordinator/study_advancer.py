@@ -4,6 +4,8 @@ transaction."""
 
 from __future__ import annotations
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from hptransfer.contracts.status import ACTIVE
 from hptransfer.spec import SweepSpec
 from hptransfer.store.store import SweepRecord
@@ -40,8 +42,16 @@ class StudyAdvancer:
                               f"{type(exc).__name__}: {exc}")
             return True
         stop = ("stopped", step.reason) if step.kind == "stop" else None
-        if not store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
-                                step.trials, stop=stop):
+        try:
+            planned = store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
+                                       step.trials, stop=stop)
+        except (OperationalError, InterfaceError):
+            raise  # the database away: the tick backs off and this is tried again
+        except Exception as exc:  # a stage the database refuses: every tick would refuse it
+            self._fail(sweep, f"could not store the study's next stage: "
+                              f"{type(exc).__name__}: {str(exc)[:1000]}")
+            return True
+        if not planned:
             return False  # planned by someone else in the meantime: next tick sees it
         log.info("study %s: %s%s", sid, step.kind,
                  f" ({step.reason})" if step.reason else

@@ -28,6 +28,7 @@ Each added trial carries `reason`: the target, the number that missed it, what w
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +41,7 @@ from hptransfer.analysis.staged import by_budget, param_of, study_savings, trans
 from hptransfer.analysis.targets import TargetCheck, eta_check, savings_check, shift_check
 from hptransfer.contracts.status import TrialStatus
 from hptransfer.spec import SweepSpec
-from hptransfer.spec.trial import MAX_LR
+from hptransfer.spec.trial import MAX_LR, MAX_SEED
 
 from .optuna_search import fit_neighbours
 from .plan import PlannedTrial, ShapeKey, trial_at
@@ -235,6 +236,8 @@ def _refine(spec: SweepSpec, row: pd.Series, rows: pd.DataFrame, width: float, s
     done = rows[rows["status"] == TrialStatus.COMPLETED]
     fit_lrs = sorted(float(x) for x in (row["fit_lrs"] or []))
     if not bool(row["sound"]):  # two basins, a concave or clamped fit: the noise decides
+        if done["lr"].nunique() < 3:
+            return None  # a parabola needs three LRs: seeds at fewer cannot make it sound
         near = sorted(done["lr"].unique().astype(float),
                       key=lambda lr: (abs(math.log2(lr / float(row["best_lr"]))), lr))
         fit_lrs = sorted(fit_lrs or near[:5])
@@ -252,8 +255,10 @@ def _refine(spec: SweepSpec, row: pd.Series, rows: pd.DataFrame, width: float, s
         mid = round((low + high) / 2, 6)
         # LRs within an octave show a bowl's shape well enough (and a point between them
         # narrows the fitted window, so widens the CI): only a wider gap gets its middle
+        # (nor one tried before: a gap LR that diverged or failed is not tried again)
+        attempted = np.log2(rows["lr"].unique().astype(float))
         if (high - low > max(2 * width, 1.0)
-                and not np.isclose(tried, mid, atol=1e-6).any()):
+                and not np.isclose(attempted, mid, atol=1e-6).any()):
             best = done[np.isclose(done["lr"], float(row["best_lr"]))]
             seeds = sorted(set(best["seed"].astype(int))) or sorted(
                 set(done["seed"].astype(int)))
@@ -270,11 +275,21 @@ def _refine(spec: SweepSpec, row: pd.Series, rows: pd.DataFrame, width: float, s
         k = _more(n, noise / rise) if rise > 0 else n
     else:  # a curved bowl, η* between LRs close enough: the CI is noise-wide
         k = _more(n, half / width)
-    top = int(rows["seed"].max()) if len(rows) else -1
-    seeds = list(range(top + 1, top + 1 + k))
+    seeds = _new_seeds(rows["seed"], k)
     lrs = sorted(fit_lrs, key=lambda lr: (abs(math.log2(lr) - v), lr))
     return _Group(f"{what}: {check.why}: +{k} seed(s) {seeds} at its {len(lrs)} fitted LRs",
                   [at(s, lr) for s in seeds for lr in lrs])
+
+
+def _new_seeds(used: Iterable[int], k: int) -> list[int]:
+    """`k` seeds none of `used`: the next ones above the largest, or the smallest free ones
+    where those would pass MAX_SEED (a spec may start its seeds anywhere below it)."""
+    taken = {int(seed) for seed in used}
+    top = max(taken, default=-1)
+    if top + k <= MAX_SEED:
+        return list(range(top + 1, top + 1 + k))
+    free = (seed for seed in range(MAX_SEED + 1) if seed not in taken)
+    return [next(free) for _ in range(k)]
 
 
 def _seeds_for_savings(ladder: pd.DataFrame, arm: str, head: dict[str, Any]) -> int:
@@ -295,9 +310,7 @@ def _ladder_seeds(spec: SweepSpec, state: dict[str, Any], ladder: pd.DataFrame, 
     assert spec.stages is not None and spec.stages.transfer is not None
     st = spec.stages
     hps = state["hps"][arm]
-    mine = ladder[ladder["arm"] == arm]
-    top = int(mine["seed"].max()) if len(mine) else -1
-    seeds = list(range(top + 1, top + 1 + k))
+    seeds = _new_seeds(ladder[ladder["arm"] == arm]["seed"], k)
     # the transferred LR as the ladder was planned at (rounded already); past MAX_LR the
     # ladder was left out, and so are its seeds
     lr = [float(hps["lr"])] if float(hps["lr"]) <= MAX_LR else []

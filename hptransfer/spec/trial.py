@@ -47,7 +47,7 @@ MAX_WEIGHT_DECAY = 100.0
 MAX_EPS = 1.0
 MAX_GRAD_CLIP = 1e6
 MAX_DIVERGENCE_FACTOR = 1e12
-MAX_SEED = 2**32 - 1  # numpy's seed range
+MAX_SEED = 2**31 - 1  # the store's INTEGER column (signed 32 bits on PostgreSQL)
 MAX_THREADS = 1024
 MAX_PARAMETERIZATION_CHARS = 100
 
