@@ -550,9 +550,9 @@ def _finish_every_trial(store: Store, sid: str) -> None:
                            {"final_val_loss": bowl(-8)(type("P", (), {"lr": t.lr})())})
 
 
-def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_home, monkeypatch):
-    from hptransfer.coordinator import study_advancer
-
+def _a_tuned_study_and_a_plain_sweep() -> tuple[Store, str, str]:
+    """A store with a study whose tune stage has finished (its next stage due) and a plain
+    sweep created after it."""
     store = Store(get_settings().database_url)
     store.migrate()
     spec = load_spec(study_dict())
@@ -563,6 +563,13 @@ def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_hom
     plain = load_spec(copy.deepcopy(TINY_SPEC))
     plain_id = store.create_sweep("plain", plain.model_dump(mode="json"), "h2", "grid",
                                   plan_sweep(plain))
+    return store, study_id, plain_id
+
+
+def test_a_study_that_cannot_be_planned_fails_and_the_other_sweeps_go_on(hpt_home, monkeypatch):
+    from hptransfer.coordinator import study_advancer
+
+    store, study_id, plain_id = _a_tuned_study_and_a_plain_sweep()
 
     def planner_bug(*args):
         raise KeyError("hps")
@@ -586,16 +593,7 @@ def test_a_stage_the_database_refuses_fails_its_study_and_an_outage_does_not(
     OperationalError) is the tick's to back off from and leaves the study as it was."""
     from sqlalchemy.exc import DataError, OperationalError
 
-    store = Store(get_settings().database_url)
-    store.migrate()
-    spec = load_spec(study_dict())
-    tune = plan_sweep(spec)
-    study_id = store.create_sweep("study", spec.model_dump(mode="json"), "h1", "grid", tune,
-                                  study=initial_state(spec, len(tune)))
-    _finish_every_trial(store, study_id)
-    plain = load_spec(copy.deepcopy(TINY_SPEC))
-    plain_id = store.create_sweep("plain", plain.model_dump(mode="json"), "h2", "grid",
-                                  plan_sweep(plain))
+    store, study_id, plain_id = _a_tuned_study_and_a_plain_sweep()
     real_plan_stage = store.plan_stage
     refusal: list[Exception] = [OperationalError("INSERT", {}, Exception("server closed"))]
 
