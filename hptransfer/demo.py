@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hptransfer.api.server import serve_in_thread
-from hptransfer.client import Client, read_spec_file
+from hptransfer.client import ApiError, Client, read_spec_file
 from hptransfer.config import get_settings
 from hptransfer.spec import load_spec
 from hptransfer.tracking.tracking import UI_HOST, UI_PORT, ui_url
@@ -61,9 +61,9 @@ def planned_line(plan: dict[str, Any]) -> str:
             f"{t['wall_s']:.1f} s of wall time (throughput: {plan['throughput']['detail']})")
 
 
-def against_plan(seconds: float, plan: dict[str, Any]) -> str:
+def against_plan(seconds: float, plan: dict[str, Any] | None) -> str:
     """The sweep's measured wall time (submit to its end) over the plan's two figures."""
-    t = plan["total"]
+    t = plan["total"] if plan else {"wall_s": None, "wall_s_planned": None}
     if not t["wall_s"] or not t["wall_s_planned"]:
         return f"took {seconds:.1f} s from submit; the plan gave no wall time"
     return (f"took {seconds:.1f} s from submit: {seconds / t['wall_s_planned']:.2f}x the "
@@ -89,8 +89,13 @@ def run_demo(spec_path: str | None = None, out_dir: str | None = None) -> int:
     with serve_in_thread(settings) as url, Client(url, token=settings.api_token) as client:
         # priced by a micro-run measured now, so the comparison below meets the host's
         # speed of this hour (a cached calibration may come from an idler or busier one)
-        plan = client.plan(spec, calibrate=True)
-        print(planned_line(plan), flush=True)
+        try:
+            plan: dict[str, Any] | None = client.plan(spec, calibrate=True)
+        except ApiError as exc:  # the spec is valid (checked above): unpriced, it still runs
+            plan = None
+            print(f"hpt plan: not priced: {exc.message}", flush=True)
+        else:
+            print(planned_line(plan), flush=True)
         submitted = time.time()
         sweep = client.submit(spec)
         print(f"sweep {sweep['id']}: {sweep['total']} trials, running on Ray ...")

@@ -160,6 +160,17 @@ def test_demo_end_to_end(hpt_home, ray_cluster, tiny_spec, tmp_path, capsys):
     assert len(experiments) == 2, [e.name for e in experiments]
 
 
+def test_the_demo_says_when_its_sweep_was_not_priced():
+    from hptransfer.demo import against_plan
+
+    assert against_plan(12.04, None) == "took 12.0 s from submit; the plan gave no wall time"
+    no_wall = {"total": {"wall_s": None, "wall_s_planned": None}}
+    assert against_plan(3.0, no_wall) == "took 3.0 s from submit; the plan gave no wall time"
+    priced = {"total": {"wall_s": 4.0, "wall_s_planned": 2.0}}
+    assert against_plan(3.0, priced) == ("took 3.0 s from submit: 1.50x the plan's 2.0 s "
+                                         "without extension rounds, 0.75x its 4.0 s at most")
+
+
 def test_client_commands_start_without_torch():
     # `hpt status`, `fits`, `submit`... parse and talk HTTP: importing torch (~2 s) for them
     # would make every one of them slow; the model commands load it when they run
