@@ -247,8 +247,11 @@ def test_explicit_random_data(data_dir):
 def test_rejects_bad_settings():
     with pytest.raises(CoordCheckError, match="axis"):
         run_coordcheck("height", data="random")
-    with pytest.raises(CoordCheckError, match="head_dim"):
+    with pytest.raises(CoordCheckError, match=r"head_dim= a divisor of every width \(e.g. 32\)"):
         run_coordcheck("width", sizes=[96, 128], head_dim=64, data="random")
+    # no even head divides 33 and 99: RoPE cannot have the odd gcd the hint would give
+    with pytest.raises(CoordCheckError, match="RoPE needs an even head_dim"):
+        run_coordcheck("width", sizes=[33, 99], head_dim=64, data="random")
     with pytest.raises(CoordCheckError, match="head_dim"):
         run_coordcheck("depth", sizes=[2, 4], fixed=100, head_dim=64, data="random")
     with pytest.raises(CoordCheckError, match="two"):

@@ -83,6 +83,15 @@ def test_every_value_embedding_table_feeds_a_block(depth):
         build_model("gpt", 64, depth, "completep", head_dim=32, value_embeddings=tables + 1)
 
 
+def test_an_odd_head_is_built_with_alibi_and_refused_with_rope():
+    # RoPE rotates pairs of a head's dimensions: an odd head failed in the first forward
+    for arch, param in [("gpt", "sp"), ("ngpt", "ngpt")]:
+        with pytest.raises(ModelConfigError, match="head_dim must be even with position 'rope'"):
+            build_model(arch, 9, 1, param, head_dim=3)
+    m = build_model("gpt", 9, 1, "sp", head_dim=3, position="alibi").model
+    assert m(torch.randint(0, VOCAB, (1, 5))).shape[:2] == (1, 5)
+
+
 def test_causality():
     for arch, param, opts in [("gpt", "sp", {}), ("gpt", "sp", {"position": "alibi"}),
                               ("ngpt", "ngpt", {})]:

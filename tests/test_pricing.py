@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from hptransfer.api.app import create_app
 from hptransfer.config import get_settings
 from hptransfer.coordinator.admission import stage_costs
-from hptransfer.coordinator.calibration import DDP_EFFICIENCY
+from hptransfer.coordinator.calibration import DDP_EFFICIENCY, MICRO_STEPS
 from hptransfer.coordinator.packing import measured_packs, pack_gain
 from hptransfer.coordinator.plan import ShapeKey, plan_sweep, trial_at
 from hptransfer.coordinator.pricing import TASK_GAP_S, cost_message, may_exceed
@@ -203,7 +203,7 @@ def test_a_micro_run_that_cannot_train_is_a_422_naming_the_arm(client, tiny_spec
     (err,) = r.json()["errors"]
     assert err["field"] == "arms", err
     assert ("the micro-run that prices this sweep could not train its first arm at 32x1 "
-            "for 24 steps") in err["message"], err
+            f"for {MICRO_STEPS} steps") in err["message"], err
     assert "a forward that cannot run" in err["message"], err
 
 

@@ -536,19 +536,24 @@ def test_batch_scaling_rule():
     assert {p.trial.batch_size for p in plan_sweep(fixed)} == {4}
 
 
+@pytest.mark.parametrize("arch", ["gpt", "ngpt"])
 @pytest.mark.parametrize("base_width", [64, 65])
-def test_batch_scaling_counts_a_base_shape_of_any_width(base_width):
+def test_batch_scaling_counts_a_base_shape_of_any_width(base_width, arch):
     # the base shape is only counted, never built: its width need not be a multiple of
-    # head_dim, nor even (RoPE needs even heads; an odd width is counted with ALiBi's)
+    # head_dim, nor even (a model with RoPE needs even heads, a count does not)
     d = with_("fixed.base_width", base_width,
               with_("budget", {"steps": 10, "batch_size": 16, "batch_rule": "scale_with_params",
                                "batch_exponent": 1.0}))
+    d["arms"] = [{"arch": arch, "parameterization": "ngpt" if arch == "ngpt" else "sp"}]
     spec = load_spec(d)
-    base = param_counts(ModelConfig(width=base_width, depth=2, head_dim=1, position="alibi",
-                                    max_seq_len=128)).non_embedding
+
+    def count(width, depth, head_dim):
+        return param_counts(ModelConfig(arch=arch, width=width, depth=depth, head_dim=head_dim,
+                                        max_seq_len=128)).non_embedding
+
+    base = count(base_width, 2, 1)
     for p in plan_sweep(spec):
-        ratio = param_counts(ModelConfig(width=p.width, depth=p.depth, head_dim=32,
-                                         max_seq_len=128)).non_embedding / base
+        ratio = count(p.width, p.depth, 32) / base
         assert p.trial.batch_size == max(1, round(16 * ratio)), (p.width, p.depth)
 
 

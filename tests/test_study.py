@@ -592,6 +592,7 @@ def test_a_stage_the_database_refuses_fails_its_study_and_an_outage_does_not(
     past it, say) failed every tick of every sweep, the study never marked; an outage (an
     OperationalError) is the tick's to back off from and leaves the study as it was."""
     from sqlalchemy.exc import DataError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
 
     store, study_id, plain_id = _a_tuned_study_and_a_plain_sweep()
     real_plan_stage = store.plan_stage
@@ -606,6 +607,9 @@ def test_a_stage_the_database_refuses_fails_its_study_and_an_outage_does_not(
     d, started = _dispatcher_without_ray(store, monkeypatch)
     with pytest.raises(OperationalError):
         d.run_once()
+    refusal[0] = PoolTimeout("QueuePool limit reached")  # a busy pool: transient too
+    with pytest.raises(PoolTimeout):
+        d.run_once()
     assert store.get_sweep(study_id).status != "failed"
     refusal[0] = DataError("INSERT", {}, Exception("integer out of range"))
     for _ in range(2):
@@ -615,6 +619,7 @@ def test_a_stage_the_database_refuses_fails_its_study_and_an_outage_does_not(
     assert study.status == "failed"
     assert study.error.startswith("could not store the study's next stage: DataError")
     assert "integer out of range" in study.error
+    assert "[SQL:" not in study.error  # served by the API: the error, not the statement
     store.close()
 
 

@@ -74,10 +74,12 @@ def run_coordcheck(
     widths = sizes if axis == "width" else [fixed]
     bad = [w for w in widths if w % head_dim]
     if bad:
-        raise CoordCheckError(
-            f"width(s) {bad} not divisible by head_dim {head_dim}; pass head_dim= a divisor "
-            f"of every width (e.g. {math.gcd(*widths, head_dim)}) or other sizes"
-        )
+        common = math.gcd(*widths, head_dim)
+        rope = (arch_options or {}).get("position", "rope") == "rope"
+        fix = ("other sizes (RoPE needs an even head_dim, and none divides every width)"
+               if rope and common % 2 else f"head_dim= a divisor of every width (e.g. "
+               f"{common}) or other sizes")
+        raise CoordCheckError(f"width(s) {bad} not divisible by head_dim {head_dim}; pass {fix}")
 
     x, y, vocab_size, data_source = _fixed_batch(data, batch_size, seq_len, seed, data_cache_dir)
     x, y = x.to(device), y.to(device)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from hptransfer.spec import SpecError, SweepSpec
-from hptransfer.spec.trial import TrialSpec, sequences_per_pass
+from hptransfer.spec.trial import MAX_DIVERGENCE_FACTOR, TrialSpec, sequences_per_pass
 from hptransfer.workers.peaks import PEAK_BF16
 
 MIN_TRIALS = 8  # completed trials a store fit needs (3 coefficients, and some to spare)
@@ -158,7 +158,8 @@ def peak_throughput(gpu: str | None, mfu: float = DEFAULT_MFU) -> Throughput:
 
 MICRO_STEP_FLOPS = 4e9  # the largest shape a micro-run times: ~0.1-0.2 s a step on a core
 # the costliest filler it times where the sweep's own shapes are all too costly (a filler is
-# already as small as the settings allow): ~1-2 s a step, a plan of a minute or two
+# already as small as the settings allow): ~1-2 s a step on a core, so up to a few minutes
+# for the 7 timed trials (a client's 60 s wait may give up first; the next plan is cached)
 MAX_FILLER_STEP_FLOPS = 10 * MICRO_STEP_FLOPS
 
 
@@ -189,10 +190,10 @@ def micro_shapes(spec: SweepSpec) -> list[tuple[int, int]]:
     if not shapes:
         raise SpecError([{"field": "grid", "message": (
             f"no shape of this sweep can be timed on this host's CPU to price it: a step of "
-            f"each of its shapes costs more than {MICRO_STEP_FLOPS:g} FLOPs, and one of "
-            f"{h}-wide shapes at its head size more than {MAX_FILLER_STEP_FLOPS:g} or is "
-            "refused by its settings (batch rule, arm options); price it for a GPU cluster "
-            "(fixed.device: cuda) or with smaller shapes or batches")}])
+            f"each of its shapes costs more than {MICRO_STEP_FLOPS:g} FLOPs, and the small "
+            f"shapes at its head size ({h}) either cost more than {MAX_FILLER_STEP_FLOPS:g} "
+            "or are refused by its settings (batch rule, arm options); give it smaller shapes "
+            "or batches, or price it as a GPU sweep (fixed.device: cuda and resources.gpus)")}])
     return shapes
 
 
@@ -222,6 +223,8 @@ def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
                                        "batch": spec.budget.batch_size,
                                        "batch_rule": spec.budget.batch_rule,
                                        "batch_exponent": spec.budget.batch_exponent,
+                                       "base_shape": [spec.fixed.base_width,
+                                                      spec.fixed.base_depth],
                                        "micro_batch": spec.fixed.micro_batch_size,
                                        "arch": arm.arch,
                                        "arch_options": arm.arch_options.model_dump(mode="json")}
@@ -272,6 +275,9 @@ def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, fl
     trial = trial.model_copy(update={
         "budget": Budget(steps=MICRO_STEPS), "device": "cpu", "eval_every": 10**6,
         "num_threads": micro_threads(spec),
+        # a timing trial runs its steps whatever its loss does (a tight divergence_factor
+        # would stop it early, as a diverging LR would)
+        "divergence_factor": MAX_DIVERGENCE_FACTOR,
         "data": trial.data.model_copy(update={"source": "stdlib", "tokenizer": "byte",
                                               "vocab_size": None})})
     result = run_trial(trial)

@@ -5,6 +5,7 @@ transaction."""
 from __future__ import annotations
 
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from hptransfer.contracts.status import ACTIVE
 from hptransfer.spec import SweepSpec
@@ -45,11 +46,13 @@ class StudyAdvancer:
         try:
             planned = store.plan_stage(sid, int(sweep.study.get("round", 0)), step.state,
                                        step.trials, stop=stop)
-        except (OperationalError, InterfaceError):
-            raise  # the database away: the tick backs off and this is tried again
+        except (OperationalError, InterfaceError, PoolTimeout):
+            raise  # the database away or busy: the tick backs off and this is tried again
         except Exception as exc:  # a stage the database refuses: every tick would refuse it
+            # its first line: a database error goes on with the SQL and its parameters
+            said = (str(exc).strip().splitlines() or [""])[0][:1000]
             self._fail(sweep, f"could not store the study's next stage: "
-                              f"{type(exc).__name__}: {str(exc)[:1000]}")
+                              f"{type(exc).__name__}: {said}")
             return True
         if not planned:
             return False  # planned by someone else in the meantime: next tick sees it

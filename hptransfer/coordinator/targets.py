@@ -226,7 +226,8 @@ def _refine(spec: SweepSpec, row: pd.Series, rows: pd.DataFrame, width: float, s
             tokens_per_param: float | None, what: str, check: TargetCheck) -> _Group | None:
     """Trials that narrow one η* fit (`row`, fitted on `rows`): an LR in the gap η* sits in
     when the bowl is well curved and the gap is wider than 2·width, else more seeds at its
-    fitted LRs. None when the fit has no LRs to add to."""
+    fitted LRs. None when the fit has no LRs to add to, or is unsound on fewer than three
+    LRs (seeds cannot make a parabola of them)."""
     if isinstance(row["edge"], str):
         return None  # η* beyond the LRs tried: the edge extensions' job, not seeds'
     arm, w, d = str(row["arm"]), int(row["width"]), int(row["depth"])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, ModelConfigError
 from .gpt import GPT
 from .ngpt import NGPT
 from .parameterization import (
@@ -69,6 +69,9 @@ def build_model(
 def build_from_config(
     cfg: ModelConfig, p: Parameterization, seed: int = 0, device: str | torch.device = "cpu"
 ) -> BuiltModel:
+    problem = cfg.build_problem()
+    if problem:
+        raise ModelConfigError(problem)
     mult = forward_multipliers(cfg, p)  # also rejects invalid arch x parameterization pairs
     model = NGPT(cfg) if cfg.arch == "ngpt" else GPT(cfg, mult)
     table = param_table(cfg, p, (n for n, _ in model.named_parameters()))

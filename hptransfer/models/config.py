@@ -78,11 +78,6 @@ class ModelConfig:
             problems.append(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.position not in POSITIONS:
             problems.append(f"position must be one of {POSITIONS}, got {self.position!r}")
-        elif self.position == "rope" and self.head_dim % 2:
-            # RoPE rotates pairs of a head's dimensions: an odd one has a dimension left over
-            problems.append(f"head_dim must be even with position 'rope' (it rotates pairs of "
-                            f"dimensions), got {self.head_dim}; use an even head_dim or "
-                            f"position 'alibi'")
         if self.extra_embeddings < 0 or self.value_embeddings < 0:
             problems.append("extra_embeddings and value_embeddings must be >= 0")
         if self.extra_embeddings > MAX_EXTRA_EMBEDDINGS:
@@ -107,6 +102,16 @@ class ModelConfig:
                 problems.append("ngpt has no biases (bias must be false)")
         if problems:
             raise ModelConfigError("; ".join(problems))
+
+    def build_problem(self) -> str | None:
+        """Why a model of this config cannot be built, where counting its parameters still
+        can (parameter counts depend on neither the head size nor the position scheme)."""
+        if self.position == "rope" and self.head_dim % 2:
+            # RoPE rotates pairs of a head's dimensions: an odd one has a dimension left over
+            return (f"head_dim must be even with position 'rope' (it rotates pairs of "
+                    f"dimensions), got {self.head_dim}; use an even head_dim"
+                    + (" or position 'alibi'" if self.arch == "gpt" else ""))
+        return None
 
     @property
     def n_heads(self) -> int:

@@ -442,25 +442,19 @@ class SweepSpec(SpecModel):
         steps = trial.budget.steps_for(tokens_per_step, param_counts(cfg).non_embedding)
         return float(steps) * tokens_per_step * flops_per_token(cfg, trial.seq_len).training
 
-    def _non_embedding_params(self, arm: Arm, width: int, depth: int, head_dim: int,
-                              **overrides: Any) -> int:
+    def _non_embedding_params(self, arm: Arm, width: int, depth: int, head_dim: int) -> int:
         cfg = ModelConfig(
             arch=arm.arch, width=width, depth=depth, head_dim=head_dim,
             vocab_size=self.model_vocab_size(), max_seq_len=self.fixed.seq_len,
-            **(arm.arch_options.model_dump() | overrides),
+            **arm.arch_options.model_dump(),
         )
         return param_counts(cfg).non_embedding
 
     def _base_params(self, arm: Arm) -> int:
-        # Parameter counts depend on neither head_dim nor the position scheme, and the base
-        # width need not be a multiple of head_dim: count the base shape with the narrowest
-        # heads it takes (2, RoPE's pairs; 1 at an odd width, with ALiBi, which has no pairs,
-        # where the arm allows it)
-        f = self.fixed
-        if f.base_width % 2 == 0:
-            return self._non_embedding_params(arm, f.base_width, f.base_depth, 2)
-        position = "alibi" if arm.arch == "gpt" else arm.arch_options.position
-        return self._non_embedding_params(arm, f.base_width, f.base_depth, 1, position=position)
+        # Parameter counts do not depend on head_dim, and the base width need not be a
+        # multiple of it, so count the base shape with single-dimension heads (counted,
+        # never built: ModelConfig.build_problem is not asked).
+        return self._non_embedding_params(arm, self.fixed.base_width, self.fixed.base_depth, 1)
 
     def batch_size_for(self, arm: Arm, width: int, depth: int) -> int:
         """budget.batch_size, or with scale_with_params: round(bs * (P / P_base) ** exponent)."""

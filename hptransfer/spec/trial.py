@@ -196,9 +196,10 @@ class TrialSpec(BaseModel):
     @model_validator(mode="after")
     def _buildable(self) -> TrialSpec:
         # Build the config objects once so every model/parameterization error surfaces here.
-        check_pairing(self.model_config_obj(), self.parameterization_obj())
-        problem = val_window_problem(self.data.val_tokens, self.seq_len)
-        if problem:  # else the trial would fail at its first evaluation, after training
+        cfg = self.model_config_obj()
+        check_pairing(cfg, self.parameterization_obj())
+        problem = cfg.build_problem() or val_window_problem(self.data.val_tokens, self.seq_len)
+        if problem:  # else the trial would fail in its first forward or evaluation
             raise ValueError(problem)
         return self
 
