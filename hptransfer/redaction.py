@@ -104,6 +104,13 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+def first_line(text: str | None) -> str:
+    """An error text's first line (without the traceback or the SQL that follows it),
+    credentials masked: what a response or a stored error may show of it."""
+    lines = (text or "").strip().splitlines()
+    return (redact(lines[0]) or "") if lines else ""
+
+
 def _redacted_arg(arg: object) -> object:
     """The argument itself unless its text holds a secret (an int stays an int for %d)."""
     text = str(arg)

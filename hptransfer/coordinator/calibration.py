@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from hptransfer.redaction import first_line
 from hptransfer.spec import SpecError, SweepSpec
 from hptransfer.spec.trial import MAX_DIVERGENCE_FACTOR, TrialSpec, sequences_per_pass
 from hptransfer.workers.peaks import PEAK_BF16
@@ -198,17 +199,17 @@ def micro_shapes(spec: SweepSpec) -> list[tuple[int, int]]:
 
 
 def _step_flops(spec: SweepSpec, width: int, depth: int) -> float | None:
-    """Training FLOPs of one optimizer step of the sweep's first arm at width x depth, or
-    None where its settings refuse that shape (its trial spec does not validate)."""
-    from hptransfer.models.flops import flops_per_token
+    """Training FLOPs of one optimizer step of the sweep's first arm at width x depth (the
+    sweep's own count, `SweepSpec.trial_flops`, of a one-step trial), or None where its
+    settings refuse that shape (its trial spec does not validate)."""
+    from hptransfer.spec.trial import Budget
 
     try:
         trial = spec.trial_spec(spec.arms[0], width, depth, spec.grid.lr_values()[0],
                                 spec.grid.sigma_bases[0], spec.grid.seeds[0])
     except ValueError:  # pydantic's ValidationError: e.g. a batch rule's batch out of bounds
         return None
-    cfg = trial.model_config_obj(vocab_size=spec.model_vocab_size())
-    return flops_per_token(cfg, trial.seq_len).training * trial.batch_size * trial.seq_len
+    return spec.trial_flops(trial.model_copy(update={"budget": Budget(steps=1)}))
 
 
 def micro_run(spec: SweepSpec, home: Path, refresh: bool = False) -> Throughput:
@@ -285,15 +286,10 @@ def _time_one(spec: SweepSpec, width: int, depth: int) -> tuple[float, float, fl
         raise SpecError([{"field": "arms", "message": (
             f"the micro-run that prices this sweep could not train its first arm at "
             f"{width}x{depth} for {MICRO_STEPS} steps at lr {lr:g} ({result.status}: "
-            f"{_first_line(result.error)}); its trials would fail alike")}])
+            f"{first_line(result.error)[:300] or 'no error given'}); its trials would fail "
+            "alike")}])
     layer_passes = result.steps * passes_per_step(trial.batch_size, trial.micro_batch_size) * depth
     return result.wall_time_s, float(layer_passes), result.flops
-
-
-def _first_line(error: str | None) -> str:
-    """A trial's error without its traceback (an API answer shows no server internals)."""
-    lines = (error or "").strip().splitlines()
-    return lines[0][:300] if lines else "no error given"
 
 
 def _described(key: dict[str, Any]) -> str:

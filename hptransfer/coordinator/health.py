@@ -27,7 +27,7 @@ from hptransfer.config import (
     ray_required_resources,
 )
 from hptransfer.contracts.status import HealthState
-from hptransfer.redaction import mask_url, redact, remember_url_secrets
+from hptransfer.redaction import first_line, mask_url, remember_url_secrets
 from hptransfer.store.engine import current_revision, make_engine, packaged_head, probe_write
 from hptransfer.tracking.params import (
     file_store_path,
@@ -64,8 +64,7 @@ class Check:
 
 def _short(exc: BaseException) -> str:
     """The exception's first line, credentials masked (httpx quotes the URL it called)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return (redact(f"{type(exc).__name__}: {text}") or "")[:300]
+    return f"{type(exc).__name__}: {first_line(str(exc))}"[:300]
 
 
 # ------------------------------------------------------------------------------ databases

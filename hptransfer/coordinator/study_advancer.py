@@ -8,6 +8,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from hptransfer.contracts.status import ACTIVE
+from hptransfer.redaction import first_line
 from hptransfer.spec import SweepSpec
 from hptransfer.store.store import SweepRecord
 
@@ -50,9 +51,8 @@ class StudyAdvancer:
             raise  # the database away or busy: the tick backs off and this is tried again
         except Exception as exc:  # a stage the database refuses: every tick would refuse it
             # its first line: a database error goes on with the SQL and its parameters
-            said = (str(exc).strip().splitlines() or [""])[0][:1000]
             self._fail(sweep, f"could not store the study's next stage: "
-                              f"{type(exc).__name__}: {said}")
+                              f"{type(exc).__name__}: {first_line(str(exc))[:1000]}")
             return True
         if not planned:
             return False  # planned by someone else in the meantime: next tick sees it
